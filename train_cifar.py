@@ -1,0 +1,337 @@
+"""Train ResNet-18 on CIFAR-10 with HuggingFace Accelerate: one laptop CPU to many GPU nodes, same file.
+
+    python train_cifar.py --data-dir ../shared/data/cifar10                              # 1 process
+    accelerate launch --config_file accelerate_configs/cpu.yaml  train_cifar.py          # 2 gloo ranks, 1 CPU box
+    accelerate launch --config_file accelerate_configs/1gpu.yaml train_cifar.py          # 1 GPU
+    accelerate launch --multi_gpu --num_processes 8 --mixed_precision bf16 train_cifar.py  # 8 GPUs, DDP
+    # 2 nodes x 8 GPUs: run on each node, with --machine_rank 0 on the head and 1 on the other:
+    accelerate launch --multi_gpu --num_machines 2 --num_processes 16 --machine_rank 0 \
+        --main_process_ip HEAD_IP --main_process_port 29500 train_cifar.py
+
+The launcher (YAML or flags) decides processes, machines and mixed precision; this script never
+overrides them. Everything else is in `Config` below: each field is a flag (`lr` -> `--lr`), printed at
+start, sent to the tracker and written to summary.json. Read top to bottom: config, model, data,
+schedule, evaluation, training loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import netrc
+import os
+import sys
+import tempfile
+import time
+import typing
+from dataclasses import asdict, dataclass, field, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torchvision
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, set_seed
+from tqdm.auto import tqdm
+
+from utils import UserError
+from utils.data import CLASSES, BatchTransform, load_cifar10, make_loader
+
+REFERENCE_BATCH = 128  # --scale-lr: lr is given for this global batch and scaled linearly from it
+
+
+def opt(default, help: str, choices: tuple | None = None):
+    """A Config field with its help text (and allowed values) for the generated command line."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+# ====================================================================================================
+# Config: every hyperparameter and path, in one place
+# ====================================================================================================
+@dataclass
+class Config:
+    # --- data ---
+    data_dir: str | None = opt(None, "folder with train-*.parquet / test-*.parquet (Hub layout); unset: download uoft-cs/cifar10")
+    cache_dir: str | None = opt(None, "decoded-tensor cache; unset: <data-dir>/.decoded if writable, else ~/.cache/accelerate-cifar")
+    train_subset: int | None = opt(None, "train on the first N training images only")
+    eval_subset: int | None = opt(None, "evaluate on the first N test images only")
+    augment: str = opt("standard", "standard: random crop (4 px zero padding) + horizontal flip; none", ("standard", "none"))
+    output_dir: str = opt("runs/cifar10", "summary.json, model.safetensors and tracker files go here")
+    # --- model ---
+    model: str = opt("resnet18", "resnet18: CIFAR stem (3x3 stride-1 conv, no max-pool); resnet18_imagenet: torchvision's as-is", ("resnet18", "resnet18_imagenet"))
+    channels_last: bool = opt(False, "NHWC memory format (faster convolutions with bf16 on GPUs and recent CPUs)")
+    compile: bool = opt(False, "torch.compile the model (through Accelerate's dynamo backend 'inductor')")
+    sync_bn: bool = opt(False, "convert BatchNorm to SyncBatchNorm (CUDA only): batch statistics over all ranks")
+    # --- optimisation ---
+    epochs: int = opt(30, "passes over the training set")
+    batch_size: int = opt(128, "images per process per micro-step; global batch = batch_size x processes x grad_accum")
+    lr: float = opt(0.1, "peak learning rate, reached after warmup")
+    scale_lr: bool = opt(False, f"linear scaling rule: lr x global_batch / {REFERENCE_BATCH}")
+    optimizer: str = opt("sgd", "sgd (momentum 0.9, Nesterov) or adamw", ("sgd", "adamw"))
+    weight_decay: float = opt(5e-4, "L2 penalty (SGD) / decoupled weight decay (AdamW), on all parameters")
+    label_smoothing: float = opt(0.0, "cross-entropy label smoothing, in [0, 1)")
+    warmup_epochs: float = opt(1.0, "linear warmup from 0 to lr, then cosine decay to 0")
+    grad_accum: int = opt(1, "micro-steps per optimizer step (no gradient all-reduce on the others)")
+    grad_clip: float = opt(5.0, "clip the global gradient norm to this; 0: no clipping")
+    max_steps: int | None = opt(None, "stop after this many optimizer steps (the schedule is planned for them)")
+    seed: int = opt(0, "seeds the weights (same on every rank), data order and augmentation")
+    # --- logging ---
+    tracker: str = opt("wandb", "experiment tracker; W&B goes offline by itself without credentials", ("wandb", "none"))
+    project: str = opt("cifar10-accelerate", "tracker project name")
+    log_every: int = opt(50, "optimizer steps between train/loss logs")
+
+    def validate(self) -> None:
+        positive = ["epochs", "batch_size", "lr", "grad_accum", "log_every", "train_subset", "eval_subset", "max_steps"]
+        for name in positive:
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise UserError(f"--{name.replace('_', '-')} must be positive (got {value}).")
+        for name in ["weight_decay", "warmup_epochs", "grad_clip"]:
+            if getattr(self, name) < 0:
+                raise UserError(f"--{name.replace('_', '-')} must not be negative (got {getattr(self, name)}).")
+        if not 0 <= self.label_smoothing < 1:
+            raise UserError(f"--label-smoothing must be in [0, 1) (got {self.label_smoothing}).")
+
+
+def parse_config(argv: list[str] | None = None) -> Config:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    hints = typing.get_type_hints(Config)
+    for f in fields(Config):
+        flag, kind = "--" + f.name.replace("_", "-"), hints[f.name]
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
+        else:
+            kind = next(t for t in typing.get_args(kind) or (kind,) if t is not type(None))  # X | None -> X
+            parser.add_argument(flag, type=kind, default=f.default, choices=f.metadata["choices"],
+                                help=f"{f.metadata['help']} (default: {f.default})")
+    cfg = Config(**vars(parser.parse_args(argv)))
+    cfg.validate()
+    return cfg
+
+
+# ====================================================================================================
+# Model and optimizer
+# ====================================================================================================
+def build_model(name: str, num_classes: int = len(CLASSES)) -> nn.Module:
+    """torchvision's ResNet-18; 'resnet18' swaps the ImageNet stem (7x7 stride-2 conv + max-pool, which
+    shrinks 32x32 inputs to 8x8 before the first block) for a 3x3 stride-1 conv."""
+    model = torchvision.models.resnet18(num_classes=num_classes)
+    if name == "resnet18":
+        model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+        nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")  # as torchvision does
+        model.maxpool = nn.Identity()
+    return model
+
+
+def build_optimizer(cfg: Config, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
+
+
+def warmup_cosine(warmup_steps: int, total_steps: int):
+    """LR multiplier at optimizer step k: linear 0 -> 1 over warmup_steps, then cosine 1 -> 0 at total_steps."""
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return factor
+
+
+# ====================================================================================================
+# Evaluation: every rank evaluates its shard; gather_for_metrics drops the padding Accelerate adds
+# to make shards even, so each test image counts exactly once
+# ====================================================================================================
+@torch.no_grad()
+def evaluate(model, loader, transform: BatchTransform, accelerator: Accelerator) -> dict:
+    model.eval()
+    dev = accelerator.device
+    loss_sum, top1, top5 = (torch.zeros((), device=dev, dtype=torch.float64) for _ in range(3))
+    class_hits, class_total = (torch.zeros(len(CLASSES), device=dev, dtype=torch.long) for _ in range(2))
+    for images, labels in loader:
+        logits = model(transform(images, train=False))
+        logits, labels = accelerator.gather_for_metrics((logits.float(), labels))
+        loss_sum += F.cross_entropy(logits, labels, reduction="sum")
+        best5 = logits.topk(5, dim=1).indices
+        hit = best5[:, 0] == labels
+        top1 += hit.sum()
+        top5 += (best5 == labels[:, None]).any(dim=1).sum()
+        class_hits += torch.bincount(labels[hit], minlength=len(CLASSES))
+        class_total += torch.bincount(labels, minlength=len(CLASSES))
+    n = int(class_total.sum())
+    per_class = (100.0 * class_hits / class_total.clamp(min=1)).tolist()
+    return {"loss": loss_sum.item() / n, "top1": 100.0 * top1.item() / n, "top5": 100.0 * top5.item() / n,
+            "examples": n, "class_top1": dict(zip(CLASSES, per_class))}
+
+
+# ====================================================================================================
+# Helpers for the run's surroundings
+# ====================================================================================================
+def check_output_dir(path: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as e:
+        raise UserError(f"--output-dir {path} cannot be written ({e.strerror or e}).") from None
+
+
+def wandb_offline_without_credentials() -> None:
+    """W&B would stop and ask for a key; with none configured, log offline instead (`wandb sync` later)."""
+    if os.environ.get("WANDB_MODE") or os.environ.get("WANDB_API_KEY"):
+        return
+    host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").split("://")[-1].split("/")[0]
+    try:
+        if netrc.netrc().authenticators(host):
+            return
+    except (OSError, netrc.NetrcParseError):
+        pass
+    os.environ["WANDB_MODE"] = "offline"
+    print("wandb: no credentials found; logging offline (upload later with `wandb sync`)", file=sys.stderr)
+
+
+def take_prefix(pair, n: int | None, flag: str):
+    images, labels = pair
+    if n is not None and n > len(labels):
+        raise UserError(f"{flag} {n} is larger than the split ({len(labels)} images).")
+    return (images[:n], labels[:n]) if n is not None else pair
+
+
+# ====================================================================================================
+# Training
+# ====================================================================================================
+def main(cfg: Config) -> dict:
+    started = time.time()
+    check_output_dir(cfg.output_dir)
+    if cfg.tracker == "wandb":
+        wandb_offline_without_credentials()
+    accelerator = Accelerator(
+        cpu=not torch.cuda.is_available(),  # without it, N launched CPU processes each train alone (no gloo group)
+        gradient_accumulation_steps=cfg.grad_accum,
+        log_with=None if cfg.tracker == "none" else cfg.tracker,
+        project_dir=cfg.output_dir,
+        dynamo_backend="inductor" if cfg.compile else None,  # None: whatever the launcher configured
+        # Seedable sampler: the shuffle depends on the seed and epoch only, not on the world size.
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=True),
+    )  # no mixed_precision argument on purpose: the launcher's choice must win
+    world = accelerator.num_processes
+    if cfg.sync_bn and accelerator.device.type != "cuda":
+        raise UserError("--sync-bn needs CUDA GPUs: torch's SyncBatchNorm does not run on CPU.")
+    global_batch = cfg.batch_size * world * cfg.grad_accum
+    lr = cfg.lr * global_batch / REFERENCE_BATCH if cfg.scale_lr else cfg.lr
+    accelerator.print(f"config: {json.dumps(asdict(cfg))}")
+    accelerator.print(f"{world} process(es), {accelerator.distributed_type.value}, mixed precision "
+                      f"{accelerator.mixed_precision}, device {accelerator.device}; global batch {global_batch}, lr {lr:g}")
+
+    # --- data: whole splits as uint8 tensors; Accelerate shards, shuffles per epoch and moves to device ---
+    data = load_cifar10(cfg.data_dir, cfg.cache_dir, accelerator)
+    train_images, train_labels = take_prefix(data["train"], cfg.train_subset, "--train-subset")
+    eval_images, eval_labels = take_prefix(data["test"], cfg.eval_subset, "--eval-subset")
+    if len(train_labels) < global_batch // cfg.grad_accum:
+        raise UserError(f"{len(train_labels)} training images do not fill one batch of {cfg.batch_size} "
+                        f"on each of {world} processes.")
+    train_loader = make_loader(train_images, train_labels, cfg.batch_size, train=True)
+    eval_loader = make_loader(eval_images, eval_labels, cfg.batch_size, train=False)
+
+    # --- model: same seed on every rank -> same initial weights (DDP also broadcasts rank 0's) ---
+    set_seed(cfg.seed)
+    model = build_model(cfg.model)
+    if cfg.sync_bn:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if cfg.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    optimizer = build_optimizer(cfg, model, lr)
+    model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+    # Augmentation stream differs per rank (different images must get different crops), fixed by the seed.
+    transform = BatchTransform(accelerator.device, cfg.seed * 1000 + accelerator.process_index,
+                               augment=cfg.augment == "standard", channels_last=cfg.channels_last)
+
+    # --- schedule, counted in optimizer steps. Not passed to prepare(): Accelerate's prepared scheduler
+    # steps num_processes times per optimizer step, which would end the schedule world-size times early.
+    steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum)
+    total_steps = cfg.epochs * steps_per_epoch if cfg.max_steps is None else min(cfg.max_steps, cfg.epochs * steps_per_epoch)
+    warmup_steps = min(round(cfg.warmup_epochs * steps_per_epoch), total_steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, warmup_cosine(warmup_steps, total_steps))
+
+    run_info = {"world_size": world, "distributed_type": accelerator.distributed_type.value,
+                "mixed_precision": accelerator.mixed_precision, "global_batch": global_batch, "effective_lr": lr,
+                "versions": {"torch": torch.__version__, "torchvision": torchvision.__version__,
+                             "accelerate": sys.modules["accelerate"].__version__}}
+    accelerator.init_trackers(cfg.project, config={**asdict(cfg), **run_info},
+                              init_kwargs={"wandb": {"dir": cfg.output_dir}})
+
+    global_step, images_seen, train_seconds, best_top1, epochs_completed = 0, 0, 0.0, 0.0, 0
+    metrics, train_loss = None, float("nan")
+    for epoch in range(cfg.epochs):
+        model.train()
+        train_loader.set_epoch(epoch)  # new shuffle each epoch, same on every rank
+        bar = tqdm(total=len(train_loader), desc=f"epoch {epoch + 1}/{cfg.epochs}", leave=False,
+                   disable=None if accelerator.is_local_main_process else True)  # None: off when not a terminal
+        loss_sum = torch.zeros((), device=accelerator.device)  # summed on device: no sync per step
+        window_sum, window_batches, epoch_batches, epoch_start = loss_sum.clone(), 0, 0, time.time()
+        for images, labels in train_loader:
+            with accelerator.accumulate(model):  # skips the all-reduce on non-final micro-steps
+                loss = F.cross_entropy(model(transform(images, train=True)), labels, label_smoothing=cfg.label_smoothing)
+                accelerator.backward(loss)  # divides by grad_accum
+                if accelerator.sync_gradients and cfg.grad_clip > 0:
+                    accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                optimizer.step()  # the prepared optimizer only steps on the final micro-step
+                optimizer.zero_grad(set_to_none=True)
+            loss_sum += loss.detach()
+            window_sum += loss.detach()
+            epoch_batches, window_batches = epoch_batches + 1, window_batches + 1
+            bar.update()
+            if not accelerator.sync_gradients:
+                continue
+            if not optimizer.step_was_skipped:  # fp16 overflow steps leave the schedule where it was
+                scheduler.step()
+            global_step += 1
+            if global_step % cfg.log_every == 0:
+                window = accelerator.reduce(window_sum / window_batches, reduction="mean").item()
+                accelerator.log({"train/loss": window, "train/lr": scheduler.get_last_lr()[0], "epoch": epoch}, step=global_step)
+                bar.set_postfix(loss=f"{window:.3f}")
+                window_sum.zero_()
+                window_batches = 0
+            if global_step >= total_steps:
+                break
+        train_loss = accelerator.reduce(loss_sum / max(1, epoch_batches), reduction="mean").item()  # syncs
+        epoch_seconds = time.time() - epoch_start
+        bar.close()
+        epoch_images = epoch_batches * cfg.batch_size * world
+        images_seen, train_seconds = images_seen + epoch_images, train_seconds + epoch_seconds
+        epochs_completed = epoch + 1
+
+        metrics = evaluate(model, eval_loader, transform, accelerator)
+        best_top1 = max(best_top1, metrics["top1"])
+        accelerator.print(f"epoch {epoch + 1}/{cfg.epochs}  train_loss {train_loss:.4f}  eval_top1 {metrics['top1']:.2f}%  "
+                          f"{epoch_images / epoch_seconds:,.0f} img/s  {epoch_seconds:.1f} s")
+        accelerator.log({"train/epoch_loss": train_loss, "train/images_per_sec": epoch_images / epoch_seconds,
+                         **{f"eval/{k}": v for k, v in metrics.items() if k != "class_top1"},
+                         **{f"eval/top1_{c}": v for c, v in metrics["class_top1"].items()}, "epoch": epoch + 1},
+                        step=global_step)
+        if global_step >= total_steps:
+            break
+
+    # --- outputs: written once, by the main process; weights unwrapped (no 'module.' prefix) ---
+    accelerator.wait_for_everyone()
+    accelerator.save_model(model, cfg.output_dir)  # model.safetensors
+    summary = {**run_info, "model": cfg.model, "wrapper": type(model).__name__, "epochs_completed": epochs_completed,
+               "global_step": global_step, "train_images_seen": images_seen,
+               "train_images_per_sec": images_seen / max(train_seconds, 1e-9), "train_loss": train_loss,
+               "eval_examples": metrics["examples"], "eval_top1": metrics["top1"], "eval_top5": metrics["top5"],
+               "eval_loss": metrics["loss"], "eval_class_top1": metrics["class_top1"], "best_eval_top1": best_top1,
+               "wall_seconds": time.time() - started, "config": asdict(cfg)}
+    if accelerator.is_main_process:
+        with open(os.path.join(cfg.output_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+    accelerator.end_training()
+    return summary
+
+
+if __name__ == "__main__":
+    try:
+        main(parse_config())
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
