@@ -332,6 +332,7 @@ def main(cfg: Config) -> dict:
 if __name__ == "__main__":
     try:
         main(parse_config())
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except UserError as e:  # every process raises it; one line is enough
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from accelerate.utils import gather_object
 
 from utils import UserError
 
@@ -180,24 +181,37 @@ def _write_cache(path: Path, data: dict[str, tuple[torch.Tensor, torch.Tensor]])
 def load_cifar10(data_dir: str | None, cache_dir: str | None, accelerator) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """{'train': (images, labels), 'test': (images, labels)} for the whole splits, on the CPU.
 
-    The local main process of each machine decodes and writes the cache; the other processes wait, then read it.
+    The local main process of each machine decodes and writes the cache while the others wait, then
+    they read it. An input error found there is raised on every process, so all exit with its message
+    (instead of the others dying in a barrier with a traceback).
     """
-    with accelerator.local_main_process_first():
-        if data_dir is not None:
-            files = find_parquet_files(data_dir)
-            key, dsd = _fingerprint([p for ps in files.values() for p in ps]), None
-        else:
-            dsd = _read_hub()  # the Hub client's own cache makes this cheap after the first download
-            key = _fingerprint([f["filename"] for s in SPLITS for f in dsd[s].cache_files])
-        cache = Path(cache_dir) if cache_dir else default_cache_dir(data_dir)
-        path = cache / f"cifar10-{key}.safetensors"
-        data = _read_cache(path) if path.exists() else None
-        if data is None:
-            accelerator.print(f"decoding CIFAR-10 once into uint8 tensors; cache: {path}")
-            dsd = dsd if dsd is not None else _read_local(files)
-            data = {s: decode_split(dsd[s], s) for s in SPLITS}
-            if accelerator.is_local_main_process:
-                _write_cache(path, data)
+    data = error = None
+    if accelerator.is_local_main_process:
+        try:
+            data = _load(data_dir, cache_dir, accelerator.print, write_cache=True)
+        except UserError as e:
+            error = str(e)
+    errors = [e for e in gather_object([error]) if e]  # also the barrier the other processes wait at
+    if errors:
+        raise UserError(errors[0])
+    return data if data is not None else _load(data_dir, cache_dir, accelerator.print, write_cache=False)
+
+
+def _load(data_dir, cache_dir, log, write_cache: bool):
+    if data_dir is not None:
+        files = find_parquet_files(data_dir)
+        key, dsd = _fingerprint([p for ps in files.values() for p in ps]), None
+    else:
+        dsd = _read_hub()  # the Hub client's own cache makes this cheap after the first download
+        key = _fingerprint([f["filename"] for s in SPLITS for f in dsd[s].cache_files])
+    path = (Path(cache_dir) if cache_dir else default_cache_dir(data_dir)) / f"cifar10-{key}.safetensors"
+    data = _read_cache(path) if path.exists() else None
+    if data is None:
+        log(f"decoding CIFAR-10 once into uint8 tensors; cache: {path}")
+        dsd = dsd if dsd is not None else _read_local(files)
+        data = {s: decode_split(dsd[s], s) for s in SPLITS}
+        if write_cache:
+            _write_cache(path, data)
     return data
 
 

@@ -1,0 +1,81 @@
+"""Shared test helpers: where the data is, tiny parquet files, and running train_cifar.py for real."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_CIFAR = REPO.parent / "shared" / "data" / "cifar10"
+CPU_YAML = REPO / "accelerate_configs" / "cpu.yaml"
+
+
+def write_parquet(path: Path, n: int, seed: int = 0, size=(32, 32), mode: str = "RGB", labels=None, fmt="PNG") -> Path:
+    """A parquet file with the schema of uoft-cs/cifar10 (img {bytes, path}, label). Images are a
+    class-coloured square on noise, so a model can learn them: class k has its own colour and place."""
+    import datasets
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, 10, n) if labels is None else np.asarray(labels)
+    images = []
+    for label in labels:
+        arr = rng.integers(0, 80, (size[1], size[0], 3), dtype=np.uint8)
+        k = int(label) % 10
+        arr[(k % 5) * 5:(k % 5) * 5 + 12, (k // 5) * 14:(k // 5) * 14 + 12] = (k * 25, 255 - k * 25, 128 + k * 12)
+        im = Image.fromarray(arr).convert(mode)
+        buf = io.BytesIO()
+        im.save(buf, format=fmt)
+        images.append({"bytes": buf.getvalue(), "path": None})
+    features = datasets.Features({"img": datasets.Image(), "label": datasets.Value("int64")})
+    datasets.Dataset.from_dict({"img": images, "label": labels.tolist()}, features=features).to_parquet(str(path))
+    return path
+
+
+def write_cifar_dir(root: Path, n_train: int = 256, n_test: int = 64, **kwargs) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    write_parquet(root / "train-00000-of-00001.parquet", n_train, seed=1, **kwargs)
+    write_parquet(root / "test-00000-of-00001.parquet", n_test, seed=2, **kwargs)
+    return root
+
+
+@pytest.fixture(scope="session")
+def cifar_dir(tmp_path_factory) -> Path:
+    """The real CIFAR-10 copy beside the checkout (CI has it), else generated learnable stand-ins."""
+    if (SHARED_CIFAR / "train-00000-of-00001.parquet").exists():
+        return SHARED_CIFAR
+    return write_cifar_dir(tmp_path_factory.mktemp("cifar"), n_train=8192, n_test=2000)
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    """One decoded-tensor cache for the whole session: the first run decodes, the rest load."""
+    return tmp_path_factory.mktemp("decoded")
+
+
+def script_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "WANDB_"))}
+    env.update({"WANDB_MODE": "offline", "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1", "HF_DATASETS_OFFLINE": "1"})
+    env.update(extra)
+    return env
+
+
+def run_train(args: list[str], launch: list[str] | None = None, env: dict | None = None, timeout: int = 600):
+    """train_cifar.py in fresh processes: plain `python`, or `accelerate launch <launch>` with a free port."""
+    if launch is None:
+        cmd = [sys.executable, str(REPO / "train_cifar.py"), *args]
+    else:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch, "--main_process_port", "0",
+               str(REPO / "train_cifar.py"), *args]
+    return subprocess.run(cmd, cwd=REPO, env=env or script_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def read_summary(output_dir: Path) -> dict:
+    return json.loads((Path(output_dir) / "summary.json").read_text())

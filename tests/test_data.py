@@ -1,0 +1,139 @@
+"""The data path in one process: decoding, the cache, the batched dataset and on-device augmentation."""
+
+from __future__ import annotations
+
+import io
+import os
+
+import numpy as np
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration
+from conftest import write_cifar_dir
+from PIL import Image
+
+from utils import data as cdata
+from utils.data import BatchTransform, default_cache_dir, load_cifar10, make_loader
+
+
+@pytest.fixture(scope="module")
+def accelerator():
+    return Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+
+
+def test_decoded_tensors_equal_pil_decoding_of_the_parquet_rows(cifar_dir, cache_dir, accelerator):
+    import pyarrow.parquet as pq
+
+    data = load_cifar10(str(cifar_dir), str(cache_dir), accelerator)
+    train_file = sorted(cifar_dir.glob("train-*.parquet"))[0]
+    table = pq.read_table(train_file).slice(0, 50)
+    images, labels = data["train"]
+    assert images.dtype == torch.uint8 and images.shape[1:] == (3, 32, 32)
+    assert len(images) == pq.read_metadata(train_file).num_rows
+    for i, row in enumerate(table.to_pylist()):
+        expected = np.array(Image.open(io.BytesIO(row["img"]["bytes"]))).transpose(2, 0, 1)
+        assert torch.equal(images[i], torch.from_numpy(expected))
+        assert labels[i].item() == row["label"]
+
+
+def test_second_load_reads_the_cache_and_a_changed_source_is_decoded_again(tmp_path, accelerator, monkeypatch):
+    src = write_cifar_dir(tmp_path / "src", n_train=40, n_test=12)
+    cache = tmp_path / "cache"
+    first = load_cifar10(str(src), str(cache), accelerator)
+    assert len(list(cache.glob("cifar10-*.safetensors"))) == 1
+
+    calls = []
+    real_decode = cdata.decode_split
+    monkeypatch.setattr(cdata, "decode_split", lambda ds, split: calls.append(split) or real_decode(ds, split))
+    second = load_cifar10(str(src), str(cache), accelerator)
+    assert calls == []  # served from the cache
+    assert all(torch.equal(a, b) for s in ("train", "test") for a, b in zip(first[s], second[s]))
+
+    write_cifar_dir(src, n_train=48, n_test=12)  # replace the source files
+    third = load_cifar10(str(src), str(cache), accelerator)
+    assert calls == ["train", "test"]
+    assert len(third["train"][1]) == 48
+    assert len(list(cache.glob("cifar10-*.safetensors"))) == 2
+
+
+def test_truncated_cache_is_ignored_and_rewritten(tmp_path, accelerator):
+    src = write_cifar_dir(tmp_path / "src", n_train=20, n_test=10)
+    cache = tmp_path / "cache"
+    good = load_cifar10(str(src), str(cache), accelerator)
+    (path,) = cache.glob("cifar10-*.safetensors")
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.warns(UserWarning, match="unreadable cache"):
+        again = load_cifar10(str(src), str(cache), accelerator)
+    assert torch.equal(again["train"][0], good["train"][0])
+    assert path.stat().st_size > 100
+
+
+def test_cache_goes_next_to_the_data_when_writable_else_to_the_user_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    writable = tmp_path / "data"
+    writable.mkdir()
+    assert default_cache_dir(str(writable)) == writable / ".decoded"
+    blocked = tmp_path / "blocked"
+    blocked.mkdir()
+    (blocked / ".decoded").write_text("a file where the cache folder would go")  # root ignores chmod
+    assert default_cache_dir(str(blocked)) == tmp_path / "xdg" / "accelerate-cifar"
+    assert default_cache_dir(None) == tmp_path / "xdg" / "accelerate-cifar"
+
+
+def test_prepared_loader_yields_whole_uint8_batches_covering_the_epoch(accelerator):
+    images = torch.arange(103, dtype=torch.uint8).view(-1, 1, 1, 1).expand(-1, 3, 32, 32).contiguous()
+    labels = torch.arange(103) % 10
+    train = accelerator.prepare(make_loader(images, labels, batch_size=10, train=True))
+    seen = []
+    for epoch in range(2):
+        train.set_epoch(epoch)
+        batches = list(train)
+        assert len(batches) == 10 and all(x.shape == (10, 3, 32, 32) and x.dtype == torch.uint8 for x, _ in batches)
+        order = torch.cat([x[:, 0, 0, 0] for x, _ in batches]).tolist()
+        assert all(torch.equal(y, x[:, 0, 0, 0].long() % 10) for x, y in batches)  # labels stay with images
+        assert len(set(order)) == 100  # no repeats; the last 3 of 103 are dropped (drop_last)
+        seen.append(order)
+    assert seen[0] != seen[1]  # reshuffled per epoch
+    evaluation = accelerator.prepare(make_loader(images, labels, batch_size=10, train=False))
+    assert torch.cat([x[:, 0, 0, 0] for x, _ in evaluation]).tolist() == list(range(103))
+
+
+def _all_crops(image: torch.Tensor, pad: int = 4) -> list[torch.Tensor]:
+    padded = torch.nn.functional.pad(image, (pad, pad, pad, pad))
+    crops = [padded[:, y:y + 32, x:x + 32] for y in range(2 * pad + 1) for x in range(2 * pad + 1)]
+    return crops + [c.flip(-1) for c in crops]
+
+
+def test_crop_and_flip_gives_a_padded_crop_or_its_mirror_for_every_image():
+    gen = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (64, 3, 32, 32), dtype=torch.uint8, generator=gen)
+    out = BatchTransform(torch.device("cpu"), seed=1, augment=True, channels_last=False).crop_and_flip(images)
+    matches = []
+    for src, got in zip(images, out):
+        hits = [i for i, c in enumerate(_all_crops(src)) if torch.equal(c, got)]
+        assert hits, "output is not a 4-pixel-padded crop (or its mirror) of its input"
+        matches.append(hits[0])
+    assert len(set(matches)) > 20  # offsets vary across the batch
+    assert any(m >= 81 for m in matches) and any(m < 81 for m in matches)  # both flipped and not
+
+
+def test_normalised_output_and_per_seed_random_streams():
+    images = torch.randint(0, 256, (32, 3, 32, 32), dtype=torch.uint8)
+    make = lambda seed, aug=True: BatchTransform(torch.device("cpu"), seed, augment=aug, channels_last=True)  # noqa: E731
+    plain = make(0, aug=False)(images, train=True)
+    mean = torch.tensor(cdata.MEAN).view(1, 3, 1, 1) * 255
+    std = torch.tensor(cdata.STD).view(1, 3, 1, 1) * 255
+    assert torch.allclose(plain, (images.float() - mean) / std)
+    assert plain.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(make(0)(images, train=False), plain)  # evaluation never augments
+    assert torch.equal(make(5)(images, train=True), make(5)(images, train=True))  # same seed, same stream
+    assert not torch.equal(make(5)(images, train=True), make(6)(images, train=True))  # ranks differ
+
+
+def test_decoding_needs_no_network(tmp_path, accelerator, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    src = write_cifar_dir(tmp_path / "src", n_train=10, n_test=10, fmt="JPEG")
+    data = load_cifar10(str(src), str(tmp_path / "cache"), accelerator)
+    assert data["test"][0].shape == (10, 3, 32, 32)
+    assert os.listdir(tmp_path / "cache")
