@@ -86,7 +86,7 @@ class Config:
         for name in positive:
             value = getattr(self, name)
             if value is not None and value <= 0:
-                raise UserError(f"--{name.replace('_', '-')} must be positive (got {value}).")
+                raise UserError(f"--{name.replace('_', '-')} must be positive (got {value:g}).")
         for name in ["weight_decay", "warmup_epochs", "grad_clip"]:
             if getattr(self, name) < 0:
                 raise UserError(f"--{name.replace('_', '-')} must not be negative (got {getattr(self, name)}).")

@@ -1,0 +1,93 @@
+"""Bad input: one clear line on stderr, exit status 2, and nothing already on disk is touched."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+from conftest import CPU_YAML, run_train, write_cifar_dir, write_parquet
+
+
+def _digest(folder: Path) -> dict:
+    return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _fails_cleanly(tmp_path: Path, args: list[str], message: str, launch=None) -> str:
+    """Runs train_cifar.py on an output dir holding an earlier run's files; checks exit 2 (or the launcher's
+    non-zero status), exactly one `error:` line naming `message`, no Python traceback from our processes,
+    and that the earlier run's files and the data files are byte-identical afterwards."""
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    (out / "summary.json").write_text('{"eval_top1": 93.1}')
+    (out / "model.safetensors").write_bytes(b"weights of an earlier run")
+    before = _digest(tmp_path)
+    result = run_train(["--output-dir", str(out), "--cache-dir", str(tmp_path / "cache"), "--tracker", "none", *args],
+                       launch=launch)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == (2 if launch is None else 1), result.stderr[-3000:]
+    assert len(errors) == 1 and message in errors[0], result.stderr[-3000:]
+    ours = [line for line in result.stderr.splitlines() if "Traceback" in line and (launch is None or "[rank" in line)]
+    assert not ours, result.stderr[-3000:]
+    after = _digest(tmp_path)
+    assert {k: v for k, v in after.items() if not k.startswith("cache/")} == \
+           {k: v for k, v in before.items() if not k.startswith("cache/")}
+    return errors[0]
+
+
+@pytest.fixture
+def small_data(tmp_path) -> Path:
+    return write_cifar_dir(tmp_path / "data", n_train=64, n_test=16)
+
+
+def test_missing_data_dir(tmp_path):
+    _fails_cleanly(tmp_path, ["--data-dir", str(tmp_path / "nope")], "does not exist")
+
+
+def test_empty_data_dir(tmp_path):
+    (tmp_path / "empty").mkdir()
+    _fails_cleanly(tmp_path, ["--data-dir", str(tmp_path / "empty")], "holds no train-*.parquet file")
+
+
+def test_corrupt_parquet_file(tmp_path, small_data):
+    train = small_data / "train-00000-of-00001.parquet"
+    train.write_bytes(train.read_bytes()[: train.stat().st_size // 2])  # truncated download
+    line = _fails_cleanly(tmp_path, ["--data-dir", str(small_data)], "is not a readable parquet file")
+    assert train.name in line
+
+
+def test_labels_outside_0_to_9(tmp_path, small_data):
+    write_parquet(small_data / "train-00000-of-00001.parquet", 20, labels=[3] * 7 + [11] + [0] * 12)
+    _fails_cleanly(tmp_path, ["--data-dir", str(small_data)], "has label 11 at row 7")
+
+
+@pytest.mark.parametrize(("kwargs", "found"), [({"size": (28, 28)}, "28x28 RGB"), ({"mode": "L"}, "32x32 L")])
+def test_images_that_are_not_32x32_rgb(tmp_path, small_data, kwargs, found):
+    write_parquet(small_data / "test-00000-of-00001.parquet", 8, **kwargs)
+    _fails_cleanly(tmp_path, ["--data-dir", str(small_data)], f"test split has a {found} image at row 0")
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--lr", "0"), ("--batch-size", "0"), ("--epochs", "-1")])
+def test_non_positive_lr_batch_epochs(tmp_path, small_data, flag, value):
+    _fails_cleanly(tmp_path, ["--data-dir", str(small_data), flag, value], f"{flag} must be positive (got {float(value):g}")
+
+
+def test_eval_subset_larger_than_the_split(tmp_path, small_data):
+    _fails_cleanly(tmp_path, ["--data-dir", str(small_data), "--eval-subset", "17"],
+                   "--eval-subset 17 is larger than the split (16 images)")
+
+
+def test_output_dir_that_cannot_be_written(tmp_path, small_data):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")  # root may write anywhere, but not below a regular file
+    result = run_train(["--data-dir", str(small_data), "--output-dir", str(blocker / "run"), "--tracker", "none"])
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith(f"error: --output-dir {blocker / 'run'} cannot be written")
+    assert blocker.read_text() == "not a folder"
+
+
+def test_bad_labels_under_two_ranks_stop_both_with_one_line(tmp_path, small_data):
+    write_parquet(small_data / "train-00000-of-00001.parquet", 20, labels=[-1] * 20)
+    _fails_cleanly(tmp_path, ["--data-dir", str(small_data)], "has label -1 at row 0",
+                   launch=["--config_file", str(CPU_YAML)])

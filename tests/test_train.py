@@ -1,0 +1,105 @@
+"""train_cifar.py end to end: 2 gloo ranks from cpu.yaml, and one process with bf16, accumulation and W&B."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import fields
+
+import pytest
+import torch
+from accelerate import Accelerator
+from conftest import CPU_YAML, read_summary, run_train, script_env
+from safetensors.torch import load_file
+
+import train_cifar
+from utils.data import BatchTransform, load_cifar10, make_loader
+
+EVAL_SUBSET = 1001  # not divisible by 2 ranks x 64: Accelerate pads the last batches, gather_for_metrics must drop it
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(cifar_dir, cache_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("two_ranks")
+    result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out),
+                        "--model", "resnet18_imagenet", "--train-subset", "4096", "--eval-subset", str(EVAL_SUBSET),
+                        "--epochs", "3", "--batch-size", "64", "--tracker", "none"],
+                       launch=["--config_file", str(CPU_YAML)])
+    assert result.returncode == 0, result.stderr[-4000:]
+    return out, result
+
+
+def test_two_ranks_from_cpu_yaml_train_well_above_chance(two_rank_run):
+    out, result = two_rank_run
+    s = read_summary(out)
+    assert (s["world_size"], s["distributed_type"], s["wrapper"]) == (2, "MULTI_CPU", "DistributedDataParallel")
+    assert s["mixed_precision"] == "no"  # what cpu.yaml says; the script sets no default of its own
+    assert s["epochs_completed"] == 3 and s["global_step"] == 3 * (4096 // 128)
+    assert s["train_images_seen"] == 3 * 4096
+    assert s["eval_top1"] > 25.0, s  # chance is 10%
+    assert s["eval_top5"] > s["eval_top1"] and s["best_eval_top1"] >= s["eval_top1"]
+    assert len([line for line in result.stdout.splitlines() if line.startswith("epoch ")]) == 3  # once, not per rank
+
+
+def test_two_rank_eval_counts_each_test_image_exactly_once(two_rank_run):
+    s = read_summary(two_rank_run[0])
+    assert s["eval_examples"] == EVAL_SUBSET
+    per_class = s["eval_class_top1"]
+    assert len(per_class) == 10 and all(0 <= v <= 100 for v in per_class.values())
+
+
+def test_exported_weights_load_into_a_plain_model_and_reproduce_the_reported_top1(two_rank_run, cifar_dir, cache_dir):
+    out, _ = two_rank_run
+    state = load_file(out / "model.safetensors")
+    assert not [k for k in state if k.startswith("module.")]
+    model = train_cifar.build_model("resnet18_imagenet")
+    model.load_state_dict(state, strict=True)
+    accelerator = Accelerator(cpu=True)
+    images, labels = load_cifar10(str(cifar_dir), str(cache_dir), accelerator)["test"]
+    loader = make_loader(images[:EVAL_SUBSET], labels[:EVAL_SUBSET], batch_size=250, train=False)
+    transform = BatchTransform(torch.device("cpu"), seed=0, augment=False, channels_last=False)
+    metrics = train_cifar.evaluate(model, loader, transform, accelerator)
+    reported = read_summary(out)
+    assert metrics["examples"] == EVAL_SUBSET
+    # Same weights, same images; only the CPU thread count differs from training (1 vs 2), which can move
+    # a logit by float rounding: allow one image of difference.
+    assert abs(metrics["top1"] - reported["eval_top1"]) <= 100 / EVAL_SUBSET + 1e-9
+    assert metrics["loss"] == pytest.approx(reported["eval_loss"], rel=1e-3)
+
+
+def test_one_process_bf16_from_the_launcher_with_accumulation_and_offline_wandb(cifar_dir, cache_dir, tmp_path):
+    out = tmp_path / "run"
+    env = script_env(ACCELERATE_MIXED_PRECISION="bf16", HOME=str(tmp_path))  # no W&B credentials in this HOME
+    del env["WANDB_MODE"]
+    result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out),
+                        "--model", "resnet18_imagenet", "--train-subset", "1024", "--eval-subset", "200",
+                        "--batch-size", "32", "--grad-accum", "2", "--max-steps", "6", "--optimizer", "adamw",
+                        "--lr", "1e-3", "--channels-last", "--tracker", "wandb"], env=env)
+    assert result.returncode == 0, result.stderr[-4000:]
+    s = read_summary(out)
+    assert (s["world_size"], s["mixed_precision"], s["wrapper"]) == (1, "bf16", "ResNet")
+    assert s["global_step"] == 6 and s["train_images_seen"] == 6 * 2 * 32  # 2 micro-batches per step
+    assert s["eval_examples"] == 200 and s["config"]["grad_accum"] == 2
+    assert "logging offline" in result.stderr
+    assert len(list(out.glob("wandb/offline-run-*/run-*.wandb"))) == 1
+    state = load_file(out / "model.safetensors")
+    assert state["conv1.weight"].dtype == torch.float32  # bf16 autocast keeps fp32 master weights
+
+
+def test_every_config_field_is_a_documented_flag():
+    parsed = train_cifar.parse_config(["--lr", "0.5", "--channels-last", "--train-subset", "7", "--model", "resnet18_imagenet"])
+    assert (parsed.lr, parsed.channels_last, parsed.train_subset, parsed.model) == (0.5, True, 7, "resnet18_imagenet")
+    defaults = train_cifar.parse_config([])
+    assert defaults == train_cifar.Config()
+    for f in fields(train_cifar.Config):
+        assert f.metadata["help"], f.name
+    with pytest.raises(SystemExit):
+        train_cifar.parse_config(["--optimizer", "lion"])
+
+
+def test_schedule_warms_up_linearly_then_decays_to_zero_by_the_last_step():
+    factor = train_cifar.warmup_cosine(warmup_steps=10, total_steps=110)
+    assert [factor(k) for k in (0, 4, 9)] == pytest.approx([0.1, 0.5, 1.0])
+    assert factor(60) == pytest.approx(0.5)
+    assert factor(110) == pytest.approx(0.0, abs=1e-12)
+    assert all(factor(k) >= factor(k + 1) for k in range(10, 110))
+    assert math.isclose(train_cifar.warmup_cosine(0, 5)(0), 1.0)
