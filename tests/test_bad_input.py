@@ -91,3 +91,14 @@ def test_bad_labels_under_two_ranks_stop_both_with_one_line(tmp_path, small_data
     write_parquet(small_data / "train-00000-of-00001.parquet", 20, labels=[-1] * 20)
     _fails_cleanly(tmp_path, ["--data-dir", str(small_data)], "has label -1 at row 0",
                    launch=["--config_file", str(CPU_YAML)])
+
+
+def test_no_data_dir_and_no_hub_access_names_both_options(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # what a machine without internet amounts to, without the retries
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # and nothing downloaded before
+    line = _fails_cleanly(tmp_path, [], "could not download uoft-cs/cifar10 from the Hugging Face Hub")
+    assert "--data-dir" in line and "internet" in line
+
+
+def test_sync_bn_on_cpu_stops_with_a_clear_message(tmp_path, small_data):
+    _fails_cleanly(tmp_path, ["--data-dir", str(small_data), "--sync-bn"], "--sync-bn needs CUDA GPUs")

@@ -76,8 +76,13 @@ def test_cache_goes_next_to_the_data_when_writable_else_to_the_user_cache(tmp_pa
     assert default_cache_dir(str(writable)) == writable / ".decoded"
     blocked = tmp_path / "blocked"
     blocked.mkdir()
-    (blocked / ".decoded").write_text("a file where the cache folder would go")  # root ignores chmod
+    (blocked / ".decoded").write_text("a file where the cache folder would go")
     assert default_cache_dir(str(blocked)) == tmp_path / "xdg" / "accelerate-cifar"
+    read_only = tmp_path / "read_only"  # like ../shared in CI: no write bits (root could still write)
+    read_only.mkdir()
+    read_only.chmod(0o555)
+    assert default_cache_dir(str(read_only)) == tmp_path / "xdg" / "accelerate-cifar"
+    assert not (read_only / ".decoded").exists()
     assert default_cache_dir(None) == tmp_path / "xdg" / "accelerate-cifar"
 
 

@@ -144,8 +144,9 @@ def _writable_dir(path: Path) -> bool:
 
 
 def default_cache_dir(data_dir: str | None) -> Path:
-    """<data-dir>/.decoded when that can be written, else a per-user cache folder."""
-    if data_dir is not None and _writable_dir(Path(data_dir) / ".decoded"):
+    """<data-dir>/.decoded when that can be written, else a per-user cache folder. A data folder without
+    write permission bits counts as read-only even for root, who could write there anyway."""
+    if data_dir is not None and os.stat(data_dir).st_mode & 0o222 and _writable_dir(Path(data_dir) / ".decoded"):
         return Path(data_dir) / ".decoded"
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "accelerate-cifar"
 
