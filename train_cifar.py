@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torchvision
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, set_seed
+from accelerate.utils import DataLoaderConfiguration, DistributedType, broadcast, set_seed
 from tqdm.auto import tqdm
 
 from utils import UserError
@@ -66,6 +66,7 @@ class Config:
     # --- optimisation ---
     epochs: int = opt(30, "passes over the training set")
     batch_size: int = opt(128, "images per process per micro-step; global batch = batch_size x processes x grad_accum")
+    global_batch_size: int | None = opt(None, "fix the global batch instead: batch_size = this / (processes x grad_accum), exactly")
     lr: float = opt(0.1, "peak learning rate, reached after warmup")
     scale_lr: bool = opt(False, f"linear scaling rule: lr x global_batch / {REFERENCE_BATCH}")
     optimizer: str = opt("sgd", "sgd (momentum 0.9, Nesterov) or adamw", ("sgd", "adamw"))
@@ -76,13 +77,15 @@ class Config:
     grad_clip: float = opt(5.0, "clip the global gradient norm to this; 0: no clipping")
     max_steps: int | None = opt(None, "stop after this many optimizer steps (the schedule is planned for them)")
     seed: int = opt(0, "seeds the weights (same on every rank), data order and augmentation")
+    deterministic: bool = opt(False, "deterministic kernels; on CPU also 1 thread, so 1 process matches N launched processes bitwise")
     # --- logging ---
     tracker: str = opt("wandb", "experiment tracker; W&B goes offline by itself without credentials", ("wandb", "none"))
     project: str = opt("cifar10-accelerate", "tracker project name")
     log_every: int = opt(50, "optimizer steps between train/loss logs")
 
     def validate(self) -> None:
-        positive = ["epochs", "batch_size", "lr", "grad_accum", "log_every", "train_subset", "eval_subset", "max_steps"]
+        positive = ["epochs", "batch_size", "global_batch_size", "lr", "grad_accum", "log_every", "train_subset",
+                    "eval_subset", "max_steps"]
         for name in positive:
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -113,15 +116,16 @@ def parse_config(argv: list[str] | None = None) -> Config:
 # ====================================================================================================
 # Model and optimizer
 # ====================================================================================================
-def build_model(name: str, num_classes: int = len(CLASSES)) -> nn.Module:
+def build_model(name: str, num_classes: int = len(CLASSES), sync_bn: bool = False) -> nn.Module:
     """torchvision's ResNet-18; 'resnet18' swaps the ImageNet stem (7x7 stride-2 conv + max-pool, which
-    shrinks 32x32 inputs to 8x8 before the first block) for a 3x3 stride-1 conv."""
+    shrinks 32x32 inputs to 8x8 before the first block) for a 3x3 stride-1 conv. sync_bn turns every
+    BatchNorm into a SyncBatchNorm (statistics over all ranks' batches; CUDA only)."""
     model = torchvision.models.resnet18(num_classes=num_classes)
     if name == "resnet18":
         model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
         nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")  # as torchvision does
         model.maxpool = nn.Identity()
-    return model
+    return nn.SyncBatchNorm.convert_sync_batchnorm(model) if sync_bn else model
 
 
 def build_optimizer(cfg: Config, model: nn.Module, lr: float) -> torch.optim.Optimizer:
@@ -146,6 +150,9 @@ def warmup_cosine(warmup_steps: int, total_steps: int):
 # ====================================================================================================
 @torch.no_grad()
 def evaluate(model, loader, transform: BatchTransform, accelerator: Accelerator) -> dict:
+    # BatchNorm running statistics drift apart across ranks (each normalises its own batches; DDP only
+    # re-broadcasts them at the next training forward). Evaluate what gets exported: rank 0's.
+    broadcast(list(accelerator.unwrap_model(model).buffers()), from_process=0)
     model.eval()
     dev = accelerator.device
     loss_sum, top1, top5 = (torch.zeros((), device=dev, dtype=torch.float64) for _ in range(3))
@@ -191,6 +198,26 @@ def wandb_offline_without_credentials() -> None:
     print("wandb: no credentials found; logging offline (upload later with `wandb sync`)", file=sys.stderr)
 
 
+def check_distributed_setup(accelerator: Accelerator, cfg: Config, environ=os.environ) -> int:
+    """Stops on the misconfigurations that otherwise train silently with the wrong setup; returns the
+    per-process batch size."""
+    world = accelerator.num_processes
+    launched = int(environ.get("WORLD_SIZE", "1"))
+    if launched != world:  # e.g. N processes launched without cpu=True on a CPU: N separate 1-process runs
+        raise UserError(f"the launcher started {launched} processes but Accelerate runs {world} "
+                        f"({accelerator.distributed_type.value}): they would train separately.")
+    if environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and accelerator.distributed_type != DistributedType.FSDP:
+        raise UserError(f"the launch config asks for FSDP but Accelerate set up {accelerator.distributed_type.value} "
+                        f"(it falls back to DDP on CPU); use a DDP config such as accelerate_configs/cpu.yaml.")
+    if cfg.global_batch_size is None:
+        return cfg.batch_size
+    per_process, rest = divmod(cfg.global_batch_size, world * cfg.grad_accum)
+    if rest or per_process == 0:
+        raise UserError(f"--global-batch-size {cfg.global_batch_size} does not divide into {world} processes x "
+                        f"{cfg.grad_accum} accumulation steps.")
+    return per_process
+
+
 def take_prefix(pair, n: int | None, flag: str):
     images, labels = pair
     if n is not None and n > len(labels):
@@ -204,6 +231,12 @@ def take_prefix(pair, n: int | None, flag: str):
 def main(cfg: Config) -> dict:
     started = time.time()
     check_output_dir(cfg.output_dir)
+    if cfg.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it for reproducible GEMMs
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+        if not torch.cuda.is_available():  # kernels (and their rounding) depend on the thread count;
+            torch.set_num_threads(1)       # launched processes get OMP_NUM_THREADS=1
     if cfg.tracker == "wandb":
         wandb_offline_without_credentials()
     accelerator = Accelerator(
@@ -216,9 +249,10 @@ def main(cfg: Config) -> dict:
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=True),
     )  # no mixed_precision argument on purpose: the launcher's choice must win
     world = accelerator.num_processes
+    batch_size = check_distributed_setup(accelerator, cfg)
     if cfg.sync_bn and accelerator.device.type != "cuda":
         raise UserError("--sync-bn needs CUDA GPUs: torch's SyncBatchNorm does not run on CPU.")
-    global_batch = cfg.batch_size * world * cfg.grad_accum
+    global_batch = batch_size * world * cfg.grad_accum
     lr = cfg.lr * global_batch / REFERENCE_BATCH if cfg.scale_lr else cfg.lr
     accelerator.print(f"config: {json.dumps(asdict(cfg))}")
     accelerator.print(f"{world} process(es), {accelerator.distributed_type.value}, mixed precision "
@@ -229,20 +263,20 @@ def main(cfg: Config) -> dict:
     train_images, train_labels = take_prefix(data["train"], cfg.train_subset, "--train-subset")
     eval_images, eval_labels = take_prefix(data["test"], cfg.eval_subset, "--eval-subset")
     if len(train_labels) < global_batch // cfg.grad_accum:
-        raise UserError(f"{len(train_labels)} training images do not fill one batch of {cfg.batch_size} "
+        raise UserError(f"{len(train_labels)} training images do not fill one batch of {batch_size} "
                         f"on each of {world} processes.")
-    train_loader = make_loader(train_images, train_labels, cfg.batch_size, train=True)
-    eval_loader = make_loader(eval_images, eval_labels, cfg.batch_size, train=False)
+    train_loader = make_loader(train_images, train_labels, batch_size, train=True)
+    eval_loader = make_loader(eval_images, eval_labels, batch_size, train=False)
 
     # --- model: same seed on every rank -> same initial weights (DDP also broadcasts rank 0's) ---
     set_seed(cfg.seed)
-    model = build_model(cfg.model)
-    if cfg.sync_bn:
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    model = build_model(cfg.model, sync_bn=cfg.sync_bn)  # converted before prepare(), as DDP requires
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     optimizer = build_optimizer(cfg, model, lr)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+    if accelerator.distributed_type in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
+        assert isinstance(model, nn.parallel.DistributedDataParallel), type(model)  # gradients really are averaged
     # Augmentation stream differs per rank (different images must get different crops), fixed by the seed.
     transform = BatchTransform(accelerator.device, cfg.seed * 1000 + accelerator.process_index,
                                augment=cfg.augment == "standard", channels_last=cfg.channels_last)
@@ -255,7 +289,8 @@ def main(cfg: Config) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, warmup_cosine(warmup_steps, total_steps))
 
     run_info = {"world_size": world, "distributed_type": accelerator.distributed_type.value,
-                "mixed_precision": accelerator.mixed_precision, "global_batch": global_batch, "effective_lr": lr,
+                "mixed_precision": accelerator.mixed_precision, "batch_size_per_process": batch_size,
+                "global_batch": global_batch, "effective_lr": lr,
                 "versions": {"torch": torch.__version__, "torchvision": torchvision.__version__,
                              "accelerate": sys.modules["accelerate"].__version__}}
     accelerator.init_trackers(cfg.project, config={**asdict(cfg), **run_info},
@@ -298,7 +333,7 @@ def main(cfg: Config) -> dict:
         train_loss = accelerator.reduce(loss_sum / max(1, epoch_batches), reduction="mean").item()  # syncs
         epoch_seconds = time.time() - epoch_start
         bar.close()
-        epoch_images = epoch_batches * cfg.batch_size * world
+        epoch_images = epoch_batches * batch_size * world
         images_seen, train_seconds = images_seen + epoch_images, train_seconds + epoch_seconds
         epochs_completed = epoch + 1
 

@@ -67,13 +67,14 @@ def script_env(**extra) -> dict:
     return env
 
 
-def run_train(args: list[str], launch: list[str] | None = None, env: dict | None = None, timeout: int = 600):
-    """train_cifar.py in fresh processes: plain `python`, or `accelerate launch <launch>` with a free port."""
+def run_train(args: list[str], launch: list[str] | None = None, env: dict | None = None, timeout: int = 600,
+              script: Path = REPO / "train_cifar.py"):
+    """train_cifar.py (or the probe around it) in fresh processes: plain `python`, or
+    `accelerate launch <launch>` with a free port."""
     if launch is None:
-        cmd = [sys.executable, str(REPO / "train_cifar.py"), *args]
+        cmd = [sys.executable, str(script), *args]
     else:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch, "--main_process_port", "0",
-               str(REPO / "train_cifar.py"), *args]
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch, "--main_process_port", "0", str(script), *args]
     return subprocess.run(cmd, cwd=REPO, env=env or script_env(), capture_output=True, text=True, timeout=timeout)
 
 

@@ -1,0 +1,143 @@
+"""Runs the real train_cifar.main() with instruments attached, and writes what each rank saw.
+
+Launched by the tests exactly like train_cifar.py (`accelerate launch ... tests/probe_train.py FLAGS`); it
+changes no behaviour, it only records, per rank, into <output-dir>/probe-rank<R>.json:
+  batches      [[dataset number, [sample indices]], ...] for every batch fetched (dataset 0 = training)
+  allreduce_at number of training forwards done when each DDP gradient bucket was all-reduced
+  fc_dtypes    dtypes of the classifier's output during training forwards (what autocast really ran)
+  init_digest  sha256 of the model's parameters as built by the script, before prepare() (before DDP's broadcast)
+  eval_buffer_digest  sha256 of the BatchNorm buffers at the start of each evaluation
+  aug_seed     initial seed of the rank's augmentation generator
+  logs         every accelerator.log(values, step) call
+  writes       files this rank wrote under the output dir
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import accelerate.utils.other as accelerate_other  # noqa: E402
+from accelerate import Accelerator  # noqa: E402
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook  # noqa: E402
+
+import train_cifar  # noqa: E402
+from utils import data as cdata  # noqa: E402
+
+rec = {"batches": [], "allreduce_at": [], "fc_dtypes": [], "init_digest": None, "eval_buffer_digest": [],
+       "aug_seed": None, "logs": [], "writes": []}
+datasets_seen: list[int] = []
+forwards = {"train": 0}
+
+
+def digest(tensors) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().float().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+real_getitems = cdata.BatchedTensorDataset.__getitems__
+
+
+def getitems(self, indices):
+    if id(self) not in datasets_seen:
+        datasets_seen.append(id(self))
+    rec["batches"].append([datasets_seen.index(id(self)), [int(i) for i in indices]])
+    return real_getitems(self, indices)
+
+
+real_prepare = Accelerator.prepare
+
+
+def prepare(self, *objects, **kwargs):
+    model = objects[0]
+    rec["init_digest"] = digest(model.parameters())
+    out = real_prepare(self, *objects, **kwargs)
+    wrapped = out[0]
+    inner = self.unwrap_model(wrapped)
+
+    def count_forward(module, args):
+        if module.training:
+            forwards["train"] += 1
+
+    inner.register_forward_pre_hook(count_forward)
+    inner.fc.register_forward_hook(lambda m, a, o: rec["fc_dtypes"].append(str(o.dtype)) if m.training else None)
+    if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
+        def counting_hook(state, bucket):
+            rec["allreduce_at"].append(forwards["train"])
+            return allreduce_hook(state, bucket)
+
+        wrapped.register_comm_hook(None, counting_hook)
+    return out
+
+
+real_evaluate = train_cifar.evaluate
+
+
+def evaluate(model, loader, transform, accelerator):
+    rec["eval_buffer_digest"].append(digest(accelerator.unwrap_model(model).buffers()))
+    return real_evaluate(model, loader, transform, accelerator)
+
+
+real_transform_init = cdata.BatchTransform.__init__
+
+
+def transform_init(self, *args, **kwargs):
+    real_transform_init(self, *args, **kwargs)
+    rec["aug_seed"] = self.generator.initial_seed()
+
+
+real_log = Accelerator.log
+
+
+def log(self, values, step=None, **kwargs):
+    rec["logs"].append([step, {k: v for k, v in values.items() if isinstance(v, int | float)}])
+    return real_log(self, values, step=step, **kwargs)
+
+
+real_safe_save = accelerate_other.safe_save_file
+
+
+def safe_save(obj, path, *args, **kwargs):
+    rec["writes"].append(str(path))
+    return real_safe_save(obj, path, *args, **kwargs)
+
+
+def audit(event, args):
+    if event == "open" and isinstance(args[0], str) and args[0].startswith(output_dir):
+        mode = args[1] or "r"
+        if any(c in mode for c in "wax+"):
+            rec["writes"].append(args[0])
+
+
+cdata.BatchedTensorDataset.__getitems__ = getitems
+Accelerator.prepare = prepare
+train_cifar.evaluate = evaluate
+cdata.BatchTransform.__init__ = transform_init
+Accelerator.log = log
+accelerate_other.safe_save_file = safe_save
+
+if __name__ == "__main__":
+    cfg = train_cifar.parse_config()
+    output_dir = str(Path(cfg.output_dir).resolve())
+    cfg.output_dir = output_dir
+    recording = True
+    sys.addaudithook(lambda e, a: audit(e, a) if recording else None)
+    try:
+        train_cifar.main(cfg)
+    except train_cifar.UserError as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        recording = False
+    rank = int(os.environ.get("RANK", "0"))
+    Path(output_dir, f"probe-rank{rank}.json").write_text(json.dumps(rec))

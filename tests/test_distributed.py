@@ -1,0 +1,271 @@
+"""Distributed truth: the seed's silent failures (sections 12-14), each checked on real 2-rank gloo jobs.
+
+The runs go through tests/probe_train.py, which calls the real train_cifar.main() and records what every
+rank did (batches fetched, all-reduces, autocast dtypes, initial weights, logged LR, files written).
+
+Configurations (same seed, SGD, --augment none, fp32, --deterministic, the first 200 training images):
+  two_ranks        2 ranks, --global-batch-size 64  (32 per rank), 2 epochs     \\ same micro-batches in the same
+  one_rank_accum2  1 rank,  --batch-size 32 --grad-accum 2, 2 epochs            / order: equal parameters, bitwise
+  two_ranks_accum2 2 ranks, --global-batch-size 128 --grad-accum 2, 1 epoch     \\ same micro-batches, other sum
+  one_rank_accum4  1 rank,  --batch-size 32 --grad-accum 4, 1 epoch             / order: equal to float rounding
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate import Accelerator
+from conftest import CPU_YAML, REPO, read_summary, run_train
+from safetensors.torch import load_file
+
+import train_cifar
+from utils import UserError
+from utils.data import BatchTransform, load_cifar10, make_loader
+
+PROBE = REPO / "tests" / "probe_train.py"
+TRAIN_SUBSET, EVAL_SUBSET = 200, 101  # 200 = 6 batches of 32 + 8 dropped; 101 is odd: eval shards are padded
+COMMON = ["--model", "resnet18_imagenet", "--train-subset", str(TRAIN_SUBSET), "--eval-subset", str(EVAL_SUBSET),
+          "--epochs", "2", "--warmup-epochs", "0.5", "--augment", "none", "--optimizer", "sgd", "--lr", "0.1", "--scale-lr",
+          "--deterministic", "--log-every", "1", "--tracker", "none"]
+TWO_RANKS = ["--config_file", str(CPU_YAML)]
+CONFIGS = {
+    "two_ranks": (TWO_RANKS, ["--global-batch-size", "64"]),
+    "one_rank_accum2": (None, ["--batch-size", "32", "--grad-accum", "2"]),
+    "two_ranks_accum2": (TWO_RANKS, ["--global-batch-size", "128", "--grad-accum", "2", "--epochs", "1"]),
+    "one_rank_accum4": (None, ["--batch-size", "32", "--grad-accum", "4", "--epochs", "1"]),
+}
+
+
+class Run:
+    def __init__(self, out: Path):
+        self.out = out
+        self.summary = read_summary(out)
+        self.probes = [json.loads((out / f"probe-rank{r}.json").read_text()) for r in range(self.summary["world_size"])]
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        """Trainable parameters only: BatchNorm running statistics differ by design between a 2-rank
+        step (each rank normalises its own micro-batch) and the matching 1-rank accumulation step."""
+        state = load_file(self.out / "model.safetensors")
+        names = [n for n, _ in train_cifar.build_model(self.summary["model"]).named_parameters()]
+        return {n: state[n] for n in names}
+
+    def train_epochs(self, rank: int) -> list[list[list[int]]]:
+        """Per epoch, the training batches this rank fetched (dataset 0), split at each evaluation."""
+        epochs, current = [], []
+        for dataset, indices in self.probes[rank]["batches"]:
+            if dataset == 0:
+                current.append(indices)
+            elif current:
+                epochs.append(current)
+                current = []
+        return epochs
+
+    def global_order(self) -> list[list[list[int]]]:
+        """Per epoch, the batches in the order of the global batch sequence (rank 0, rank 1, rank 0, ...)."""
+        per_rank = [self.train_epochs(r) for r in range(len(self.probes))]
+        return [[b for step in zip(*(pr[e] for pr in per_rank), strict=True) for b in step] for e in range(len(per_rank[0]))]
+
+    def logged(self, key: str, rank: int = 0) -> list[tuple[int, float]]:
+        return [(step, values[key]) for step, values in self.probes[rank]["logs"] if key in values]
+
+
+@pytest.fixture(scope="module")
+def runs(cifar_dir, cache_dir, tmp_path_factory) -> dict[str, Run]:
+    done = {}
+    for name, (launch, extra) in CONFIGS.items():
+        out = tmp_path_factory.mktemp(name)
+        result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out),
+                            *COMMON, *extra], launch=launch, script=PROBE)
+        assert result.returncode == 0, result.stderr[-4000:]
+        done[name] = Run(out)
+    return done
+
+
+# 1. N ranks == 1 rank ------------------------------------------------------------------------------
+def _compare(many: Run, one: Run) -> tuple[dict, dict]:
+    assert many.summary["world_size"] == 2 and one.summary["world_size"] == 1
+    assert many.summary["global_batch"] == one.summary["global_batch"]
+    assert many.summary["global_step"] == one.summary["global_step"]
+    pa, pb = many.parameters(), one.parameters()
+    start = dict(train_cifar.build_model("resnet18_imagenet").named_parameters())
+    assert all(not torch.equal(pa[n], start[n]) for n in ("conv1.weight", "fc.weight"))  # training moved them
+    return pa, pb
+
+
+def test_two_ranks_match_one_rank_weights(runs):
+    pa, pb = _compare(runs["two_ranks"], runs["one_rank_accum2"])
+    unequal = [n for n in pa if not torch.equal(pa[n], pb[n])]
+    assert not unequal, f"{len(unequal)} parameters differ, e.g. {unequal[:3]}"
+
+
+def test_two_ranks_with_accumulation_match_one_rank_with_double_accumulation(runs):
+    # Same micro-batches, but the gradient sum runs in another order: per rank (g0+g2), (g1+g3), then the
+    # all-reduce, against ((g0+g1)+g2)+g3 in one process. Float addition is not associative, so this pair
+    # agrees to rounding, not bitwise: measured 1.2e-7 after one step, about 1e-6 after these two. Any real
+    # difference in what is averaged (a lost micro-batch, a sum instead of a mean) moves weights by > 1e-3.
+    pa, pb = _compare(runs["two_ranks_accum2"], runs["one_rank_accum4"])
+    worst = max((pa[n] - pb[n]).abs().max().item() for n in pa)
+    assert worst < 2e-5, worst
+
+
+# 2. Sharding ---------------------------------------------------------------------------------------
+def test_ranks_see_disjoint_shards_that_cover_the_training_set_each_epoch(runs):
+    run = runs["two_ranks"]
+    epochs = [run.train_epochs(r) for r in (0, 1)]
+    assert len(epochs[0]) == len(epochs[1]) == 2
+    for e in range(2):
+        seen = [sorted(i for b in epochs[r][e] for i in b) for r in (0, 1)]
+        assert not set(seen[0]) & set(seen[1])
+        union = set(seen[0]) | set(seen[1])
+        assert len(union) == len(seen[0]) + len(seen[1]) == TRAIN_SUBSET // 64 * 64  # drop_last drops 8
+        assert union <= set(range(TRAIN_SUBSET))
+
+
+def test_data_order_changes_every_epoch_and_is_the_same_for_the_same_seed_at_any_world_size(runs):
+    two = runs["two_ranks"].global_order()
+    assert two[0] != two[1]  # reshuffled (set_epoch)
+    assert {i for b in two[0] for i in b} != {i for b in two[1] for i in b} or two[0] != two[1]
+    assert two == runs["one_rank_accum2"].global_order()  # 2 ranks x 32 == 1 rank x 32 x 2 micro-steps
+    assert runs["two_ranks_accum2"].global_order() == runs["one_rank_accum4"].global_order() == two[:1]
+
+
+# 3. Exact evaluation -------------------------------------------------------------------------------
+def test_two_rank_eval_counts_each_image_once_and_equals_one_rank_eval_of_the_exported_weights(runs, cifar_dir, cache_dir):
+    run = runs["two_ranks"]
+    assert run.summary["eval_examples"] == EVAL_SUBSET
+    fetched = [set(i for d, b in p["batches"] if d == 1 for i in b) for p in run.probes]
+    assert fetched[0] | fetched[1] == set(range(EVAL_SUBSET))
+    assert len(fetched[0]) + len(fetched[1]) > EVAL_SUBSET  # Accelerate padded a shard: gather_for_metrics dropped it
+
+    model = train_cifar.build_model("resnet18_imagenet")
+    model.load_state_dict(load_file(run.out / "model.safetensors"), strict=True)
+    accelerator = Accelerator(cpu=True)
+    images, labels = load_cifar10(str(cifar_dir), str(cache_dir), accelerator)["test"]
+    loader = make_loader(images[:EVAL_SUBSET], labels[:EVAL_SUBSET], batch_size=32, train=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each launched rank
+    try:
+        metrics = train_cifar.evaluate(model, loader, BatchTransform(torch.device("cpu"), 0, False, False), accelerator)
+    finally:
+        torch.set_num_threads(threads)
+    assert metrics["examples"] == EVAL_SUBSET
+    assert metrics["top1"] == run.summary["eval_top1"]
+    assert metrics["class_top1"] == run.summary["eval_class_top1"]
+
+
+def test_every_rank_evaluates_rank_zeros_batchnorm_statistics(runs):
+    # Recorded before evaluate() syncs them: the ranks' running statistics really do drift apart, which
+    # is why evaluate() broadcasts rank 0's (the exported ones) first - the test above shows the effect.
+    probes = runs["two_ranks"].probes
+    assert probes[0]["eval_buffer_digest"][-1] != probes[1]["eval_buffer_digest"][-1]
+
+
+# 4. Initial weights and augmentation streams ---------------------------------------------------------
+def test_every_rank_builds_the_same_initial_weights_and_its_own_augmentation_stream(runs):
+    probes = runs["two_ranks"].probes
+    assert probes[0]["init_digest"] == probes[1]["init_digest"]  # before DDP's broadcast could hide a difference
+    assert probes[0]["aug_seed"] != probes[1]["aug_seed"]
+    other_seed = runs["one_rank_accum2"].probes[0]
+    assert other_seed["init_digest"] == probes[0]["init_digest"]  # and the same at any world size
+
+
+# 5. Gradient accumulation ----------------------------------------------------------------------------
+def test_accumulation_all_reduces_only_on_the_final_micro_step(runs):
+    accum = runs["two_ranks_accum2"]
+    micro = len(accum.train_epochs(0)[0])  # micro-batches per rank in the epoch: 3
+    final = [k for k in range(1, micro + 1) if k % 2 == 0 or k == micro]  # 2, and 3 (the epoch's end syncs)
+    for probe in accum.probes:  # forwards done when each gradient bucket was all-reduced
+        assert sorted(set(probe["allreduce_at"])) == final, probe["allreduce_at"]
+    assert len(final) == accum.summary["global_step"]
+    plain = runs["two_ranks"]
+    assert sorted(set(plain.probes[0]["allreduce_at"])) == list(range(1, plain.summary["global_step"] + 1))
+
+
+# 8 (and 5). Learning rate ----------------------------------------------------------------------------
+def test_lr_follows_the_linear_scaling_rule_and_the_schedule_counts_optimizer_steps(runs):
+    for name, global_batch in [("two_ranks", 64), ("one_rank_accum2", 64), ("two_ranks_accum2", 128), ("one_rank_accum4", 128)]:
+        run = runs[name]
+        lr = 0.1 * global_batch / train_cifar.REFERENCE_BATCH
+        assert run.summary["effective_lr"] == pytest.approx(lr)
+        steps = run.summary["global_step"]
+        per_epoch = steps // run.summary["epochs_completed"]
+        factor = train_cifar.warmup_cosine(warmup_steps=round(0.5 * per_epoch), total_steps=steps)
+        logged = run.logged("train/lr")
+        assert [s for s, _ in logged] == list(range(1, steps + 1))
+        assert [v for _, v in logged] == pytest.approx([lr * factor(k) for k in range(1, steps + 1)])
+        assert logged[-1][1] == pytest.approx(0.0, abs=1e-12)  # the cosine ends on the last optimizer step
+    assert runs["two_ranks"].logged("train/lr") == runs["one_rank_accum2"].logged("train/lr")
+
+
+# 6. SyncBatchNorm ----------------------------------------------------------------------------------
+def test_sync_bn_converts_every_batchnorm_before_prepare():
+    plain = train_cifar.build_model("resnet18")
+    synced = train_cifar.build_model("resnet18", sync_bn=True)
+    n_bn = sum(isinstance(m, torch.nn.BatchNorm2d) for m in plain.modules())
+    assert n_bn == 20
+    assert sum(isinstance(m, torch.nn.SyncBatchNorm) for m in synced.modules()) == n_bn
+    assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in synced.modules())
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="SyncBatchNorm runs only on CUDA; needs 2 GPUs")
+def test_sync_bn_running_statistics_agree_across_two_gpus(cifar_dir, cache_dir, tmp_path):
+    out = tmp_path / "syncbn"
+    result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out),
+                        *COMMON, "--batch-size", "32", "--sync-bn"],
+                       launch=["--multi_gpu", "--num_processes", "2"], script=PROBE)
+    assert result.returncode == 0, result.stderr[-4000:]
+    probes = Run(out).probes
+    assert probes[0]["eval_buffer_digest"] == probes[1]["eval_buffer_digest"]
+
+
+# 7. Save once --------------------------------------------------------------------------------------
+def test_weights_and_summary_are_written_by_rank_zero_only(runs):
+    run = runs["two_ranks"]
+    written = [{Path(p).name for p in probe["writes"] if Path(p) != run.out} for probe in run.probes]
+    assert {"model.safetensors", "summary.json"} <= written[0]
+    assert written[1] == set()
+
+
+# 9. Mixed precision from the YAML --------------------------------------------------------------------
+def test_mixed_precision_from_the_yaml_is_what_autocast_runs(runs, cifar_dir, cache_dir, tmp_path):
+    yaml = tmp_path / "cpu_bf16.yaml"
+    yaml.write_text(CPU_YAML.read_text().replace("mixed_precision: 'no'", "mixed_precision: bf16"))
+    out = tmp_path / "bf16"
+    result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out),
+                        *COMMON, "--batch-size", "32", "--max-steps", "2"], launch=["--config_file", str(yaml)], script=PROBE)
+    assert result.returncode == 0, result.stderr[-4000:]
+    run = Run(out)
+    assert run.summary["mixed_precision"] == "bf16"
+    assert all(set(p["fc_dtypes"]) == {"torch.bfloat16"} for p in run.probes)
+    assert set(runs["two_ranks"].probes[0]["fc_dtypes"]) == {"torch.float32"}  # cpu.yaml says 'no'
+
+
+# 10. Guards ----------------------------------------------------------------------------------------
+def test_fsdp_config_on_cpu_stops_instead_of_running_ddp_silently(cifar_dir, cache_dir, tmp_path):
+    yaml = tmp_path / "fsdp_cpu.yaml"
+    yaml.write_text(CPU_YAML.read_text().replace("distributed_type: MULTI_GPU", "distributed_type: FSDP")
+                    + "fsdp_config:\n  fsdp_version: 2\n")
+    result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(tmp_path / "o"),
+                        "--tracker", "none"], launch=["--config_file", str(yaml)])
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode != 0
+    assert len(errors) == 1 and "asks for FSDP but Accelerate set up MULTI_CPU" in errors[0], result.stderr[-3000:]
+
+
+def test_global_batch_that_does_not_divide_stops(cifar_dir, cache_dir, tmp_path):
+    result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(tmp_path / "o"),
+                        "--tracker", "none", "--global-batch-size", "100", "--grad-accum", "3"], launch=TWO_RANKS)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode != 0
+    assert errors == ["error: --global-batch-size 100 does not divide into 2 processes x 3 accumulation steps."]
+
+
+def test_world_size_that_differs_from_the_launchers_stops():
+    accelerator = Accelerator(cpu=True)  # this pytest process: a world of 1
+    cfg = train_cifar.Config()
+    assert train_cifar.check_distributed_setup(accelerator, cfg, environ={"WORLD_SIZE": "1"}) == cfg.batch_size
+    with pytest.raises(UserError, match="the launcher started 2 processes but Accelerate runs 1"):
+        train_cifar.check_distributed_setup(accelerator, cfg, environ={"WORLD_SIZE": "2"})
