@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torchvision
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, DistributedType, broadcast, set_seed
+from accelerate.utils import DataLoaderConfiguration, DistributedType, set_seed
 from tqdm.auto import tqdm
 
 from utils import UserError
@@ -150,9 +150,8 @@ def warmup_cosine(warmup_steps: int, total_steps: int):
 # ====================================================================================================
 @torch.no_grad()
 def evaluate(model, loader, transform: BatchTransform, accelerator: Accelerator) -> dict:
-    # BatchNorm running statistics drift apart across ranks (each normalises its own batches; DDP only
-    # re-broadcasts them at the next training forward). Evaluate what gets exported: rank 0's.
-    broadcast(list(accelerator.unwrap_model(model).buffers()), from_process=0)
+    # BatchNorm running statistics drift apart across ranks (each normalises its own batches); DDP
+    # (broadcast_buffers=True) copies rank 0's, the exported ones, to every rank at the first forward.
     model.eval()
     dev = accelerator.device
     loss_sum, top1, top5 = (torch.zeros((), device=dev, dtype=torch.float64) for _ in range(3))

@@ -6,10 +6,13 @@ changes no behaviour, it only records, per rank, into <output-dir>/probe-rank<R>
   allreduce_at number of training forwards done when each DDP gradient bucket was all-reduced
   fc_dtypes    dtypes of the classifier's output during training forwards (what autocast really ran)
   init_digest  sha256 of the model's parameters as built by the script, before prepare() (before DDP's broadcast)
-  eval_buffer_digest  sha256 of the BatchNorm buffers at the start of each evaluation
+  eval_buffer_digest  sha256 of the BatchNorm buffers when each evaluation is called (as training left them)
+  eval_forward_digest sha256 of the BatchNorm buffers at the first forward of each evaluation (what it uses)
   aug_seed     initial seed of the rank's augmentation generator
   logs         every accelerator.log(values, step) call
   writes       files this rank wrote under the output dir
+With PROBE_ACCELERATOR_CPU=0 it builds the script's Accelerator with cpu=False, the classic mistake that
+leaves N launched CPU processes training alone (used to test the script's world-size guard).
 """
 
 from __future__ import annotations
@@ -31,10 +34,10 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 import train_cifar  # noqa: E402
 from utils import data as cdata  # noqa: E402
 
-rec = {"batches": [], "allreduce_at": [], "fc_dtypes": [], "init_digest": None, "eval_buffer_digest": [],
+rec = {"batches": [], "allreduce_at": [], "fc_dtypes": [], "init_digest": None, "eval_buffer_digest": [], "eval_forward_digest": [],
        "aug_seed": None, "logs": [], "writes": []}
 datasets_seen: list[int] = []
-forwards = {"train": 0}
+forwards = {"train": 0, "eval_started": False}
 
 
 def digest(tensors) -> str:
@@ -58,8 +61,9 @@ real_prepare = Accelerator.prepare
 
 
 def prepare(self, *objects, **kwargs):
-    model = objects[0]
-    rec["init_digest"] = digest(model.parameters())
+    if not isinstance(objects[0], torch.nn.Module):
+        return real_prepare(self, *objects, **kwargs)
+    rec["init_digest"] = digest(objects[0].parameters())
     out = real_prepare(self, *objects, **kwargs)
     wrapped = out[0]
     inner = self.unwrap_model(wrapped)
@@ -67,6 +71,9 @@ def prepare(self, *objects, **kwargs):
     def count_forward(module, args):
         if module.training:
             forwards["train"] += 1
+        elif forwards["eval_started"]:
+            rec["eval_forward_digest"].append(digest(module.buffers()))
+            forwards["eval_started"] = False
 
     inner.register_forward_pre_hook(count_forward)
     inner.fc.register_forward_hook(lambda m, a, o: rec["fc_dtypes"].append(str(o.dtype)) if m.training else None)
@@ -84,6 +91,7 @@ real_evaluate = train_cifar.evaluate
 
 def evaluate(model, loader, transform, accelerator):
     rec["eval_buffer_digest"].append(digest(accelerator.unwrap_model(model).buffers()))
+    forwards["eval_started"] = True
     return real_evaluate(model, loader, transform, accelerator)
 
 
@@ -93,6 +101,15 @@ real_transform_init = cdata.BatchTransform.__init__
 def transform_init(self, *args, **kwargs):
     real_transform_init(self, *args, **kwargs)
     rec["aug_seed"] = self.generator.initial_seed()
+
+
+real_init = Accelerator.__init__
+
+
+def init(self, *args, **kwargs):
+    if os.environ.get("PROBE_ACCELERATOR_CPU") == "0":
+        kwargs["cpu"] = False
+    real_init(self, *args, **kwargs)
 
 
 real_log = Accelerator.log
@@ -123,6 +140,7 @@ Accelerator.prepare = prepare
 train_cifar.evaluate = evaluate
 cdata.BatchTransform.__init__ = transform_init
 Accelerator.log = log
+Accelerator.__init__ = init
 accelerate_other.safe_save_file = safe_save
 
 if __name__ == "__main__":

@@ -12,17 +12,17 @@ Configurations (same seed, SGD, --augment none, fp32, --deterministic, the first
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
 import pytest
 import torch
 from accelerate import Accelerator
-from conftest import CPU_YAML, REPO, read_summary, run_train
+from conftest import CPU_YAML, REPO, read_summary, run_train, script_env
 from safetensors.torch import load_file
 
 import train_cifar
-from utils import UserError
 from utils.data import BatchTransform, load_cifar10, make_loader
 
 PROBE = REPO / "tests" / "probe_train.py"
@@ -156,11 +156,18 @@ def test_two_rank_eval_counts_each_image_once_and_equals_one_rank_eval_of_the_ex
     assert metrics["class_top1"] == run.summary["eval_class_top1"]
 
 
-def test_every_rank_evaluates_rank_zeros_batchnorm_statistics(runs):
-    # Recorded before evaluate() syncs them: the ranks' running statistics really do drift apart, which
-    # is why evaluate() broadcasts rank 0's (the exported ones) first - the test above shows the effect.
-    probes = runs["two_ranks"].probes
+def test_every_rank_evaluates_with_the_exported_batchnorm_statistics(runs):
+    run = runs["two_ranks"]
+    probes = run.probes
+    # As training leaves them, the ranks' running statistics differ (each normalised its own batches) ...
     assert probes[0]["eval_buffer_digest"][-1] != probes[1]["eval_buffer_digest"][-1]
+    # ... so evaluate() broadcasts rank 0's first: every rank evaluates the statistics that are exported.
+    assert probes[0]["eval_forward_digest"] == probes[1]["eval_forward_digest"]
+    assert len(probes[0]["eval_forward_digest"]) == run.summary["epochs_completed"]
+    state = load_file(run.out / "model.safetensors")
+    names = [n for n, _ in train_cifar.build_model(run.summary["model"]).named_buffers()]
+    exported = hashlib.sha256(b"".join(state[n].float().numpy().tobytes() for n in names)).hexdigest()
+    assert probes[1]["eval_forward_digest"][-1] == exported
 
 
 # 4. Initial weights and augmentation streams ---------------------------------------------------------
@@ -263,9 +270,12 @@ def test_global_batch_that_does_not_divide_stops(cifar_dir, cache_dir, tmp_path)
     assert errors == ["error: --global-batch-size 100 does not divide into 2 processes x 3 accumulation steps."]
 
 
-def test_world_size_that_differs_from_the_launchers_stops():
-    accelerator = Accelerator(cpu=True)  # this pytest process: a world of 1
-    cfg = train_cifar.Config()
-    assert train_cifar.check_distributed_setup(accelerator, cfg, environ={"WORLD_SIZE": "1"}) == cfg.batch_size
-    with pytest.raises(UserError, match="the launcher started 2 processes but Accelerate runs 1"):
-        train_cifar.check_distributed_setup(accelerator, cfg, environ={"WORLD_SIZE": "2"})
+def test_world_size_that_differs_from_the_launchers_stops(cifar_dir, cache_dir, tmp_path):
+    # Two launched CPU processes whose Accelerator lacks cpu=True do not form a group: each would train
+    # alone on all the data. The probe recreates that mistake; the script's guard must stop both.
+    result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(tmp_path / "o"),
+                        "--tracker", "none"], launch=TWO_RANKS, script=PROBE, env=script_env(PROBE_ACCELERATOR_CPU="0"))
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode != 0
+    assert errors == ["error: the launcher started 2 processes but Accelerate runs 1 (NO): they would train separately."]
+    assert not (tmp_path / "o" / "model.safetensors").exists()
