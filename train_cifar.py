@@ -349,7 +349,8 @@ def main(cfg: Config) -> dict:
 
     # --- outputs: written once, by the main process; weights unwrapped (no 'module.' prefix) ---
     accelerator.wait_for_everyone()
-    accelerator.save_model(model, cfg.output_dir)  # model.safetensors
+    # keep_torch_compile=False: a compiled model's keys would carry an '_orig_mod.' prefix
+    accelerator.save_model(accelerator.unwrap_model(model, keep_torch_compile=False), cfg.output_dir)  # model.safetensors
     summary = {**run_info, "model": cfg.model, "wrapper": type(model).__name__, "epochs_completed": epochs_completed,
                "global_step": global_step, "train_images_seen": images_seen,
                "train_images_per_sec": images_seen / max(train_seconds, 1e-9), "train_loss": train_loss,
