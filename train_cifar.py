@@ -21,24 +21,31 @@ import json
 import math
 import netrc
 import os
+import shutil
+import signal
 import sys
 import tempfile
 import time
 import typing
 from dataclasses import asdict, dataclass, field, fields
+from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torchvision
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, DistributedType, set_seed
+from accelerate.utils import DataLoaderConfiguration, DistributedType, InitProcessGroupKwargs, set_seed
+from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from utils import UserError
+from utils import checkpoint as ckpt
 from utils.data import CLASSES, BatchTransform, load_cifar10, make_loader
 
 REFERENCE_BATCH = 128  # --scale-lr: lr is given for this global batch and scaled linearly from it
+HEALTH_CHECK_EVERY = 10  # optimizer steps between the (collective) checks for preemption signals and NaN loss
 
 
 def opt(default, help: str, choices: tuple | None = None):
@@ -78,6 +85,12 @@ class Config:
     max_steps: int | None = opt(None, "stop after this many optimizer steps (the schedule is planned for them)")
     seed: int = opt(0, "seeds the weights (same on every rank), data order and augmentation")
     deterministic: bool = opt(False, "deterministic kernels; on CPU also 1 thread, so 1 process matches N launched processes bitwise")
+    # --- checkpoints ---
+    resume: str | None = opt(None, "auto: continue from the newest sound checkpoint in <output-dir>/checkpoints (fresh if none); or a checkpoint folder")
+    checkpoint_every_steps: int | None = opt(None, "also checkpoint every N optimizer steps (always at the end of each epoch)")
+    keep_last: int = opt(2, "checkpoints kept, besides the best one")
+    overwrite: bool = opt(False, "start fresh in an output dir holding an earlier run's checkpoints, deleting them")
+    dist_timeout: int = opt(600, "seconds a collective waits for a missing process before the job fails")
     # --- logging ---
     tracker: str = opt("wandb", "experiment tracker; W&B goes offline by itself without credentials", ("wandb", "none"))
     project: str = opt("cifar10-accelerate", "tracker project name")
@@ -85,7 +98,7 @@ class Config:
 
     def validate(self) -> None:
         positive = ["epochs", "batch_size", "global_batch_size", "lr", "grad_accum", "log_every", "train_subset",
-                    "eval_subset", "max_steps"]
+                    "eval_subset", "max_steps", "checkpoint_every_steps", "keep_last", "dist_timeout"]
         for name in positive:
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -111,6 +124,19 @@ def parse_config(argv: list[str] | None = None) -> Config:
     cfg = Config(**vars(parser.parse_args(argv)))
     cfg.validate()
     return cfg
+
+
+@dataclass
+class Progress:
+    """Where training stands; saved in every checkpoint, restored on resume."""
+    epoch: int = 0  # current epoch, from 0
+    batches_in_epoch: int = 0  # micro-batches each process has taken from the current epoch
+    global_step: int = 0  # optimizer steps done
+    images_seen: int = 0  # training images, all processes
+    train_seconds: float = 0.0  # training time without evaluation
+    best_top1: float = 0.0
+    best_checkpoint: str | None = None  # kept by the rotation
+    tracker_run_id: str | None = None  # the W&B run a resumed job continues
 
 
 # ====================================================================================================
@@ -217,6 +243,38 @@ def check_distributed_setup(accelerator: Accelerator, cfg: Config, environ=os.en
     return per_process
 
 
+def find_resume_point(cfg: Config, root: Path, accelerator: Accelerator) -> Path | None:
+    """The checkpoint to continue from, None to start fresh; refuses to start over another run's checkpoints."""
+    if cfg.resume is None:
+        earlier = [p for p in ckpt.complete_checkpoints(root) if (p / ckpt.STATE_FILE).is_file()]
+        if earlier and not cfg.overwrite:
+            theirs = ckpt.read_state(earlier[-1]).get("config", {})
+            differ = [k for k, v in asdict(cfg).items() if k not in ("resume", "overwrite") and theirs.get(k, v) != v]
+            raise UserError(f"{cfg.output_dir} holds checkpoints of an earlier run"
+                            f"{' with another config (' + ', '.join(differ) + ')' if differ else ''}; pass --resume auto "
+                            f"to continue it, --overwrite to start over, or another --output-dir.")
+        return None
+    if cfg.resume == "auto":
+        return ckpt.newest_sound(root, warn=lambda m: accelerator.print(f"warning: {m}"))
+    path = Path(cfg.resume)
+    if not path.is_dir():
+        raise UserError(f"--resume {path} does not exist (or is not a folder).")
+    why = ckpt.problem(path)
+    if why is not None:
+        raise UserError(f"--resume {path} is not a usable checkpoint: {why}.")
+    theirs = ckpt.read_state(path)["config"]["model"]
+    if theirs != cfg.model:
+        raise UserError(f"--resume {path} holds weights of --model {theirs}; this run builds --model {cfg.model}.")
+    return path
+
+
+def export_weights(accelerator: Accelerator, model, path: Path) -> None:
+    """Full, unwrapped weights (no 'module.' or '_orig_mod.' prefix) as safetensors, written by the main process."""
+    state = accelerator.get_state_dict(accelerator.unwrap_model(model, keep_torch_compile=False))
+    if accelerator.is_main_process:
+        save_file({k: v.contiguous() for k, v in state.items()}, path)
+
+
 def take_prefix(pair, n: int | None, flag: str):
     images, labels = pair
     if n is not None and n > len(labels):
@@ -246,11 +304,14 @@ def main(cfg: Config) -> dict:
         dynamo_backend="inductor" if cfg.compile else None,  # None: whatever the launcher configured
         # Seedable sampler: the shuffle depends on the seed and epoch only, not on the world size.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=True),
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout))],  # a dead peer fails the job
     )  # no mixed_precision argument on purpose: the launcher's choice must win
     world = accelerator.num_processes
     batch_size = check_distributed_setup(accelerator, cfg)
     if cfg.sync_bn and accelerator.device.type != "cuda":
         raise UserError("--sync-bn needs CUDA GPUs: torch's SyncBatchNorm does not run on CPU.")
+    root = Path(cfg.output_dir) / "checkpoints"
+    resume_from = find_resume_point(cfg, root, accelerator)
     global_batch = batch_size * world * cfg.grad_accum
     lr = cfg.lr * global_batch / REFERENCE_BATCH if cfg.scale_lr else cfg.lr
     accelerator.print(f"config: {json.dumps(asdict(cfg))}")
@@ -287,24 +348,67 @@ def main(cfg: Config) -> dict:
     warmup_steps = min(round(cfg.warmup_epochs * steps_per_epoch), total_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, warmup_cosine(warmup_steps, total_steps))
 
+    # --- resume: weights, optimizer, RNG of every rank (Accelerate), schedule, augmentation stream, counters ---
+    p = Progress()
+    if resume_from is not None:
+        saved, rank_state = ckpt.load(accelerator, resume_from)
+        p = Progress(**saved["progress"])
+        scheduler.load_state_dict(saved["scheduler"])
+        transform.generator.set_state(rank_state["augment_rng"])
+        accelerator.print(f"resumed from {resume_from}: epoch {p.epoch + 1}, batch {p.batches_in_epoch} of "
+                          f"{len(train_loader)}, step {p.global_step}")
+    elif cfg.overwrite and accelerator.is_main_process:
+        shutil.rmtree(root, ignore_errors=True)
+    accelerator.wait_for_everyone()
+
     run_info = {"world_size": world, "distributed_type": accelerator.distributed_type.value,
                 "mixed_precision": accelerator.mixed_precision, "batch_size_per_process": batch_size,
                 "global_batch": global_batch, "effective_lr": lr,
                 "versions": {"torch": torch.__version__, "torchvision": torchvision.__version__,
                              "accelerate": sys.modules["accelerate"].__version__}}
+    same_run = {"id": p.tracker_run_id, "resume": "allow"} if p.tracker_run_id else {}
     accelerator.init_trackers(cfg.project, config={**asdict(cfg), **run_info},
-                              init_kwargs={"wandb": {"dir": cfg.output_dir}})
+                              init_kwargs={"wandb": {"dir": cfg.output_dir, **same_run}})
+    if cfg.tracker == "wandb" and accelerator.is_main_process:
+        p.tracker_run_id = accelerator.get_tracker("wandb", unwrap=True).id
 
-    global_step, images_seen, train_seconds, best_top1, epochs_completed = 0, 0, 0.0, 0.0, 0
+    # --- preemption (SLURM sends SIGTERM, or SIGUSR1 with --signal) and divergence: checked together, on all
+    # ranks at the same steps, so every rank stops at the same step boundary ---
+    signalled = []
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, lambda signum, frame: signalled.append(signum))
+    first_bad_step = torch.full((), -1, dtype=torch.long, device=accelerator.device)  # no sync per step
+    last_checkpoint = resume_from
+
+    def preempted() -> bool:
+        """Collective: True when any rank got a signal; stops the job if any rank saw a non-finite loss."""
+        both = accelerator.gather(torch.stack([first_bad_step, torch.tensor(len(signalled), device=accelerator.device)]))
+        bad = both.view(-1, 2)[:, 0]
+        if (bad >= 0).any():
+            raise UserError(f"the loss is not finite (nan or inf) at optimizer step {bad[bad >= 0].min().item()}; "
+                            f"stopped. Last good checkpoint: {last_checkpoint or 'none'}.")
+        return bool(both.view(-1, 2)[:, 1].any())
+
+    def save_checkpoint() -> Path:
+        folder = ckpt.save(accelerator, root, p.global_step,
+                           {"progress": asdict(p), "config": asdict(cfg), "world_size": world,
+                            "scheduler": scheduler.state_dict()},
+                           {"augment_rng": transform.generator.get_state()})
+        if accelerator.is_main_process:
+            ckpt.rotate(root, cfg.keep_last, keep={p.best_checkpoint})
+        return folder
+
     metrics, train_loss = None, float("nan")
-    for epoch in range(cfg.epochs):
+    while p.epoch < cfg.epochs and p.global_step < total_steps:
         model.train()
-        train_loader.set_epoch(epoch)  # new shuffle each epoch, same on every rank
-        bar = tqdm(total=len(train_loader), desc=f"epoch {epoch + 1}/{cfg.epochs}", leave=False,
-                   disable=None if accelerator.is_local_main_process else True)  # None: off when not a terminal
+        epoch_number = p.epoch + 1
+        train_loader.set_epoch(p.epoch)  # new shuffle each epoch, same on every rank
+        batches = accelerator.skip_first_batches(train_loader, p.batches_in_epoch) if p.batches_in_epoch else train_loader
+        bar = tqdm(total=len(train_loader), initial=p.batches_in_epoch, desc=f"epoch {epoch_number}/{cfg.epochs}",
+                   leave=False, disable=None if accelerator.is_local_main_process else True)  # None: off when not a tty
         loss_sum = torch.zeros((), device=accelerator.device)  # summed on device: no sync per step
         window_sum, window_batches, epoch_batches, epoch_start = loss_sum.clone(), 0, 0, time.time()
-        for images, labels in train_loader:
+        for images, labels in batches:
             with accelerator.accumulate(model):  # skips the all-reduce on non-final micro-steps
                 loss = F.cross_entropy(model(transform(images, train=True)), labels, label_smoothing=cfg.label_smoothing)
                 accelerator.backward(loss)  # divides by grad_accum
@@ -312,50 +416,68 @@ def main(cfg: Config) -> dict:
                     accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
                 optimizer.step()  # the prepared optimizer only steps on the final micro-step
                 optimizer.zero_grad(set_to_none=True)
+            first_bad_step = torch.where((first_bad_step < 0) & ~torch.isfinite(loss.detach()), p.global_step + 1, first_bad_step)
             loss_sum += loss.detach()
             window_sum += loss.detach()
-            epoch_batches, window_batches = epoch_batches + 1, window_batches + 1
+            epoch_batches, window_batches, p.batches_in_epoch = epoch_batches + 1, window_batches + 1, p.batches_in_epoch + 1
             bar.update()
             if not accelerator.sync_gradients:
                 continue
             if not optimizer.step_was_skipped:  # fp16 overflow steps leave the schedule where it was
                 scheduler.step()
-            global_step += 1
-            if global_step % cfg.log_every == 0:
+            p.global_step += 1
+            if p.global_step % cfg.log_every == 0:
                 window = accelerator.reduce(window_sum / window_batches, reduction="mean").item()
-                accelerator.log({"train/loss": window, "train/lr": scheduler.get_last_lr()[0], "epoch": epoch}, step=global_step)
+                accelerator.log({"train/loss": window, "train/lr": scheduler.get_last_lr()[0], "epoch": p.epoch}, step=p.global_step)
                 bar.set_postfix(loss=f"{window:.3f}")
                 window_sum.zero_()
                 window_batches = 0
-            if global_step >= total_steps:
+            if p.global_step >= total_steps:
                 break
+            periodic = cfg.checkpoint_every_steps and p.global_step % cfg.checkpoint_every_steps == 0
+            if p.global_step % HEALTH_CHECK_EVERY == 0 or periodic:
+                if preempted():
+                    p.images_seen += epoch_batches * batch_size * world
+                    p.train_seconds += time.time() - epoch_start
+                    folder = save_checkpoint()
+                    accelerator.print(f"preempted (signal {signalled[0] if signalled else 'on another rank'}): saved "
+                                      f"{folder}; continue with --resume auto")
+                    accelerator.end_training()
+                    return {"preempted": True, "checkpoint": str(folder)}
+                if periodic and p.batches_in_epoch < len(train_loader):  # the epoch's own checkpoint follows
+                    last_checkpoint = save_checkpoint()
         train_loss = accelerator.reduce(loss_sum / max(1, epoch_batches), reduction="mean").item()  # syncs
         epoch_seconds = time.time() - epoch_start
         bar.close()
         epoch_images = epoch_batches * batch_size * world
-        images_seen, train_seconds = images_seen + epoch_images, train_seconds + epoch_seconds
-        epochs_completed = epoch + 1
+        p.images_seen, p.train_seconds = p.images_seen + epoch_images, p.train_seconds + epoch_seconds
+        if p.batches_in_epoch == len(train_loader):
+            p.epoch, p.batches_in_epoch = p.epoch + 1, 0
 
+        preempted()  # stops on a non-finite loss before anything is saved
         metrics = evaluate(model, eval_loader, transform, accelerator)
-        best_top1 = max(best_top1, metrics["top1"])
-        accelerator.print(f"epoch {epoch + 1}/{cfg.epochs}  train_loss {train_loss:.4f}  eval_top1 {metrics['top1']:.2f}%  "
+        if metrics["top1"] > p.best_top1:
+            p.best_top1, p.best_checkpoint = metrics["top1"], f"step-{p.global_step:08d}"
+            export_weights(accelerator, model, Path(cfg.output_dir) / "best.safetensors")
+        accelerator.print(f"epoch {epoch_number}/{cfg.epochs}  train_loss {train_loss:.4f}  eval_top1 {metrics['top1']:.2f}%  "
                           f"{epoch_images / epoch_seconds:,.0f} img/s  {epoch_seconds:.1f} s")
         accelerator.log({"train/epoch_loss": train_loss, "train/images_per_sec": epoch_images / epoch_seconds,
                          **{f"eval/{k}": v for k, v in metrics.items() if k != "class_top1"},
-                         **{f"eval/top1_{c}": v for c, v in metrics["class_top1"].items()}, "epoch": epoch + 1},
-                        step=global_step)
-        if global_step >= total_steps:
-            break
+                         **{f"eval/top1_{c}": v for c, v in metrics["class_top1"].items()}, "epoch": epoch_number},
+                        step=p.global_step)
+        last_checkpoint = save_checkpoint()
 
     # --- outputs: written once, by the main process; weights unwrapped (no 'module.' prefix) ---
-    accelerator.wait_for_everyone()
-    # keep_torch_compile=False: a compiled model's keys would carry an '_orig_mod.' prefix
-    accelerator.save_model(accelerator.unwrap_model(model, keep_torch_compile=False), cfg.output_dir)  # model.safetensors
-    summary = {**run_info, "model": cfg.model, "wrapper": type(model).__name__, "epochs_completed": epochs_completed,
-               "global_step": global_step, "train_images_seen": images_seen,
-               "train_images_per_sec": images_seen / max(train_seconds, 1e-9), "train_loss": train_loss,
+    if metrics is None:  # resumed from a checkpoint of a finished run
+        metrics = evaluate(model, eval_loader, transform, accelerator)
+    export_weights(accelerator, model, Path(cfg.output_dir) / "model.safetensors")
+    summary = {**run_info, "model": cfg.model, "wrapper": type(model).__name__, "epochs_completed": p.epoch,
+               "global_step": p.global_step, "train_images_seen": p.images_seen,
+               "train_images_per_sec": p.images_seen / max(p.train_seconds, 1e-9), "train_loss": train_loss,
                "eval_examples": metrics["examples"], "eval_top1": metrics["top1"], "eval_top5": metrics["top5"],
-               "eval_loss": metrics["loss"], "eval_class_top1": metrics["class_top1"], "best_eval_top1": best_top1,
+               "eval_loss": metrics["loss"], "eval_class_top1": metrics["class_top1"], "best_eval_top1": p.best_top1,
+               "best_checkpoint": p.best_checkpoint, "last_checkpoint": str(last_checkpoint),
+               "resumed_from": str(resume_from) if resume_from else None,
                "wall_seconds": time.time() - started, "config": asdict(cfg)}
     if accelerator.is_main_process:
         with open(os.path.join(cfg.output_dir, "summary.json"), "w") as f:

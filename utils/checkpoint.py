@@ -1,0 +1,133 @@
+"""Checkpoints that count only when complete, for any script that trains with Accelerate.
+
+A checkpoint is a folder `<root>/step-00000123/` written as
+  1. `accelerator.save_state(<root>/.tmp-step-00000123)`: model, optimizer, grad scaler, RNG of every rank;
+  2. one `rank<R>.safetensors` per rank for state Accelerate does not know (our augmentation generator);
+  3. `trainer_state.json` (counters, config, tracker run id, scheduler) with a manifest: size and sha256
+     of every other file in the folder;
+  4. one atomic rename to the final name.
+A crash at any point leaves either no new checkpoint or a `.tmp-` folder that resume never trusts. At resume
+the manifest is checked, so a checkpoint truncated or corrupted later is skipped with a warning and the
+previous one is used. Nothing here deletes a checkpoint it could not verify.
+
+Written by hand because Accelerate's save_state/load_state (which this uses for the contents) has no notion
+of completeness, and its custom-object checkpointing pickles (`weights_only=False`), which we avoid.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from utils import UserError
+
+STATE_FILE = "trainer_state.json"
+NAME = re.compile(r"step-(\d{8})")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _manifest(folder: Path) -> dict[str, list]:
+    return {p.relative_to(folder).as_posix(): [p.stat().st_size, _sha256(p)]
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != STATE_FILE}
+
+
+def problem(folder: Path) -> str | None:
+    """Why `folder` cannot be trusted as a complete checkpoint, or None if it can."""
+    try:
+        state = json.loads((folder / STATE_FILE).read_text())
+        files = state["files"]
+    except FileNotFoundError:
+        return f"no {STATE_FILE}: not a checkpoint"
+    except (OSError, ValueError, KeyError) as e:
+        return f"unreadable {STATE_FILE} ({e})"
+    for name, (size, digest) in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} is truncated ({path.stat().st_size} of {size} bytes)"
+        if _sha256(path) != digest:
+            return f"{name} is corrupt (checksum mismatch)"
+    return None
+
+
+def read_state(folder: Path) -> dict:
+    return json.loads((Path(folder) / STATE_FILE).read_text())
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Checkpoint folders by step, oldest first (by name only; `problem` says whether each is sound)."""
+    return sorted(p for p in Path(root).glob("step-*") if p.is_dir() and NAME.fullmatch(p.name))
+
+
+def newest_sound(root: Path, warn=warnings.warn) -> Path | None:
+    """The newest checkpoint whose manifest verifies; each newer one that does not is reported, not deleted."""
+    for folder in reversed(complete_checkpoints(root)):
+        why = problem(folder)
+        if why is None:
+            return folder
+        warn(f"skipping checkpoint {folder}: {why}")
+    return None
+
+
+def save(accelerator, root: Path, step: int, state: dict, rank_tensors: dict[str, torch.Tensor]) -> Path:
+    """Writes checkpoint `step` (every process must call this); returns its final folder."""
+    root = Path(root)
+    name = f"step-{step:08d}"
+    tmp, final = root / f".tmp-{name}", root / name
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)  # a leftover from a crash during an earlier save
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    save_file(rank_tensors, tmp / f"rank{accelerator.process_index}.safetensors")
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        state = {**state, "files": _manifest(tmp)}
+        with open(tmp / STATE_FILE, "w") as f:
+            json.dump(state, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        if final.exists():  # an unsound checkpoint of the same step (resume skipped it): keep it, aside
+            final.rename(root / f"{name}.unsound-{int(time.time())}")
+        os.replace(tmp, final)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def load(accelerator, folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Restores what save() wrote into the prepared objects; returns (trainer state, this rank's tensors)."""
+    folder = Path(folder)
+    state = read_state(folder)
+    if state["world_size"] != accelerator.num_processes:
+        raise UserError(f"checkpoint {folder} was written by {state['world_size']} processes; this run has "
+                        f"{accelerator.num_processes} (exact resume needs the same number).")
+    try:
+        accelerator.load_state(str(folder))
+    except RuntimeError as e:  # e.g. size mismatch: weights of another model
+        raise UserError(f"checkpoint {folder} does not fit this model: {str(e).strip().splitlines()[0]}") from None
+    return state, load_file(folder / f"rank{accelerator.process_index}.safetensors")
+
+
+def rotate(root: Path, keep_last: int, keep: set[str]) -> None:
+    """Deletes finished checkpoints older than the newest `keep_last`, except those named in `keep` (the best)."""
+    finished = [p for p in complete_checkpoints(root) if (p / STATE_FILE).is_file()]
+    for folder in finished[:-keep_last]:
+        if folder.name not in keep:
+            shutil.rmtree(folder)
