@@ -13,6 +13,7 @@ changes no behaviour, it only records, per rank, into <output-dir>/probe-rank<R>
   writes       files this rank wrote under the output dir
 With PROBE_ACCELERATOR_CPU=0 it builds the script's Accelerator with cpu=False, the classic mistake that
 leaves N launched CPU processes training alone (used to test the script's world-size guard).
+With PROBE_NAN_AT_FORWARD=K the loss of the K-th training forward on every rank is NaN (a diverging run).
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ def prepare(self, *objects, **kwargs):
     def count_forward(module, args):
         if module.training:
             forwards["train"] += 1
+            forwards["poison"] = forwards["train"] == int(os.environ.get("PROBE_NAN_AT_FORWARD", "0"))
         elif forwards["eval_started"]:
             rec["eval_forward_digest"].append(digest(module.buffers()))
             forwards["eval_started"] = False
@@ -112,6 +114,14 @@ def init(self, *args, **kwargs):
     real_init(self, *args, **kwargs)
 
 
+real_cross_entropy = torch.nn.functional.cross_entropy
+
+
+def cross_entropy(*args, **kwargs):
+    loss = real_cross_entropy(*args, **kwargs)
+    return loss * float("nan") if forwards.get("poison") else loss
+
+
 real_log = Accelerator.log
 
 
@@ -141,6 +151,7 @@ train_cifar.evaluate = evaluate
 cdata.BatchTransform.__init__ = transform_init
 Accelerator.log = log
 Accelerator.__init__ = init
+torch.nn.functional.cross_entropy = cross_entropy
 accelerate_other.safe_save_file = safe_save
 
 if __name__ == "__main__":

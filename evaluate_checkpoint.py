@@ -1,0 +1,65 @@
+"""Evaluate exported weights (model.safetensors / best.safetensors) on the CIFAR-10 test set.
+
+    python evaluate_checkpoint.py runs/cifar10/best.safetensors --data-dir ../shared/data/cifar10
+    accelerate launch --config_file accelerate_configs/cpu.yaml evaluate_checkpoint.py runs/cifar10/model.safetensors
+
+Loads the weights into a plain model from train_cifar.build_model (strict: every key must match) and prints
+one JSON line with loss, top-1, top-5 and the number of test images. The model name and eval subset default
+to those in the summary.json beside the weights, so the numbers match what training reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from safetensors.torch import load_file
+
+from train_cifar import build_model, evaluate
+from utils import UserError
+from utils.data import BatchTransform, load_cifar10, make_loader
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("weights", type=Path, help="a .safetensors file written by train_cifar.py")
+    parser.add_argument("--data-dir", default=None, help="parquet folder (unset: the Hub), as for train_cifar.py")
+    parser.add_argument("--cache-dir", default=None, help="decoded-tensor cache, as for train_cifar.py")
+    parser.add_argument("--model", default=None, help="default: the model in summary.json beside the weights")
+    parser.add_argument("--eval-subset", type=int, default=None, help="default: as in summary.json (else all)")
+    parser.add_argument("--batch-size", type=int, default=500, help="images per process per batch")
+    args = parser.parse_args(argv)
+
+    if not args.weights.is_file():
+        raise UserError(f"{args.weights} does not exist.")
+    summary_path = args.weights.parent / "summary.json"
+    trained = json.loads(summary_path.read_text())["config"] if summary_path.is_file() else {}
+    model_name = args.model or trained.get("model", "resnet18")
+    subset = args.eval_subset if args.eval_subset is not None else trained.get("eval_subset")
+
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    model = build_model(model_name)
+    try:
+        model.load_state_dict(load_file(args.weights), strict=True)
+    except (RuntimeError, OSError) as e:
+        raise UserError(f"{args.weights} does not hold --model {model_name} weights: "
+                        f"{str(e).strip().splitlines()[0]}") from None
+    images, labels = load_cifar10(args.data_dir, args.cache_dir, accelerator)["test"]
+    images, labels = (images[:subset], labels[:subset]) if subset else (images, labels)
+    model, loader = accelerator.prepare(model, make_loader(images, labels, args.batch_size, train=False))
+    metrics = evaluate(model, loader, BatchTransform(accelerator.device, 0, augment=False, channels_last=False), accelerator)
+    result = {k: v for k, v in metrics.items() if k != "class_top1"} | {"weights": str(args.weights), "model": model_name}
+    accelerator.print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

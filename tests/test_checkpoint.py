@@ -1,0 +1,216 @@
+"""Checkpoints, exact resume and faults, on 2 gloo ranks: kill -9, SIGTERM/SIGUSR1, corrupt checkpoints,
+a dead peer, a NaN loss; and bad resume input.
+
+The 2-rank job (cpu.yaml): 512 images, global batch 64 -> 8 optimizer steps per epoch, 2 epochs, a checkpoint
+every 3 steps (3, 6, 9, 12, 15) and at each epoch end (8, 16); augmentation on, so resume must restore every
+rank's augmentation stream too; fp32 on CPU, so "exact" means bitwise.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from conftest import CPU_YAML, REPO, read_summary, run_train, script_env, write_cifar_dir
+from safetensors.torch import load_file
+
+JOB = ["--model", "resnet18_imagenet", "--train-subset", "512", "--eval-subset", "100", "--global-batch-size", "64",
+       "--epochs", "2", "--checkpoint-every-steps", "3", "--deterministic", "--tracker", "none", "--lr", "0.05"]
+TWO_RANKS = ["--config_file", str(CPU_YAML)]
+PROBE = REPO / "tests" / "probe_train.py"
+
+
+def job_args(cifar_dir, cache_dir, out, *extra):
+    return ["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out), *JOB, *extra]
+
+
+def start(args, script=REPO / "train_cifar.py", env=None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *TWO_RANKS, "--main_process_port", "0", str(script), *args]
+    return subprocess.Popen(cmd, cwd=REPO, env=env or script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def wait_for_checkpoint(out: Path, proc: subprocess.Popen, step: int, timeout: float = 300) -> None:
+    done = out / "checkpoints" / f"step-{step:08d}" / "trainer_state.json"
+    deadline = time.time() + timeout
+    while not done.exists():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.time() < deadline, "no checkpoint appeared"
+        time.sleep(0.02)
+
+
+def workers(proc: subprocess.Popen) -> list[psutil.Process]:
+    return [c for c in psutil.Process(proc.pid).children(recursive=True) if "train_cifar.py" in " ".join(c.cmdline())]
+
+
+def assert_same_state(a: Path, b: Path) -> None:
+    sa, sb = load_file(a), load_file(b)
+    assert sa.keys() == sb.keys()
+    differ = [k for k in sa if not torch.equal(sa[k], sb[k])]
+    assert not differ, f"{len(differ)} tensors differ, e.g. {differ[:3]}"
+
+
+@pytest.fixture(scope="module")
+def reference(cifar_dir, cache_dir, tmp_path_factory) -> Path:
+    """The uninterrupted run every resumed run must reproduce."""
+    out = tmp_path_factory.mktemp("reference")
+    result = run_train(job_args(cifar_dir, cache_dir, out), launch=TWO_RANKS)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return out
+
+
+def test_checkpoints_are_rotated_keeping_the_last_two_and_the_best(reference):
+    s = read_summary(reference)
+    assert s["global_step"] == 16 and s["epochs_completed"] == 2
+    kept = sorted(p.name for p in (reference / "checkpoints").iterdir())
+    assert kept == sorted({"step-00000015", "step-00000016", s["best_checkpoint"]})
+    state = json.loads((reference / "checkpoints" / "step-00000015" / "trainer_state.json").read_text())
+    assert state["progress"]["epoch"] == 1 and state["progress"]["batches_in_epoch"] == 7  # mid-epoch position
+    assert state["config"]["model"] == "resnet18_imagenet" and state["world_size"] == 2
+    assert {"model.safetensors", "optimizer.bin", "random_states_0.pkl", "random_states_1.pkl",
+            "rank0.safetensors", "rank1.safetensors"} <= set(state["files"])
+
+
+def test_kill_9_mid_epoch_then_resume_auto_matches_the_uninterrupted_run(reference, cifar_dir, cache_dir, tmp_path):
+    out = tmp_path / "killed"
+    proc = start(job_args(cifar_dir, cache_dir, out))
+    wait_for_checkpoint(out, proc, 3)
+    job = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
+    for process in job:
+        process.kill()  # the workers run in sessions of their own: kill every process of the job, as a node loss would
+    proc.wait()
+    psutil.wait_procs(job, timeout=10)
+    assert not (out / "summary.json").exists()
+    result = run_train(job_args(cifar_dir, cache_dir, out, "--resume", "auto"), launch=TWO_RANKS)
+    assert result.returncode == 0, result.stderr[-4000:]
+    s = read_summary(out)
+    assert int(Path(s["resumed_from"]).name[5:]) % 8 != 0, "the kill should land mid-epoch (8 steps per epoch)"
+    assert s["global_step"] == 16
+    assert_same_state(out / "model.safetensors", reference / "model.safetensors")  # parameters and BN buffers
+
+
+@pytest.mark.parametrize("how", ["SIGTERM to the launcher", "SIGUSR1 to every rank"])
+def test_preemption_signal_checkpoints_at_the_next_step_and_resume_is_exact(reference, cifar_dir, cache_dir, tmp_path, how):
+    out = tmp_path / "preempted"
+    proc = start(job_args(cifar_dir, cache_dir, out))
+    wait_for_checkpoint(out, proc, 3)
+    sent = time.time()
+    if how.startswith("SIGTERM"):
+        proc.send_signal(signal.SIGTERM)  # torchrun forwards it to the workers, as SLURM's to srun's tasks
+    else:
+        for worker in workers(proc):
+            worker.send_signal(signal.SIGUSR1)
+    _, stderr = proc.communicate(timeout=60)
+    assert time.time() - sent < 30, "the job must stop within seconds"
+    saved = [p for p in (out / "checkpoints").glob("step-*") if int(p.name[5:]) > 3]
+    assert saved, stderr[-3000:]
+    assert not (out / "summary.json").exists()
+    result = run_train(job_args(cifar_dir, cache_dir, out, "--resume", "auto"), launch=TWO_RANKS)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "resumed from" in result.stdout
+    assert_same_state(out / "model.safetensors", reference / "model.safetensors")
+
+
+def test_truncated_newest_checkpoint_is_skipped_with_a_warning_and_nothing_is_deleted(reference, cifar_dir, cache_dir, tmp_path):
+    out = tmp_path / "corrupt"
+    shutil.copytree(reference, out)
+    (out / "summary.json").unlink()
+    newest = out / "checkpoints" / "step-00000016"
+    weights = newest / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    result = run_train(job_args(cifar_dir, cache_dir, out, "--resume", "auto"), launch=TWO_RANKS)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "warning: skipping checkpoint" in result.stdout and "model.safetensors is truncated" in result.stdout
+    assert read_summary(out)["resumed_from"].endswith("step-00000015")
+    kept_aside = list((out / "checkpoints").glob("step-00000016.unsound-*"))
+    assert len(kept_aside) == 1 and (kept_aside[0] / "model.safetensors").stat().st_size == 1000
+    assert_same_state(out / "model.safetensors", reference / "model.safetensors")
+
+
+def test_dead_peer_fails_the_job_instead_of_hanging(cifar_dir, cache_dir, tmp_path):
+    out = tmp_path / "dead_peer"
+    proc = start(job_args(cifar_dir, cache_dir, out, "--dist-timeout", "30"))
+    wait_for_checkpoint(out, proc, 3)
+    victim = next(w for w in workers(proc) if w.environ().get("RANK") == "1")
+    victim.kill()
+    started = time.time()
+    proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert time.time() - started < 60
+
+
+def test_nan_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(cifar_dir, cache_dir, tmp_path):
+    out = tmp_path / "nan"
+    result = run_train(job_args(cifar_dir, cache_dir, out), launch=TWO_RANKS, script=PROBE,
+                       env=script_env(PROBE_NAN_AT_FORWARD="5"))
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode != 0
+    assert len(errors) == 1 and "not finite (nan or inf) at optimizer step 5" in errors[0], result.stderr[-3000:]
+    assert "step-00000003" in errors[0]
+    from utils import checkpoint as ckpt
+
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000003"]
+    assert ckpt.problem(out / "checkpoints" / "step-00000003") is None
+    assert not (out / "model.safetensors").exists()
+
+
+def test_exported_weights_evaluate_to_the_reported_top1(reference, cifar_dir, cache_dir):
+    s = read_summary(reference)
+    for name, expected in [("model.safetensors", s["eval_top1"]), ("best.safetensors", s["best_eval_top1"])]:
+        result = subprocess.run([sys.executable, "evaluate_checkpoint.py", str(reference / name), "--data-dir", str(cifar_dir),
+                                 "--cache-dir", str(cache_dir), "--batch-size", "50"],
+                                cwd=REPO, env=script_env(OMP_NUM_THREADS="1"), capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr[-3000:]
+        got = json.loads(result.stdout.strip().splitlines()[-1])
+        assert got["examples"] == 100 and got["top1"] == expected, (name, got, expected)
+
+
+# Bad resume input: one line, exit 2, nothing deleted --------------------------------------------------
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory) -> tuple[Path, Path]:
+    data = write_cifar_dir(tmp_path_factory.mktemp("small") / "data", n_train=64, n_test=16)
+    out = data.parent / "run"
+    result = run_train(["--data-dir", str(data), "--output-dir", str(out), "--model", "resnet18_imagenet", "--batch-size",
+                        "16", "--epochs", "1", "--tracker", "none", "--cache-dir", str(data.parent / "cache")])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return data, out
+
+
+def _tree(folder: Path) -> dict:
+    return {p.relative_to(folder).as_posix(): p.stat().st_size for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--resume", "/nonexistent/step-1"], "--resume /nonexistent/step-1 does not exist"),
+    (["--resume", "{data}"], "is not a usable checkpoint: no trainer_state.json: not a checkpoint"),
+    (["--resume", "{ckpt}", "--model", "resnet18"], "holds weights of --model resnet18_imagenet; this run builds --model resnet18"),
+    (["--keep-last", "0"], "--keep-last must be positive (got 0)"),
+    (["--model", "resnet18_imagenet", "--lr", "0.2"], "holds checkpoints of an earlier run with another config (lr)"),
+])
+def test_bad_resume_input_stops_with_one_line_and_deletes_nothing(small_run, extra, message):
+    data, out = small_run
+    checkpoint = next((out / "checkpoints").glob("step-*"))
+    args = [a.format(data=data, ckpt=checkpoint) for a in extra]
+    before = _tree(out)
+    result = run_train(["--data-dir", str(data), "--output-dir", str(out), "--batch-size", "16", "--epochs", "1",
+                        "--tracker", "none", "--cache-dir", str(data.parent / "cache"), *args])
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], result.stderr[-3000:]
+    assert _tree(out) == before
+
+
+def test_no_torch_load_without_weights_only():
+    sources = [p for p in REPO.rglob("*.py") if ".venv" not in p.parts]
+    for path in sources:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if "torch.load(" in line and "weights_only=True" not in line and "torch.load(\" in line" not in line:
+                pytest.fail(f"{path.relative_to(REPO)}:{number} calls torch.load without weights_only=True")
