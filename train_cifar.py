@@ -353,6 +353,9 @@ def main(cfg: Config) -> dict:
     if resume_from is not None:
         saved, rank_state = ckpt.load(accelerator, resume_from)
         p = Progress(**saved["progress"])
+        changed = [k for k, v in asdict(cfg).items() if k not in ("resume", "overwrite") and saved["config"].get(k) != v]
+        if changed:
+            accelerator.print(f"warning: resuming with a changed config: {', '.join(changed)}")
         scheduler.load_state_dict(saved["scheduler"])
         transform.generator.set_state(rank_state["augment_rng"])
         accelerator.print(f"resumed from {resume_from}: epoch {p.epoch + 1}, batch {p.batches_in_epoch} of "

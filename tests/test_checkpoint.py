@@ -214,3 +214,17 @@ def test_no_torch_load_without_weights_only():
         for number, line in enumerate(path.read_text().splitlines(), 1):
             if "torch.load(" in line and "weights_only=True" not in line and "torch.load(\" in line" not in line:
                 pytest.fail(f"{path.relative_to(REPO)}:{number} calls torch.load without weights_only=True")
+
+
+def test_resumed_run_continues_the_same_wandb_run(small_run, tmp_path):
+    data, _ = small_run
+    out = tmp_path / "tracked"
+    common = ["--data-dir", str(data), "--output-dir", str(out), "--model", "resnet18_imagenet", "--batch-size", "16",
+              "--tracker", "wandb", "--cache-dir", str(data.parent / "cache"), "--log-every", "1"]
+    first = run_train([*common, "--epochs", "1"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = run_train([*common, "--epochs", "2", "--resume", "auto"])
+    assert second.returncode == 0, second.stderr[-3000:]
+    runs = sorted((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and runs[0].name.split("-")[-1] == runs[1].name.split("-")[-1]  # one W&B run id
+    assert read_summary(out)["global_step"] == 8 and read_summary(out)["resumed_from"].endswith("step-00000004")
