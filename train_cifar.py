@@ -374,6 +374,16 @@ def main(cfg: Config) -> dict:
                               init_kwargs={"wandb": {"dir": cfg.output_dir, **same_run}})
     if cfg.tracker == "wandb" and accelerator.is_main_process:
         p.tracker_run_id = accelerator.get_tracker("wandb", unwrap=True).id
+    # A run killed after its last checkpoint had already logged the steps it trains again now (to the same
+    # values: resume is exact); log only past them, so the tracker's steps keep increasing.
+    logged_file = Path(cfg.output_dir) / "tracker_logged_step.txt"
+    already_logged = int(logged_file.read_text()) if resume_from is not None and logged_file.is_file() else 0
+
+    def log(values: dict, step: int) -> None:
+        if step > already_logged:
+            accelerator.log(values, step=step)
+            if accelerator.is_main_process:
+                logged_file.write_text(str(step))
 
     # --- preemption (SLURM sends SIGTERM, or SIGUSR1 with --signal) and divergence: checked together, on all
     # ranks at the same steps, so every rank stops at the same step boundary ---
@@ -431,7 +441,7 @@ def main(cfg: Config) -> dict:
             p.global_step += 1
             if p.global_step % cfg.log_every == 0:
                 window = accelerator.reduce(window_sum / window_batches, reduction="mean").item()
-                accelerator.log({"train/loss": window, "train/lr": scheduler.get_last_lr()[0], "epoch": p.epoch}, step=p.global_step)
+                log({"train/loss": window, "train/lr": scheduler.get_last_lr()[0], "epoch": p.epoch}, step=p.global_step)
                 bar.set_postfix(loss=f"{window:.3f}")
                 window_sum.zero_()
                 window_batches = 0
@@ -464,10 +474,10 @@ def main(cfg: Config) -> dict:
             export_weights(accelerator, model, Path(cfg.output_dir) / "best.safetensors")
         accelerator.print(f"epoch {epoch_number}/{cfg.epochs}  train_loss {train_loss:.4f}  eval_top1 {metrics['top1']:.2f}%  "
                           f"{epoch_images / epoch_seconds:,.0f} img/s  {epoch_seconds:.1f} s")
-        accelerator.log({"train/epoch_loss": train_loss, "train/images_per_sec": epoch_images / epoch_seconds,
-                         **{f"eval/{k}": v for k, v in metrics.items() if k != "class_top1"},
-                         **{f"eval/top1_{c}": v for c, v in metrics["class_top1"].items()}, "epoch": epoch_number},
-                        step=p.global_step)
+        log({"train/epoch_loss": train_loss, "train/images_per_sec": epoch_images / epoch_seconds,
+             **{f"eval/{k}": v for k, v in metrics.items() if k != "class_top1"},
+             **{f"eval/top1_{c}": v for c, v in metrics["class_top1"].items()}, "epoch": epoch_number},
+            step=p.global_step)
         last_checkpoint = save_checkpoint()
 
     # --- outputs: written once, by the main process; weights unwrapped (no 'module.' prefix) ---

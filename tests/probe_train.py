@@ -9,7 +9,8 @@ changes no behaviour, it only records, per rank, into <output-dir>/probe-rank<R>
   eval_buffer_digest  sha256 of the BatchNorm buffers when each evaluation is called (as training left them)
   eval_forward_digest sha256 of the BatchNorm buffers at the first forward of each evaluation (what it uses)
   aug_seed     initial seed of the rank's augmentation generator
-  logs         every accelerator.log(values, step) call
+  logs         every accelerator.log(values, step) call (also appended, as it happens, to probe-logs-rank<R>.jsonl,
+               which survives a kill)
   writes       files this rank wrote under the output dir
 With PROBE_ACCELERATOR_CPU=0 it builds the script's Accelerator with cpu=False, the classic mistake that
 leaves N launched CPU processes training alone (used to test the script's world-size guard).
@@ -127,6 +128,8 @@ real_log = Accelerator.log
 
 def log(self, values, step=None, **kwargs):
     rec["logs"].append([step, {k: v for k, v in values.items() if isinstance(v, int | float)}])
+    with open(Path(output_dir, f"probe-logs-rank{os.environ.get('RANK', '0')}.jsonl"), "a") as f:
+        f.write(json.dumps(rec["logs"][-1]) + "\n")
     return real_log(self, values, step=step, **kwargs)
 
 

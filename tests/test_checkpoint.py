@@ -81,18 +81,26 @@ def test_checkpoints_are_rotated_keeping_the_last_two_and_the_best(reference):
 
 def test_kill_9_mid_epoch_then_resume_auto_matches_the_uninterrupted_run(reference, cifar_dir, cache_dir, tmp_path):
     out = tmp_path / "killed"
-    proc = start(job_args(cifar_dir, cache_dir, out))
+    proc = start(job_args(cifar_dir, cache_dir, out, "--log-every", "1"), script=PROBE)
     wait_for_checkpoint(out, proc, 3)
+    while not (out / "probe-logs-rank0.jsonl").is_file() or len((out / "probe-logs-rank0.jsonl").read_text().splitlines()) < 4:
+        time.sleep(0.01)  # let it log past the checkpoint, as a real job would before it dies
     job = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
     for process in job:
         process.kill()  # the workers run in sessions of their own: kill every process of the job, as a node loss would
     proc.wait()
     psutil.wait_procs(job, timeout=10)
     assert not (out / "summary.json").exists()
-    result = run_train(job_args(cifar_dir, cache_dir, out, "--resume", "auto"), launch=TWO_RANKS)
+    first_life = [step for step, _ in map(json.loads, (out / "probe-logs-rank0.jsonl").read_text().splitlines())]
+    result = run_train(job_args(cifar_dir, cache_dir, out, "--log-every", "1", "--resume", "auto"), launch=TWO_RANKS,
+                       script=PROBE)
     assert result.returncode == 0, result.stderr[-4000:]
     s = read_summary(out)
-    assert int(Path(s["resumed_from"]).name[5:]) % 8 != 0, "the kill should land mid-epoch (8 steps per epoch)"
+    resumed_at = int(Path(s["resumed_from"]).name[5:])
+    assert resumed_at % 8 != 0, "the kill should land mid-epoch (8 steps per epoch)"
+    steps = [step for step, _ in map(json.loads, (out / "probe-logs-rank0.jsonl").read_text().splitlines())]
+    assert max(first_life) > resumed_at  # the first life logged steps it did not checkpoint ...
+    assert steps == sorted(steps) and sorted(set(steps)) == list(range(1, 17))  # ... and they are not logged twice
     assert s["global_step"] == 16
     assert_same_state(out / "model.safetensors", reference / "model.safetensors")  # parameters and BN buffers
 
