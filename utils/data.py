@@ -179,13 +179,15 @@ def _write_cache(path: Path, data: dict[str, tuple[torch.Tensor, torch.Tensor]])
             os.remove(tmp)
 
 
-def load_cifar10(data_dir: str | None, cache_dir: str | None, accelerator) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def load_cifar10(data_dir: str | None, cache_dir: str | None, accelerator=None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """{'train': (images, labels), 'test': (images, labels)} for the whole splits, on the CPU.
 
     The local main process of each machine decodes and writes the cache while the others wait, then
     they read it. An input error found there is raised on every process, so all exit with its message
     (instead of the others dying in a barrier with a traceback).
     """
+    if accelerator is None:  # one process, or a script without Accelerate (the benchmarks' seed copy)
+        return _load(data_dir, cache_dir, print, write_cache=True)
     data = error = None
     if accelerator.is_local_main_process:
         try:

@@ -1,0 +1,38 @@
+"""What every benchmark prints: the machine, the versions, the command, and a ratio of two medians."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shlex
+import statistics
+import sys
+
+import torch
+
+
+def header(title: str) -> None:
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    import accelerate
+    import torchvision
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    print(f"# {title}")
+    print(f"machine: {os.cpu_count()} cores, {cpu}; GPU: {gpu}")
+    print(f"versions: python {platform.python_version()}, torch {torch.__version__}, torchvision {torchvision.__version__}, "
+          f"accelerate {accelerate.__version__}")
+    print(f"command: {shlex.join([sys.executable.rsplit('/', 1)[-1], *sys.argv])}")
+
+
+def report(name_a: str, rates_a: list[float], name_b: str, rates_b: list[float], unit: str = "img/s") -> float:
+    """Prints both medians and the ratio a/b; returns the ratio."""
+    a, b = statistics.median(rates_a), statistics.median(rates_b)
+    print(f"{name_a}: {a:,.0f} {unit} (median of {len(rates_a)}: {', '.join(f'{r:,.0f}' for r in rates_a)})")
+    print(f"{name_b}: {b:,.0f} {unit} (median of {len(rates_b)}: {', '.join(f'{r:,.0f}' for r in rates_b)})")
+    print(f"ratio {name_a} / {name_b}: {a / b:.2f}x")
+    return a / b

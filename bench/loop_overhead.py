@@ -1,0 +1,77 @@
+"""P3: the overhead of train_cifar.py's training loop (Accelerate's prepared loader, model and optimizer,
+accumulate, the LR schedule, logging, the health checks) against a bare PyTorch loop over the same tensors,
+model, optimizer, augmentation and batch, in one process, alternating runs. Goal: at most 2% slower.
+
+    python bench/loop_overhead.py --data-dir ../shared/data/cifar10
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import train_cifar  # noqa: E402
+from bench.common import header, report  # noqa: E402
+from utils.data import BatchTransform, load_cifar10  # noqa: E402
+
+
+def bare_loop(cfg: train_cifar.Config, images: torch.Tensor, labels: torch.Tensor) -> float:
+    """Images/s of the plainest loop doing the same work: index, augment, forward, backward, clip, step."""
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    images, labels = images.to(dev), labels.to(dev)
+    torch.manual_seed(cfg.seed)
+    model = train_cifar.build_model(cfg.model).to(dev)
+    optimizer = train_cifar.build_optimizer(cfg, model, cfg.lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, train_cifar.warmup_cosine(1, cfg.max_steps))
+    transform = BatchTransform(dev, 0, augment=True, channels_last=cfg.channels_last)
+    order = torch.randperm(len(labels), device=dev)
+    model.train()
+    start = time.perf_counter()
+    for step in range(cfg.max_steps):
+        idx = order[step * cfg.batch_size:(step + 1) * cfg.batch_size]
+        loss = F.cross_entropy(model(transform(images[idx], train=True)), labels[idx])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+    loss.item()
+    return cfg.max_steps * cfg.batch_size / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--cache-dir", default=None)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--model", default="resnet18_imagenet")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    header("P3 loop overhead: train_cifar.py's loop vs a bare PyTorch loop")
+    out = tempfile.mkdtemp(prefix="loop_overhead_")
+    n = args.steps * args.batch_size
+    cfg = train_cifar.Config(data_dir=args.data_dir, cache_dir=args.cache_dir, output_dir=out, model=args.model,
+                             batch_size=args.batch_size, train_subset=n, eval_subset=100, epochs=1, max_steps=args.steps,
+                             warmup_epochs=1 / args.steps, tracker="none", overwrite=True, log_every=10)
+    assert math.ceil(n / args.batch_size) == args.steps
+    images, labels = load_cifar10(cfg.data_dir, cfg.cache_dir, train_cifar.Accelerator(cpu=not torch.cuda.is_available()))["train"]
+    ours, bare = [], []
+    for _ in range(args.repeats):
+        ours.append(train_cifar.main(cfg)["train_images_per_sec"])
+        bare.append(bare_loop(cfg, images[:n], labels[:n]))
+    print(f"model {args.model}, batch {args.batch_size}, {args.steps} optimizer steps per run, {torch.get_num_threads()} threads")
+    ratio = report("train_cifar.py loop", ours, "bare loop", bare)
+    print(f"overhead: {100 * (1 / ratio - 1):+.1f}% time per image")
+
+
+if __name__ == "__main__":
+    main()

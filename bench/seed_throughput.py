@@ -1,0 +1,67 @@
+"""P1: training throughput of the seed's DDP script (bench/seed_ddp.py: gloo, DistributedSampler, per-sample
+PIL + ToTensor DataLoader with 4 workers, torchvision resnet18, AdamW, batch 128 per rank) against
+train_cifar.py --model resnet18_imagenet on the same images, 2 ranks, batch 128 per rank, AdamW, same
+epochs, no augmentation in either; ours once as cpu.yaml gives it (fp32) and once with the fast settings
+(bf16 autocast + channels_last). Runs alternate. Goal: >= 1.4x.
+
+    python bench/seed_throughput.py --data-dir ../shared/data/cifar10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from bench.common import header, report  # noqa: E402
+
+
+def run(cmd: list[str]) -> str:
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    if result.returncode != 0:
+        sys.exit(f"failed: {' '.join(cmd)}\n{result.stderr[-3000:]}")
+    return result.stdout
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--cache-dir", default=None)
+    parser.add_argument("--images", type=int, default=5120)
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    header("P1 training throughput: the seed's DDP script vs train_cifar.py, 2 CPU ranks")
+    data = [*(["--data-dir", args.data_dir] if args.data_dir else []), *(["--cache-dir", args.cache_dir] if args.cache_dir else [])]
+    seed_cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                "bench/seed_ddp.py", *data, "--images", str(args.images), "--epochs", str(args.epochs)]
+    out = tempfile.mkdtemp(prefix="p1_")
+
+    def ours_cmd(fast: bool) -> list[str]:
+        launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/cpu.yaml",
+                  "--main_process_port", "0", *(["--mixed_precision", "bf16"] if fast else [])]
+        return [*launch, "train_cifar.py", *data, "--model", "resnet18_imagenet", "--optimizer", "adamw", "--lr", "1e-3",
+                "--weight-decay", "0.01", "--batch-size", "128", "--augment", "none", "--train-subset", str(args.images),
+                "--eval-subset", "100", "--epochs", str(args.epochs), "--tracker", "none", "--output-dir", out,
+                "--overwrite", *(["--channels-last"] if fast else [])]
+
+    print("seed:", " ".join(seed_cmd[1:]))
+    print("ours:", " ".join(ours_cmd(True)[1:]), "(fp32: without --mixed_precision bf16 and --channels-last)")
+    seed, ours, fast = [], [], []
+    for _ in range(args.repeats):
+        seed.append(json.loads(run(seed_cmd).strip().splitlines()[-1])["images_per_sec"])
+        run(ours_cmd(False))
+        ours.append(json.loads((Path(out) / "summary.json").read_text())["train_images_per_sec"])
+        run(ours_cmd(True))
+        fast.append(json.loads((Path(out) / "summary.json").read_text())["train_images_per_sec"])
+    report("train_cifar.py fp32", ours, "seed", seed)
+    report("train_cifar.py bf16+channels_last", fast, "seed", seed)
+
+
+if __name__ == "__main__":
+    main()
