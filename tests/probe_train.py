@@ -142,7 +142,7 @@ def safe_save(obj, path, *args, **kwargs):
 
 
 def audit(event, args):
-    if event == "open" and isinstance(args[0], str) and args[0].startswith(output_dir):
+    if event == "open" and isinstance(args[0], str) and args[0].startswith(output_dir) and "/probe-" not in args[0]:
         mode = args[1] or "r"
         if any(c in mode for c in "wax+"):
             rec["writes"].append(args[0])
