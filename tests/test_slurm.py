@@ -1,0 +1,85 @@
+"""The SLURM scripts without SLURM: their launch logic runs with the SLURM environment set by the test, and
+fake `srun`/`scontrol` commands (srun runs its command once on this machine; scontrol names 127.0.0.1 as
+the head node and records a requeue)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+
+import pytest
+from conftest import REPO, read_summary, script_env
+
+SLURM = REPO / "slurm"
+JOB = ["--model", "resnet18_imagenet", "--train-subset", "512", "--eval-subset", "50", "--batch-size", "32",
+       "--epochs", "2", "--checkpoint-every-steps", "2", "--tracker", "none"]
+
+
+@pytest.fixture
+def fake_slurm(tmp_path) -> dict:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f"""#!/usr/bin/env bash
+case "$1 $2" in
+  "show hostnames") echo 127.0.0.1 ;;
+  *) echo "$@" >> {tmp_path}/scontrol.log ;;
+esac
+""")
+    (bin_dir / "srun").write_text("""#!/usr/bin/env bash
+while [[ "$1" == --* ]]; do shift; done   # drop srun's options; run the command once, here
+exec "$@"
+""")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return script_env(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_NODELIST="node[1-2]", SLURM_JOB_ID="4242",
+                      SLURM_SUBMIT_DIR=str(REPO), MAIN_PORT=str(port), MIXED_PRECISION="no")
+
+
+@pytest.mark.parametrize("script", sorted(SLURM.iterdir()), ids=lambda p: p.name)
+def test_slurm_scripts_parse(script):
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+
+
+def test_launch_logic_starts_two_fake_nodes_as_one_world_of_two(fake_slurm, cifar_dir, cache_dir, tmp_path):
+    out = tmp_path / "two_nodes"
+    nodes = [subprocess.Popen(["bash", str(SLURM / "launch.sh"), "--", "--data-dir", str(cifar_dir), "--cache-dir",
+                               str(cache_dir), "--output-dir", str(out), *JOB, "--epochs", "1"],
+                              # static: with c10d both fake nodes, being one host, would each try to host the store
+                              env={**fake_slurm, "SLURM_NNODES": "2", "SLURM_NODEID": str(rank), "GPUS_PER_NODE": "1",
+                                   "RDZV_BACKEND": "static"},
+                              cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in (0, 1)]
+    results = [n.communicate(timeout=180) for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], results[0][1][-3000:] + results[1][1][-3000:]
+    s = read_summary(out)
+    assert s["world_size"] == 2 and s["distributed_type"] == "MULTI_CPU" and s["config"]["resume"] == "auto"
+
+
+def test_sbatch_script_checkpoints_and_requeues_on_the_preemption_signal(fake_slurm, cifar_dir, cache_dir, tmp_path):
+    out = tmp_path / "preempted"
+    env = {**fake_slurm, "SLURM_NNODES": "1", "SLURM_NODEID": "0", "SLURM_GPUS_ON_NODE": "2"}
+    args = ["bash", str(SLURM / "train_1node.sbatch"), "--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir),
+            "--output-dir", str(out), *JOB]
+    job = subprocess.Popen(args, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = out / "checkpoints" / "step-00000002" / "trainer_state.json"
+    deadline = time.time() + 300
+    while not first.exists():
+        assert job.poll() is None and time.time() < deadline, job.communicate()[1][-3000:]
+        time.sleep(0.05)
+    job.send_signal(signal.SIGUSR1)  # what `#SBATCH --signal=B:USR1@120` delivers to the batch shell
+    stdout, stderr = job.communicate(timeout=120)
+    assert job.returncode == 0, stderr[-3000:]
+    assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]
+    assert not (out / "summary.json").exists()
+    assert any(int(p.name[5:]) > 2 for p in (out / "checkpoints").glob("step-*")), stdout[-2000:]
+
+    again = subprocess.run(args, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)  # the requeued job
+    assert again.returncode == 0, again.stderr[-3000:]
+    s = read_summary(out)
+    assert s["resumed_from"] and s["global_step"] == 2 * 512 // 64 and s["world_size"] == 2
