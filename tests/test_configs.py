@@ -50,3 +50,15 @@ def test_two_machines_on_loopback_train_together_from_the_multinode_config(cifar
     s = read_summary(out)
     assert (s["world_size"], s["distributed_type"], s["wrapper"]) == (2, "MULTI_CPU", "DistributedDataParallel")
     assert s["global_step"] == 256 // 64 and s["eval_examples"] == 50
+
+
+def test_doctor_reports_a_healthy_two_rank_cpu_setup():
+    result = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / "cpu.yaml"),
+                             "--main_process_port", "0", str(REPO / "doctor.py"), "--timeout", "30", "--size-mb", "8"],
+                            cwd=REPO, env=script_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    assert sum(line.strip().startswith("rank ") and "gloo" in line for line in lines) == 2
+    bandwidth = next(line for line in lines if "bus bandwidth" in line)
+    assert float(bandwidth.split("bus bandwidth ")[1].split(" GB/s")[0]) > 0
+    assert lines[-1] == "doctor: OK (2 processes, MULTI_CPU)"

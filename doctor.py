@@ -1,0 +1,121 @@
+"""Check a distributed setup before training: launch it exactly like train_cifar.py (same YAML, same flags).
+
+    accelerate launch --config_file accelerate_configs/cpu.yaml doctor.py
+    accelerate launch --config_file accelerate_configs/2node_16gpu.yaml --machine_rank R --main_process_ip HEAD doctor.py
+
+Every process prints what it sees (versions, rank, world size, device, backend); the main process checks
+that all agree, times an all-reduce (bus bandwidth) and a barrier, and prints OK or, for each problem, what
+is wrong and the fix. Everything waits at most --timeout seconds, so a missing process, an unreachable or
+busy port or a world-size mismatch is reported instead of hanging. Exit status 0 when healthy, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+FIXES = {
+    "joined": "a process is missing: every machine must run the launch command, with the same --num_machines and "
+              "--num_processes, its own --machine_rank, and the head node's --main_process_ip/--main_process_port",
+    "Address already in use": "the port is busy (an earlier job still running?): pick another --main_process_port",
+    "Connection refused": "nothing listens at the head node's address yet or a firewall blocks it: check "
+                          "--main_process_ip is the head node's address reachable from here, and that it started",
+    "timed out": "a process did not answer in time: check that all machines started, reach each other, and use the "
+                 "same config (num_processes, num_machines)",
+}
+
+
+def facts(accelerator) -> dict:
+    import accelerate
+
+    cuda = torch.cuda.is_available()
+    return {"rank": accelerator.process_index, "local_rank": accelerator.local_process_index, "host": socket.gethostname(),
+            "world_size": accelerator.num_processes, "launcher_world_size": int(os.environ.get("WORLD_SIZE", "1")),
+            "distributed_type": accelerator.distributed_type.value, "mixed_precision": accelerator.mixed_precision,
+            "device": str(accelerator.device), "backend": dist.get_backend() if dist.is_initialized() else "none",
+            "torch": torch.__version__, "accelerate": accelerate.__version__,
+            "cuda": torch.version.cuda if cuda else None,
+            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None}
+
+
+def diagnose(error: Exception) -> str:
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    fix = next((f for key, f in FIXES.items() if key in str(error)), "see the message above; rerun with the same "
+               "command on every machine")
+    return f"{text}\n  fix: {fix}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--timeout", type=float, default=60, help="seconds any step may wait for the other processes")
+    parser.add_argument("--size-mb", type=float, default=64, help="all-reduce payload per process")
+    args = parser.parse_args()
+    rank = int(os.environ.get("RANK", "0"))
+    say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
+    say(f"doctor: launcher says world size {os.environ.get('WORLD_SIZE', '1')}, head "
+        f"{os.environ.get('MASTER_ADDR', '-')}:{os.environ.get('MASTER_PORT', '-')}; waiting at most {args.timeout:g} s")
+
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs, gather_object
+
+    try:
+        accelerator = Accelerator(cpu=not torch.cuda.is_available(),
+                                  kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.timeout))])
+        everyone = gather_object([facts(accelerator)])
+    except Exception as e:  # the process group could not form
+        print(f"doctor: PROBLEM on rank {rank}: {diagnose(e)}", file=sys.stderr, flush=True)
+        return 1
+
+    problems = []
+    for f in everyone:
+        say(f"  rank {f['rank']} (local {f['local_rank']}) on {f['host']}: {f['device']}, {f['backend']}, "
+            f"{f['distributed_type']}, mixed precision {f['mixed_precision']}, torch {f['torch']}, accelerate "
+            f"{f['accelerate']}, CUDA {f['cuda']}, NCCL {f['nccl']}")
+    if any(f["world_size"] != f["launcher_world_size"] for f in everyone):
+        problems.append("world-size mismatch: the launcher started more processes than joined one group "
+                        "(N processes each training alone)\n  fix: on a CPU machine the script must build "
+                        "Accelerator(cpu=True); check num_processes in the YAML matches the devices")
+    for key in ("world_size", "distributed_type", "mixed_precision", "torch", "accelerate", "cuda", "nccl"):
+        values = {str(f[key]) for f in everyone}
+        if len(values) > 1:
+            problems.append(f"ranks disagree on {key}: {sorted(values)}\n  fix: same environment and config everywhere")
+
+    if accelerator.num_processes > 1:
+        try:
+            payload = torch.ones(int(args.size_mb * 2**20 / 4), device=accelerator.device)
+            dist.all_reduce(payload)  # warm-up, and a correctness check below
+            ok = bool((payload == accelerator.num_processes).all())
+            start = time.perf_counter()
+            for _ in range(3):
+                dist.all_reduce(payload)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            seconds = (time.perf_counter() - start) / 3
+            n = accelerator.num_processes
+            bus = 2 * (n - 1) / n * payload.numel() * 4 / seconds / 1e9
+            start = time.perf_counter()
+            dist.barrier()
+            say(f"  all-reduce of {args.size_mb:g} MB: {seconds * 1e3:.1f} ms, bus bandwidth {bus:.2f} GB/s; "
+                f"barrier {1e3 * (time.perf_counter() - start):.2f} ms")
+            if not ok:
+                problems.append("all-reduce returned a wrong sum\n  fix: check the backend (NCCL/gloo) installation")
+        except Exception as e:
+            problems.append(f"collective failed: {diagnose(e)}")
+
+    if problems:
+        for p in problems:
+            say(f"doctor: PROBLEM: {p}")
+        return 1
+    say(f"doctor: OK ({accelerator.num_processes} processes, {accelerator.distributed_type.value})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
