@@ -393,7 +393,7 @@ def main(cfg: Config) -> dict:
     first_bad_step = torch.full((), -1, dtype=torch.long, device=accelerator.device)  # no sync per step
     last_checkpoint = resume_from
 
-    def preempted() -> bool:
+    def must_stop() -> bool:
         """Collective: True when any rank got a signal; stops the job if any rank saw a non-finite loss."""
         both = accelerator.gather(torch.stack([first_bad_step, torch.tensor(len(signalled), device=accelerator.device)]))
         bad = both.view(-1, 2)[:, 0]
@@ -441,7 +441,7 @@ def main(cfg: Config) -> dict:
             p.global_step += 1
             if p.global_step % cfg.log_every == 0:
                 window = accelerator.reduce(window_sum / window_batches, reduction="mean").item()
-                log({"train/loss": window, "train/lr": scheduler.get_last_lr()[0], "epoch": p.epoch}, step=p.global_step)
+                log({"train/loss": window, "train/lr": scheduler.get_last_lr()[0], "epoch": epoch_number}, step=p.global_step)
                 bar.set_postfix(loss=f"{window:.3f}")
                 window_sum.zero_()
                 window_batches = 0
@@ -449,7 +449,7 @@ def main(cfg: Config) -> dict:
                 break
             periodic = cfg.checkpoint_every_steps and p.global_step % cfg.checkpoint_every_steps == 0
             if p.global_step % HEALTH_CHECK_EVERY == 0 or periodic:
-                if preempted():
+                if must_stop():
                     p.images_seen += epoch_batches * batch_size * world
                     p.train_seconds += time.time() - epoch_start
                     folder = save_checkpoint()
@@ -467,7 +467,7 @@ def main(cfg: Config) -> dict:
         if p.batches_in_epoch == len(train_loader):
             p.epoch, p.batches_in_epoch = p.epoch + 1, 0
 
-        preempted()  # stops on a non-finite loss before anything is saved
+        must_stop()  # raises on a non-finite loss, before anything is saved
         metrics = evaluate(model, eval_loader, transform, accelerator)
         if metrics["top1"] > p.best_top1:
             p.best_top1, p.best_checkpoint = metrics["top1"], f"step-{p.global_step:08d}"
