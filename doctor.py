@@ -109,12 +109,13 @@ def main() -> int:
         except Exception as e:
             problems.append(f"collective failed: {diagnose(e)}")
 
-    if problems:
-        for p in problems:
-            say(f"doctor: PROBLEM: {p}")
-        return 1
-    say(f"doctor: OK ({accelerator.num_processes} processes, {accelerator.distributed_type.value})")
-    return 0
+    for p in problems:
+        say(f"doctor: PROBLEM: {p}")
+    if not problems:
+        say(f"doctor: OK ({accelerator.num_processes} processes, {accelerator.distributed_type.value})")
+    accelerator.wait_for_everyone()  # then tear the group down together: a peer exiting first makes gloo abort
+    accelerator.end_training()
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":
