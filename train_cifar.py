@@ -226,15 +226,15 @@ def wandb_offline_without_credentials() -> None:
     print("wandb: no credentials found; logging offline (upload later with `wandb sync`)", file=sys.stderr)
 
 
-def check_distributed_setup(accelerator: Accelerator, cfg: Config, environ=os.environ) -> int:
+def check_distributed_setup(accelerator: Accelerator, cfg: Config) -> int:
     """Stops on the misconfigurations that otherwise train silently with the wrong setup; returns the
     per-process batch size."""
     world = accelerator.num_processes
-    launched = int(environ.get("WORLD_SIZE", "1"))
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched != world:  # e.g. N processes launched without cpu=True on a CPU: N separate 1-process runs
         raise UserError(f"the launcher started {launched} processes but Accelerate runs {world} "
                         f"({accelerator.distributed_type.value}): they would train separately.")
-    if environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and accelerator.distributed_type != DistributedType.FSDP:
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and accelerator.distributed_type != DistributedType.FSDP:
         raise UserError(f"the launch config asks for FSDP but Accelerate set up {accelerator.distributed_type.value} "
                         f"(it falls back to DDP on CPU); use a DDP config such as accelerate_configs/cpu.yaml.")
     if cfg.global_batch_size is None:
@@ -249,7 +249,7 @@ def check_distributed_setup(accelerator: Accelerator, cfg: Config, environ=os.en
 def find_resume_point(cfg: Config, root: Path, accelerator: Accelerator) -> Path | None:
     """The checkpoint to continue from, None to start fresh; refuses to start over another run's checkpoints."""
     if cfg.resume is None:
-        earlier = [p for p in ckpt.complete_checkpoints(root) if (p / ckpt.STATE_FILE).is_file()]
+        earlier = ckpt.finished(root)
         if earlier and not cfg.overwrite:
             theirs = ckpt.read_state(earlier[-1]).get("config", {})
             differ = [k for k, v in asdict(cfg).items() if k not in ("resume", "overwrite") and theirs.get(k, v) != v]

@@ -11,6 +11,12 @@ import sys
 import torch
 
 
+def add_data_args(parser) -> None:
+    """The data flags every benchmark shares with train_cifar.py."""
+    parser.add_argument("--data-dir", default=None, help="parquet folder (unset: the Hub)")
+    parser.add_argument("--cache-dir", default=None, help="decoded-tensor cache")
+
+
 def header(title: str) -> None:
     cpu = platform.processor() or "unknown CPU"
     try:

@@ -20,7 +20,7 @@ from PIL import Image
 from torchvision import transforms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import header, report  # noqa: E402
+from bench.common import add_data_args, header, report  # noqa: E402
 from utils.data import MEAN, STD, BatchTransform, load_cifar10, make_loader  # noqa: E402
 
 
@@ -39,8 +39,7 @@ class PilDataset(torch.utils.data.Dataset):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data-dir", default=None)
-    parser.add_argument("--cache-dir", default=None)
+    add_data_args(parser)
     parser.add_argument("--images", type=int, default=20000, help="images per pass of our loader")
     parser.add_argument("--seed-images", type=int, default=4000, help="images per pass of the seed-style loader")
     parser.add_argument("--batch-size", type=int, default=128)

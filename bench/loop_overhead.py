@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train_cifar  # noqa: E402
-from bench.common import header, report  # noqa: E402
+from bench.common import add_data_args, header, report  # noqa: E402
 from utils.data import BatchTransform, load_cifar10  # noqa: E402
 
 
@@ -49,8 +49,7 @@ def bare_loop(cfg: train_cifar.Config, images: torch.Tensor, labels: torch.Tenso
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data-dir", default=None)
-    parser.add_argument("--cache-dir", default=None)
+    add_data_args(parser)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--model", default="resnet18_imagenet")

@@ -24,14 +24,14 @@ from torchvision import transforms
 from torchvision.models import resnet18
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import add_data_args  # noqa: E402
 from bench.data_path import PilDataset  # noqa: E402
 from utils.data import load_cifar10  # noqa: E402
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--data-dir", default=None)
-    parser.add_argument("--cache-dir", default=None)
+    add_data_args(parser)
     parser.add_argument("--images", type=int, default=5000)
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--num-workers", type=int, default=4)  # the seed's value

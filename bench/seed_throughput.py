@@ -18,7 +18,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.common import header, report  # noqa: E402
+from bench.common import add_data_args, header, report  # noqa: E402
 
 
 def run(cmd: list[str]) -> str:
@@ -30,8 +30,7 @@ def run(cmd: list[str]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data-dir", default=None)
-    parser.add_argument("--cache-dir", default=None)
+    add_data_args(parser)
     parser.add_argument("--images", type=int, default=5120)
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=2)

@@ -127,7 +127,6 @@ def test_ranks_see_disjoint_shards_that_cover_the_training_set_each_epoch(runs):
 def test_data_order_changes_every_epoch_and_is_the_same_for_the_same_seed_at_any_world_size(runs):
     two = runs["two_ranks"].global_order()
     assert two[0] != two[1]  # reshuffled (set_epoch)
-    assert {i for b in two[0] for i in b} != {i for b in two[1] for i in b} or two[0] != two[1]
     assert two == runs["one_rank_accum2"].global_order()  # 2 ranks x 32 == 1 rank x 32 x 2 micro-steps
     assert runs["two_ranks_accum2"].global_order() == runs["one_rank_accum4"].global_order() == two[:1]
 

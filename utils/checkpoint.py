@@ -71,14 +71,19 @@ def read_state(folder: Path) -> dict:
     return json.loads((Path(folder) / STATE_FILE).read_text())
 
 
-def complete_checkpoints(root: Path) -> list[Path]:
+def step_folders(root: Path) -> list[Path]:
     """Checkpoint folders by step, oldest first (by name only; `problem` says whether each is sound)."""
     return sorted(p for p in Path(root).glob("step-*") if p.is_dir() and NAME.fullmatch(p.name))
 
 
+def finished(root: Path) -> list[Path]:
+    """Checkpoint folders whose save ran to the end (they hold the state file), oldest first; cheap, no hashing."""
+    return [p for p in step_folders(root) if (p / STATE_FILE).is_file()]
+
+
 def newest_sound(root: Path, warn=warnings.warn) -> Path | None:
     """The newest checkpoint whose manifest verifies; each newer one that does not is reported, not deleted."""
-    for folder in reversed(complete_checkpoints(root)):
+    for folder in reversed(step_folders(root)):
         why = problem(folder)
         if why is None:
             return folder
@@ -127,7 +132,6 @@ def load(accelerator, folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
 
 def rotate(root: Path, keep_last: int, keep: set[str]) -> None:
     """Deletes finished checkpoints older than the newest `keep_last`, except those named in `keep` (the best)."""
-    finished = [p for p in complete_checkpoints(root) if (p / STATE_FILE).is_file()]
-    for folder in finished[:-keep_last]:
+    for folder in finished(root)[:-keep_last]:
         if folder.name not in keep:
             shutil.rmtree(folder)
