@@ -35,9 +35,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torchvision
-from accelerate import Accelerator
+from accelerate import Accelerator, FullyShardedDataParallelPlugin, PartialState
 from accelerate.utils import DataLoaderConfiguration, DistributedType, InitProcessGroupKwargs, set_seed
 from safetensors.torch import save_file
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
 from utils import UserError
@@ -178,9 +180,21 @@ def warmup_cosine(warmup_steps: int, total_steps: int):
 # to make shards even, so each test image counts exactly once
 # ====================================================================================================
 @torch.no_grad()
+def share_bn_statistics(accelerator: Accelerator, model) -> None:
+    """Copies rank 0's BatchNorm running statistics to every rank under FSDP. They drift apart (each rank
+    normalises its own batches); DDP (broadcast_buffers=True) copies rank 0's at every forward, FSDP never
+    does. Done by hand before each evaluation and checkpoint (no library call does it), so FSDP evaluates and
+    saves exactly the statistics DDP would."""
+    if accelerator.distributed_type == DistributedType.FSDP:
+        for buffer in model.buffers():
+            torch.distributed.broadcast(buffer, src=0)
+
+
+@torch.no_grad()
 def evaluate(model, loader, transform: BatchTransform, accelerator: Accelerator) -> dict:
-    # BatchNorm running statistics drift apart across ranks (each normalises its own batches); DDP
-    # (broadcast_buffers=True) copies rank 0's, the exported ones, to every rank at the first forward.
+    # Every rank evaluates with rank 0's BatchNorm statistics, the exported ones: DDP copied them at the
+    # first forward (broadcast_buffers=True); FSDP needs the copy.
+    share_bn_statistics(accelerator, model)
     model.eval()
     dev = accelerator.device
     loss_sum, top1, top5 = (torch.zeros((), device=dev, dtype=torch.float64) for _ in range(3))
@@ -226,6 +240,35 @@ def wandb_offline_without_credentials() -> None:
     print("wandb: no credentials found; logging offline (upload later with `wandb sync`)", file=sys.stderr)
 
 
+def fsdp_plugin_from_launcher() -> FullyShardedDataParallelPlugin | None:
+    """The launcher's FSDP settings (its FSDP_* variables), None without FSDP. FSDP2 only: its checkpoints and
+    full-weight export are what the tests prove. One change to Accelerate's default: parameters stay fp32 in
+    FSDP and `--mixed_precision bf16` is autocast (as under DDP). FSDP's own bf16 policy casts BatchNorm's
+    weights to bf16 while its running statistics stay fp32, a mix BatchNorm refuses (on CPU and CUDA alike);
+    the price is fp32 all-gathers, nothing for a ResNet whose activations dominate the traffic."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+        return None
+    if os.environ.get("FSDP_VERSION", "1") != "2":
+        raise UserError("the launch config asks for FSDP version 1; this script runs FSDP2: set fsdp_version: 2 "
+                        "(see accelerate_configs/fsdp_4gpu.yaml).")
+    return FullyShardedDataParallelPlugin(mixed_precision_policy=MixedPrecisionPolicy())
+
+
+def shard_on_cpu_too(accelerator: Accelerator, plugin: FullyShardedDataParallelPlugin) -> None:
+    """Runs FSDP2 for real when an FSDP config is launched on CPU (gloo), where Accelerate would fall back
+    to DDP silently: it builds MULTI_CPU whenever cpu=True and ignores the FSDP plugin, yet its FSDP2 code
+    (fully_shard in prepare, sharded save_state/load_state, full get_state_dict) works on CPU. So set
+    distributed_type FSDP and the plugin in Accelerate's shared state, in both PartialState and
+    AcceleratorState (they keep separate copies; setting one alone is undone before save_state). This
+    touches Accelerate internals: tested with the Accelerate range pinned in requirements.txt, and the
+    wrapper is asserted after prepare(). On GPUs Accelerate does all of it itself; this does nothing."""
+    if accelerator.distributed_type != DistributedType.MULTI_CPU:
+        return
+    PartialState().distributed_type = DistributedType.FSDP
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin
+
+
 def check_distributed_setup(accelerator: Accelerator, cfg: Config) -> int:
     """Stops on the misconfigurations that otherwise train silently with the wrong setup; returns the
     per-process batch size."""
@@ -235,8 +278,7 @@ def check_distributed_setup(accelerator: Accelerator, cfg: Config) -> int:
         raise UserError(f"the launcher started {launched} processes but Accelerate runs {world} "
                         f"({accelerator.distributed_type.value}): they would train separately.")
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and accelerator.distributed_type != DistributedType.FSDP:
-        raise UserError(f"the launch config asks for FSDP but Accelerate set up {accelerator.distributed_type.value} "
-                        f"(it falls back to DDP on CPU); use a DDP config such as accelerate_configs/cpu.yaml.")
+        raise UserError(f"the launch config asks for FSDP but Accelerate set up {accelerator.distributed_type.value}.")
     if cfg.global_batch_size is None:
         return cfg.batch_size
     per_process, rest = divmod(cfg.global_batch_size, world * cfg.grad_accum)
@@ -299,6 +341,7 @@ def main(cfg: Config) -> dict:
             torch.set_num_threads(1)       # launched processes get OMP_NUM_THREADS=1
     if cfg.tracker == "wandb":
         wandb_offline_without_credentials()
+    fsdp = fsdp_plugin_from_launcher()
     accelerator = Accelerator(
         cpu=not torch.cuda.is_available(),  # without it, N launched CPU processes each train alone (no gloo group)
         gradient_accumulation_steps=cfg.grad_accum,
@@ -308,7 +351,10 @@ def main(cfg: Config) -> dict:
         # Seedable sampler: the shuffle depends on the seed and epoch only, not on the world size.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=True),
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout))],  # a dead peer fails the job
+        fsdp_plugin=fsdp,
     )  # no mixed_precision argument on purpose: the launcher's choice must win
+    if fsdp is not None:
+        shard_on_cpu_too(accelerator, fsdp)
     world = accelerator.num_processes
     batch_size = check_distributed_setup(accelerator, cfg)
     if cfg.sync_bn and accelerator.device.type != "cuda":
@@ -340,6 +386,9 @@ def main(cfg: Config) -> dict:
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     if accelerator.distributed_type in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
         assert isinstance(model, nn.parallel.DistributedDataParallel), type(model)  # gradients really are averaged
+    if accelerator.distributed_type == DistributedType.FSDP:
+        assert isinstance(accelerator.unwrap_model(model, keep_torch_compile=False), FSDPModule), type(model)  # sharded
+    params_here = sum((q.to_local() if isinstance(q, DTensor) else q).numel() for q in model.parameters())  # a shard under FSDP
     # Augmentation stream differs per rank (different images must get different crops), fixed by the seed.
     transform = BatchTransform(accelerator.device, cfg.seed * 1000 + accelerator.process_index,
                                augment=cfg.augment == "standard", channels_last=cfg.channels_last)
@@ -406,6 +455,7 @@ def main(cfg: Config) -> dict:
         return bool(both.view(-1, 2)[:, 1].any())
 
     def save_checkpoint() -> Path:
+        share_bn_statistics(accelerator, model)  # FSDP would save one arbitrary rank's
         folder = ckpt.save(accelerator, root, p.global_step,
                            {"progress": asdict(p), "config": asdict(cfg), "world_size": world,
                             "scheduler": scheduler.state_dict()},
@@ -487,7 +537,9 @@ def main(cfg: Config) -> dict:
     if metrics is None:  # resumed from a checkpoint of a finished run
         metrics = evaluate(model, eval_loader, transform, accelerator)
     export_weights(accelerator, model, Path(cfg.output_dir) / "model.safetensors")
-    summary = {**run_info, "model": cfg.model, "wrapper": type(model).__name__, "epochs_completed": p.epoch,
+    summary = {**run_info, "model": cfg.model, "wrapper": type(model).__name__,
+               "parameters": sum(q.numel() for q in model.parameters()),  # DTensors count in full
+               "parameters_on_main_process": params_here, "epochs_completed": p.epoch,
                "global_step": p.global_step, "train_images_seen": p.images_seen,
                "train_images_per_sec": p.images_seen / max(p.train_seconds, 1e-9), "train_loss": train_loss,
                "eval_examples": metrics["examples"], "eval_top1": metrics["top1"], "eval_top5": metrics["top5"],

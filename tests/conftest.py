@@ -7,14 +7,20 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
+import torch
+from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_CIFAR = REPO.parent / "shared" / "data" / "cifar10"
 CPU_YAML = REPO / "accelerate_configs" / "cpu.yaml"
+FSDP_CPU_YAML = REPO / "accelerate_configs" / "fsdp_cpu.yaml"
+PROBE = REPO / "tests" / "probe_train.py"
 
 
 def write_parquet(path: Path, n: int, seed: int = 0, size=(32, 32), mode: str = "RGB", labels=None, fmt="PNG") -> Path:
@@ -80,3 +86,32 @@ def run_train(args: list[str], launch: list[str] | None = None, env: dict | None
 
 def read_summary(output_dir: Path) -> dict:
     return json.loads((Path(output_dir) / "summary.json").read_text())
+
+
+def start(args, launch: list[str], script: Path = REPO / "train_cifar.py", env=None) -> subprocess.Popen:
+    """A launched job in the background (for signals and kills): `accelerate launch <launch>` with a free port."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch, "--main_process_port", "0", str(script), *args]
+    return subprocess.Popen(cmd, cwd=REPO, env=env or script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def wait_for_checkpoint(out: Path, proc: subprocess.Popen, step: int, timeout: float = 300) -> None:
+    done = out / "checkpoints" / f"step-{step:08d}" / "trainer_state.json"
+    deadline = time.time() + timeout
+    while not done.exists():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.time() < deadline, "no checkpoint appeared"
+        time.sleep(0.02)
+
+
+def workers(proc: subprocess.Popen) -> list[psutil.Process]:
+    """The training processes of a launched job (torchrun's workers)."""
+    return [c for c in psutil.Process(proc.pid).children(recursive=True)
+            if any(name in " ".join(c.cmdline()) for name in ("train_cifar.py", "probe_train.py"))]
+
+
+def assert_same_state(a: Path, b: Path) -> None:
+    sa, sb = load_file(a), load_file(b)
+    assert sa.keys() == sb.keys()
+    differ = [k for k in sa if not torch.equal(sa[k], sb[k])]
+    assert not differ, f"{len(differ)} tensors differ, e.g. {differ[:3]}"

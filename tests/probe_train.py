@@ -9,6 +9,9 @@ changes no behaviour, it only records, per rank, into <output-dir>/probe-rank<R>
   eval_buffer_digest  sha256 of the BatchNorm buffers when each evaluation is called (as training left them)
   eval_forward_digest sha256 of the BatchNorm buffers at the first forward of each evaluation (what it uses)
   aug_seed     initial seed of the rank's augmentation generator
+  param_types  class names of the prepared model's parameters (DTensor under FSDP2)
+  local_numel  parameter elements this rank stores (its shards under FSDP2)
+  fsdp_units   class names of the modules FSDP2 wrapped (each gathers its parameters as one unit)
   logs         every accelerator.log(values, step) call (also appended, as it happens, to probe-logs-rank<R>.jsonl,
                which survives a kill)
   writes       files this rank wrote under the output dir
@@ -32,12 +35,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import accelerate.utils.other as accelerate_other  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook  # noqa: E402
+from torch.distributed.fsdp import FSDPModule  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 
 import train_cifar  # noqa: E402
 from utils import data as cdata  # noqa: E402
 
 rec = {"batches": [], "allreduce_at": [], "fc_dtypes": [], "init_digest": None, "eval_buffer_digest": [], "eval_forward_digest": [],
-       "aug_seed": None, "logs": [], "writes": []}
+       "aug_seed": None, "param_types": [], "local_numel": 0, "fsdp_units": [], "logs": [], "writes": []}
 datasets_seen: list[int] = []
 forwards = {"train": 0, "eval_started": False}
 
@@ -69,6 +74,9 @@ def prepare(self, *objects, **kwargs):
     out = real_prepare(self, *objects, **kwargs)
     wrapped = out[0]
     inner = self.unwrap_model(wrapped)
+    rec["param_types"] = sorted({type(q).__name__ for q in wrapped.parameters()})
+    rec["local_numel"] = sum((q.to_local() if isinstance(q, DTensor) else q).numel() for q in wrapped.parameters())
+    rec["fsdp_units"] = [type(m).__name__ for m in wrapped.modules() if isinstance(m, FSDPModule)]
 
     def count_forward(module, args):
         if module.training:

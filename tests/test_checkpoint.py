@@ -18,44 +18,27 @@ from pathlib import Path
 
 import psutil
 import pytest
-import torch
-from conftest import CPU_YAML, REPO, read_summary, run_train, script_env, write_cifar_dir
-from safetensors.torch import load_file
+from conftest import (
+    CPU_YAML,
+    PROBE,
+    REPO,
+    assert_same_state,
+    read_summary,
+    run_train,
+    script_env,
+    start,
+    wait_for_checkpoint,
+    workers,
+    write_cifar_dir,
+)
 
 JOB = ["--model", "resnet18_imagenet", "--train-subset", "512", "--eval-subset", "100", "--global-batch-size", "64",
        "--epochs", "2", "--checkpoint-every-steps", "3", "--deterministic", "--tracker", "none", "--lr", "0.05"]
 TWO_RANKS = ["--config_file", str(CPU_YAML)]
-PROBE = REPO / "tests" / "probe_train.py"
 
 
 def job_args(cifar_dir, cache_dir, out, *extra):
     return ["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out), *JOB, *extra]
-
-
-def start(args, script=REPO / "train_cifar.py", env=None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", *TWO_RANKS, "--main_process_port", "0", str(script), *args]
-    return subprocess.Popen(cmd, cwd=REPO, env=env or script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-
-
-def wait_for_checkpoint(out: Path, proc: subprocess.Popen, step: int, timeout: float = 300) -> None:
-    done = out / "checkpoints" / f"step-{step:08d}" / "trainer_state.json"
-    deadline = time.time() + timeout
-    while not done.exists():
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.time() < deadline, "no checkpoint appeared"
-        time.sleep(0.02)
-
-
-def workers(proc: subprocess.Popen) -> list[psutil.Process]:
-    return [c for c in psutil.Process(proc.pid).children(recursive=True) if "train_cifar.py" in " ".join(c.cmdline())]
-
-
-def assert_same_state(a: Path, b: Path) -> None:
-    sa, sb = load_file(a), load_file(b)
-    assert sa.keys() == sb.keys()
-    differ = [k for k in sa if not torch.equal(sa[k], sb[k])]
-    assert not differ, f"{len(differ)} tensors differ, e.g. {differ[:3]}"
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +64,7 @@ def test_checkpoints_are_rotated_keeping_the_last_two_and_the_best(reference):
 
 def test_kill_9_mid_epoch_then_resume_auto_matches_the_uninterrupted_run(reference, cifar_dir, cache_dir, tmp_path):
     out = tmp_path / "killed"
-    proc = start(job_args(cifar_dir, cache_dir, out, "--log-every", "1"), script=PROBE)
+    proc = start(job_args(cifar_dir, cache_dir, out, "--log-every", "1"), TWO_RANKS, script=PROBE)
     wait_for_checkpoint(out, proc, 3)
     while not (out / "probe-logs-rank0.jsonl").is_file() or len((out / "probe-logs-rank0.jsonl").read_text().splitlines()) < 4:
         time.sleep(0.01)  # let it log past the checkpoint, as a real job would before it dies
@@ -109,7 +92,7 @@ def test_kill_9_mid_epoch_then_resume_auto_matches_the_uninterrupted_run(referen
 @pytest.mark.parametrize("how", ["SIGTERM to the launcher", "SIGUSR1 to every rank"])
 def test_preemption_signal_checkpoints_at_the_next_step_and_resume_is_exact(reference, cifar_dir, cache_dir, tmp_path, how):
     out = tmp_path / "preempted"
-    proc = start(job_args(cifar_dir, cache_dir, out))
+    proc = start(job_args(cifar_dir, cache_dir, out), TWO_RANKS)
     wait_for_checkpoint(out, proc, 3)
     sent = time.time()
     if how.startswith("SIGTERM"):
@@ -146,7 +129,7 @@ def test_truncated_newest_checkpoint_is_skipped_with_a_warning_and_nothing_is_de
 
 def test_dead_peer_fails_the_job_instead_of_hanging(cifar_dir, cache_dir, tmp_path):
     out = tmp_path / "dead_peer"
-    proc = start(job_args(cifar_dir, cache_dir, out, "--dist-timeout", "30"))
+    proc = start(job_args(cifar_dir, cache_dir, out, "--dist-timeout", "30"), TWO_RANKS)
     wait_for_checkpoint(out, proc, 3)
     victim = next(w for w in workers(proc) if w.environ().get("RANK") == "1")
     victim.kill()

@@ -19,13 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate import Accelerator
-from conftest import CPU_YAML, REPO, read_summary, run_train, script_env
+from conftest import CPU_YAML, PROBE, read_summary, run_train, script_env
 from safetensors.torch import load_file
 
 import train_cifar
 from utils.data import BatchTransform, load_cifar10, make_loader
 
-PROBE = REPO / "tests" / "probe_train.py"
 TRAIN_SUBSET, EVAL_SUBSET = 200, 101  # 200 = 6 batches of 32 + 8 dropped; 101 is odd: eval shards are padded
 COMMON = ["--model", "resnet18_imagenet", "--train-subset", str(TRAIN_SUBSET), "--eval-subset", str(EVAL_SUBSET),
           "--epochs", "2", "--warmup-epochs", "0.5", "--augment", "none", "--optimizer", "sgd", "--lr", "0.1", "--scale-lr",
@@ -250,15 +249,13 @@ def test_mixed_precision_from_the_yaml_is_what_autocast_runs(runs, cifar_dir, ca
 
 
 # 10. Guards ----------------------------------------------------------------------------------------
-def test_fsdp_config_on_cpu_stops_instead_of_running_ddp_silently(cifar_dir, cache_dir, tmp_path):
-    yaml = tmp_path / "fsdp_cpu.yaml"
-    yaml.write_text(CPU_YAML.read_text().replace("distributed_type: MULTI_GPU", "distributed_type: FSDP")
-                    + "fsdp_config:\n  fsdp_version: 2\n")
+def test_fsdp_asked_for_but_not_set_up_stops(cifar_dir, cache_dir, tmp_path):
+    """One process without a launcher: Accelerate sets up no distributed type at all, FSDP settings or not."""
     result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(tmp_path / "o"),
-                        "--tracker", "none"], launch=["--config_file", str(yaml)])
+                        "--tracker", "none"], env=script_env(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2"))
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode != 0
-    assert len(errors) == 1 and "asks for FSDP but Accelerate set up MULTI_CPU" in errors[0], result.stderr[-3000:]
+    assert len(errors) == 1 and "asks for FSDP but Accelerate set up NO" in errors[0], result.stderr[-3000:]
 
 
 def test_global_batch_that_does_not_divide_stops(cifar_dir, cache_dir, tmp_path):
