@@ -21,11 +21,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-FIXES = {
+from utils import process_count_problem
+
+FIXES = {  # a phrase of the error (lower case) -> the fix
     "joined": "a process is missing: every machine must run the launch command, with the same --num_machines and "
               "--num_processes, its own --machine_rank, and the head node's --main_process_ip/--main_process_port",
-    "Address already in use": "the port is busy (an earlier job still running?): pick another --main_process_port",
-    "Connection refused": "nothing listens at the head node's address yet or a firewall blocks it: check "
+    "address already in use": "the port is busy (an earlier job still running?): pick another --main_process_port",
+    "trying to connect": "this process cannot reach the head node: check that it started, that --main_process_ip is its "
+                         "address as seen from here and --main_process_port its port, and that no firewall blocks it",
+    "connection refused": "nothing listens at the head node's address yet or a firewall blocks it: check "
                           "--main_process_ip is the head node's address reachable from here, and that it started",
     "timed out": "a process did not answer in time: check that all machines started, reach each other, and use the "
                  "same config (num_processes, num_machines)",
@@ -37,7 +41,7 @@ def facts(accelerator) -> dict:
 
     cuda = torch.cuda.is_available()
     return {"rank": accelerator.process_index, "local_rank": accelerator.local_process_index, "host": socket.gethostname(),
-            "world_size": accelerator.num_processes, "launcher_world_size": int(os.environ.get("WORLD_SIZE", "1")),
+            "world_size": accelerator.num_processes, "count_problem": process_count_problem(accelerator.num_processes),
             "distributed_type": accelerator.distributed_type.value, "mixed_precision": accelerator.mixed_precision,
             "device": str(accelerator.device), "backend": dist.get_backend() if dist.is_initialized() else "none",
             "torch": torch.__version__, "accelerate": accelerate.__version__,
@@ -47,7 +51,7 @@ def facts(accelerator) -> dict:
 
 def diagnose(error: Exception) -> str:
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    fix = next((f for key, f in FIXES.items() if key in str(error)), "see the message above; rerun with the same "
+    fix = next((f for key, f in FIXES.items() if key in str(error).lower()), "see the message above; rerun with the same "
                "command on every machine")
     return f"{text}\n  fix: {fix}"
 
@@ -78,10 +82,9 @@ def main() -> int:
         say(f"  rank {f['rank']} (local {f['local_rank']}) on {f['host']}: {f['device']}, {f['backend']}, "
             f"{f['distributed_type']}, mixed precision {f['mixed_precision']}, torch {f['torch']}, accelerate "
             f"{f['accelerate']}, CUDA {f['cuda']}, NCCL {f['nccl']}")
-    if any(f["world_size"] != f["launcher_world_size"] for f in everyone):
-        problems.append("world-size mismatch: the launcher started more processes than joined one group "
-                        "(N processes each training alone)\n  fix: on a CPU machine the script must build "
-                        "Accelerator(cpu=True); check num_processes in the YAML matches the devices")
+    for problem in dict.fromkeys(f["count_problem"] for f in everyone if f["count_problem"]):  # each once, in rank order
+        ranks = [f["rank"] for f in everyone if f["count_problem"] == problem]
+        problems.append(f"world-size mismatch on rank(s) {', '.join(map(str, ranks))}: {problem}")
     for key in ("world_size", "distributed_type", "mixed_precision", "torch", "accelerate", "cuda", "nccl"):
         values = {str(f[key]) for f in everyone}
         if len(values) > 1:

@@ -42,7 +42,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
-from utils import UserError
+from utils import UserError, process_count_problem
 from utils import checkpoint as ckpt
 from utils.data import CLASSES, BatchTransform, load_cifar10, make_loader
 
@@ -273,10 +273,9 @@ def check_distributed_setup(accelerator: Accelerator, cfg: Config) -> int:
     """Stops on the misconfigurations that otherwise train silently with the wrong setup; returns the
     per-process batch size."""
     world = accelerator.num_processes
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
-    if launched != world:  # e.g. N processes launched without cpu=True on a CPU: N separate 1-process runs
-        raise UserError(f"the launcher started {launched} processes but Accelerate runs {world} "
-                        f"({accelerator.distributed_type.value}): they would train separately.")
+    problem = process_count_problem(world)
+    if problem:
+        raise UserError(f"{problem} ({accelerator.distributed_type.value}).")
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and accelerator.distributed_type != DistributedType.FSDP:
         raise UserError(f"the launch config asks for FSDP but Accelerate set up {accelerator.distributed_type.value}.")
     if cfg.global_batch_size is None:

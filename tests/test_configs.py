@@ -6,6 +6,8 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
@@ -34,22 +36,39 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_machines_on_loopback_train_together_from_the_multinode_config(cifar_dir, cache_dir, tmp_path):
-    port, out = _free_port(), tmp_path / "two_nodes"
-    launchers = []
-    for rank in (0, 1):  # two launcher processes = two machines, one process each
+def launch_two_machines(script: Path, args: list[str], num_processes=(2, 2), timeout=300) -> list[tuple[int, str, str]]:
+    """Two launcher processes = two machines on loopback from the shipped multi-node YAML, with command-line
+    overrides for ip, counts and device; num_processes is what each machine's command says. Returns
+    (exit status, stdout, stderr) per machine."""
+    port, launchers = _free_port(), []
+    for rank, processes in enumerate(num_processes):
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / "2node_16gpu.yaml"),
-               "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1",
-               "--main_process_port", str(port), "--mixed_precision", "no",
-               str(REPO / "train_cifar.py"), "--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out),
-               "--model", "resnet18_imagenet", "--train-subset", "256", "--eval-subset", "50", "--batch-size", "32",
-               "--epochs", "1", "--tracker", "none"]
+               "--num_machines", "2", "--num_processes", str(processes), "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1",
+               "--main_process_port", str(port), "--mixed_precision", "no", str(script), *args]
         launchers.append(subprocess.Popen(cmd, cwd=REPO, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    results = [p.communicate(timeout=300) for p in launchers]
-    assert [p.returncode for p in launchers] == [0, 0], results[0][1][-3000:] + results[1][1][-3000:]
+    return [(p.wait(timeout), *p.communicate()) for p in launchers]
+
+
+def test_two_machines_on_loopback_train_together_from_the_multinode_config(cifar_dir, cache_dir, tmp_path):
+    out = tmp_path / "two_nodes"
+    results = launch_two_machines(REPO / "train_cifar.py", [
+        "--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out), "--model", "resnet18_imagenet",
+        "--train-subset", "256", "--eval-subset", "50", "--batch-size", "32", "--epochs", "1", "--tracker", "none"])
+    assert [r[0] for r in results] == [0, 0], results[0][2][-3000:] + results[1][2][-3000:]
     s = read_summary(out)
     assert (s["world_size"], s["distributed_type"], s["wrapper"]) == (2, "MULTI_CPU", "DistributedDataParallel")
     assert s["global_step"] == 256 // 64 and s["eval_examples"] == 50
+
+
+def test_machines_launched_with_different_process_counts_stop_training(cifar_dir, cache_dir, tmp_path):
+    # 2 processes in all on one machine's command, 4 on the other's: torchrun forms a world of 1 + 2 = 3.
+    results = launch_two_machines(REPO / "train_cifar.py", ["--data-dir", str(cifar_dir), "--output-dir", str(tmp_path / "o"),
+                                                            "--tracker", "none"], num_processes=(2, 4))
+    assert [r[0] for r in results] != [0, 0]
+    errors = [line for r in results for line in r[2].splitlines() if line.startswith("error:")]
+    assert errors == ["error: the machines were launched with different process counts: this machine runs 1, so 2 machines "
+                      "make 2, but 3 joined; use the same --num_processes and --num_machines on every machine (MULTI_CPU)."]
+    assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
 
 
 def test_doctor_reports_a_healthy_two_rank_cpu_setup():
@@ -62,3 +81,49 @@ def test_doctor_reports_a_healthy_two_rank_cpu_setup():
     bandwidth = next(line for line in lines if "bus bandwidth" in line)
     assert float(bandwidth.split("bus bandwidth ")[1].split(" GB/s")[0]) > 0
     assert lines[-1] == "doctor: OK (2 processes, MULTI_CPU)"
+
+
+def test_doctor_diagnoses_machines_launched_with_different_process_counts():
+    results = launch_two_machines(REPO / "doctor.py", ["--timeout", "30", "--size-mb", "1"], num_processes=(2, 4))
+    assert results[0][0] == 1, results[0][2][-3000:]
+    problems = [line for line in results[0][1].splitlines() if line.startswith("doctor: PROBLEM")]
+    assert problems == [
+        "doctor: PROBLEM: world-size mismatch on rank(s) 0: the machines were launched with different process counts: this "
+        "machine runs 1, so 2 machines make 2, but 3 joined; use the same --num_processes and --num_machines on every machine",
+        "doctor: PROBLEM: world-size mismatch on rank(s) 1, 2: the machines were launched with different process counts: this "
+        "machine runs 2, so 2 machines make 4, but 3 joined; use the same --num_processes and --num_machines on every machine"]
+
+
+def _doctor_alone(port: int, timeout: float, rank: int = 0):
+    """One rank of 2 started without its peer (as srun or a hand launch does when the other task never starts)."""
+    env = script_env(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    started = time.time()
+    result = subprocess.run([sys.executable, str(REPO / "doctor.py"), "--timeout", str(timeout)], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=120)
+    return result, time.time() - started
+
+
+def test_doctor_diagnoses_a_missing_process_within_its_timeout():
+    result, seconds = _doctor_alone(_free_port(), timeout=5)
+    assert result.returncode == 1
+    assert seconds < 5 + 30, "reported within the timeout (plus start-up), not hung"
+    lines = [line for line in result.stderr.splitlines() if line.startswith(("doctor: PROBLEM", "  fix:"))]
+    assert lines[0].startswith("doctor: PROBLEM on rank 0: ") and "1/2 clients joined" in lines[0], result.stderr[-2000:]
+    assert lines[1].startswith("  fix: a process is missing: every machine must run the launch command")
+
+
+def test_doctor_diagnoses_a_busy_port():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        result, seconds = _doctor_alone(busy.getsockname()[1], timeout=5)
+    assert result.returncode == 1 and seconds < 5 + 30
+    lines = [line for line in result.stderr.splitlines() if line.startswith(("doctor: PROBLEM", "  fix:"))]
+    assert lines and lines[-1].startswith("  fix: the port is busy"), result.stderr[-2000:]
+
+
+def test_doctor_diagnoses_an_unreachable_head_node():
+    result, seconds = _doctor_alone(_free_port(), timeout=5, rank=1)  # nothing listens at the head's address
+    assert result.returncode == 1 and seconds < 5 + 30
+    lines = [line for line in result.stderr.splitlines() if line.startswith(("doctor: PROBLEM", "  fix:"))]
+    assert lines and lines[-1].startswith("  fix: this process cannot reach the head node"), result.stderr[-2000:]

@@ -273,5 +273,5 @@ def test_world_size_that_differs_from_the_launchers_stops(cifar_dir, cache_dir, 
                         "--tracker", "none"], launch=TWO_RANKS, script=PROBE, env=script_env(PROBE_ACCELERATOR_CPU="0"))
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode != 0
-    assert errors == ["error: the launcher started 2 processes but Accelerate runs 1 (NO): they would train separately."]
+    assert errors == ["error: the launcher started 2 processes but Accelerate runs 1: they would train separately (NO)."]
     assert not (tmp_path / "o" / "model.safetensors").exists()

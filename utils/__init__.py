@@ -1,5 +1,25 @@
-"""What the training scripts share: the CIFAR-10 data path (utils.data) and the user-error type."""
+"""What the training scripts share: the CIFAR-10 data path (utils.data), checkpoints (utils.checkpoint), the
+user-error type and the process-count check (train_cifar.py and doctor.py)."""
+
+from __future__ import annotations
+
+import os
 
 
 class UserError(Exception):
     """A mistake in the user's input. Scripts print it as one line and exit with status 2."""
+
+
+def process_count_problem(accelerate_world: int) -> str | None:
+    """What is wrong with the number of processes, judged from the launcher's environment; None if nothing.
+    Catches two silent failures: processes that each train alone, and machines launched with different counts
+    (torchrun then forms a world of their sum, which no machine's config asked for)."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched != accelerate_world:  # e.g. N processes launched without cpu=True on a CPU: N separate 1-process runs
+        return f"the launcher started {launched} processes but Accelerate runs {accelerate_world}: they would train separately"
+    here, machines = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("GROUP_WORLD_SIZE")  # torchrun sets both
+    if here and machines and int(here) * int(machines) != launched:
+        return (f"the machines were launched with different process counts: this machine runs {here}, so {machines} "
+                f"machines make {int(here) * int(machines)}, but {launched} joined; use the same --num_processes and "
+                f"--num_machines on every machine")
+    return None
