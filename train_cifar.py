@@ -4,6 +4,7 @@
     accelerate launch --config_file accelerate_configs/cpu.yaml  train_cifar.py          # 2 gloo ranks, 1 CPU box
     accelerate launch --config_file accelerate_configs/1gpu.yaml train_cifar.py          # 1 GPU
     accelerate launch --multi_gpu --num_processes 8 --mixed_precision bf16 train_cifar.py  # 8 GPUs, DDP
+    accelerate launch --config_file accelerate_configs/fsdp_4gpu.yaml train_cifar.py     # 4 GPUs, FSDP2 (fsdp_cpu.yaml: CPU)
     # 2 nodes x 8 GPUs: run on each node, with --machine_rank 0 on the head and 1 on the other:
     accelerate launch --multi_gpu --num_machines 2 --num_processes 16 --machine_rank 0 \
         --main_process_ip HEAD_IP --main_process_port 29500 train_cifar.py
