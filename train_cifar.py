@@ -22,8 +22,10 @@ import json
 import math
 import netrc
 import os
+import resource
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -95,9 +97,13 @@ class Config:
     overwrite: bool = opt(False, "start fresh in an output dir holding an earlier run's checkpoints, deleting them")
     dist_timeout: int = opt(600, "seconds a collective waits for a missing process before the job fails")
     # --- logging ---
-    tracker: str = opt("wandb", "experiment tracker; W&B goes offline by itself without credentials", ("wandb", "none"))
-    project: str = opt("cifar10-accelerate", "tracker project name")
-    log_every: int = opt(50, "optimizer steps between train/loss logs")
+    tracker: str = opt("wandb", "wandb (offline by itself without credentials), tensorboard (<output-dir>/<project>/) or none",
+                       ("wandb", "tensorboard", "none"))
+    wandb_project: str | None = opt(None, "W&B project (TensorBoard: the folder name); unset: $WANDB_PROJECT, else cifar10-accelerate")
+    run_name: str | None = opt(None, "W&B run name; unset: $WANDB_NAME, else W&B picks one")
+    group: str | None = opt(None, "W&B group, e.g. one per setting run with several seeds (compare_runs.py --by-group)")
+    tags: str | None = opt(None, "comma-separated W&B tags (or $WANDB_TAGS)")
+    log_every: int = opt(50, "optimizer steps between train/loss, train/lr and train/images_per_sec logs")
 
     def validate(self) -> None:
         positive = ["epochs", "batch_size", "global_batch_size", "lr", "grad_accum", "log_every", "train_subset",
@@ -199,7 +205,7 @@ def evaluate(model, loader, transform: BatchTransform, accelerator: Accelerator)
     model.eval()
     dev = accelerator.device
     loss_sum, top1, top5 = (torch.zeros((), device=dev, dtype=torch.float64) for _ in range(3))
-    class_hits, class_total = (torch.zeros(len(CLASSES), device=dev, dtype=torch.long) for _ in range(2))
+    confusion = torch.zeros(len(CLASSES) * len(CLASSES), device=dev, dtype=torch.long)  # row: true class, column: predicted
     for images, labels in loader:
         logits = model(transform(images, train=False))
         logits, labels = accelerator.gather_for_metrics((logits.float(), labels))
@@ -208,12 +214,12 @@ def evaluate(model, loader, transform: BatchTransform, accelerator: Accelerator)
         hit = best5[:, 0] == labels
         top1 += hit.sum()
         top5 += (best5 == labels[:, None]).any(dim=1).sum()
-        class_hits += torch.bincount(labels[hit], minlength=len(CLASSES))
-        class_total += torch.bincount(labels, minlength=len(CLASSES))
-    n = int(class_total.sum())
-    per_class = (100.0 * class_hits / class_total.clamp(min=1)).tolist()
+        confusion += torch.bincount(labels * len(CLASSES) + best5[:, 0], minlength=len(CLASSES) ** 2)
+    confusion = confusion.view(len(CLASSES), len(CLASSES))
+    n = int(confusion.sum())
+    per_class = (100.0 * confusion.diagonal() / confusion.sum(1).clamp(min=1)).tolist()
     return {"loss": loss_sum.item() / n, "top1": 100.0 * top1.item() / n, "top5": 100.0 * top5.item() / n,
-            "examples": n, "class_top1": dict(zip(CLASSES, per_class))}
+            "examples": n, "class_top1": dict(zip(CLASSES, per_class)), "confusion": confusion.tolist()}
 
 
 # ====================================================================================================
@@ -268,6 +274,35 @@ def shard_on_cpu_too(accelerator: Accelerator, plugin: FullyShardedDataParallelP
     PartialState().distributed_type = DistributedType.FSDP
     accelerator.state.distributed_type = DistributedType.FSDP
     accelerator.state.fsdp_plugin = plugin
+
+
+def git_commit() -> str | None:
+    """The commit of this script's checkout, '+dirty' with uncommitted changes; None outside git."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=Path(__file__).resolve().parent, capture_output=True, text=True, timeout=30)
+    try:
+        head, changes = git("rev-parse", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("+dirty" if changes.stdout.strip() else "") if head.returncode == 0 else None
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """This process's peak: memory allocated by tensors on a GPU, else the resident set size on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024) / 2**30
+
+
+def wandb_confusion_matrix(confusion: list[list[int]], wanted: bool) -> dict:
+    """{"eval/confusion_matrix": W&B's confusion-matrix plot} from counts (rows: true class), or {}."""
+    if not wanted:
+        return {}
+    import wandb
+
+    pairs = [(true, pred) for true, row in enumerate(confusion) for pred, count in enumerate(row) for _ in range(count)]
+    return {"eval/confusion_matrix": wandb.plot.confusion_matrix(
+        y_true=[t for t, _ in pairs], preds=[q for _, q in pairs], class_names=list(CLASSES))}
 
 
 def check_distributed_setup(accelerator: Accelerator, cfg: Config) -> int:
@@ -420,10 +455,16 @@ def main(cfg: Config) -> dict:
                 "mixed_precision": accelerator.mixed_precision, "batch_size_per_process": batch_size,
                 "global_batch": global_batch, "effective_lr": lr,
                 "versions": {"torch": torch.__version__, "torchvision": torchvision.__version__,
-                             "accelerate": sys.modules["accelerate"].__version__}}
+                             "accelerate": sys.modules["accelerate"].__version__, "python": sys.version.split()[0]},
+                "git_commit": git_commit()}
+    tracked = {**asdict(cfg), **run_info}
+    if cfg.tracker == "tensorboard":  # its hparams take numbers, strings and booleans only
+        tracked = {k: v if isinstance(v, int | float | str | bool) else json.dumps(v) for k, v in tracked.items()}
+    wandb_args = {"dir": cfg.output_dir, "name": cfg.run_name, "group": cfg.group,  # None: W&B's own default / WANDB_*
+                  "tags": cfg.tags.split(",") if cfg.tags else None}
     same_run = {"id": p.tracker_run_id, "resume": "allow"} if p.tracker_run_id else {}
-    accelerator.init_trackers(cfg.project, config={**asdict(cfg), **run_info},
-                              init_kwargs={"wandb": {"dir": cfg.output_dir, **same_run}})
+    accelerator.init_trackers(cfg.wandb_project or os.environ.get("WANDB_PROJECT", "cifar10-accelerate"), config=tracked,
+                              init_kwargs={"wandb": {**{k: v for k, v in wandb_args.items() if v}, **same_run}})
     if cfg.tracker == "wandb" and accelerator.is_main_process:
         p.tracker_run_id = accelerator.get_tracker("wandb", unwrap=True).id
     # A run killed after its last checkpoint had already logged the steps it trains again now (to the same
@@ -474,6 +515,7 @@ def main(cfg: Config) -> dict:
                    leave=False, disable=None if accelerator.is_local_main_process else True)  # None: off when not a tty
         loss_sum = torch.zeros((), device=accelerator.device)  # summed on device: no sync per step
         window_sum, window_batches, epoch_batches, epoch_start = loss_sum.clone(), 0, 0, time.time()
+        window_start = epoch_start
         for images, labels in batches:
             with accelerator.accumulate(model):  # skips the all-reduce on non-final micro-steps
                 loss = F.cross_entropy(model(transform(images, train=True)), labels, label_smoothing=cfg.label_smoothing)
@@ -493,8 +535,10 @@ def main(cfg: Config) -> dict:
                 scheduler.step()
             p.global_step += 1
             if p.global_step % cfg.log_every == 0:
-                window = accelerator.reduce(window_sum / window_batches, reduction="mean").item()
-                log({"train/loss": window, "train/lr": scheduler.get_last_lr()[0], "epoch": epoch_number}, step=p.global_step)
+                window = accelerator.reduce(window_sum / window_batches, reduction="mean").item()  # syncs
+                log({"train/loss": window, "train/lr": scheduler.get_last_lr()[0], "epoch": epoch_number,
+                     "train/images_per_sec": window_batches * batch_size * world / (time.time() - window_start)}, step=p.global_step)
+                window_start = time.time()
                 bar.set_postfix(loss=f"{window:.3f}")
                 window_sum.zero_()
                 window_batches = 0
@@ -527,9 +571,11 @@ def main(cfg: Config) -> dict:
             export_weights(accelerator, model, Path(cfg.output_dir) / "best.safetensors")
         accelerator.print(f"epoch {epoch_number}/{cfg.epochs}  train_loss {train_loss:.4f}  eval_top1 {metrics['top1']:.2f}%  "
                           f"{epoch_images / epoch_seconds:,.0f} img/s  {epoch_seconds:.1f} s")
-        log({"train/epoch_loss": train_loss, "train/images_per_sec": epoch_images / epoch_seconds,
-             **{f"eval/{k}": v for k, v in metrics.items() if k != "class_top1"},
-             **{f"eval/top1_{c}": v for c, v in metrics["class_top1"].items()}, "epoch": epoch_number},
+        log({"train/epoch_loss": train_loss, "train/epoch_images_per_sec": epoch_images / epoch_seconds,
+             "train/epoch_seconds": epoch_seconds, "sys/peak_memory_gb": peak_memory_gb(accelerator.device),
+             **{f"eval/{k}": v for k, v in metrics.items() if k not in ("class_top1", "confusion")},
+             **{f"eval/top1_{c}": v for c, v in metrics["class_top1"].items()}, "epoch": epoch_number,
+             **wandb_confusion_matrix(metrics["confusion"], cfg.tracker == "wandb" and accelerator.is_main_process)},
             step=p.global_step)
         last_checkpoint = save_checkpoint()
 
@@ -543,13 +589,16 @@ def main(cfg: Config) -> dict:
                "global_step": p.global_step, "train_images_seen": p.images_seen,
                "train_images_per_sec": p.images_seen / max(p.train_seconds, 1e-9), "train_loss": train_loss,
                "eval_examples": metrics["examples"], "eval_top1": metrics["top1"], "eval_top5": metrics["top5"],
-               "eval_loss": metrics["loss"], "eval_class_top1": metrics["class_top1"], "best_eval_top1": p.best_top1,
+               "eval_loss": metrics["loss"], "eval_class_top1": metrics["class_top1"], "eval_confusion": metrics["confusion"],
+               "best_eval_top1": p.best_top1, "peak_memory_gb": peak_memory_gb(accelerator.device),
                "best_checkpoint": p.best_checkpoint, "last_checkpoint": str(last_checkpoint),
                "resumed_from": str(resume_from) if resume_from else None,
                "wall_seconds": time.time() - started, "config": asdict(cfg)}
     if accelerator.is_main_process:
         with open(os.path.join(cfg.output_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
+        if cfg.tracker == "wandb":
+            accelerator.get_tracker("wandb", unwrap=True).summary.update(summary)  # the run's summary = summary.json
     accelerator.end_training()
     return summary
 

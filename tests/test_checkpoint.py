@@ -32,6 +32,8 @@ from conftest import (
     write_cifar_dir,
 )
 
+import compare_runs
+
 JOB = ["--model", "resnet18_imagenet", "--train-subset", "512", "--eval-subset", "100", "--global-batch-size", "64",
        "--epochs", "2", "--checkpoint-every-steps", "3", "--deterministic", "--tracker", "none", "--lr", "0.05"]
 TWO_RANKS = ["--config_file", str(CPU_YAML)]
@@ -219,4 +221,7 @@ def test_resumed_run_continues_the_same_wandb_run(small_run, tmp_path):
     assert second.returncode == 0, second.stderr[-3000:]
     runs = sorted((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and runs[0].name.split("-")[-1] == runs[1].name.split("-")[-1]  # one W&B run id
+    [run] = compare_runs.load(str(out))  # the two offline folders read back as one run
+    assert [row["_step"] for row in run.history if "train/loss" in row] == list(range(1, 9))  # each step once, in order
+    assert run.summary["eval_top1"] == read_summary(out)["eval_top1"]
     assert read_summary(out)["global_step"] == 8 and read_summary(out)["resumed_from"].endswith("step-00000004")

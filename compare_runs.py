@@ -1,0 +1,299 @@
+"""Compare training runs side by side: from W&B, or straight from local (offline) run files.
+
+    python compare_runs.py runs/lr0.1 runs/lr0.05               # output folders of train_cifar.py (their wandb/)
+    python compare_runs.py runs/a/wandb/offline-run-20261130_081450-9hh2ds8k   # or one W&B run folder
+    python compare_runs.py my-team/cifar10-accelerate/9hh2ds8k  # or W&B run paths (entity/project/run_id; needs login)
+    python compare_runs.py runs/* --by-group                    # runs sharing --group: mean +/- std over seeds
+
+Prints a table (best and final eval top-1, training images/s, wall time, epochs) and the config keys whose values
+differ, and writes PNG plots to --plots: eval top-1 against epoch and against wall-clock time, train loss against
+step. A local run is read from its `.wandb` file, so offline runs need no upload (`wandb sync` does that).
+A job resumed after preemption continues its W&B run in a new offline folder; folders of one run id are merged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import statistics
+import struct
+import sys
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from utils import UserError
+
+WANDB_PATH = re.compile(r"[\w.-]+/[\w.-]+/[\w]+")
+
+
+@dataclass
+class Run:
+    name: str
+    id: str
+    group: str | None = None
+    config: dict = field(default_factory=dict)
+    history: list[dict] = field(default_factory=list)  # one dict per logged step, with _step and _timestamp
+    summary: dict = field(default_factory=dict)
+
+    def series(self, x: str, y: str) -> list[tuple[float, float]]:
+        return [(row[x], row[y]) for row in self.history if isinstance(row.get(x), int | float) and isinstance(row.get(y), int | float)]
+
+    def metric(self, summary_key: str, history_key: str, pick=lambda values: values[-1]) -> float:
+        """A number from the final summary (summary.json's keys), else from the history (a run that did not finish)."""
+        if isinstance(self.summary.get(summary_key), int | float):
+            return self.summary[summary_key]
+        values = [row[history_key] for row in self.history if isinstance(row.get(history_key), int | float)]
+        return pick(values) if values else math.nan
+
+
+# ====================================================================================================
+# Reading a .wandb file. Written by hand: wandb has no supported reader of its local run files (its internal
+# one was removed in 0.30). The format is LevelDB's log format (https://github.com/google/leveldb/blob/main/
+# doc/log_format.md) behind a 7-byte header; each record is one of wandb's own protobuf `Record` messages.
+# ====================================================================================================
+HEADER = struct.Struct("<4sHB")  # ident ":W&B", magic 0xBEE1, version 0
+CHUNK = struct.Struct("<IHB")  # crc32 of (type byte + data), data length, type
+BLOCK = 32768
+FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
+
+
+def read_records(path: Path) -> list:
+    """The protobuf records of a .wandb file, in order. Raises UserError on a file it cannot read; a file that
+    ends mid-record (a run still writing, or killed) yields the records before that point."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = Path(path).read_bytes()
+    if len(data) < HEADER.size or HEADER.unpack_from(data) != (b":W&B", 0xBEE1, 0):
+        raise UserError(f"{path} is not a W&B run file of a format this reader knows (header {data[:7]!r}).")
+    records, pending, pos = [], None, HEADER.size
+    while pos + CHUNK.size <= len(data):
+        if BLOCK - pos % BLOCK < CHUNK.size:  # a block's tail too short for a chunk header is zero padding
+            pos += BLOCK - pos % BLOCK
+            continue
+        crc, length, kind = CHUNK.unpack_from(data, pos)
+        chunk = data[pos + CHUNK.size:pos + CHUNK.size + length]
+        if len(chunk) < length:
+            break  # cut off mid-chunk
+        if kind == 0 and length == 0 and crc == 0:  # zeroed space the writer reserved
+            pos += CHUNK.size
+            continue
+        if zlib.crc32(chunk, zlib.crc32(bytes([kind]))) != crc or kind not in (FULL, FIRST, MIDDLE, LAST):
+            raise UserError(f"{path} is corrupt at byte {pos} (checksum or chunk type wrong).")
+        pos += CHUNK.size + length
+        if kind in (FULL, FIRST):
+            pending = b""
+        if pending is None:
+            raise UserError(f"{path} is corrupt at byte {pos}: a record continues that never started.")
+        pending += chunk
+        if kind in (FULL, LAST):
+            record = wandb_internal_pb2.Record()
+            try:
+                record.ParseFromString(pending)
+            except Exception as e:  # protobuf's DecodeError
+                raise UserError(f"{path}: a record before byte {pos} is not a W&B record ({e}).") from None
+            records.append(record)
+            pending = None
+    return records
+
+
+def _items(items) -> dict:
+    """{key: value} from W&B's key/nested_key + value_json items."""
+    out = {}
+    for item in items:
+        key = "/".join(item.nested_key) if item.nested_key else item.key
+        try:
+            out[key] = json.loads(item.value_json)
+        except ValueError:
+            out[key] = item.value_json
+    return out
+
+
+def load_local(folder: Path) -> Run:
+    """One W&B run folder (offline-run-* or run-*), read from its .wandb file."""
+    files = sorted(Path(folder).glob("run-*.wandb"))
+    if not files:
+        raise UserError(f"{folder} holds no run-*.wandb file.")
+    run = Run(name=folder.name, id=files[0].stem[4:])
+    for record in read_records(files[0]):
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            run.id, run.group = record.run.run_id, record.run.run_group or None
+            run.name = record.run.display_name or run.id
+            run.config.update(_items(record.run.config.update))
+        elif kind == "config":
+            run.config.update(_items(record.config.update))
+        elif kind == "history":
+            run.history.append(_items(record.history.item))
+        elif kind == "summary":
+            run.summary.update(_items(record.summary.update))
+    run.config = {k: v for k, v in run.config.items() if not k.startswith("_wandb")}  # W&B's own bookkeeping
+    return run
+
+
+def merge_lives(lives: list[Run]) -> Run:
+    """The parts of one run that resumed in new folders, oldest first: later values win, steps kept once."""
+    run = Run(name=lives[-1].name, id=lives[-1].id, group=lives[-1].group)
+    by_step = {}
+    for life in lives:
+        run.config.update(life.config)
+        run.summary.update(life.summary)
+        by_step.update({row.get("_step"): row for row in life.history})
+    run.history = [by_step[s] for s in sorted(by_step, key=lambda s: -1 if s is None else s)]
+    return run
+
+
+def load_wandb_api(path: str) -> Run:
+    """A run on the W&B server (needs network and credentials)."""
+    import wandb
+
+    try:
+        api_run = wandb.Api().run(path)
+        history = list(api_run.scan_history())
+    except Exception as e:  # no network, no login, no such run
+        raise UserError(f"cannot read W&B run {path}: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
+    return Run(name=api_run.name, id=api_run.id, group=api_run.group, config=dict(api_run.config), history=history,
+               summary={k: v for k, v in api_run.summary.items()})
+
+
+def load(source: str) -> list[Run]:
+    """Runs from one argument: an output folder (all W&B runs in its wandb/), a W&B run folder, or entity/project/id."""
+    path = Path(source)
+    if path.is_dir():
+        root = path / "wandb" if (path / "wandb").is_dir() else path
+        folders = sorted(p for p in root.glob("*run-*") if p.is_dir() and not p.is_symlink()) or [path]
+        lives: dict[str, list[Run]] = {}
+        for folder in sorted(folders, key=lambda p: p.name.split("-")[-2] if p.name.count("-") >= 2 else p.name):  # by start time
+            run = load_local(folder)
+            lives.setdefault(run.id, []).append(run)
+        return [merge_lives(parts) for parts in lives.values()]
+    if WANDB_PATH.fullmatch(source) and not path.exists():
+        return [load_wandb_api(source)]
+    raise UserError(f"{source} is neither a folder nor a W&B run path (entity/project/run_id).")
+
+
+# ====================================================================================================
+# Report: table, config differences, groups, plots
+# ====================================================================================================
+COLUMNS = {  # column -> (summary.json key, history key, pick from history)
+    "best top-1 %": ("best_eval_top1", "eval/top1", max),
+    "final top-1 %": ("eval_top1", "eval/top1", lambda v: v[-1]),
+    "images/s": ("train_images_per_sec", "train/epoch_images_per_sec", statistics.fmean),
+    "wall s": ("wall_seconds", "_runtime", lambda v: v[-1]),
+    "epochs": ("epochs_completed", "epoch", lambda v: v[-1]),
+}
+
+
+def table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+                     for row in rows)
+
+
+def run_table(runs: list[Run]) -> str:
+    rows = [["run", "group", *COLUMNS]]
+    for run in runs:
+        values = [run.metric(*spec) for spec in COLUMNS.values()]
+        rows.append([f"{run.name} ({run.id})", run.group or "-", *(f"{v:.2f}" if i < 2 else f"{v:,.0f}" for i, v in enumerate(values))])
+    return table(rows)
+
+
+def shorten(text: str, width: int = 48) -> str:
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def config_differences(runs: list[Run]) -> str:
+    keys = sorted({k for run in runs for k in run.config})
+    differ = [k for k in keys if len({json.dumps(run.config.get(k), sort_keys=True) for run in runs}) > 1]
+    if not differ:
+        return "config: identical"
+    rows = [["config key", *(run.id for run in runs)]]
+    rows += [[k, *(shorten(json.dumps(run.config.get(k))) for run in runs)] for k in differ]
+    return "config keys that differ:\n" + table(rows)
+
+
+def group_table(runs: list[Run]) -> str:
+    groups: dict[str, list[Run]] = {}
+    for run in runs:
+        groups.setdefault(run.group or f"(no group) {run.id}", []).append(run)
+    rows = [["group", "runs", *COLUMNS]]
+    for name, members in groups.items():
+        cells = []
+        for spec in COLUMNS.values():
+            values = [run.metric(*spec) for run in members]
+            mean, std = statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+            cells.append(f"{mean:.2f} +/- {std:.2f}")
+        rows.append([name, str(len(members)), *cells])
+    return table(rows)
+
+
+def plot(runs: list[Run], folder: Path, by_group: bool) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    def wall_clock(run):  # seconds since the run's first logged step, across resumed lives
+        start = min((row["_timestamp"] for row in run.history if "_timestamp" in row), default=0.0)
+        return [({**row, "_wall": row["_timestamp"] - start}) for row in run.history if "_timestamp" in row]
+
+    figures = [("eval_top1_vs_epoch.png", "epoch", "eval/top1", "eval top-1 (%)"),
+               ("eval_top1_vs_wall_clock.png", "_wall", "eval/top1", "eval top-1 (%)"),
+               ("train_loss_vs_step.png", "_step", "train/loss", "train loss")]
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for filename, x, y, label in figures:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        curves: dict[str, list[list[tuple[float, float]]]] = {}
+        for run in runs:
+            points = Run(run.name, run.id, history=wall_clock(run) if x == "_wall" else run.history).series(x, y)
+            curves.setdefault((run.group or run.name) if by_group else f"{run.name} ({run.id})", []).append(points)
+        for name, members in curves.items():
+            members = [m for m in members if m]
+            xs = sorted(set.intersection(*(set(px for px, _ in m) for m in members))) if len(members) > 1 and x != "_wall" else []
+            if not xs:  # one run, or wall-clock points (they never line up across runs): draw each
+                for i, m in enumerate(members):
+                    ax.plot(*zip(*m), alpha=1.0 if len(members) == 1 else 0.6, label=name if i == 0 else None)
+                continue
+            ys = [[dict(m)[px] for m in members] for px in xs]
+            mean = [statistics.fmean(v) for v in ys]
+            std = [statistics.stdev(v) for v in ys]
+            ax.plot(xs, mean, label=f"{name} (mean of {len(members)})")
+            ax.fill_between(xs, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.25)
+        ax.set_xlabel({"_wall": "wall-clock seconds", "_step": "optimizer step"}.get(x, x))
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(folder / filename, dpi=100)
+        plt.close(fig)
+        written.append(folder / filename)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", help="output folders, W&B run folders, or W&B run paths entity/project/run_id")
+    parser.add_argument("--by-group", action="store_true", help="also aggregate runs sharing a W&B group (mean +/- std)")
+    parser.add_argument("--plots", default="comparison", help="folder for the PNG plots (default: comparison)")
+    args = parser.parse_args(argv)
+    runs = [run for source in args.runs for run in load(source)]
+    print(run_table(runs))
+    print()
+    print(config_differences(runs))
+    if args.by_group:
+        print()
+        print(group_table(runs))
+    for path in plot(runs, Path(args.plots), args.by_group):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,159 @@
+"""Experiment tracking with the real W&B client offline (WANDB_MODE=offline), TensorBoard, and compare_runs.py on
+the run files those jobs wrote.
+
+Runs (resnet18_imagenet, 256 training / 64 test images, global batch 32 -> 8 steps per epoch, 2 epochs, log every 2):
+  a0  1 process, lr 0.05, seed 0, --group A
+  a1  1 process, lr 0.05, seed 1, group A from $WANDB_RUN_GROUP (W&B's own variables keep working)
+  b   2 processes (cpu.yaml), lr 0.2, --group B, --run-name b-run, --tags x,y
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import CPU_YAML, REPO, read_summary, run_train, script_env
+from PIL import Image
+
+import compare_runs
+from utils import UserError
+from utils.data import CLASSES
+
+JOB = ["--model", "resnet18_imagenet", "--train-subset", "256", "--eval-subset", "64", "--global-batch-size", "32",
+       "--epochs", "2", "--log-every", "2", "--tracker", "wandb"]
+
+
+@pytest.fixture(scope="module")
+def runs(cifar_dir, cache_dir, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tracked")
+    specs = {"a0": (["--lr", "0.05", "--group", "A"], None, {}),
+             "a1": (["--lr", "0.05", "--seed", "1"], None, {"WANDB_RUN_GROUP": "A"}),
+             "b": (["--lr", "0.2", "--group", "B", "--run-name", "b-run", "--tags", "x,y"], ["--config_file", str(CPU_YAML)], {})}
+    out = {}
+    for name, (extra, launch, env) in specs.items():
+        out[name] = root / name
+        result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out[name]),
+                            *JOB, *extra], launch=launch, env=script_env(**env))
+        assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def compare(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "compare_runs.py"), *map(str, args)], cwd=REPO, env=script_env(),
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_a_two_rank_job_makes_exactly_one_wandb_run(runs):
+    folders = list((runs["b"] / "wandb").glob("offline-run-*"))
+    assert len(folders) == 1 and len(list(folders[0].glob("run-*.wandb"))) == 1
+    assert not (REPO / "wandb").exists(), "no process may log to a W&B folder of its own"
+
+
+def test_wandb_run_holds_config_run_facts_step_and_epoch_metrics_and_the_summary(runs):
+    [run] = compare_runs.load(str(runs["b"]))
+    s = read_summary(runs["b"])
+    assert (run.name, run.group) == ("b-run", "B")
+    assert run.config["lr"] == 0.2 and run.config["world_size"] == 2 and run.config["distributed_type"] == "MULTI_CPU"
+    assert run.config["mixed_precision"] == "no" and run.config["versions"]["torch"] and "git_commit" in run.config
+    steps = {row["_step"]: row for row in run.history}
+    for step in range(2, 17, 2):  # every --log-every optimizer steps
+        assert {"train/loss", "train/lr", "train/images_per_sec"} <= steps[step].keys()
+        assert steps[step]["train/images_per_sec"] > 0
+    epochs = [row for row in run.history if "eval/top1" in row]
+    assert [row["_step"] for row in epochs] == [8, 16]
+    for row in epochs:
+        assert {"eval/loss", "eval/top5", "eval/top1_cat", "train/epoch_seconds"} <= row.keys()
+        assert row["eval/confusion_matrix_table/_type"] == "table-file"  # W&B's confusion-matrix plot, as a table file
+        assert row["eval/confusion_matrix_table/nrows"] == 100  # (true, predicted, count) for 10 x 10 classes
+        assert row["sys/peak_memory_gb"] > 0.1
+    assert epochs[-1]["eval/top1"] == s["eval_top1"]
+    table = json.loads((next((runs["b"] / "wandb").glob("offline-run-*")) / "files" /
+                        epochs[-1]["eval/confusion_matrix_table/path"]).read_text())
+    assert {(a, p): n for a, p, n in table["data"]} == {
+        (CLASSES[t], CLASSES[q]): n for t, row in enumerate(s["eval_confusion"]) for q, n in enumerate(row)}
+    for key in ("eval_top1", "best_eval_top1", "global_step", "world_size", "train_images_per_sec"):
+        assert run.summary[key] == s[key]  # the run's summary is summary.json
+    assert s["eval_confusion"][3][3] * 100 / sum(s["eval_confusion"][3]) == pytest.approx(s["eval_class_top1"]["cat"])
+    assert sum(map(sum, s["eval_confusion"])) == 64
+
+
+def test_compare_runs_prints_each_runs_real_final_top1_and_writes_plots(runs, tmp_path):
+    result = compare(runs["a0"], runs["b"], "--plots", tmp_path / "plots")
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    for name in ("a0", "b"):
+        s = read_summary(runs[name])
+        row = next(line for line in lines if f"({_run_id(runs[name])})" in line)
+        assert f"{s['eval_top1']:.2f}" in row.split() and f"{s['best_eval_top1']:.2f}" in row.split()
+    differ = lines[lines.index("config keys that differ:") + 1:]
+    assert any(line.split()[0] == "lr" for line in differ) and any(line.split()[0] == "world_size" for line in differ)
+    assert not any(line.split()[0] in ("epochs", "model") for line in differ if line.strip())
+    for png in ("eval_top1_vs_epoch.png", "eval_top1_vs_wall_clock.png", "train_loss_vs_step.png"):
+        image = Image.open(tmp_path / "plots" / png)
+        image.verify()
+        image = Image.open(tmp_path / "plots" / png).convert("RGB")
+        assert image.size == (700, 450) and len(image.getcolors(1 << 16) or range(1 << 16)) > 10  # drawn, not blank
+
+
+def _run_id(out: Path) -> str:
+    return next((out / "wandb").glob("offline-run-*")).name.split("-")[-1]
+
+
+def test_compare_runs_by_group_gives_mean_and_std_over_seeds(runs, tmp_path):
+    result = compare(runs["a0"], runs["a1"], runs["b"], "--by-group", "--plots", tmp_path / "plots")
+    assert result.returncode == 0, result.stderr[-3000:]
+    finals = [read_summary(runs[name])["eval_top1"] for name in ("a0", "a1")]
+    row = next(line for line in result.stdout.splitlines() if line.startswith("A "))
+    assert row.split()[1] == "2"
+    assert f"{statistics.fmean(finals):.2f} +/- {statistics.stdev(finals):.2f}" in row
+    assert next(line for line in result.stdout.splitlines() if line.startswith("B ")).split()[1] == "1"
+
+
+def test_reader_refuses_files_it_cannot_read_with_one_line(runs, tmp_path):
+    bad = tmp_path / "not-a-run"
+    bad.mkdir()
+    (bad / "run-x.wandb").write_bytes(b"garbage" * 10)
+    result = compare(bad, "--plots", tmp_path / "p")
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert result.stderr.startswith(f"error: {bad / 'run-x.wandb'} is not a W&B run file")
+    real = next((runs["a0"] / "wandb").glob("offline-run-*/run-*.wandb")).read_bytes()
+    flipped = bytearray(real)
+    flipped[len(real) // 2] ^= 0xFF
+    (bad / "run-x.wandb").write_bytes(bytes(flipped))
+    with pytest.raises(UserError, match="is corrupt at byte"):
+        compare_runs.load_local(bad)
+
+
+def test_reader_keeps_the_records_before_a_cut_off_end(runs, tmp_path):
+    source = next((runs["a0"] / "wandb").glob("offline-run-*"))
+    whole = compare_runs.load_local(source)
+    cut = tmp_path / "offline-run-cut"
+    cut.mkdir()
+    data = next(source.glob("run-*.wandb")).read_bytes()
+    (cut / "run-cut.wandb").write_bytes(data[: len(data) * 2 // 3])  # a run killed while writing
+    part = compare_runs.load_local(cut)
+    assert part.id == whole.id and 0 < len(part.history) < len(whole.history)
+    assert part.history == whole.history[: len(part.history)]
+
+
+def test_tensorboard_tracker_logs_the_same_metrics(cifar_dir, cache_dir, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "tb"
+    result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out), *JOB,
+                        "--tracker", "tensorboard", "--epochs", "1"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    events = EventAccumulator(str(out / "cifar10-accelerate")).Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [2, 4, 6, 8]
+    assert events.Scalars("eval/top1")[-1].value == pytest.approx(read_summary(out)["eval_top1"])
+    assert not (out / "wandb").exists()
+
+
+def test_run_comparison_refuses_an_argument_that_is_neither_folder_nor_wandb_path(tmp_path):
+    result = compare(tmp_path / "missing" / "folder", "--plots", tmp_path / "p")
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"error: {tmp_path / 'missing' / 'folder'} is neither a folder nor a W&B run path (entity/project/run_id)."
