@@ -115,3 +115,27 @@ def assert_same_state(a: Path, b: Path) -> None:
     assert sa.keys() == sb.keys()
     differ = [k for k in sa if not torch.equal(sa[k], sb[k])]
     assert not differ, f"{len(differ)} tensors differ, e.g. {differ[:3]}"
+
+
+TRACKED_JOB = ["--model", "resnet18_imagenet", "--train-subset", "256", "--eval-subset", "64", "--global-batch-size", "32",
+               "--epochs", "2", "--log-every", "2", "--tracker", "wandb"]
+
+
+@pytest.fixture(scope="session")
+def tracked_runs(cifar_dir, cache_dir, tmp_path_factory) -> dict[str, Path]:
+    """Three offline W&B runs (resnet18_imagenet, 256 training / 64 test images, global batch 32 -> 8 steps per epoch,
+    2 epochs, log every 2 steps):
+      a0  1 process, lr 0.05, seed 0, --group A
+      a1  1 process, lr 0.05, seed 1, group A from $WANDB_RUN_GROUP (W&B's own variables keep working)
+      b   2 processes (cpu.yaml), lr 0.2, --group B, --run-name b-run, --tags x,y"""
+    root = tmp_path_factory.mktemp("tracked")
+    specs = {"a0": (["--lr", "0.05", "--group", "A"], None, {}),
+             "a1": (["--lr", "0.05", "--seed", "1"], None, {"WANDB_RUN_GROUP": "A"}),
+             "b": (["--lr", "0.2", "--group", "B", "--run-name", "b-run", "--tags", "x,y"], ["--config_file", str(CPU_YAML)], {})}
+    out = {}
+    for name, (extra, launch, env) in specs.items():
+        out[name] = root / name
+        result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out[name]),
+                            *TRACKED_JOB, *extra], launch=launch, env=script_env(**env))
+        assert result.returncode == 0, result.stderr[-3000:]
+    return out

@@ -1,11 +1,5 @@
 """Experiment tracking with the real W&B client offline (WANDB_MODE=offline), TensorBoard, and compare_runs.py on
-the run files those jobs wrote.
-
-Runs (resnet18_imagenet, 256 training / 64 test images, global batch 32 -> 8 steps per epoch, 2 epochs, log every 2):
-  a0  1 process, lr 0.05, seed 0, --group A
-  a1  1 process, lr 0.05, seed 1, group A from $WANDB_RUN_GROUP (W&B's own variables keep working)
-  b   2 processes (cpu.yaml), lr 0.2, --group B, --run-name b-run, --tags x,y
-"""
+the run files those jobs wrote (the runs: conftest.tracked_runs)."""
 
 from __future__ import annotations
 
@@ -16,30 +10,19 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import CPU_YAML, REPO, read_summary, run_train, script_env
+from conftest import REPO, TRACKED_JOB, read_summary, run_train, script_env
 from PIL import Image
 
 import compare_runs
 from utils import UserError
 from utils.data import CLASSES
 
-JOB = ["--model", "resnet18_imagenet", "--train-subset", "256", "--eval-subset", "64", "--global-batch-size", "32",
-       "--epochs", "2", "--log-every", "2", "--tracker", "wandb"]
+JOB = TRACKED_JOB
 
 
-@pytest.fixture(scope="module")
-def runs(cifar_dir, cache_dir, tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("tracked")
-    specs = {"a0": (["--lr", "0.05", "--group", "A"], None, {}),
-             "a1": (["--lr", "0.05", "--seed", "1"], None, {"WANDB_RUN_GROUP": "A"}),
-             "b": (["--lr", "0.2", "--group", "B", "--run-name", "b-run", "--tags", "x,y"], ["--config_file", str(CPU_YAML)], {})}
-    out = {}
-    for name, (extra, launch, env) in specs.items():
-        out[name] = root / name
-        result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out[name]),
-                            *JOB, *extra], launch=launch, env=script_env(**env))
-        assert result.returncode == 0, result.stderr[-3000:]
-    return out
+@pytest.fixture
+def runs(tracked_runs) -> dict[str, Path]:
+    return tracked_runs
 
 
 def compare(*args) -> subprocess.CompletedProcess:
