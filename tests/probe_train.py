@@ -100,10 +100,10 @@ def prepare(self, *objects, **kwargs):
 real_evaluate = train_cifar.evaluate
 
 
-def evaluate(model, loader, transform, accelerator):
+def evaluate(model, loader, transform, accelerator, *args):
     rec["eval_buffer_digest"].append(digest(accelerator.unwrap_model(model).buffers()))
     forwards["eval_started"] = True
-    return real_evaluate(model, loader, transform, accelerator)
+    return real_evaluate(model, loader, transform, accelerator, *args)
 
 
 real_transform_init = cdata.BatchTransform.__init__

@@ -116,3 +116,42 @@ def test_compiled_model_trains_and_exports_weights_without_the_orig_mod_prefix(c
     state = load_file(out / "model.safetensors")
     assert not [k for k in state if k.startswith(("_orig_mod.", "module."))]
     train_cifar.build_model("resnet18_imagenet").load_state_dict(state, strict=True)
+
+
+def test_recipe_sets_its_defaults_and_explicit_flags_still_win():
+    fast = train_cifar.parse_config(["--recipe", "fast", "--epochs", "3"])
+    expected = {**train_cifar.RECIPES["fast"], "epochs": 3}
+    assert {k: getattr(fast, k) for k in expected} == expected and fast.recipe == "fast"
+    assert train_cifar.parse_config(["--recipe", "resnet18"]).model == "resnet18"
+    assert set(train_cifar.RECIPES["fast"]) <= {f.name for f in fields(train_cifar.Config)}  # every key is a real flag
+
+
+def test_flip_test_time_augmentation_averages_the_logits_of_each_image_and_its_mirror(cifar_dir, cache_dir):
+    accelerator = Accelerator(cpu=True)
+    images, labels = load_cifar10(str(cifar_dir), str(cache_dir))["test"]
+    images, labels = images[:64], labels[:64]
+    torch.manual_seed(0)
+    model = train_cifar.build_model("resnet9").eval()
+    model[-1].factor = 50.0  # confident logits, so an image and its mirror give clearly different ones
+    transform = BatchTransform(torch.device("cpu"), 0, augment=False, channels_last=False)
+    loader = accelerator.prepare(make_loader(images, labels, 32, train=False))
+    plain, flipped = (train_cifar.evaluate(model, loader, transform, accelerator, tta_flip=t) for t in (False, True))
+    with torch.no_grad():
+        x = transform(images, train=False)
+        logits = (model(x) + model(x.flip(3))) / 2
+    assert flipped["loss"] == pytest.approx(torch.nn.functional.cross_entropy(logits, labels).item(), rel=1e-5)
+    assert flipped["top1"] == pytest.approx(100.0 * (logits.argmax(1) == labels).float().mean().item())
+    assert abs(plain["loss"] - flipped["loss"]) > 100 * 1e-5 * flipped["loss"]  # the mirror really was evaluated
+
+
+def test_fast_recipe_trains_resnet9_with_the_data_on_the_device(cifar_dir, cache_dir, tmp_path):
+    """The GPU recipe's code path on CPU (where 'on the device' is the host and compile is switched off to save time)."""
+    out = tmp_path / "fast"
+    result = run_train(["--recipe", "fast", "--no-compile", "--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir),
+                        "--output-dir", str(out), "--train-subset", "2048", "--eval-subset", "500", "--epochs", "2",
+                        "--batch-size", "128", "--warmup-epochs", "1", "--tracker", "none"])
+    assert result.returncode == 0, result.stderr[-4000:]
+    s = read_summary(out)
+    assert (s["config"]["model"], s["config"]["tta_flip"], s["config"]["data_on_device"]) == ("resnet9", True, True)
+    assert s["global_step"] == 2 * (2048 // 128) and s["eval_examples"] == 500
+    assert s["eval_top1"] > 20, s["eval_top1"]  # chance is 10%

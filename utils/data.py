@@ -254,7 +254,7 @@ def make_loader(images, labels, batch_size: int, train: bool) -> torch.utils.dat
         shuffle=train,
         drop_last=train,
         collate_fn=keep_batch,
-        pin_memory=torch.cuda.is_available(),  # pinned uint8 batches make the host-to-GPU copy asynchronous
+        pin_memory=torch.cuda.is_available() and images.device.type == "cpu",  # asynchronous host-to-GPU copies
     )
 
 
