@@ -41,13 +41,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_data_args(parser)
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--train-subset", type=int, default=10_000)
     parser.add_argument("--epochs", type=int, default=5)
     args = parser.parse_args()
     header("bf16 + channels_last vs fp32: accuracy and speed of the quick-start job")
     results: dict[str, list[dict]] = {name: [] for name in SETTINGS}
     with tempfile.TemporaryDirectory() as tmp:
-        for seed in range(args.seeds):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             for name in SETTINGS:
                 results[name].append(run(name, seed, args, Path(tmp) / f"{name}-{seed}"))
     for name, runs in results.items():
