@@ -76,7 +76,7 @@ class Config:
     # --- model ---
     model: str = opt("resnet18", "resnet18: CIFAR stem (3x3 stride-1 conv, no max-pool); resnet18_imagenet: torchvision's as-is; "
                      "resnet9: Myrtle.ai's fast CIFAR net", ("resnet18", "resnet18_imagenet", "resnet9"))
-    channels_last: bool = opt(False, "NHWC memory format (faster convolutions with bf16 on GPUs and recent CPUs)")
+    channels_last: bool = opt(True, "NHWC memory format: faster convolutions with bf16 on GPUs and CPUs; --no-channels-last: NCHW")
     compile: bool = opt(False, "torch.compile the model (through Accelerate's dynamo backend 'inductor')")
     sync_bn: bool = opt(False, "convert BatchNorm to SyncBatchNorm (CUDA only): batch statistics over all ranks")
     # --- optimisation ---
@@ -470,7 +470,9 @@ def main(cfg: Config) -> dict:
     # --- model: same seed on every rank -> same initial weights (DDP also broadcasts rank 0's) ---
     set_seed(cfg.seed)
     model = build_model(cfg.model, sync_bn=cfg.sync_bn)  # converted before prepare(), as DDP requires
-    if cfg.channels_last:
+    # FSDP2 shards contiguous parameters only: under FSDP the model and its inputs stay NCHW.
+    channels_last = cfg.channels_last and accelerator.distributed_type != DistributedType.FSDP
+    if channels_last:
         model = model.to(memory_format=torch.channels_last)
     optimizer = build_optimizer(cfg, model, lr)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
@@ -481,7 +483,7 @@ def main(cfg: Config) -> dict:
     params_here = sum((q.to_local() if isinstance(q, DTensor) else q).numel() for q in model.parameters())  # a shard under FSDP
     # Augmentation stream differs per rank (different images must get different crops), fixed by the seed.
     transform = BatchTransform(accelerator.device, cfg.seed * 1000 + accelerator.process_index,
-                               augment=cfg.augment == "standard", channels_last=cfg.channels_last)
+                               augment=cfg.augment == "standard", channels_last=channels_last)
 
     # --- schedule, counted in optimizer steps. Not passed to prepare(): Accelerate's prepared scheduler
     # steps num_processes times per optimizer step, which would end the schedule world-size times early.
@@ -507,7 +509,7 @@ def main(cfg: Config) -> dict:
     accelerator.wait_for_everyone()
 
     run_info = {"world_size": world, "distributed_type": accelerator.distributed_type.value,
-                "mixed_precision": accelerator.mixed_precision, "batch_size_per_process": batch_size,
+                "mixed_precision": accelerator.mixed_precision, "channels_last": channels_last, "batch_size_per_process": batch_size,
                 "global_batch": global_batch, "effective_lr": lr,
                 "versions": {"torch": torch.__version__, "torchvision": torchvision.__version__,
                              "accelerate": sys.modules["accelerate"].__version__, "python": sys.version.split()[0]},

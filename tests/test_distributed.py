@@ -29,7 +29,7 @@ TRAIN_SUBSET, EVAL_SUBSET = 200, 101  # 200 = 6 batches of 32 + 8 dropped; 101 i
 COMMON = ["--model", "resnet18_imagenet", "--train-subset", str(TRAIN_SUBSET), "--eval-subset", str(EVAL_SUBSET),
           "--epochs", "2", "--warmup-epochs", "0.5", "--augment", "none", "--optimizer", "sgd", "--lr", "0.1", "--scale-lr",
           "--deterministic", "--log-every", "1", "--tracker", "none"]
-TWO_RANKS = ["--config_file", str(CPU_YAML)]
+TWO_RANKS = ["--config_file", str(CPU_YAML), "--mixed_precision", "no"]  # fp32, like the 1-process runs
 CONFIGS = {
     "two_ranks": (TWO_RANKS, ["--global-batch-size", "64"]),
     "one_rank_accum2": (None, ["--batch-size", "32", "--grad-accum", "2"]),
@@ -236,16 +236,15 @@ def test_weights_and_summary_are_written_by_rank_zero_only(runs):
 
 # 9. Mixed precision from the YAML --------------------------------------------------------------------
 def test_mixed_precision_from_the_yaml_is_what_autocast_runs(runs, cifar_dir, cache_dir, tmp_path):
-    yaml = tmp_path / "cpu_bf16.yaml"
-    yaml.write_text(CPU_YAML.read_text().replace("mixed_precision: 'no'", "mixed_precision: bf16"))
     out = tmp_path / "bf16"
     result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out),
-                        *COMMON, "--batch-size", "32", "--max-steps", "2"], launch=["--config_file", str(yaml)], script=PROBE)
+                        *COMMON, "--batch-size", "32", "--max-steps", "2"], launch=["--config_file", str(CPU_YAML)], script=PROBE)
     assert result.returncode == 0, result.stderr[-4000:]
     run = Run(out)
     assert run.summary["mixed_precision"] == "bf16"
     assert all(set(p["fc_dtypes"]) == {"torch.bfloat16"} for p in run.probes)
-    assert set(runs["two_ranks"].probes[0]["fc_dtypes"]) == {"torch.float32"}  # cpu.yaml says 'no'
+    assert "mixed_precision: bf16" in CPU_YAML.read_text()
+    assert set(runs["two_ranks"].probes[0]["fc_dtypes"]) == {"torch.float32"}  # --mixed_precision no overrides the YAML
 
 
 # 10. Guards ----------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ import train_cifar
 
 JOB = ["--model", "resnet18_imagenet", "--train-subset", "512", "--eval-subset", "100", "--global-batch-size", "64",
        "--epochs", "2", "--checkpoint-every-steps", "3", "--deterministic", "--tracker", "none", "--lr", "0.05",
-       "--grad-clip", "0", "--log-every", "1"]
+       "--grad-clip", "0", "--log-every", "1", "--no-channels-last"]  # FSDP2 keeps NCHW: the same layout for both
 FSDP = ["--config_file", str(FSDP_CPU_YAML)]
 TOLERANCE = 1e-6
 
@@ -51,7 +51,8 @@ def runs(cifar_dir, cache_dir, tmp_path_factory):
     out = {}
     for name, yaml in (("ddp", CPU_YAML), ("fsdp", FSDP_CPU_YAML)):
         out[name] = tmp_path_factory.mktemp(name)
-        result = run_train(job_args(cifar_dir, cache_dir, out[name]), launch=["--config_file", str(yaml)], script=PROBE)
+        result = run_train(job_args(cifar_dir, cache_dir, out[name]), script=PROBE,
+                           launch=["--config_file", str(yaml), "--mixed_precision", "no"])  # cpu.yaml's default is bf16
         assert result.returncode == 0, result.stderr[-4000:]
     return out
 
@@ -137,3 +138,14 @@ def test_every_fsdp_config_key_is_a_launcher_option():
         keys = [line.split(":")[0].strip() for line in path.read_text().splitlines() if line.startswith("  fsdp_")]
         assert keys and all(f"--{k}" in options for k in keys), (path.name, [k for k in keys if f"--{k}" not in options])
 
+
+
+def test_fsdp_runs_with_the_default_channels_last_by_keeping_nchw(cifar_dir, cache_dir, tmp_path):
+    """FSDP2 shards contiguous parameters only; channels_last (the script's default) is switched off under FSDP."""
+    out = tmp_path / "default_layout"
+    result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out), "--model",
+                        "resnet18_imagenet", "--train-subset", "128", "--eval-subset", "32", "--batch-size", "32",
+                        "--max-steps", "2", "--tracker", "none"], launch=FSDP)
+    assert result.returncode == 0, result.stderr[-3000:]
+    s = read_summary(out)
+    assert (s["distributed_type"], s["config"]["channels_last"], s["channels_last"]) == ("FSDP", True, False)
