@@ -18,6 +18,7 @@ schedule, evaluation, training loop.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import netrc
@@ -102,7 +103,8 @@ class Config:
     overwrite: bool = opt(False, "start fresh in an output dir holding an earlier run's checkpoints, deleting them")
     dist_timeout: int = opt(600, "seconds a collective waits for a missing process before the job fails")
     # --- logging ---
-    tracker: str = opt("wandb", "wandb (offline by itself without credentials), tensorboard (<output-dir>/<project>/) or none",
+    tracker: str = opt("wandb" if importlib.util.find_spec("wandb") else "none",
+                       "wandb (the default when installed; offline by itself without credentials), tensorboard (<output-dir>/<project>/) or none",
                        ("wandb", "tensorboard", "none"))
     wandb_project: str | None = opt(None, "W&B project (TensorBoard: the folder name); unset: $WANDB_PROJECT, else cifar10-accelerate")
     run_name: str | None = opt(None, "W&B run name; unset: $WANDB_NAME, else W&B picks one")
