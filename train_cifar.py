@@ -216,13 +216,14 @@ def build_model(name: str, num_classes: int = len(CLASSES), sync_bn: bool = Fals
     return nn.SyncBatchNorm.convert_sync_batchnorm(model) if sync_bn else model
 
 
-def build_optimizer(cfg: Config, model: nn.Module, lr: float) -> torch.optim.Optimizer:
-    # foreach=True: torch picks the multi-tensor kernels by itself only on GPUs; on CPU its per-tensor loop
-    # costs ResNet-18 24 ms per SGD step instead of 10 (measured on 2 cores).
+def build_optimizer(cfg: Config, model: nn.Module, lr: float, fused: bool = True) -> torch.optim.Optimizer:
+    # fused: one kernel for the whole update, on CPU and CUDA (torch's default is a per-tensor loop on CPU,
+    # foreach on GPUs). ResNet-18 on 1 CPU thread: SGD 24 ms per step (loop) / 10.8 (foreach) / 3.5 (fused),
+    # AdamW 35 (foreach) / 5.3 (fused). FSDP2's DTensor parameters have no fused kernels: foreach there.
+    kernel = {"fused": True} if fused else {"foreach": True}
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=cfg.weight_decay,
-                               foreach=True)
-    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay, foreach=True)
+        return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=cfg.weight_decay, **kernel)
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay, **kernel)
 
 
 def warmup_cosine(warmup_steps: int, total_steps: int):
@@ -476,7 +477,7 @@ def main(cfg: Config) -> dict:
     channels_last = cfg.channels_last and accelerator.distributed_type != DistributedType.FSDP
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
-    optimizer = build_optimizer(cfg, model, lr)
+    optimizer = build_optimizer(cfg, model, lr, fused=accelerator.distributed_type != DistributedType.FSDP)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     if accelerator.distributed_type in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
         assert isinstance(model, nn.parallel.DistributedDataParallel), type(model)  # gradients really are averaged
