@@ -17,11 +17,10 @@ import compare_runs
 from utils import UserError
 from utils.data import CLASSES
 
-JOB = TRACKED_JOB
-
 
 @pytest.fixture
 def runs(tracked_runs) -> dict[str, Path]:
+    """a0, a1, b: see conftest.tracked_runs."""
     return tracked_runs
 
 
@@ -127,7 +126,7 @@ def test_tensorboard_tracker_logs_the_same_metrics(cifar_dir, cache_dir, tmp_pat
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "tb"
-    result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out), *JOB,
+    result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out), *TRACKED_JOB,
                         "--tracker", "tensorboard", "--epochs", "1"])
     assert result.returncode == 0, result.stderr[-3000:]
     events = EventAccumulator(str(out / "cifar10-accelerate")).Reload()
