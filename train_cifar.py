@@ -3,6 +3,7 @@
     python train_cifar.py --data-dir ../shared/data/cifar10                              # 1 process
     accelerate launch --config_file accelerate_configs/cpu.yaml  train_cifar.py          # 2 gloo ranks, 1 CPU box
     accelerate launch --config_file accelerate_configs/1gpu.yaml train_cifar.py          # 1 GPU
+    accelerate launch --config_file accelerate_configs/1gpu.yaml train_cifar.py --recipe fast  # 1 GPU, ResNet-9 (RECIPES)
     accelerate launch --multi_gpu --num_processes 8 --mixed_precision bf16 train_cifar.py  # 8 GPUs, DDP
     accelerate launch --config_file accelerate_configs/fsdp_4gpu.yaml train_cifar.py     # 4 GPUs, FSDP2 (fsdp_cpu.yaml: CPU)
     # 2 nodes x 8 GPUs: run on each node, with --machine_rank 0 on the head and 1 on the other:
