@@ -38,9 +38,6 @@ class Run:
     history: list[dict] = field(default_factory=list)  # one dict per logged step, with _step and _timestamp
     summary: dict = field(default_factory=dict)
 
-    def series(self, x: str, y: str) -> list[tuple[float, float]]:
-        return [(row[x], row[y]) for row in self.history if isinstance(row.get(x), int | float) and isinstance(row.get(y), int | float)]
-
     def metric(self, summary_key: str, history_key: str, pick=lambda values: values[-1]) -> float:
         """A number from the final summary (summary.json's keys), else from the history (a run that did not finish)."""
         if isinstance(self.summary.get(summary_key), int | float):
@@ -235,9 +232,11 @@ def plot(runs: list[Run], folder: Path, by_group: bool) -> list[Path]:
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
-    def wall_clock(run):  # seconds since the run's first logged step, across resumed lives
+    def points(run, x, y):  # x "_wall": seconds since the run's first logged step, across resumed lives
         start = min((row["_timestamp"] for row in run.history if "_timestamp" in row), default=0.0)
-        return [({**row, "_wall": row["_timestamp"] - start}) for row in run.history if "_timestamp" in row]
+        xs = [row.get("_timestamp", math.nan) - start for row in run.history] if x == "_wall" else [row.get(x) for row in run.history]
+        return [(px, row[y]) for px, row in zip(xs, run.history)
+                if isinstance(px, int | float) and not math.isnan(px) and isinstance(row.get(y), int | float)]
 
     figures = [("eval_top1_vs_epoch.png", "epoch", "eval/top1", "eval top-1 (%)"),
                ("eval_top1_vs_wall_clock.png", "_wall", "eval/top1", "eval top-1 (%)"),
@@ -248,8 +247,7 @@ def plot(runs: list[Run], folder: Path, by_group: bool) -> list[Path]:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         curves: dict[str, list[list[tuple[float, float]]]] = {}
         for run in runs:
-            points = Run(run.name, run.id, history=wall_clock(run) if x == "_wall" else run.history).series(x, y)
-            curves.setdefault((run.group or run.name) if by_group else f"{run.name} ({run.id})", []).append(points)
+            curves.setdefault((run.group or run.name) if by_group else f"{run.name} ({run.id})", []).append(points(run, x, y))
         for name, members in curves.items():
             members = [m for m in members if m]
             xs = sorted(set.intersection(*(set(px for px, _ in m) for m in members))) if len(members) > 1 and x != "_wall" else []

@@ -220,7 +220,7 @@ def build_model(name: str, num_classes: int = len(CLASSES), sync_bn: bool = Fals
 def build_optimizer(cfg: Config, model: nn.Module, lr: float, fused: bool = True) -> torch.optim.Optimizer:
     # fused: one kernel for the whole update, on CPU and CUDA (torch's default is a per-tensor loop on CPU,
     # foreach on GPUs). ResNet-18 on 1 CPU thread: SGD 24 ms per step (loop) / 10.8 (foreach) / 3.5 (fused),
-    # AdamW 35 (foreach) / 5.3 (fused). FSDP2's DTensor parameters have no fused kernels: foreach there.
+    # AdamW 35 (foreach) / 5.3 (fused). Under FSDP2, foreach: DTensor has no sharding rule for aten._fused_sgd_.
     kernel = {"fused": True} if fused else {"foreach": True}
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=cfg.weight_decay, **kernel)
@@ -474,15 +474,15 @@ def main(cfg: Config) -> dict:
     # --- model: same seed on every rank -> same initial weights (DDP also broadcasts rank 0's) ---
     set_seed(cfg.seed)
     model = build_model(cfg.model, sync_bn=cfg.sync_bn)  # converted before prepare(), as DDP requires
-    # FSDP2 shards contiguous parameters only: under FSDP the model and its inputs stay NCHW.
-    channels_last = cfg.channels_last and accelerator.distributed_type != DistributedType.FSDP
+    sharded = accelerator.distributed_type == DistributedType.FSDP
+    channels_last = cfg.channels_last and not sharded  # FSDP2 shards contiguous parameters only: NCHW under FSDP
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
-    optimizer = build_optimizer(cfg, model, lr, fused=accelerator.distributed_type != DistributedType.FSDP)
+    optimizer = build_optimizer(cfg, model, lr, fused=not sharded)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     if accelerator.distributed_type in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
         assert isinstance(model, nn.parallel.DistributedDataParallel), type(model)  # gradients really are averaged
-    if accelerator.distributed_type == DistributedType.FSDP:
+    if sharded:
         assert isinstance(accelerator.unwrap_model(model, keep_torch_compile=False), FSDPModule), type(model)  # sharded
     params_here = sum((q.to_local() if isinstance(q, DTensor) else q).numel() for q in model.parameters())  # a shard under FSDP
     # Augmentation stream differs per rank (different images must get different crops), fixed by the seed.

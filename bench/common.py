@@ -17,6 +17,11 @@ def add_data_args(parser) -> None:
     parser.add_argument("--cache-dir", default=None, help="decoded-tensor cache")
 
 
+def data_flags(args) -> list[str]:
+    """The data flags parsed by add_data_args, back as command-line arguments for train_cifar.py."""
+    return [f"--{name}={value}" for name, value in (("data-dir", args.data_dir), ("cache-dir", args.cache_dir)) if value]
+
+
 def header(title: str) -> None:
     cpu = platform.processor() or "unknown CPU"
     try:

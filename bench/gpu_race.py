@@ -22,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import add_data_args, header  # noqa: E402
+from bench.common import add_data_args, data_flags, header  # noqa: E402
 
 
 def launch(args: list[str], out: Path, env: dict | None = None) -> str:
@@ -109,7 +109,7 @@ def main() -> None:
         sys.exit("bench/gpu_race.py needs a CUDA GPU.")
     header("GPU race: ResNet-18 throughput, --recipe fast to 94%, airbench94")
     work = Path(args.work)
-    data = [f"--{k.replace('_', '-')}={v}" for k, v in (("data_dir", args.data_dir), ("cache_dir", args.cache_dir)) if v]
+    data = data_flags(args)
     resnet18_throughput(data, work)
     ours = fast_recipe_time(data, work, args.target)
     theirs = airbench_time(args.data_dir, args.cache_dir, work)

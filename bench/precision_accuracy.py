@@ -18,7 +18,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import add_data_args, header, report  # noqa: E402
+from bench.common import add_data_args, data_flags, header, report  # noqa: E402
 
 SETTINGS = {"fp32": ["--mixed_precision", "no"], "bf16+channels_last": ["--mixed_precision", "bf16"]}
 
@@ -28,7 +28,7 @@ def run(setting: str, seed: int, args, out: Path) -> dict:
            "--main_process_port", "0", *SETTINGS[setting], str(REPO / "train_cifar.py"), "--model", "resnet18_imagenet",
            "--train-subset", str(args.train_subset), "--epochs", str(args.epochs), "--seed", str(seed), "--tracker", "none",
            "--output-dir", str(out), *(["--channels-last"] if "channels_last" in setting else []),
-           *([f"--data-dir={args.data_dir}"] if args.data_dir else []), *([f"--cache-dir={args.cache_dir}"] if args.cache_dir else [])]
+           *data_flags(args)]
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if result.returncode != 0:
         sys.exit(result.stderr[-3000:])

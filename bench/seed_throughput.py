@@ -18,7 +18,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.common import add_data_args, header, report  # noqa: E402
+from bench.common import add_data_args, data_flags, header, report  # noqa: E402
 
 
 def run(cmd: list[str]) -> str:
@@ -36,7 +36,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
     header("P1 training throughput: the seed's DDP script vs train_cifar.py, 2 CPU ranks")
-    data = [*(["--data-dir", args.data_dir] if args.data_dir else []), *(["--cache-dir", args.cache_dir] if args.cache_dir else [])]
+    data = data_flags(args)
     seed_cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                 "bench/seed_ddp.py", *data, "--images", str(args.images), "--epochs", str(args.epochs)]
     out = tempfile.mkdtemp(prefix="p1_")

@@ -117,6 +117,17 @@ def assert_same_state(a: Path, b: Path) -> None:
     assert not differ, f"{len(differ)} tensors differ, e.g. {differ[:3]}"
 
 
+# The checkpoint/resume job (tests/test_checkpoint.py, tests/test_fsdp.py): 512 images, global batch 64 -> 8 optimizer
+# steps per epoch, 2 epochs, a checkpoint every 3 steps, NCHW (the layout evaluate_checkpoint.py and FSDP2 use).
+CHECKPOINT_JOB = ["--model", "resnet18_imagenet", "--train-subset", "512", "--eval-subset", "100", "--global-batch-size", "64",
+                  "--epochs", "2", "--checkpoint-every-steps", "3", "--deterministic", "--tracker", "none", "--lr", "0.05",
+                  "--no-channels-last"]
+
+
+def job_args(cifar_dir, cache_dir, out, *extra) -> list[str]:
+    return ["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out), *extra]
+
+
 TRACKED_JOB = ["--model", "resnet18_imagenet", "--train-subset", "256", "--eval-subset", "64", "--global-batch-size", "32",
                "--epochs", "2", "--log-every", "2", "--tracker", "wandb"]
 

@@ -16,9 +16,11 @@ import sys
 import time
 from pathlib import Path
 
+import conftest
 import psutil
 import pytest
 from conftest import (
+    CHECKPOINT_JOB,
     CPU_YAML,
     PROBE,
     REPO,
@@ -34,14 +36,11 @@ from conftest import (
 
 import compare_runs
 
-JOB = ["--model", "resnet18_imagenet", "--train-subset", "512", "--eval-subset", "100", "--global-batch-size", "64",
-       "--epochs", "2", "--checkpoint-every-steps", "3", "--deterministic", "--tracker", "none", "--lr", "0.05",
-       "--no-channels-last"]  # the layout evaluate_checkpoint.py uses, so it reproduces the reported top-1 exactly
 TWO_RANKS = ["--config_file", str(CPU_YAML), "--mixed_precision", "no"]  # fp32: exact means bitwise
 
 
 def job_args(cifar_dir, cache_dir, out, *extra):
-    return ["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out), *JOB, *extra]
+    return conftest.job_args(cifar_dir, cache_dir, out, *CHECKPOINT_JOB, *extra)
 
 
 @pytest.fixture(scope="module")

@@ -17,9 +17,10 @@ from __future__ import annotations
 import json
 import signal
 
+import conftest
 import pytest
-import torch
 from conftest import (
+    CHECKPOINT_JOB,
     CPU_YAML,
     FSDP_CPU_YAML,
     PROBE,
@@ -35,15 +36,13 @@ from safetensors.torch import load_file
 
 import train_cifar
 
-JOB = ["--model", "resnet18_imagenet", "--train-subset", "512", "--eval-subset", "100", "--global-batch-size", "64",
-       "--epochs", "2", "--checkpoint-every-steps", "3", "--deterministic", "--tracker", "none", "--lr", "0.05",
-       "--grad-clip", "0", "--log-every", "1", "--no-channels-last"]  # FSDP2 keeps NCHW: the same layout for both
+JOB = [*CHECKPOINT_JOB, "--grad-clip", "0", "--log-every", "1"]  # NCHW (FSDP2 keeps it): the same layout for both
 FSDP = ["--config_file", str(FSDP_CPU_YAML)]
 TOLERANCE = 1e-6
 
 
 def job_args(cifar_dir, cache_dir, out, *extra):
-    return ["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out), *JOB, *extra]
+    return conftest.job_args(cifar_dir, cache_dir, out, *JOB, *extra)
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +97,10 @@ def test_fsdp_ranks_evaluate_with_rank_zeros_batchnorm_statistics_like_ddp(runs)
 
 def test_fsdp_exported_weights_load_into_a_plain_model(runs):
     model = train_cifar.build_model("resnet18_imagenet")
-    model.load_state_dict(load_file(runs["fsdp"] / "model.safetensors"), strict=True)
-    assert all(type(t) is torch.Tensor for t in model.state_dict().values())
+    state = load_file(runs["fsdp"] / "model.safetensors")
+    model.load_state_dict(state, strict=True)
+    names = dict(model.named_parameters())
+    assert sum(state[k].numel() for k in names) == read_summary(runs["fsdp"])["parameters"]  # full tensors, not rank 0's shard
 
 
 def test_fsdp_checkpoints_are_sharded_per_rank_and_resume_exactly_after_preemption(runs, cifar_dir, cache_dir, tmp_path):
