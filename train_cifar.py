@@ -505,7 +505,7 @@ def main(cfg: Config) -> dict:
         if changed:
             accelerator.print(f"warning: resuming with a changed config: {', '.join(changed)}")
         scheduler.load_state_dict(saved["scheduler"])
-        transform.generator.set_state(rank_state["augment_rng"])
+        transform.load_state_dict(rank_state)
         accelerator.print(f"resumed from {resume_from}: epoch {p.epoch + 1}, batch {p.batches_in_epoch} of "
                           f"{len(train_loader)}, step {p.global_step}")
     elif cfg.overwrite and accelerator.is_main_process:
@@ -561,7 +561,7 @@ def main(cfg: Config) -> dict:
         folder = ckpt.save(accelerator, root, p.global_step,
                            {"progress": asdict(p), "config": asdict(cfg), "world_size": world,
                             "scheduler": scheduler.state_dict()},
-                           {"augment_rng": transform.generator.get_state()})
+                           transform.state_dict())
         if accelerator.is_main_process:
             ckpt.rotate(root, cfg.keep_last, keep={p.best_checkpoint})
         return folder

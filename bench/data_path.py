@@ -40,7 +40,7 @@ class PilDataset(torch.utils.data.Dataset):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_data_args(parser)
-    parser.add_argument("--images", type=int, default=20000, help="images per pass of our loader")
+    parser.add_argument("--images", type=int, default=50000, help="images per pass of our loader (50,000: an epoch)")
     parser.add_argument("--seed-images", type=int, default=4000, help="images per pass of the seed-style loader")
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
@@ -51,7 +51,7 @@ def main() -> None:
                               dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=True))
     images, labels = load_cifar10(args.data_dir, args.cache_dir, accelerator)["train"]
     ours_loader = accelerator.prepare(make_loader(images[: args.images], labels[: args.images], args.batch_size, train=True))
-    transform = BatchTransform(accelerator.device, 0, augment=True, channels_last=False)
+    transform = BatchTransform(accelerator.device, 0, augment=True, channels_last=True)  # as train_cifar.py (its default)
     seed_tf = transforms.Compose([transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip(),
                                   transforms.ToTensor(), transforms.Normalize(MEAN, STD)])
     seed_loader = torch.utils.data.DataLoader(PilDataset(images[: args.seed_images], labels[: args.seed_images], seed_tf),
@@ -66,6 +66,8 @@ def main() -> None:
         return n / (time.perf_counter() - start)
 
     ours, seed = [], []
+    rate(ours_loader, lambda x, y: transform(x, train=True))  # warm-up, not counted
+    rate(seed_loader, lambda x, y: x.to(accelerator.device, non_blocking=True))
     for _ in range(args.repeats):
         ours.append(rate(ours_loader, lambda x, y: transform(x, train=True)))
         seed.append(rate(seed_loader, lambda x, y: x.to(accelerator.device, non_blocking=True)))

@@ -49,6 +49,7 @@ def test_second_load_reads_the_cache_and_a_changed_source_is_decoded_again(tmp_p
     second = load_cifar10(str(src), str(cache), accelerator)
     assert calls == []  # served from the cache
     assert all(torch.equal(a, b) for s in ("train", "test") for a, b in zip(first[s], second[s]))
+    assert all(d[s][0].is_contiguous(memory_format=torch.channels_last) for d in (first, second) for s in ("train", "test"))
 
     write_cifar_dir(src, n_train=48, n_test=12)  # replace the source files
     third = load_cifar10(str(src), str(cache), accelerator)
@@ -102,6 +103,10 @@ def test_prepared_loader_yields_whole_uint8_batches_covering_the_epoch(accelerat
     assert seen[0] != seen[1]  # reshuffled per epoch
     evaluation = accelerator.prepare(make_loader(images, labels, batch_size=10, train=False))
     assert torch.cat([x[:, 0, 0, 0] for x, _ in evaluation]).tolist() == list(range(103))
+    pixels = torch.randint(0, 256, (103, 3, 32, 32), dtype=torch.uint8)  # NCHW in; batches come out channels-last
+    batches = [x for x, _ in accelerator.prepare(make_loader(pixels, labels, batch_size=10, train=False))]
+    assert torch.equal(torch.cat(batches), pixels)
+    assert all(x.is_contiguous(memory_format=torch.channels_last) for x in batches)
 
 
 def _all_crops(image: torch.Tensor, pad: int = 4) -> list[torch.Tensor]:
@@ -123,13 +128,32 @@ def test_crop_and_flip_gives_a_padded_crop_or_its_mirror_for_every_image():
     assert any(m >= 81 for m in matches) and any(m < 81 for m in matches)  # both flipped and not
 
 
+def test_each_image_is_mirrored_with_probability_half_and_shifted_uniformly():
+    # Pixel values name their coordinates: channel 0 = row + 1, channel 1 = column + 1. The centre pixel of a
+    # crop then tells the shift, and its right-hand neighbour tells whether the crop is mirrored.
+    r = torch.arange(1, 33, dtype=torch.uint8)
+    image = torch.stack([r.view(32, 1).expand(32, 32), r.view(1, 32).expand(32, 32), torch.zeros(32, 32, dtype=torch.uint8)])
+    batch = image.expand(64, 3, 32, 32)
+    transform = BatchTransform(torch.device("cpu"), seed=3, augment=True, channels_last=True)
+    outs = torch.stack([transform.crop_and_flip(batch).clone() for _ in range(50)]).long()  # (50, 64, 3, 32, 32)
+    mirrored = outs[:, :, 1, 16, 17] < outs[:, :, 1, 16, 16]
+    dy = outs[:, :, 0, 16, 16] - 13  # row 16 of the crop = padded row 16 + dy = image row 12 + dy
+    dx = torch.where(mirrored, outs[:, :, 1, 16, 16] - 12, outs[:, :, 1, 16, 16] - 13)
+    assert abs(mirrored.float().mean().item() - 0.5) < 0.035  # 3,200 images: 4 standard errors
+    by_position = mirrored.float().mean(0)  # the same law at every position of the batch
+    assert 0.3 < by_position[:8].mean() < 0.7 and 0.3 < by_position[-8:].mean() < 0.7
+    for shift in (dy, dx):
+        counts = torch.bincount(shift.flatten(), minlength=9)
+        assert len(counts) == 9 and counts.min() > 250 and counts.max() < 460  # uniform over 0..8: 356 each
+
+
 def test_normalised_output_and_per_seed_random_streams():
     images = torch.randint(0, 256, (32, 3, 32, 32), dtype=torch.uint8)
     make = lambda seed, aug=True: BatchTransform(torch.device("cpu"), seed, augment=aug, channels_last=True)  # noqa: E731
     plain = make(0, aug=False)(images, train=True)
     mean = torch.tensor(cdata.MEAN).view(1, 3, 1, 1) * 255
     std = torch.tensor(cdata.STD).view(1, 3, 1, 1) * 255
-    assert torch.allclose(plain, (images.float() - mean) / std)
+    assert torch.allclose(plain, (images.float() - mean) / std, rtol=0, atol=1e-6)  # x * (1/std) - mean/std, rounded
     assert plain.is_contiguous(memory_format=torch.channels_last)
     assert torch.equal(make(0)(images, train=False), plain)  # evaluation never augments
     assert torch.equal(make(5)(images, train=True), make(5)(images, train=True))  # same seed, same stream
