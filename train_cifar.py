@@ -41,7 +41,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torchvision
 from accelerate import Accelerator, FullyShardedDataParallelPlugin, PartialState
-from accelerate.utils import DataLoaderConfiguration, DistributedType, InitProcessGroupKwargs, set_seed
+from accelerate.utils import (
+    DataLoaderConfiguration,
+    DDPCommunicationHookType,
+    DistributedDataParallelKwargs,
+    DistributedType,
+    InitProcessGroupKwargs,
+    set_seed,
+)
 from safetensors.torch import save_file
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
@@ -94,6 +101,8 @@ class Config:
     warmup_epochs: float = opt(1.0, "linear warmup from 0 to lr, then cosine decay to 0")
     grad_accum: int = opt(1, "micro-steps per optimizer step (no gradient all-reduce on the others)")
     grad_clip: float = opt(5.0, "clip the global gradient norm to this; 0: no clipping")
+    bf16_grad_sync: bool = opt(True, "DDP under bf16 mixed precision: all-reduce gradients in bf16 (half the bytes); "
+                               "--no-bf16-grad-sync: in fp32")
     max_steps: int | None = opt(None, "stop after this many optimizer steps (the schedule is planned for them)")
     seed: int = opt(0, "seeds the weights (same on every rank), data order and augmentation")
     deterministic: bool = opt(False, "deterministic kernels; on CPU also 1 thread, so 1 process matches N launched processes bitwise")
@@ -481,7 +490,10 @@ def main(cfg: Config) -> dict:
     optimizer = build_optimizer(cfg, model, lr, fused=not sharded)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     if accelerator.distributed_type in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
-        assert isinstance(model, nn.parallel.DistributedDataParallel), type(model)  # gradients really are averaged
+        ddp = getattr(model, "_orig_mod", model)  # under --compile, Accelerate compiles the DDP wrapper
+        assert isinstance(ddp, nn.parallel.DistributedDataParallel), type(ddp)  # gradients really are averaged
+        if cfg.bf16_grad_sync and accelerator.mixed_precision == "bf16":  # PyTorch's bf16_compress_hook, via Accelerate
+            DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType.BF16).register_comm_hook(ddp)
     if sharded:
         assert isinstance(accelerator.unwrap_model(model, keep_torch_compile=False), FSDPModule), type(model)  # sharded
     params_here = sum((q.to_local() if isinstance(q, DTensor) else q).numel() for q in model.parameters())  # a shard under FSDP

@@ -4,6 +4,8 @@ Launched by the tests exactly like train_cifar.py (`accelerate launch ... tests/
 changes no behaviour, it only records, per rank, into <output-dir>/probe-rank<R>.json:
   batches      [[dataset number, [sample indices]], ...] for every batch fetched (dataset 0 = training)
   allreduce_at number of training forwards done when each DDP gradient bucket was all-reduced
+  synced_in_bf16 per all-reduced bucket: whether every averaged gradient is a bf16 number (low 16 bits zero)
+  comm_hook    name of the DDP communication hook the script registered (None: DDP's fp32 all-reduce)
   fc_dtypes    dtypes of the classifier's output during training forwards (what autocast really ran)
   init_digest  sha256 of the model's parameters as built by the script, before prepare() (before DDP's broadcast)
   eval_buffer_digest  sha256 of the BatchNorm buffers when each evaluation is called (as training left them)
@@ -41,7 +43,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 import train_cifar  # noqa: E402
 from utils import data as cdata  # noqa: E402
 
-rec = {"batches": [], "allreduce_at": [], "fc_dtypes": [], "init_digest": None, "eval_buffer_digest": [], "eval_forward_digest": [],
+rec = {"batches": [], "allreduce_at": [], "synced_in_bf16": [], "comm_hook": None, "fc_dtypes": [], "init_digest": None, "eval_buffer_digest": [], "eval_forward_digest": [],
        "aug_seed": None, "param_types": [], "local_numel": 0, "fsdp_units": [], "logs": [], "writes": []}
 datasets_seen: list[int] = []
 forwards = {"train": 0, "eval_started": False}
@@ -89,12 +91,29 @@ def prepare(self, *objects, **kwargs):
     inner.register_forward_pre_hook(count_forward)
     inner.fc.register_forward_hook(lambda m, a, o: rec["fc_dtypes"].append(str(o.dtype)) if m.training else None)
     if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
+        # DDP takes one hook: ours counts, then runs the one the script registers (see register_comm_hook below).
         def counting_hook(state, bucket):
             rec["allreduce_at"].append(forwards["train"])
-            return allreduce_hook(state, bucket)
 
-        wrapped.register_comm_hook(None, counting_hook)
+            def note(fut):
+                value = fut.value()
+                synced = value[0] if isinstance(value, list) else value
+                rec["synced_in_bf16"].append(bool((synced.float().view(torch.int32) & 0xFFFF).eq(0).all()))
+                return synced
+
+            return script_hook["hook"](script_hook["state"], bucket).then(note)
+
+        real_register_comm_hook(wrapped, None, counting_hook)
     return out
+
+
+script_hook = {"state": None, "hook": allreduce_hook}
+real_register_comm_hook = torch.nn.parallel.DistributedDataParallel.register_comm_hook
+
+
+def register_comm_hook(self, state, hook):
+    script_hook.update(state=state, hook=hook)
+    rec["comm_hook"] = hook.__name__
 
 
 real_evaluate = train_cifar.evaluate
@@ -158,6 +177,7 @@ def audit(event, args):
 
 cdata.BatchedTensorDataset.__getitems__ = getitems
 Accelerator.prepare = prepare
+torch.nn.parallel.DistributedDataParallel.register_comm_hook = register_comm_hook
 train_cifar.evaluate = evaluate
 cdata.BatchTransform.__init__ = transform_init
 Accelerator.log = log

@@ -247,6 +247,25 @@ def test_mixed_precision_from_the_yaml_is_what_autocast_runs(runs, cifar_dir, ca
     assert set(runs["two_ranks"].probes[0]["fc_dtypes"]) == {"torch.float32"}  # --mixed_precision no overrides the YAML
 
 
+def test_bf16_runs_all_reduce_gradients_in_bf16_unless_told_not_to(runs, cifar_dir, cache_dir, tmp_path):
+    """Under bf16 autocast DDP sends gradients as bf16 (half the bytes): every averaged gradient is then a bf16
+    number. fp32 runs, and bf16 runs with --no-bf16-grad-sync, all-reduce in fp32."""
+    synced = {}
+    for name, extra in (("bf16", []), ("bf16_fp32_sync", ["--no-bf16-grad-sync"])):
+        out = tmp_path / name
+        result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out),
+                            *COMMON, "--batch-size", "32", "--max-steps", "2", *extra],
+                           launch=["--config_file", str(CPU_YAML)], script=PROBE)
+        assert result.returncode == 0, result.stderr[-4000:]
+        synced[name] = Run(out).probes
+    synced["fp32"] = runs["two_ranks"].probes
+    assert [p["comm_hook"] for p in synced["bf16"]] == ["bf16_compress_hook"] * 2
+    assert all(p["synced_in_bf16"] and all(p["synced_in_bf16"]) for p in synced["bf16"])
+    for name in ("bf16_fp32_sync", "fp32"):
+        assert [p["comm_hook"] for p in synced[name]] == [None, None]
+        assert all(p["synced_in_bf16"] and not any(p["synced_in_bf16"]) for p in synced[name])
+
+
 # 10. Guards ----------------------------------------------------------------------------------------
 def test_fsdp_asked_for_but_not_set_up_stops(cifar_dir, cache_dir, tmp_path):
     """One process without a launcher: Accelerate sets up no distributed type at all, FSDP settings or not."""
