@@ -6,9 +6,11 @@ changes no behaviour, it only records, per rank, into <output-dir>/probe-rank<R>
   allreduce_at number of training forwards done when each DDP gradient bucket was all-reduced
   synced_in_bf16 per all-reduced bucket: whether every averaged gradient is a bf16 number (low 16 bits zero)
   comm_hook    name of the DDP communication hook the script registered (None: DDP's fp32 all-reduce)
+  compiled     whether prepare() returned a torch.compile'd module (a dynamo backend from the launcher)
   fc_dtypes    dtypes of the classifier's output during training forwards (what autocast really ran)
   init_digest  sha256 of the model's parameters as built by the script, before prepare() (before DDP's broadcast)
   eval_buffer_digest  sha256 of the BatchNorm buffers when each evaluation is called (as training left them)
+  eval_param_digest   sha256 of the parameters when each evaluation is called (equal on all ranks if DDP synced)
   eval_forward_digest sha256 of the BatchNorm buffers at the first forward of each evaluation (what it uses)
   aug_seed     initial seed of the rank's augmentation generator
   param_types  class names of the prepared model's parameters (DTensor under FSDP2)
@@ -43,7 +45,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 import train_cifar  # noqa: E402
 from utils import data as cdata  # noqa: E402
 
-rec = {"batches": [], "allreduce_at": [], "synced_in_bf16": [], "comm_hook": None, "fc_dtypes": [], "init_digest": None, "eval_buffer_digest": [], "eval_forward_digest": [],
+rec = {"batches": [], "allreduce_at": [], "synced_in_bf16": [], "comm_hook": None, "compiled": None, "fc_dtypes": [], "init_digest": None, "eval_buffer_digest": [], "eval_param_digest": [], "eval_forward_digest": [],
        "aug_seed": None, "param_types": [], "local_numel": 0, "fsdp_units": [], "logs": [], "writes": []}
 datasets_seen: list[int] = []
 forwards = {"train": 0, "eval_started": False}
@@ -75,7 +77,9 @@ def prepare(self, *objects, **kwargs):
     rec["init_digest"] = digest(objects[0].parameters())
     out = real_prepare(self, *objects, **kwargs)
     wrapped = out[0]
-    inner = self.unwrap_model(wrapped)
+    # keep_torch_compile=False: with the default, Accelerate 1.15's unwrap of a compiled DDP model sets the compiled
+    # module's _orig_mod to the bare model, so DDP silently drops out of every later forward and backward.
+    inner = self.unwrap_model(wrapped, keep_torch_compile=False)
     rec["param_types"] = sorted({type(q).__name__ for q in wrapped.parameters()})
     rec["local_numel"] = sum((q.to_local() if isinstance(q, DTensor) else q).numel() for q in wrapped.parameters())
     rec["fsdp_units"] = [type(m).__name__ for m in wrapped.modules() if isinstance(m, FSDPModule)]
@@ -90,7 +94,9 @@ def prepare(self, *objects, **kwargs):
 
     inner.register_forward_pre_hook(count_forward)
     inner.fc.register_forward_hook(lambda m, a, o: rec["fc_dtypes"].append(str(o.dtype)) if m.training else None)
-    if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
+    ddp = getattr(wrapped, "_orig_mod", wrapped)  # Accelerate compiles the DDP wrapper under a dynamo backend
+    rec["compiled"] = ddp is not wrapped
+    if isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
         # DDP takes one hook: ours counts, then runs the one the script registers (see register_comm_hook below).
         def counting_hook(state, bucket):
             rec["allreduce_at"].append(forwards["train"])
@@ -103,7 +109,7 @@ def prepare(self, *objects, **kwargs):
 
             return script_hook["hook"](script_hook["state"], bucket).then(note)
 
-        real_register_comm_hook(wrapped, None, counting_hook)
+        real_register_comm_hook(ddp, None, counting_hook)
     return out
 
 
@@ -120,7 +126,9 @@ real_evaluate = train_cifar.evaluate
 
 
 def evaluate(model, loader, transform, accelerator, *args):
-    rec["eval_buffer_digest"].append(digest(accelerator.unwrap_model(model).buffers()))
+    inner = accelerator.unwrap_model(model, keep_torch_compile=False)
+    rec["eval_buffer_digest"].append(digest(inner.buffers()))
+    rec["eval_param_digest"].append(digest(inner.parameters()))
     forwards["eval_started"] = True
     return real_evaluate(model, loader, transform, accelerator, *args)
 

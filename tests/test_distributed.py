@@ -266,6 +266,22 @@ def test_bf16_runs_all_reduce_gradients_in_bf16_unless_told_not_to(runs, cifar_d
         assert all(p["synced_in_bf16"] and not any(p["synced_in_bf16"]) for p in synced[name])
 
 
+def test_a_compiled_ddp_model_passes_the_ddp_check_and_keeps_its_bf16_all_reduce(cifar_dir, cache_dir, tmp_path):
+    """With a dynamo backend Accelerate compiles the DDP wrapper last; the script must look inside it (it asserted
+    on the compiled wrapper's type before, which stopped every multi-GPU --compile run). The eager backend runs
+    dynamo without inductor's code generation, so this takes seconds on a CPU."""
+    out = tmp_path / "compiled"
+    result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out),
+                        *COMMON, "--batch-size", "32", "--max-steps", "2"],
+                       launch=["--config_file", str(CPU_YAML), "--dynamo_backend", "eager"], script=PROBE)
+    assert result.returncode == 0, result.stderr[-4000:]
+    run = Run(out)
+    assert run.summary["world_size"] == 2 and all(p["compiled"] for p in run.probes)
+    assert run.probes[0]["eval_param_digest"] == run.probes[1]["eval_param_digest"]  # DDP really averaged the gradients
+    assert all(p["comm_hook"] == "bf16_compress_hook" and len(p["synced_in_bf16"]) >= 2 and all(p["synced_in_bf16"])
+               for p in run.probes)
+
+
 # 10. Guards ----------------------------------------------------------------------------------------
 def test_fsdp_asked_for_but_not_set_up_stops(cifar_dir, cache_dir, tmp_path):
     """One process without a launcher: Accelerate sets up no distributed type at all, FSDP settings or not."""
