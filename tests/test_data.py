@@ -166,3 +166,14 @@ def test_decoding_needs_no_network(tmp_path, accelerator, monkeypatch):
     data = load_cifar10(str(src), str(tmp_path / "cache"), accelerator)
     assert data["test"][0].shape == (10, 3, 32, 32)
     assert os.listdir(tmp_path / "cache")
+
+
+def test_transform_state_dict_continues_the_same_augmentation_stream():
+    images = torch.randint(0, 256, (16, 3, 32, 32), dtype=torch.uint8)
+    first = BatchTransform(torch.device("cpu"), seed=7, augment=True, channels_last=True)
+    first(images, train=True)
+    state = first.state_dict()  # what a checkpoint stores, per rank
+    later = [first(images, train=True) for _ in range(3)]
+    resumed = BatchTransform(torch.device("cpu"), seed=99, augment=True, channels_last=True)
+    resumed.load_state_dict(state)
+    assert all(torch.equal(a, resumed(images, train=True)) for a in later)
