@@ -331,9 +331,8 @@ class BatchTransform:
         mirrored = torch.randperm(n, generator=g, device=dev)[:m]
         self.interior[n:n + m].copy_(torch.index_select(nhwc, 0, mirrored, out=self.scratch[:m]).flip(2))
         start = self.image_start[:n].index_copy(0, mirrored, self.image_start[n:n + m])  # where image i now is
-        crop = torch.randint(0, len(self.crop_offset), (n,), generator=g, device=dev)  # (dy, dx) uniform
-        first = start + self.crop_offset.index_select(0, crop)
-        rows = first.view(n, 1) + self.row_offset  # (n, h): first byte of every cropped row
+        crop = torch.randint(0, len(self.crop_rows), (n,), generator=g, device=dev)  # (dy, dx) uniform
+        rows = self.crop_rows.index_select(0, crop).add_(start.view(n, 1))  # (n, h): first byte of each cropped row
         crops = torch.index_select(self.windows, 0, rows.view(-1), out=self.crops)
         return crops.view(n, h, w, c).permute(0, 3, 1, 2)
 
@@ -347,5 +346,5 @@ class BatchTransform:
         self.crops = torch.empty(n * h, w * c, dtype=dtype, device=dev)
         self.image_start = torch.arange(2 * n, device=dev) * (H * W * c)  # flat offsets in the canvas, in bytes
         shifts = torch.arange(2 * p + 1, device=dev)
-        self.crop_offset = (shifts.view(-1, 1) * (W * c) + shifts.view(1, -1) * c).view(-1)  # every (dy, dx) at once
-        self.row_offset = torch.arange(h, device=dev) * (W * c)
+        crop_offset = (shifts.view(-1, 1) * (W * c) + shifts.view(1, -1) * c).view(-1, 1)  # every (dy, dx)
+        self.crop_rows = crop_offset + torch.arange(h, device=dev) * (W * c)  # ((2p+1)^2, h): where each row starts
