@@ -10,7 +10,7 @@ changes no behaviour, it only records, per rank, into <output-dir>/probe-rank<R>
   fc_dtypes    dtypes of the classifier's output during training forwards (what autocast really ran)
   init_digest  sha256 of the model's parameters as built by the script, before prepare() (before DDP's broadcast)
   eval_buffer_digest  sha256 of the BatchNorm buffers when each evaluation is called (as training left them)
-  eval_param_digest   sha256 of the parameters when each evaluation is called (equal on all ranks if DDP synced)
+  eval_param_digest   sha256 of the parameters when each evaluation is called (DDP: equal on all ranks; FSDP2: the shards)
   eval_forward_digest sha256 of the BatchNorm buffers at the first forward of each evaluation (what it uses)
   aug_seed     initial seed of the rank's augmentation generator
   param_types  class names of the prepared model's parameters (DTensor under FSDP2)
@@ -54,6 +54,7 @@ forwards = {"train": 0, "eval_started": False}
 def digest(tensors) -> str:
     h = hashlib.sha256()
     for t in tensors:
+        t = t.to_local() if isinstance(t, DTensor) else t  # FSDP2: this rank's shard
         h.update(t.detach().float().contiguous().numpy().tobytes())
     return h.hexdigest()
 
