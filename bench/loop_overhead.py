@@ -54,10 +54,10 @@ def bare_loop(cfg: train_cifar.Config, images: torch.Tensor, labels: torch.Tenso
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_data_args(parser)
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--model", default="resnet18_imagenet")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=9)
     args = parser.parse_args()
     header("P3 loop overhead: train_cifar.py's loop vs a bare PyTorch loop")
     out = tempfile.mkdtemp(prefix="loop_overhead_")

@@ -34,7 +34,7 @@ def main() -> None:
     add_data_args(parser)
     parser.add_argument("--images", type=int, default=5120)
     parser.add_argument("--epochs", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     header("P1 training throughput: the seed's DDP script vs train_cifar.py, 2 CPU ranks")
     data = data_flags(args)
