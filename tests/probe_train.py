@@ -45,7 +45,8 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 import train_cifar  # noqa: E402
 from utils import data as cdata  # noqa: E402
 
-rec = {"batches": [], "allreduce_at": [], "synced_in_bf16": [], "comm_hook": None, "compiled": None, "fc_dtypes": [], "init_digest": None, "eval_buffer_digest": [], "eval_param_digest": [], "eval_forward_digest": [],
+rec = {"batches": [], "allreduce_at": [], "synced_in_bf16": [], "comm_hook": None, "compiled": None, "fc_dtypes": [],
+       "init_digest": None, "eval_buffer_digest": [], "eval_param_digest": [], "eval_forward_digest": [],
        "aug_seed": None, "param_types": [], "local_numel": 0, "fsdp_units": [], "logs": [], "writes": []}
 datasets_seen: list[int] = []
 forwards = {"train": 0, "eval_started": False}
