@@ -159,7 +159,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
         else:
             kind = next(t for t in typing.get_args(kind) or (kind,) if t is not type(None))  # X | None -> X
             parser.add_argument(flag, type=kind, default=f.default, choices=f.metadata["choices"],
-                                help=f"{f.metadata['help']} (default: %(default)s)".replace("%", "%%").replace("%%(default)s", "%(default)s"))
+                                help=f.metadata["help"].replace("%", "%%") + " (default: %(default)s)")
     first = argparse.ArgumentParser(add_help=False)  # the recipe's defaults must be in place before --help
     first.add_argument("--recipe", choices=sorted(RECIPES))
     recipe = first.parse_known_args(argv)[0].recipe
@@ -370,14 +370,14 @@ def wandb_confusion_matrix(confusion: list[list[int]], wanted: bool) -> dict:
         y_true=[t for t, _ in pairs], preds=[q for _, q in pairs], class_names=list(CLASSES))}
 
 
-def check_distributed_setup(accelerator: Accelerator, cfg: Config) -> int:
+def check_distributed_setup(accelerator: Accelerator, cfg: Config, fsdp_asked: bool) -> int:
     """Stops on the misconfigurations that otherwise train silently with the wrong setup; returns the
     per-process batch size."""
     world = accelerator.num_processes
     problem = process_count_problem(world)
     if problem:
         raise UserError(f"{problem} ({accelerator.distributed_type.value}).")
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and accelerator.distributed_type != DistributedType.FSDP:
+    if fsdp_asked and accelerator.distributed_type != DistributedType.FSDP:
         raise UserError(f"the launch config asks for FSDP but Accelerate set up {accelerator.distributed_type.value}.")
     if cfg.global_batch_size is None:
         return cfg.batch_size
@@ -456,7 +456,7 @@ def main(cfg: Config) -> dict:
     if fsdp is not None:
         shard_on_cpu_too(accelerator, fsdp)
     world = accelerator.num_processes
-    batch_size = check_distributed_setup(accelerator, cfg)
+    batch_size = check_distributed_setup(accelerator, cfg, fsdp_asked=fsdp is not None)
     if cfg.sync_bn and accelerator.device.type != "cuda":
         raise UserError("--sync-bn needs CUDA GPUs: torch's SyncBatchNorm does not run on CPU.")
     root = Path(cfg.output_dir) / "checkpoints"

@@ -2,7 +2,7 @@
 
 A checkpoint is a folder `<root>/step-00000123/` written as
   1. `accelerator.save_state(<root>/.tmp-step-00000123)`: model, optimizer, grad scaler, RNG of every rank;
-  2. one `rank<R>.safetensors` per rank for state Accelerate does not know (our augmentation generator);
+  2. one `rank<R>.safetensors` per rank for state Accelerate does not know (our augmentation generators);
   3. `trainer_state.json` (counters, config, tracker run id, scheduler) with a manifest: size and sha256
      of every other file in the folder;
   4. one atomic rename to the final name.
