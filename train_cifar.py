@@ -57,6 +57,7 @@ from tqdm.auto import tqdm
 from utils import UserError, process_count_problem
 from utils import checkpoint as ckpt
 from utils.data import CLASSES, BatchTransform, load_cifar10, make_loader
+from utils.launch import run
 
 REFERENCE_BATCH = 128  # --scale-lr: lr is given for this global batch and scaled linearly from it
 HEALTH_CHECK_EVERY = 10  # optimizer steps between the (collective) checks for preemption signals and NaN loss
@@ -625,8 +626,8 @@ def main(cfg: Config) -> dict:
                     folder = save_checkpoint()
                     accelerator.print(f"preempted (signal {signalled[0] if signalled else 'on another rank'}): saved "
                                       f"{folder}; continue with --resume auto")
-                    accelerator.wait_for_everyone()  # see the end of main()
-                    accelerator.end_training()
+                    accelerator.wait_for_everyone()
+                    accelerator.end_training()  # see utils.launch.release_process_group() for what follows
                     return {"preempted": True, "checkpoint": str(folder)}
                 if periodic and p.batches_in_epoch < len(train_loader):  # the epoch's own checkpoint follows
                     last_checkpoint = save_checkpoint()
@@ -673,17 +674,10 @@ def main(cfg: Config) -> dict:
             json.dump(summary, f, indent=2)
         if cfg.tracker == "wandb":
             accelerator.get_tracker("wandb", unwrap=True).summary.update(summary)  # the run's summary = summary.json
-    # Tear the process group down together: a rank destroying its gloo group while a peer is still in its
-    # last steps was seen to abort at exit (SIGABRT after a finished FSDP job, once in ~10 suites).
     accelerator.wait_for_everyone()
-    accelerator.end_training()
+    accelerator.end_training()  # trackers, process group; utils.launch.run() frees the rest once main() returns
     return summary
 
 
 if __name__ == "__main__":
-    try:
-        main(parse_config())
-    except UserError as e:  # every process raises it; one line is enough
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(run(lambda: main(parse_config())))  # a UserError: one line, exit 2

@@ -19,6 +19,8 @@ changes no behaviour, it only records, per rank, into <output-dir>/probe-rank<R>
   logs         every accelerator.log(values, step) call (also appended, as it happens, to probe-logs-rank<R>.jsonl,
                which survives a kill)
   writes       files this rank wrote under the output dir
+  gloo_threads_at_exit  gloo's native threads still running when the process is about to exit (a process group
+               that outlived the run; none expected)
 With PROBE_ACCELERATOR_CPU=0 it builds the script's Accelerator with cpu=False, the classic mistake that
 leaves N launched CPU processes training alone (used to test the script's world-size guard).
 With PROBE_NAN_AT_FORWARD=K the loss of the K-th training forward on every rank is NaN (a diverging run).
@@ -44,6 +46,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 import train_cifar  # noqa: E402
 from utils import data as cdata  # noqa: E402
+from utils.launch import run  # noqa: E402
 
 rec = {"batches": [], "allreduce_at": [], "synced_in_bf16": [], "comm_hook": None, "compiled": None, "fc_dtypes": [],
        "init_digest": None, "eval_buffer_digest": [], "eval_param_digest": [], "eval_forward_digest": [],
@@ -195,19 +198,26 @@ Accelerator.__init__ = init
 torch.nn.functional.cross_entropy = cross_entropy
 accelerate_other.safe_save_file = safe_save
 
+def gloo_threads() -> list[str]:
+    """Names of this process's native threads that belong to gloo (a live process group's workers)."""
+    names = []
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            names.append((task / "comm").read_text().strip())
+        except OSError:
+            pass  # the thread ended meanwhile
+    return sorted(name for name in names if "gloo" in name)
+
+
 if __name__ == "__main__":
     cfg = train_cifar.parse_config()
     output_dir = str(Path(cfg.output_dir).resolve())
     cfg.output_dir = output_dir
     recording = True
     sys.addaudithook(lambda e, a: audit(e, a) if recording else None)
-    try:
-        train_cifar.main(cfg)
-    except train_cifar.UserError as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    finally:
-        recording = False
+    status = run(lambda: train_cifar.main(cfg))  # as train_cifar.py's own __main__
+    recording = False
+    rec["gloo_threads_at_exit"] = gloo_threads()
     rank = int(os.environ.get("RANK", "0"))
     Path(output_dir, f"probe-rank{rank}.json").write_text(json.dumps(rec))
+    sys.exit(status)

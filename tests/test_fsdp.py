@@ -123,6 +123,15 @@ def test_fsdp_checkpoints_are_sharded_per_rank_and_resume_exactly_after_preempti
     assert_same_state(out / "model.safetensors", runs["fsdp"] / "model.safetensors")  # bitwise: parameters and buffers
 
 
+def test_finished_jobs_free_their_process_group_before_interpreter_exit(runs):
+    """The cause of a finished FSDP job's rank aborting at exit (SIGABRT, 'terminate called without an active
+    exception'): its process group outlived the run until interpreter shutdown (see utils.launch). A gloo group
+    that is still alive shows as gloo's worker threads; none may be left when the process is about to exit."""
+    for name in ("fsdp", "ddp"):
+        for rank in (0, 1):
+            assert probe(runs[name], rank)["gloo_threads_at_exit"] == [], (name, rank)
+
+
 def test_fsdp_version_1_config_stops_with_one_line(cifar_dir, cache_dir, tmp_path):
     yaml = tmp_path / "fsdp1.yaml"
     yaml.write_text(FSDP_CPU_YAML.read_text().replace("fsdp_version: 2", "fsdp_version: 1"))
