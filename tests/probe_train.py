@@ -19,6 +19,10 @@ changes no behaviour, it only records, per rank, into <output-dir>/probe-rank<R>
   logs         every accelerator.log(values, step) call (also appended, as it happens, to probe-logs-rank<R>.jsonl,
                which survives a kill)
   writes       files this rank wrote under the output dir
+  eval_outputs per evaluation, the (logits, labels) gather_for_metrics returned: every test image once, as
+               the metrics see them
+  bytes_written bytes this process sent to storage (/proc/self/io write_bytes: files on a disk filesystem,
+               not sockets), whatever wrote them: Python, C++ (torch.save) or Rust (safetensors)
   gloo_threads_at_exit  gloo's native threads still running when the process is about to exit (a process group
                that outlived the run; none expected)
 With PROBE_ACCELERATOR_CPU=0 it builds the script's Accelerator with cpu=False, the classic mistake that
@@ -50,7 +54,8 @@ from utils.launch import run  # noqa: E402
 
 rec = {"batches": [], "allreduce_at": [], "synced_in_bf16": [], "comm_hook": None, "compiled": None, "fc_dtypes": [],
        "init_digest": None, "eval_buffer_digest": [], "eval_param_digest": [], "eval_forward_digest": [],
-       "aug_seed": None, "param_types": [], "local_numel": 0, "fsdp_units": [], "logs": [], "writes": []}
+       "aug_seed": None, "param_types": [], "local_numel": 0, "fsdp_units": [], "logs": [], "writes": [],
+       "eval_outputs": []}
 datasets_seen: list[int] = []
 forwards = {"train": 0, "eval_started": False}
 
@@ -135,7 +140,19 @@ def evaluate(model, loader, transform, accelerator, *args):
     rec["eval_buffer_digest"].append(digest(inner.buffers()))
     rec["eval_param_digest"].append(digest(inner.parameters()))
     forwards["eval_started"] = True
+    rec["eval_outputs"].append({"logits": [], "labels": []})
     return real_evaluate(model, loader, transform, accelerator, *args)
+
+
+real_gather_for_metrics = Accelerator.gather_for_metrics
+
+
+def gather_for_metrics(self, data, *args, **kwargs):
+    out = real_gather_for_metrics(self, data, *args, **kwargs)
+    if rec["eval_outputs"] and isinstance(out, tuple) and len(out) == 2:  # evaluate()'s (logits, labels)
+        rec["eval_outputs"][-1]["logits"] += out[0].tolist()
+        rec["eval_outputs"][-1]["labels"] += out[1].tolist()
+    return out
 
 
 real_transform_init = cdata.BatchTransform.__init__
@@ -194,6 +211,7 @@ torch.nn.parallel.DistributedDataParallel.register_comm_hook = register_comm_hoo
 train_cifar.evaluate = evaluate
 cdata.BatchTransform.__init__ = transform_init
 Accelerator.log = log
+Accelerator.gather_for_metrics = gather_for_metrics
 Accelerator.__init__ = init
 torch.nn.functional.cross_entropy = cross_entropy
 accelerate_other.safe_save_file = safe_save
@@ -218,6 +236,7 @@ if __name__ == "__main__":
     status = run(lambda: train_cifar.main(cfg))  # as train_cifar.py's own __main__
     recording = False
     rec["gloo_threads_at_exit"] = gloo_threads()
+    rec["bytes_written"] = int(dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())["write_bytes"])
     rank = int(os.environ.get("RANK", "0"))
     Path(output_dir, f"probe-rank{rank}.json").write_text(json.dumps(rec))
     sys.exit(status)
