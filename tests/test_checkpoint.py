@@ -104,6 +104,10 @@ def test_preemption_signal_checkpoints_at_the_next_step_and_resume_is_exact(refe
             worker.send_signal(signal.SIGUSR1)
     _, stderr = proc.communicate(timeout=60)
     assert time.time() - sent < 30, "the job must stop within seconds"
+    if how.startswith("SIGUSR1"):  # the processes saved their state and stopped: a success (README)
+        assert proc.returncode == 0, stderr[-3000:]
+    else:  # torchrun itself, signalled, exits 1 (its SignalException) after its processes saved
+        assert proc.returncode == 1 and "SignalException" in stderr, stderr[-3000:]
     saved = [p for p in (out / "checkpoints").glob("step-*") if int(p.name[5:]) > 3]
     assert saved, stderr[-3000:]
     assert not (out / "summary.json").exists()
@@ -113,20 +117,76 @@ def test_preemption_signal_checkpoints_at_the_next_step_and_resume_is_exact(refe
     assert_same_state(out / "model.safetensors", reference / "model.safetensors")
 
 
-def test_truncated_newest_checkpoint_is_skipped_with_a_warning_and_nothing_is_deleted(reference, cifar_dir, cache_dir, tmp_path):
+@pytest.mark.parametrize("damage", ["truncated", "one flipped byte"])
+def test_damaged_newest_checkpoint_is_skipped_and_resuming_in_epoch_two_is_exact(reference, cifar_dir, cache_dir, tmp_path,
+                                                                                 damage):
+    """Also the test that needs train_loader.set_epoch(): resuming at step 15 (epoch 2 of 2) in a fresh process
+    must replay epoch 2's shuffle; without the call the new loader starts at epoch 0's (checked: 102 tensors
+    differ)."""
     out = tmp_path / "corrupt"
     shutil.copytree(reference, out)
     (out / "summary.json").unlink()
     newest = out / "checkpoints" / "step-00000016"
     weights = newest / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:1000])
+    data = bytearray(weights.read_bytes())
+    if damage == "truncated":
+        data = data[:1000]
+    else:
+        data[len(data) // 2] ^= 0x01  # one bit of one weight, same size
+    weights.write_bytes(bytes(data))
     result = run_train(job_args(cifar_dir, cache_dir, out, "--resume", "auto"), launch=TWO_RANKS)
     assert result.returncode == 0, result.stderr[-4000:]
-    assert "warning: skipping checkpoint" in result.stdout and "model.safetensors is truncated" in result.stdout
+    why = "model.safetensors is truncated" if damage == "truncated" else "model.safetensors is corrupt (checksum mismatch)"
+    assert "warning: skipping checkpoint" in result.stdout and why in result.stdout, result.stdout[-3000:]
     assert read_summary(out)["resumed_from"].endswith("step-00000015")
     kept_aside = list((out / "checkpoints").glob("step-00000016.unsound-*"))
-    assert len(kept_aside) == 1 and (kept_aside[0] / "model.safetensors").stat().st_size == 1000
+    assert len(kept_aside) == 1 and (kept_aside[0] / "model.safetensors").read_bytes() == bytes(data)
     assert_same_state(out / "model.safetensors", reference / "model.safetensors")
+
+
+def test_half_written_checkpoint_of_a_crashed_save_is_ignored_and_replaced(reference, cifar_dir, cache_dir, tmp_path):
+    """A crash between Accelerate's save_state and the manifest leaves `.tmp-step-N` without trainer_state.json:
+    resume takes the previous checkpoint, and the next save of step N replaces the leftover."""
+    out = tmp_path / "crashed_save"
+    shutil.copytree(reference, out)
+    (out / "summary.json").unlink()
+    checkpoints = out / "checkpoints"
+    (checkpoints / "step-00000016").rename(checkpoints / ".tmp-step-00000016")
+    (checkpoints / ".tmp-step-00000016" / "trainer_state.json").unlink()
+    result = run_train(job_args(cifar_dir, cache_dir, out, "--resume", "auto"), launch=TWO_RANKS)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert read_summary(out)["resumed_from"].endswith("step-00000015")
+    assert sorted(p.name for p in checkpoints.iterdir() if "16" in p.name) == ["step-00000016"]
+    from utils import checkpoint as ckpt
+
+    assert ckpt.problem(checkpoints / "step-00000016") is None
+    assert_same_state(out / "model.safetensors", reference / "model.safetensors")
+
+
+def test_resume_from_a_named_checkpoint_continues_from_it_and_keeps_the_newer_one(reference, cifar_dir, cache_dir, tmp_path):
+    out = tmp_path / "named"
+    shutil.copytree(reference, out)
+    (out / "summary.json").unlink()
+    older = out / "checkpoints" / "step-00000015"
+    result = run_train(job_args(cifar_dir, cache_dir, out, "--resume", str(older)), launch=TWO_RANKS)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert read_summary(out)["resumed_from"] == str(older)
+    assert_same_state(out / "model.safetensors", reference / "model.safetensors")
+    replaced = list((out / "checkpoints").glob("step-00000016.replaced-*"))  # the step it saved again, kept aside
+    assert len(replaced) == 1 and (replaced[0] / "trainer_state.json").is_file()
+
+
+def test_rotation_keeps_the_best_checkpoint_when_it_is_older_than_the_last_ones(tmp_path):
+    from utils import checkpoint as ckpt
+
+    for step in range(1, 7):
+        folder = tmp_path / f"step-{step:08d}"
+        folder.mkdir()
+        if step != 6:  # step 6: a save still running (or crashed): never finished, never deleted by rotation
+            (folder / "trainer_state.json").write_text("{}")
+    ckpt.rotate(tmp_path, keep_last=2, keep={"step-00000002"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002", "step-00000004", "step-00000005",
+                                                          "step-00000006"]
 
 
 def test_dead_peer_fails_the_job_instead_of_hanging(cifar_dir, cache_dir, tmp_path):
@@ -200,6 +260,20 @@ def test_bad_resume_input_stops_with_one_line_and_deletes_nothing(small_run, ext
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], result.stderr[-3000:]
     assert _tree(out) == before
+
+
+def test_overwrite_deletes_the_earlier_runs_checkpoints_and_starts_fresh(small_run, tmp_path):
+    data, earlier = small_run
+    out = tmp_path / "overwritten"
+    shutil.copytree(earlier, out)
+    result = run_train(["--data-dir", str(data), "--output-dir", str(out), "--model", "resnet18_imagenet", "--batch-size",
+                        "16", "--epochs", "1", "--tracker", "none", "--cache-dir", str(data.parent / "cache"), "--lr", "0.3",
+                        "--overwrite"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    s = read_summary(out)
+    assert s["resumed_from"] is None and s["config"]["lr"] == 0.3 and s["global_step"] == 4  # 64 images / 16
+    states = [json.loads((p / "trainer_state.json").read_text()) for p in (out / "checkpoints").iterdir()]
+    assert states and all(state["config"]["lr"] == 0.3 for state in states)  # none of the earlier run's is left
 
 
 def test_no_torch_load_without_weights_only():

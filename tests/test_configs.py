@@ -30,6 +30,37 @@ def test_config_loads_with_accelerates_loader_and_is_consistent(path):
         "and the exact launch command"
 
 
+# What each file's name and "# Hardware:" line promise: machines, GPUs per machine (0: CPU only), wrapper, precision.
+HARDWARE = {
+    "1gpu.yaml": (1, 1, "NO", "bf16"),
+    "4gpu.yaml": (1, 4, "MULTI_GPU", "bf16"),
+    "8gpu.yaml": (1, 8, "MULTI_GPU", "bf16"),
+    "2node_16gpu.yaml": (2, 8, "MULTI_GPU", "bf16"),
+    "fsdp_4gpu.yaml": (1, 4, "FSDP", "bf16"),
+    "fsdp_8gpu.yaml": (1, 8, "FSDP", "bf16"),
+    "cpu.yaml": (1, 0, "MULTI_GPU", "bf16"),
+    "fsdp_cpu.yaml": (1, 0, "FSDP", "no"),
+}
+WORDS = {"one": 1, "2": 2, "4": 4, "8": 8}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_process_count_and_precision_match_the_hardware_the_file_names(path):
+    machines, gpus, kind, precision = HARDWARE[path.name]  # a new YAML must be added here
+    config = load_config_from_file(str(path))
+    hardware = path.read_text().splitlines()[0].lower()
+    assert (config.num_machines, config.distributed_type.value, config.mixed_precision) == (machines, kind, precision)
+    assert config.num_processes == (machines * gpus if gpus else 2)  # CPU files: 2 gloo processes
+    assert not config.use_cpu  # use_cpu starts a single process (see cpu.yaml)
+    if gpus:
+        said = hardware.split("nvidia gpu")[0].split()[-1]  # "... 4 NVIDIA GPUs", "one NVIDIA GPU", "2 machines x 8 NVIDIA"
+        assert WORDS[said] == gpus and "bf16" in hardware, hardware
+        assert path.stem.endswith(f"{machines * gpus}gpu")
+        assert machines == 1 or hardware.startswith(f"# hardware: {machines} machines x {gpus}")
+    else:
+        assert "no gpu" in hardware and path.stem.endswith("cpu")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -109,8 +109,8 @@ def save(accelerator, root: Path, step: int, state: dict, rank_tensors: dict[str
             json.dump(state, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
-        if final.exists():  # an unsound checkpoint of the same step (resume skipped it): keep it, aside
-            final.rename(root / f"{name}.unsound-{int(time.time())}")
+        if final.exists():  # the same step saved before: resume skipped it (unsound) or started earlier; keep it
+            final.rename(root / f"{name}.{'unsound' if problem(final) else 'replaced'}-{int(time.time())}")
         os.replace(tmp, final)
     accelerator.wait_for_everyone()
     return final

@@ -1,0 +1,77 @@
+"""Guards around a run: one job per output folder, and enough disk for the next checkpoint."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import socket
+import time
+import weakref
+from pathlib import Path
+
+from utils import UserError
+
+LOCK_FILE = ".lock"
+
+
+class OutputDirLock:
+    """One job per output folder. The global main process holds an exclusive flock on <output_dir>/.lock for the
+    job's life; the file names the holder (host, pid, start) for the error a second job prints. The kernel drops
+    the lock when its process dies, kill -9 included, so a lock file left by a dead job is simply taken over.
+    Written by hand: neither Accelerate nor torch guards an output folder. On NFS, Linux maps flock to a POSIX
+    lock held on the server, so this also works across nodes on shared storage."""
+
+    def __init__(self, output_dir: str | Path):
+        self.path = Path(output_dir) / LOCK_FILE
+        self.taken_over: dict | None = None  # the holder recorded by a job that died without releasing
+
+    def acquire(self) -> None:
+        """Takes the lock or raises UserError naming the job that holds it."""
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = self._read(fd)
+                os.close(fd)
+                raise UserError(f"--output-dir {self.path.parent} is in use by another job (host {holder.get('host', '?')}, "
+                                f"pid {holder.get('pid', '?')}, started {holder.get('started', '?')}); wait for it to "
+                                f"end or use another --output-dir.") from None
+            try:
+                same_file = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:  # its holder released (removed) it between our open and flock
+                same_file = False
+            if same_file:
+                break
+            os.close(fd)  # locked a file that is no longer the lock file: try the new one
+        self.taken_over = self._read(fd) or None
+        record = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(record).encode(), 0)
+        weakref.finalize(self, _release, fd, str(self.path))  # when the job's objects go, or at exit
+
+    @staticmethod
+    def _read(fd: int) -> dict:
+        try:
+            return json.loads(os.pread(fd, 4096, 0) or b"{}")
+        except ValueError:
+            return {}
+
+
+def _release(fd: int, path: str) -> None:
+    try:
+        os.unlink(path)  # before closing: a job waiting on this file then sees that it was replaced
+    except FileNotFoundError:
+        pass
+    os.close(fd)
+
+
+def free_space_warning(folder: Path, needed: int) -> str | None:
+    """A warning when the filesystem of `folder` has less free space than `needed` bytes (one more checkpoint)."""
+    free = shutil.disk_usage(folder).free
+    if free >= needed:
+        return None
+    return (f"only {free / 2**20:,.0f} MiB free on the filesystem of {folder}, less than one checkpoint "
+            f"({needed / 2**20:,.0f} MiB): the next save may fail")
