@@ -156,11 +156,15 @@ def load_wandb_api(path: str) -> Run:
 
 
 def load(source: str) -> list[Run]:
-    """Runs from one argument: an output folder (all W&B runs in its wandb/), a W&B run folder, or entity/project/id."""
+    """Runs from one argument: an output folder (the W&B runs in its wandb/ or listed in its wandb_runs.txt), a W&B
+    run folder, or entity/project/id."""
     path = Path(source)
     if path.is_dir():
         root = path / "wandb" if (path / "wandb").is_dir() else path
-        folders = sorted(p for p in root.glob("*run-*") if p.is_dir() and not p.is_symlink()) or [path]
+        folders = sorted(p for p in root.glob("*run-*") if p.is_dir() and not p.is_symlink())
+        if (path / "wandb_runs.txt").is_file():  # W&B wrote elsewhere ($WANDB_DIR); train_cifar.py listed the folders
+            folders += [Path(line) for line in (path / "wandb_runs.txt").read_text().split()]
+        folders = folders or [path]
         lives: dict[str, list[Run]] = {}
         for folder in sorted(folders, key=lambda p: p.name.split("-")[-2] if p.name.count("-") >= 2 else p.name):  # by start time
             run = load_local(folder)

@@ -49,7 +49,6 @@ from accelerate.utils import (
     InitProcessGroupKwargs,
     set_seed,
 )
-from safetensors.torch import save_file
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
@@ -57,6 +56,7 @@ from tqdm.auto import tqdm
 from utils import UserError, process_count_problem
 from utils import checkpoint as ckpt
 from utils.data import CLASSES, BatchTransform, load_cifar10, make_loader
+from utils.guard import lock_output_dir
 from utils.launch import run
 
 REFERENCE_BATCH = 128  # --scale-lr: lr is given for this global batch and scaled linearly from it
@@ -353,6 +353,14 @@ def git_commit() -> str | None:
     return head.stdout.strip() + ("+dirty" if changes.stdout.strip() else "") if head.returncode == 0 else None
 
 
+def note_wandb_folder(run_folder: Path, output_dir: Path) -> None:
+    """A W&B run folder outside the output folder ($WANDB_DIR) is listed in <output-dir>/wandb_runs.txt, one line
+    per life of the run, so compare_runs.py finds it from the output folder."""
+    if output_dir.resolve() not in run_folder.resolve().parents:
+        with open(output_dir / "wandb_runs.txt", "a") as f:
+            f.write(f"{run_folder.resolve()}\n")
+
+
 def peak_memory_gb(device: torch.device) -> float:
     """This process's peak: memory allocated by tensors on a GPU, else the resident set size on the CPU."""
     if device.type == "cuda":
@@ -415,10 +423,10 @@ def find_resume_point(cfg: Config, root: Path, accelerator: Accelerator) -> Path
 
 
 def export_weights(accelerator: Accelerator, model, path: Path) -> None:
-    """Full, unwrapped weights (no 'module.' or '_orig_mod.' prefix) as safetensors, written by the main process."""
+    """Full, unwrapped weights (no 'module.' or '_orig_mod.' prefix) as safetensors, written by the main process
+    (atomically; a failed write stops every rank with one line naming the last good checkpoint)."""
     state = accelerator.get_state_dict(accelerator.unwrap_model(model, keep_torch_compile=False))
-    if accelerator.is_main_process:
-        save_file({k: v.contiguous() for k, v in state.items()}, path)
+    ckpt.write_weights(accelerator, state, path, root=path.parent / "checkpoints")
 
 
 def take_prefix(pair, n: int | None, flag: str):
@@ -460,6 +468,7 @@ def main(cfg: Config) -> dict:
     batch_size = check_distributed_setup(accelerator, cfg, fsdp_asked=fsdp is not None)
     if cfg.sync_bn and accelerator.device.type != "cuda":
         raise UserError("--sync-bn needs CUDA GPUs: torch's SyncBatchNorm does not run on CPU.")
+    _lock = lock_output_dir(accelerator, cfg.output_dir)  # one job per output folder, until main() returns
     root = Path(cfg.output_dir) / "checkpoints"
     resume_from = find_resume_point(cfg, root, accelerator)
     global_batch = batch_size * world * cfg.grad_accum
@@ -534,13 +543,15 @@ def main(cfg: Config) -> dict:
     tracked = {**asdict(cfg), **run_info}
     if cfg.tracker == "tensorboard":  # its hparams take numbers, strings and booleans only
         tracked = {k: v if isinstance(v, int | float | str | bool) else json.dumps(v) for k, v in tracked.items()}
-    wandb_args = {"dir": cfg.output_dir, "name": cfg.run_name, "group": cfg.group,  # None: W&B's own default / WANDB_*
+    wandb_args = {"dir": os.environ.get("WANDB_DIR") or cfg.output_dir,  # scratch space on clusters, if set
+                  "name": cfg.run_name, "group": cfg.group,  # None: W&B's own default / WANDB_*
                   "tags": cfg.tags.split(",") if cfg.tags else None}
     same_run = {"id": p.tracker_run_id, "resume": "allow"} if p.tracker_run_id else {}
     accelerator.init_trackers(cfg.wandb_project or os.environ.get("WANDB_PROJECT", "cifar10-accelerate"), config=tracked,
                               init_kwargs={"wandb": {**{k: v for k, v in wandb_args.items() if v}, **same_run}})
     if cfg.tracker == "wandb" and accelerator.is_main_process:
         p.tracker_run_id = accelerator.get_tracker("wandb", unwrap=True).id
+        note_wandb_folder(Path(accelerator.get_tracker("wandb", unwrap=True).dir).parent, Path(cfg.output_dir))
     # A run killed after its last checkpoint had already logged the steps it trains again now (to the same
     # values: resume is exact); log only past them, so the tracker's steps keep increasing.
     logged_file = Path(cfg.output_dir) / "tracker_logged_step.txt"

@@ -196,9 +196,11 @@ def test_dead_peer_fails_the_job_instead_of_hanging(cifar_dir, cache_dir, tmp_pa
     victim = next(w for w in workers(proc) if w.environ().get("RANK") == "1")
     victim.kill()
     started = time.time()
-    proc.communicate(timeout=120)
+    _, stderr = proc.communicate(timeout=120)
     assert proc.returncode != 0
     assert time.time() - started < 60
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "a peer process died" in errors[0] and "(rank 0)" in errors[0], stderr[-3000:]
 
 
 def test_nan_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(cifar_dir, cache_dir, tmp_path):
@@ -299,3 +301,103 @@ def test_resumed_run_continues_the_same_wandb_run(small_run, tmp_path):
     assert [row["_step"] for row in run.history if "train/loss" in row] == list(range(1, 9))  # each step once, in order
     assert run.summary["eval_top1"] == read_summary(out)["eval_top1"]
     assert read_summary(out)["global_step"] == 8 and read_summary(out)["resumed_from"].endswith("step-00000004")
+
+
+# Faults a cluster job meets: a full disk, a second job in the same folder, a hung peer -------------------
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real filesystem with a real size limit: a 150 MiB tmpfs (one checkpoint of this job is 90 MiB)."""
+    folder = tmp_path / "small_disk"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=150m", "tmpfs", str(folder)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a size-limited tmpfs here (needs root): {mounted.stderr.strip()}")
+    yield folder
+    subprocess.run(["umount", "-l", str(folder)], check=True)
+
+
+def test_full_disk_stops_every_rank_with_one_line_and_the_last_good_checkpoint_resumes_exactly(
+        reference, small_disk, cifar_dir, cache_dir, tmp_path):
+    out = small_disk / "run"
+    result = run_train(job_args(cifar_dir, cache_dir, out), launch=TWO_RANKS)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode != 0 and len(errors) == 1, result.stderr[-3000:]
+    good = out / "checkpoints" / "step-00000003"
+    assert errors[0].startswith(f"error: no space left on device writing {out / 'checkpoints' / '.tmp-step-00000006'} (")
+    assert errors[0].endswith(f"; last good checkpoint: {good}"), errors[0]
+    assert not [line for line in result.stderr.splitlines() if "[rank" in line and "Traceback" in line]  # no rank's
+    assert "warning: only" in result.stdout and "less than one checkpoint" in result.stdout  # after step 3
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000003"]  # the partial one removed
+    from utils import checkpoint as ckpt
+
+    assert ckpt.problem(good) is None
+    moved = tmp_path / "bigger_disk"
+    shutil.copytree(out, moved)
+    resumed = run_train(job_args(cifar_dir, cache_dir, moved, "--resume", "auto"), launch=TWO_RANKS)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert read_summary(moved)["resumed_from"] == str(moved / "checkpoints" / "step-00000003")
+    assert_same_state(moved / "model.safetensors", reference / "model.safetensors")
+
+
+def test_full_disk_while_exporting_weights_keeps_the_previous_file_whole(small_disk):
+    import torch
+    from accelerate import Accelerator
+
+    from utils import UserError
+    from utils import checkpoint as ckpt
+
+    previous = small_disk / "best.safetensors"
+    ckpt.write_weights(Accelerator(cpu=True), {"w": torch.ones(10)}, previous, root=small_disk / "checkpoints")
+    before = previous.read_bytes()
+    with pytest.raises(UserError) as raised:
+        ckpt.write_weights(Accelerator(cpu=True), {"w": torch.ones(50 * 2**20)}, previous, root=small_disk / "checkpoints")
+    assert str(raised.value).startswith(f"no space left on device writing {previous} (")
+    assert str(raised.value).endswith("; last good checkpoint: none")
+    assert previous.read_bytes() == before and sorted(p.name for p in small_disk.iterdir()) == ["best.safetensors"]
+
+
+def test_second_job_in_a_busy_output_dir_stops_naming_the_first_and_a_dead_jobs_lock_is_taken_over(
+        cifar_dir, cache_dir, tmp_path):
+    import socket
+
+    out = tmp_path / "busy"
+    first = start(job_args(cifar_dir, cache_dir, out), TWO_RANKS)
+    wait_for_checkpoint(out, first, 3)
+    holder = next(w for w in workers(first) if w.environ().get("RANK") == "0")
+    for worker in workers(first):
+        worker.suspend()  # alive and holding the lock, but it cannot finish while the second job starts
+    second = run_train(job_args(cifar_dir, cache_dir, out, "--resume", "auto"), launch=TWO_RANKS)
+    errors = [line for line in second.stderr.splitlines() if line.startswith("error:")]
+    assert second.returncode != 0 and len(errors) == 1, second.stderr[-3000:]
+    assert f"is in use by another job (host {socket.gethostname()}, pid {holder.pid}," in errors[0], errors[0]
+    assert first.poll() is None and not (out / "summary.json").exists()
+    job = [*psutil.Process(first.pid).children(recursive=True), psutil.Process(first.pid)]
+    for process in job:
+        process.kill()  # the first job dies without releasing its lock
+    first.wait()
+    psutil.wait_procs(job, timeout=10)
+    assert (out / ".lock").is_file()
+    third = run_train(job_args(cifar_dir, cache_dir, out, "--resume", "auto"), launch=TWO_RANKS)
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert f"note: took over the lock of a job that is gone (host {socket.gethostname()}, pid {holder.pid}," in third.stdout
+    assert read_summary(out)["global_step"] == 16 and not (out / ".lock").exists()  # released at the end
+
+
+def test_hung_peer_stops_the_others_after_dist_timeout_with_one_line(cifar_dir, cache_dir, tmp_path):
+    out = tmp_path / "hung"
+    proc = start(job_args(cifar_dir, cache_dir, out, "--dist-timeout", "10"), TWO_RANKS)
+    wait_for_checkpoint(out, proc, 3)
+    ranks = {w.environ().get("RANK"): w for w in workers(proc)}
+    ranks["1"].suspend()  # SIGSTOP: alive, holding its connections, answering nothing
+    stopped = time.time()
+    psutil.wait_procs([ranks["0"]], timeout=60)
+    waited = time.time() - stopped
+    for process in [*psutil.Process(proc.pid).children(recursive=True)]:
+        process.kill()
+    _, stderr = proc.communicate(timeout=60)
+    assert 9 <= waited < 25, waited  # --dist-timeout 10 s, plus a little; not sooner: the flag is what counts
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "did not answer within --dist-timeout 10 s" in errors[0], stderr[-3000:]
+    from utils import checkpoint as ckpt
+
+    assert all(ckpt.problem(folder) is None for folder in ckpt.step_folders(out / "checkpoints"))  # nothing half-written

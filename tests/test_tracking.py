@@ -139,3 +139,18 @@ def test_run_comparison_refuses_an_argument_that_is_neither_folder_nor_wandb_pat
     result = compare(tmp_path / "missing" / "folder", "--plots", tmp_path / "p")
     assert result.returncode == 2
     assert result.stderr.strip() == f"error: {tmp_path / 'missing' / 'folder'} is neither a folder nor a W&B run path (entity/project/run_id)."
+
+
+def test_wandb_dir_is_honoured_and_compare_runs_still_finds_the_run(cifar_dir, cache_dir, tmp_path):
+    """Cluster users point $WANDB_DIR at scratch space: the run goes there, the output folder lists it."""
+    out, scratch = tmp_path / "out", tmp_path / "scratch"
+    scratch.mkdir()
+    result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out),
+                        *TRACKED_JOB, "--epochs", "1"], env=script_env(WANDB_DIR=str(scratch)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    folders = list((scratch / "wandb").glob("offline-run-*"))
+    assert len(folders) == 1 and not (out / "wandb").exists()
+    assert (out / "wandb_runs.txt").read_text().split() == [str(folders[0].resolve())]
+    [run] = compare_runs.load(str(out))
+    assert run.summary["eval_top1"] == read_summary(out)["eval_top1"]
+    assert [row["_step"] for row in run.history if "train/loss" in row] == [2, 4, 6, 8]  # --log-every 2, 8 steps

@@ -16,6 +16,7 @@ of completeness, and its custom-object checkpointing pickles (`weights_only=Fals
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -26,9 +27,13 @@ import warnings
 from pathlib import Path
 
 import torch
+from accelerate.utils import gather_object
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.api import CheckpointException
 
 from utils import UserError
+from utils.guard import free_space_warning
 
 STATE_FILE = "trainer_state.json"
 NAME = re.compile(r"step-(\d{8})")
@@ -92,7 +97,9 @@ def newest_sound(root: Path, warn=warnings.warn) -> Path | None:
 
 
 def save(accelerator, root: Path, step: int, state: dict, rank_tensors: dict[str, torch.Tensor]) -> Path:
-    """Writes checkpoint `step` (every process must call this); returns its final folder."""
+    """Writes checkpoint `step` (every process must call this); returns its final folder. A failed write (a full
+    disk, a quota, an I/O error) on any rank raises the same UserError on every rank, after the partial folder
+    is removed: earlier checkpoints are untouched."""
     root = Path(root)
     name = f"step-{step:08d}"
     tmp, final = root / f".tmp-{name}", root / name
@@ -100,20 +107,73 @@ def save(accelerator, root: Path, step: int, state: dict, rank_tensors: dict[str
         shutil.rmtree(tmp, ignore_errors=True)  # a leftover from a crash during an earlier save
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    save_file(rank_tensors, tmp / f"rank{accelerator.process_index}.safetensors")
-    accelerator.wait_for_everyone()
+    error = None
+    try:  # every rank writes its part (its shards under FSDP, its RNG states)
+        accelerator.save_state(str(tmp))
+        save_file(rank_tensors, tmp / f"rank{accelerator.process_index}.safetensors")
+    except WRITE_ERRORS as e:
+        error = e
+    _raise_if_any_failed(accelerator, error, tmp, root, remove=tmp)
+    try:  # the main process completes the checkpoint
+        if accelerator.is_main_process:
+            state = {**state, "files": _manifest(tmp)}
+            with open(tmp / STATE_FILE, "w") as f:
+                json.dump(state, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            if final.exists():  # the same step saved before: resume skipped it (unsound) or started earlier; keep it
+                final.rename(root / f"{name}.{'unsound' if problem(final) else 'replaced'}-{int(time.time())}")
+            os.replace(tmp, final)
+    except WRITE_ERRORS as e:
+        error = e
+    _raise_if_any_failed(accelerator, error, tmp, root, remove=tmp)
     if accelerator.is_main_process:
-        state = {**state, "files": _manifest(tmp)}
-        with open(tmp / STATE_FILE, "w") as f:
-            json.dump(state, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        if final.exists():  # the same step saved before: resume skipped it (unsound) or started earlier; keep it
-            final.rename(root / f"{name}.{'unsound' if problem(final) else 'replaced'}-{int(time.time())}")
-        os.replace(tmp, final)
-    accelerator.wait_for_everyone()
+        size = sum(size for size, _ in state["files"].values())
+        low = free_space_warning(root, size)
+        if low:
+            print(f"warning: {low}", flush=True)
     return final
+
+
+# What a failed write raises: OSError (Python, Rust's safetensors maps I/O errors to it or to SafetensorError),
+# RuntimeError (torch.save's C++ writer: "basic_ios::clear: iostream error", "file write failed"), and
+# torch.distributed.checkpoint's CheckpointException, a BaseException that reports every rank's failure.
+WRITE_ERRORS = (OSError, RuntimeError, SafetensorError, CheckpointException)
+
+
+def write_weights(accelerator, state: dict[str, torch.Tensor], path: Path, root: Path) -> None:
+    """Exported weights as safetensors, written by the main process to a temporary name and renamed, so a failed
+    write leaves the previous file whole; a failure raises the same UserError on every rank (collective)."""
+    path, error = Path(path), None
+    tmp = path.with_name(f".tmp-{path.name}")
+    if accelerator.is_main_process:
+        try:
+            save_file({k: v.contiguous() for k, v in state.items()}, tmp)
+            os.replace(tmp, path)
+        except WRITE_ERRORS as e:
+            error = e
+    _raise_if_any_failed(accelerator, error, path, root, remove=tmp)
+
+
+def _raise_if_any_failed(accelerator, error: BaseException | None, target: Path, root: Path, remove: Path) -> None:
+    """Collective: every rank learns whether any rank failed to write `target`; then all raise one UserError
+    (printed once) naming the last good checkpoint, after the main process removed the partial `remove`."""
+    problems = [p for p in gather_object([_describe(error, target) if error is not None else None]) if p]
+    if not problems:
+        return
+    if accelerator.is_main_process:
+        shutil.rmtree(remove, ignore_errors=True) if remove.is_dir() else remove.unlink(missing_ok=True)
+    last = newest_sound(root, warn=lambda message: None)
+    raise UserError(f"{problems[0]}; last good checkpoint: {last or 'none'}")
+
+
+def _describe(error: BaseException, target: Path) -> str:
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    free = shutil.disk_usage(target.parent if not target.exists() else target).free
+    full = getattr(error, "errno", None) == errno.ENOSPC or "No space left on device" in str(error) or free < 16 * 2**20
+    if full:
+        return f"no space left on device writing {target} ({free / 2**20:,.0f} MiB free; {text})"
+    return f"could not write {target} ({text})"
 
 
 def load(accelerator, folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:

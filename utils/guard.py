@@ -11,6 +11,8 @@ import time
 import weakref
 from pathlib import Path
 
+from accelerate.utils import broadcast_object_list
+
 from utils import UserError
 
 LOCK_FILE = ".lock"
@@ -58,6 +60,25 @@ class OutputDirLock:
             return json.loads(os.pread(fd, 4096, 0) or b"{}")
         except ValueError:
             return {}
+
+
+def lock_output_dir(accelerator, output_dir: str | Path) -> OutputDirLock | None:
+    """Collective: the main process takes the output folder's lock (keep the returned object for the job's life);
+    if another live job holds it, every process raises the same UserError."""
+    lock, problem = None, None
+    if accelerator.is_main_process:
+        lock = OutputDirLock(output_dir)
+        try:
+            lock.acquire()
+        except UserError as e:
+            problem = str(e)
+        if lock.taken_over:
+            print(f"note: took over the lock of a job that is gone (host {lock.taken_over.get('host', '?')}, "
+                  f"pid {lock.taken_over.get('pid', '?')}, started {lock.taken_over.get('started', '?')})", flush=True)
+    problem = broadcast_object_list([problem])[0]
+    if problem:
+        raise UserError(problem)
+    return lock
 
 
 def _release(fd: int, path: str) -> None:

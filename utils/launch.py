@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import sys
 
 import torch.distributed as dist
@@ -14,17 +15,38 @@ from utils import UserError
 
 
 def run(job) -> int:
-    """Calls job(), then returns the exit status: 0, or 2 after a UserError (printed once, by global rank 0;
-    every process raises it at the same point). Other exceptions propagate with their traceback."""
+    """Calls job(), then returns the exit status: 0; 2 after a UserError (printed once, by global rank 0: every
+    process raises it at the same point); 1 when a peer process died or hung (printed by every process that
+    saw it). Other exceptions propagate with their traceback."""
+    rank = int(os.environ.get("RANK", "0"))
     try:
         job()
         status = 0
     except UserError as e:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         status = 2
+    except RuntimeError as e:  # torch.distributed.DistBackendError is one
+        why = peer_failure(str(e))
+        if why is None:
+            raise
+        print(f"error: {why}; this process (rank {rank}) stopped. Continue with --resume auto: it takes the newest "
+              f"complete checkpoint (one being written is never used).", file=sys.stderr, flush=True)
+        status = 1
     release_process_group()  # the job's frames (and the traceback's) are gone by now
     return status
+
+
+def peer_failure(message: str) -> str | None:
+    """What a collective's error says about the other processes, in words; None if it is about something else."""
+    waited = re.search(r"Timed out waiting (\d+)\s*ms|Timeout\(ms\)=(\d+)", message)  # gloo | NCCL's watchdog
+    if waited:
+        seconds = int(next(g for g in waited.groups() if g)) / 1000
+        return (f"a peer process did not answer within --dist-timeout {seconds:g} s (it hangs, or its machine is "
+                f"unreachable)")
+    if re.search(r"Connection (closed|reset) by peer|Broken pipe", message, re.IGNORECASE):
+        return f"a peer process died ({message.strip().splitlines()[0][-160:]})"
+    return None
 
 
 def release_process_group() -> None:
