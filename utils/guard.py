@@ -35,8 +35,13 @@ class OutputDirLock:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = self._read(fd)
+            except OSError as e:
+                if not isinstance(e, BlockingIOError):  # a filesystem without locks (some FUSE mounts): go unguarded
+                    os.close(fd)
+                    print(f"warning: cannot lock {self.path} ({e.strerror}); two jobs in this folder would not be "
+                          f"stopped", flush=True)
+                    return
+                holder = self._read(fd)  # another live process holds the lock
                 os.close(fd)
                 raise UserError(f"--output-dir {self.path.parent} is in use by another job (host {holder.get('host', '?')}, "
                                 f"pid {holder.get('pid', '?')}, started {holder.get('started', '?')}); wait for it to "
