@@ -1,5 +1,6 @@
-"""What the training scripts share: the CIFAR-10 data path (utils.data), checkpoints (utils.checkpoint), the
-user-error type and the process-count check (train_cifar.py and doctor.py)."""
+"""What the training scripts share: the CIFAR-10 data path (utils.data), checkpoints (utils.checkpoint), guards
+around a run (utils.guard), how a process ends (utils.launch), the user-error type and the process-count check
+(train_cifar.py and doctor.py)."""
 
 from __future__ import annotations
 

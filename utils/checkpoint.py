@@ -112,7 +112,7 @@ def save(accelerator, root: Path, step: int, state: dict, rank_tensors: dict[str
         accelerator.save_state(str(tmp))
         save_file(rank_tensors, tmp / f"rank{accelerator.process_index}.safetensors")
     except WRITE_ERRORS as e:
-        error = e
+        error = _write_error(e)
     _raise_if_any_failed(accelerator, error, tmp, root, remove=tmp)
     try:  # the main process completes the checkpoint
         if accelerator.is_main_process:
@@ -125,7 +125,7 @@ def save(accelerator, root: Path, step: int, state: dict, rank_tensors: dict[str
                 final.rename(root / f"{name}.{'unsound' if problem(final) else 'replaced'}-{int(time.time())}")
             os.replace(tmp, final)
     except WRITE_ERRORS as e:
-        error = e
+        error = _write_error(e)
     _raise_if_any_failed(accelerator, error, tmp, root, remove=tmp)
     if accelerator.is_main_process:
         size = sum(size for size, _ in state["files"].values())
@@ -135,10 +135,22 @@ def save(accelerator, root: Path, step: int, state: dict, rank_tensors: dict[str
     return final
 
 
-# What a failed write raises: OSError (Python, Rust's safetensors maps I/O errors to it or to SafetensorError),
-# RuntimeError (torch.save's C++ writer: "basic_ios::clear: iostream error", "file write failed"), and
-# torch.distributed.checkpoint's CheckpointException, a BaseException that reports every rank's failure.
+# What a failed write raises: OSError (Python), SafetensorError (safetensors' Rust writer), RuntimeError (torch.save's
+# C++ writer: "basic_ios::clear: iostream error", "PytorchStreamWriter failed writing file ... file write failed"),
+# and torch.distributed.checkpoint's CheckpointException, a BaseException that reports every rank's failure.
 WRITE_ERRORS = (OSError, RuntimeError, SafetensorError, CheckpointException)
+# torch's zip writer (inline_container.cc) may also report the failure as "unexpected pos N vs M", with the
+# iostream error as its context.
+TORCH_WRITE_FAILURE = re.compile(r"iostream error|file write failed|PytorchStreamWriter|inline_container|No space left",
+                                 re.IGNORECASE)
+
+
+def _write_error(error: BaseException) -> BaseException:
+    """`error` itself when it is a failed write; any other RuntimeError (a bug, a peer that died) is raised again."""
+    chain = f"{error} {error.__context__} {error.__cause__}"
+    if isinstance(error, RuntimeError) and not TORCH_WRITE_FAILURE.search(chain):
+        raise error
+    return error
 
 
 def write_weights(accelerator, state: dict[str, torch.Tensor], path: Path, root: Path) -> None:
@@ -151,7 +163,7 @@ def write_weights(accelerator, state: dict[str, torch.Tensor], path: Path, root:
             save_file({k: v.contiguous() for k, v in state.items()}, tmp)
             os.replace(tmp, path)
         except WRITE_ERRORS as e:
-            error = e
+            error = _write_error(e)
     _raise_if_any_failed(accelerator, error, path, root, remove=tmp)
 
 
