@@ -1,5 +1,5 @@
-"""How a training script's process ends: `sys.exit(run(lambda: main(parse_config())))` turns a UserError into one
-line and exit status 2, and frees the process group before the interpreter shuts down."""
+"""How a training script's process ends: `sys.exit(run(lambda: main(parse_config())))` turns a UserError (exit 2)
+or a peer that died or hung (exit 1) into one line, and frees the process group before the interpreter shuts down."""
 
 from __future__ import annotations
 
@@ -54,8 +54,7 @@ def release_process_group() -> None:
 
     Why: under FSDP2 the group outlives destroy_process_group() (which `accelerator.end_training()` calls). The
     sharded parameters are DTensors whose DeviceMesh holds the group, and so do the autograd graph of the last
-    loss and torch's process-wide DTensor caches (redistribution planners, mesh topology, sharding
-    propagation). The group and its gloo worker threads then died only at interpreter exit, where a thread that
+    loss (through FSDP's hooks) and torch's process-wide DTensor caches (redistribution planners, mesh topology). The group and its gloo worker threads then died only at interpreter exit, where a thread that
     needs the finalizing interpreter is ended by pthread_exit inside C++ code: 'terminate called without an
     active exception', SIGABRT, and a finished job reported failed (about 1 FSDP job in 6-10 on CPU). So after
     main() returns: collect its freed objects (module hooks form reference cycles), drop the cached meshes'
