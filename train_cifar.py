@@ -550,8 +550,9 @@ def main(cfg: Config) -> dict:
     accelerator.init_trackers(cfg.wandb_project or os.environ.get("WANDB_PROJECT", "cifar10-accelerate"), config=tracked,
                               init_kwargs={"wandb": {**{k: v for k, v in wandb_args.items() if v}, **same_run}})
     if cfg.tracker == "wandb" and accelerator.is_main_process:
-        p.tracker_run_id = accelerator.get_tracker("wandb", unwrap=True).id
-        note_wandb_folder(Path(accelerator.get_tracker("wandb", unwrap=True).dir).parent, Path(cfg.output_dir))
+        wandb_run = accelerator.get_tracker("wandb", unwrap=True)
+        p.tracker_run_id = wandb_run.id
+        note_wandb_folder(Path(wandb_run.dir).parent, Path(cfg.output_dir))
     # A run killed after its last checkpoint had already logged the steps it trains again now (to the same
     # values: resume is exact); log only past them, so the tracker's steps keep increasing.
     logged_file = Path(cfg.output_dir) / "tracker_logged_step.txt"

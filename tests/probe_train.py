@@ -216,6 +216,7 @@ Accelerator.__init__ = init
 torch.nn.functional.cross_entropy = cross_entropy
 accelerate_other.safe_save_file = safe_save
 
+
 def gloo_threads() -> list[str]:
     """Names of this process's native threads that belong to gloo (a live process group's workers)."""
     names = []

@@ -96,6 +96,24 @@ def newest_sound(root: Path, warn=warnings.warn) -> Path | None:
     return None
 
 
+# What a failed write raises: OSError (Python), SafetensorError (safetensors' Rust writer), RuntimeError (torch.save's
+# C++ writer: "basic_ios::clear: iostream error", "PytorchStreamWriter failed writing file ... file write failed"),
+# and torch.distributed.checkpoint's CheckpointException, a BaseException that reports every rank's failure.
+WRITE_ERRORS = (OSError, RuntimeError, SafetensorError, CheckpointException)
+# torch's zip writer (inline_container.cc) may also report the failure as "unexpected pos N vs M", with the
+# iostream error as its context.
+TORCH_WRITE_FAILURE = re.compile(r"iostream error|file write failed|PytorchStreamWriter|inline_container|No space left",
+                                 re.IGNORECASE)
+
+
+def _write_error(error: BaseException) -> BaseException:
+    """`error` itself when it is a failed write; any other RuntimeError (a bug, a peer that died) is raised again."""
+    chain = f"{error} {error.__context__} {error.__cause__}"
+    if isinstance(error, RuntimeError) and not TORCH_WRITE_FAILURE.search(chain):
+        raise error
+    return error
+
+
 def save(accelerator, root: Path, step: int, state: dict, rank_tensors: dict[str, torch.Tensor]) -> Path:
     """Writes checkpoint `step` (every process must call this); returns its final folder. A failed write (a full
     disk, a quota, an I/O error) on any rank raises the same UserError on every rank, after the partial folder
@@ -135,24 +153,6 @@ def save(accelerator, root: Path, step: int, state: dict, rank_tensors: dict[str
     return final
 
 
-# What a failed write raises: OSError (Python), SafetensorError (safetensors' Rust writer), RuntimeError (torch.save's
-# C++ writer: "basic_ios::clear: iostream error", "PytorchStreamWriter failed writing file ... file write failed"),
-# and torch.distributed.checkpoint's CheckpointException, a BaseException that reports every rank's failure.
-WRITE_ERRORS = (OSError, RuntimeError, SafetensorError, CheckpointException)
-# torch's zip writer (inline_container.cc) may also report the failure as "unexpected pos N vs M", with the
-# iostream error as its context.
-TORCH_WRITE_FAILURE = re.compile(r"iostream error|file write failed|PytorchStreamWriter|inline_container|No space left",
-                                 re.IGNORECASE)
-
-
-def _write_error(error: BaseException) -> BaseException:
-    """`error` itself when it is a failed write; any other RuntimeError (a bug, a peer that died) is raised again."""
-    chain = f"{error} {error.__context__} {error.__cause__}"
-    if isinstance(error, RuntimeError) and not TORCH_WRITE_FAILURE.search(chain):
-        raise error
-    return error
-
-
 def write_weights(accelerator, state: dict[str, torch.Tensor], path: Path, root: Path) -> None:
     """Exported weights as safetensors, written by the main process to a temporary name and renamed, so a failed
     write leaves the previous file whole; a failure raises the same UserError on every rank (collective)."""
@@ -173,8 +173,10 @@ def _raise_if_any_failed(accelerator, error: BaseException | None, target: Path,
     problems = [p for p in gather_object([_describe(error, target) if error is not None else None]) if p]
     if not problems:
         return
-    if accelerator.is_main_process:
-        shutil.rmtree(remove, ignore_errors=True) if remove.is_dir() else remove.unlink(missing_ok=True)
+    if accelerator.is_main_process and remove.is_dir():
+        shutil.rmtree(remove, ignore_errors=True)
+    elif accelerator.is_main_process:
+        remove.unlink(missing_ok=True)
     last = newest_sound(root, warn=lambda message: None)
     raise UserError(f"{problems[0]}; last good checkpoint: {last or 'none'}")
 

@@ -43,9 +43,8 @@ class OutputDirLock:
                     return
                 holder = self._read(fd)  # another live process holds the lock
                 os.close(fd)
-                raise UserError(f"--output-dir {self.path.parent} is in use by another job (host {holder.get('host', '?')}, "
-                                f"pid {holder.get('pid', '?')}, started {holder.get('started', '?')}); wait for it to "
-                                f"end or use another --output-dir.") from None
+                raise UserError(f"--output-dir {self.path.parent} is in use by another job ({describe(holder)}); wait for "
+                                f"it to end or use another --output-dir.") from None
             try:
                 same_file = os.fstat(fd).st_ino == os.stat(self.path).st_ino
             except FileNotFoundError:  # its holder released (removed) it between our open and flock
@@ -78,12 +77,16 @@ def lock_output_dir(accelerator, output_dir: str | Path) -> OutputDirLock | None
         except UserError as e:
             problem = str(e)
         if lock.taken_over:
-            print(f"note: took over the lock of a job that is gone (host {lock.taken_over.get('host', '?')}, "
-                  f"pid {lock.taken_over.get('pid', '?')}, started {lock.taken_over.get('started', '?')})", flush=True)
+            print(f"note: took over the lock of a job that is gone ({describe(lock.taken_over)})", flush=True)
     problem = broadcast_object_list([problem])[0]
     if problem:
         raise UserError(problem)
     return lock
+
+
+def describe(holder: dict) -> str:
+    """'host H, pid P, started T' from a lock file's record (question marks for what it lacks)."""
+    return f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, started {holder.get('started', '?')}"
 
 
 def _release(fd: int, path: str) -> None:
