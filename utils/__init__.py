@@ -1,6 +1,6 @@
-"""What the training scripts share: the CIFAR-10 data path (utils.data), checkpoints (utils.checkpoint), guards
-around a run (utils.guard), how a process ends (utils.launch), the user-error type and the process-count check
-(train_cifar.py and doctor.py)."""
+"""What the training scripts share: the CIFAR-10 data path (utils.data), the models (utils.models), checkpoints
+(utils.checkpoint), tracking and the summary (utils.tracking), guards around a run (utils.guard), how processes
+start and end (utils.launch), the user-error type and the process-count check (the scripts and doctor.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ def process_count_problem(accelerate_world: int) -> str | None:
     (torchrun then forms a world of their sum, which no machine's config asked for)."""
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched != accelerate_world:  # e.g. N processes launched without cpu=True on a CPU: N separate 1-process runs
-        return f"the launcher started {launched} processes but Accelerate runs {accelerate_world}: they would train separately"
+        return (f"the launcher started {launched} processes but Accelerate runs {accelerate_world}: they would train "
+                f"separately")
     here, machines = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("GROUP_WORLD_SIZE")  # torchrun sets both
     if here and machines and int(here) * int(machines) != launched:
         return (f"the machines were launched with different process counts: this machine runs {here}, so {machines} "

@@ -24,6 +24,7 @@ import re
 import shutil
 import time
 import warnings
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -34,6 +35,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from utils import UserError
 from utils.guard import free_space_warning
+from utils.launch import share_bn_statistics
 
 STATE_FILE = "trainer_state.json"
 NAME = re.compile(r"step-(\d{8})")
@@ -153,6 +155,13 @@ def save(accelerator, root: Path, step: int, state: dict, rank_tensors: dict[str
     return final
 
 
+def export_weights(accelerator, model, path: Path) -> None:
+    """Full, unwrapped weights (no 'module.' or '_orig_mod.' prefix) as safetensors, written by the main process
+    (atomically; a failed write stops every rank with one line naming the last good checkpoint). Collective."""
+    state = accelerator.get_state_dict(accelerator.unwrap_model(model, keep_torch_compile=False))
+    write_weights(accelerator, state, path, root=Path(path).parent / "checkpoints")
+
+
 def write_weights(accelerator, state: dict[str, torch.Tensor], path: Path, root: Path) -> None:
     """Exported weights as safetensors, written by the main process to a temporary name and renamed, so a failed
     write leaves the previous file whole; a failure raises the same UserError on every rank (collective)."""
@@ -167,7 +176,8 @@ def write_weights(accelerator, state: dict[str, torch.Tensor], path: Path, root:
     _raise_if_any_failed(accelerator, error, path, root, remove=tmp)
 
 
-def _raise_if_any_failed(accelerator, error: BaseException | None, target: Path, root: Path, remove: Path) -> None:
+def _raise_if_any_failed(accelerator, error: BaseException | None, target: Path, root: Path,
+                         remove: Path) -> None:
     """Collective: every rank learns whether any rank failed to write `target`; then all raise one UserError
     (printed once) naming the last good checkpoint, after the main process removed the partial `remove`."""
     problems = [p for p in gather_object([_describe(error, target) if error is not None else None]) if p]
@@ -209,3 +219,81 @@ def rotate(root: Path, keep_last: int, keep: set[str]) -> None:
     for folder in finished(root)[:-keep_last]:
         if folder.name not in keep:
             shutil.rmtree(folder)
+
+
+class Checkpointer:
+    """A training script's checkpoint policy: where (<output-dir>/checkpoints), when (`due(step)`: every N optimizer
+    steps; the script also saves at each epoch's end), what (`save(progress, ...)`: Accelerate's registered objects,
+    the counters, config, scheduler and each rank's augmentation stream) and how many (the newest `keep_last`, plus
+    the best). `last` is the newest checkpoint written or resumed from."""
+
+    def __init__(self, accelerator, output_dir: str, config: dict, keep_last: int, every_steps: int | None = None):
+        self.accelerator, self.config = accelerator, config
+        self.root = Path(output_dir) / "checkpoints"
+        self.keep_last, self.every_steps = keep_last, every_steps
+        self.last: Path | None = None
+
+    def resume_point(self, resume: str | None, overwrite: bool) -> Path | None:
+        """The checkpoint to continue from (--resume auto or a folder), None to start fresh; refuses to start over
+        another run's checkpoints unless `overwrite`."""
+        if resume is None:
+            earlier = finished(self.root)
+            if earlier and not overwrite:
+                theirs = read_state(earlier[-1]).get("config", {})
+                differ = [k for k, v in self._compared(self.config).items() if theirs.get(k, v) != v]
+                other = f" with another config ({', '.join(differ)})" if differ else ""
+                raise UserError(f"{self.root.parent} holds checkpoints of an earlier run{other}; pass --resume auto to "
+                                f"continue it, --overwrite to start over, or another --output-dir.")
+            return None
+        if resume == "auto":
+            self.last = newest_sound(self.root, warn=lambda m: self.accelerator.print(f"warning: {m}"))
+            return self.last
+        path = Path(resume)
+        if not path.is_dir():
+            raise UserError(f"--resume {path} does not exist (or is not a folder).")
+        why = problem(path)
+        if why is not None:
+            raise UserError(f"--resume {path} is not a usable checkpoint: {why}.")
+        theirs = read_state(path)["config"].get("model")
+        if theirs != self.config.get("model"):
+            raise UserError(f"--resume {path} holds weights of --model {theirs}; this run builds --model "
+                            f"{self.config.get('model')}.")
+        self.last = path
+        return path
+
+    def restore(self, folder: Path, scheduler, transform) -> dict:
+        """Loads `folder` into the prepared objects, the scheduler and the augmentation stream; returns the saved
+        progress counters. Warns about config values that differ from the run that saved it."""
+        saved, rank_state = load(self.accelerator, folder)
+        changed = [k for k, v in self._compared(self.config).items() if saved["config"].get(k) != v]
+        if changed:
+            self.accelerator.print(f"warning: resuming with a changed config: {', '.join(changed)}")
+        scheduler.load_state_dict(saved["scheduler"])
+        transform.load_state_dict(rank_state)
+        progress = saved["progress"]
+        self.accelerator.print(f"resumed from {folder}: epoch {progress['epoch'] + 1}, batch "
+                               f"{progress['batches_in_epoch']} of it, step {progress['global_step']}")
+        return progress
+
+    def clear(self) -> None:
+        """--overwrite: deletes the earlier run's checkpoints (collective)."""
+        if self.accelerator.is_main_process:
+            shutil.rmtree(self.root, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+
+    def due(self, step: int) -> bool:
+        return bool(self.every_steps) and step % self.every_steps == 0
+
+    def save(self, progress, model, scheduler, transform) -> Path:
+        """Collective: checkpoint at progress.global_step, then drop the old ones (keeping progress.best_checkpoint)."""
+        share_bn_statistics(self.accelerator, model)  # FSDP would save one arbitrary rank's
+        state = {"progress": asdict(progress), "config": self.config, "world_size": self.accelerator.num_processes,
+                 "scheduler": scheduler.state_dict()}
+        self.last = save(self.accelerator, self.root, progress.global_step, state, transform.state_dict())
+        if self.accelerator.is_main_process:
+            rotate(self.root, self.keep_last, keep={progress.best_checkpoint})
+        return self.last
+
+    @staticmethod
+    def _compared(config: dict) -> dict:
+        return {k: v for k, v in config.items() if k not in ("resume", "overwrite")}

@@ -183,7 +183,8 @@ def _write_cache(path: Path, data: dict[str, tuple[torch.Tensor, torch.Tensor]])
             os.remove(tmp)
 
 
-def load_cifar10(data_dir: str | None, cache_dir: str | None, accelerator=None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def load_cifar10(data_dir: str | None, cache_dir: str | None,
+                 accelerator=None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """{'train': (images, labels), 'test': (images, labels)} for the whole splits, on the CPU.
 
     The local main process of each machine decodes and writes the cache while the others wait, then
@@ -220,6 +221,14 @@ def _load(data_dir, cache_dir, log, write_cache: bool):
         if write_cache:
             _write_cache(path, data)
     return data
+
+
+def take_prefix(pair: tuple[torch.Tensor, torch.Tensor], n: int | None, flag: str):
+    """The first n (images, labels) of a split (all with n None); a prefix is class-balanced (rows are shuffled)."""
+    images, labels = pair
+    if n is not None and n > len(labels):
+        raise UserError(f"{flag} {n} is larger than the split ({len(labels)} images).")
+    return (images[:n], labels[:n]) if n is not None else pair
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -292,7 +301,8 @@ class BatchTransform:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         _, mt_state, _ = self.count_rng.getstate()  # (version, 625 ints below 2**32, gauss cache: unused here)
-        return {"augment_rng": self.generator.get_state(), "mirror_count_rng": torch.tensor(mt_state, dtype=torch.int64)}
+        return {"augment_rng": self.generator.get_state(),
+                "mirror_count_rng": torch.tensor(mt_state, dtype=torch.int64)}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.generator.set_state(state["augment_rng"])

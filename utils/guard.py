@@ -1,4 +1,5 @@
-"""Guards around a run: one job per output folder, and enough disk for the next checkpoint."""
+"""Guards around a run: a writable output folder that one job owns, enough disk for the next checkpoint, and
+`StopGuard`: preemption signals and a non-finite loss, checked on every rank at the same steps."""
 
 from __future__ import annotations
 
@@ -6,16 +7,65 @@ import fcntl
 import json
 import os
 import shutil
+import signal
 import socket
+import tempfile
 import time
 import weakref
 from pathlib import Path
 
+import torch
 from accelerate.utils import broadcast_object_list
 
 from utils import UserError
 
 LOCK_FILE = ".lock"
+
+
+class StopGuard:
+    """Preemption (SLURM sends SIGTERM, or SIGUSR1 with --signal) and divergence (a nan or inf loss).
+
+    `observe(loss, step)` every micro-step keeps the first bad optimizer step in a device tensor: no host sync.
+    `should_stop(step)` is collective: every `every` optimizer steps (or when `now` is set, as before a periodic
+    checkpoint) all ranks exchange what they saw, so every rank stops at the same step boundary; it returns True
+    when any rank got a signal and raises UserError when any rank saw a non-finite loss. Call `check()` directly
+    where a step count does not matter (the end of an epoch, before anything is saved)."""
+
+    def __init__(self, accelerator, every: int, checkpoints):
+        self.accelerator, self.every = accelerator, every
+        self.checkpoints = checkpoints  # its `.last` (the newest good checkpoint) goes into the divergence error
+        self.signals: list[int] = []
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, lambda signum, frame: self.signals.append(signum))
+        self.first_bad_step = torch.full((), -1, dtype=torch.long, device=accelerator.device)
+
+    def observe(self, loss: torch.Tensor, step: int) -> None:
+        bad = (self.first_bad_step < 0) & ~torch.isfinite(loss.detach())
+        self.first_bad_step = torch.where(bad, step, self.first_bad_step)
+
+    def should_stop(self, step: int, now: bool = False) -> bool:
+        return (step % self.every == 0 or now) and self.check()
+
+    def check(self) -> bool:
+        signalled = torch.tensor(len(self.signals), device=self.accelerator.device)
+        seen = self.accelerator.gather(torch.stack([self.first_bad_step, signalled]))
+        bad, signalled = seen.view(-1, 2).unbind(1)
+        if (bad >= 0).any():
+            raise UserError(f"the loss is not finite (nan or inf) at optimizer step {bad[bad >= 0].min().item()}; "
+                            f"stopped. Last good checkpoint: {self.checkpoints.last or 'none'}.")
+        return bool(signalled.any())
+
+    def reason(self) -> str:
+        return f"signal {self.signals[0]}" if self.signals else "signal on another rank"
+
+
+def check_output_dir(path: str) -> None:
+    """Creates the output folder; one clear error if it cannot be written."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as e:
+        raise UserError(f"--output-dir {path} cannot be written ({e.strerror or e}).") from None
 
 
 class OutputDirLock:
@@ -43,8 +93,8 @@ class OutputDirLock:
                     return
                 holder = self._read(fd)  # another live process holds the lock
                 os.close(fd)
-                raise UserError(f"--output-dir {self.path.parent} is in use by another job ({describe(holder)}); wait for "
-                                f"it to end or use another --output-dir.") from None
+                raise UserError(f"--output-dir {self.path.parent} is in use by another job ({describe(holder)}); "
+                                f"wait for it to end or use another --output-dir.") from None
             try:
                 same_file = os.fstat(fd).st_ino == os.stat(self.path).st_ino
             except FileNotFoundError:  # its holder released (removed) it between our open and flock

@@ -1,5 +1,9 @@
-"""How a training script's process ends: `sys.exit(run(lambda: main(parse_config())))` turns a UserError (exit 2)
-or a peer that died or hung (exit 1) into one line, and frees the process group before the interpreter shuts down."""
+"""How a training script's processes start and end, with the launcher's quirks handled in one place.
+
+Start: `fsdp_plugin_from_launcher()` before building the Accelerator, `shard_on_cpu_too()` after, then
+`check_world()` (processes and wrapper really are what the launcher asked for) and `check_wrapper()` after
+prepare(). End: `sys.exit(run(lambda: main(parse_config())))` turns a UserError (exit 2) or a peer that died or hung
+(exit 1) into one line, and frees the process group before the interpreter shuts down."""
 
 from __future__ import annotations
 
@@ -8,10 +12,105 @@ import os
 import re
 import sys
 
+import torch
 import torch.distributed as dist
+from accelerate import FullyShardedDataParallelPlugin, PartialState
+from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs, DistributedType
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
-from utils import UserError
+from utils import UserError, process_count_problem
+
+
+# ----------------------------------------------------------------------------------------------------
+# Start
+# ----------------------------------------------------------------------------------------------------
+def make_deterministic() -> None:
+    """Deterministic kernels; on CPU also 1 thread, so 1 process matches N launched processes bitwise."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it for reproducible GEMMs
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
+    if not torch.cuda.is_available():  # kernels (and their rounding) depend on the thread count;
+        torch.set_num_threads(1)  # launched processes get OMP_NUM_THREADS=1
+
+
+def fsdp_plugin_from_launcher() -> FullyShardedDataParallelPlugin | None:
+    """The launcher's FSDP settings (its FSDP_* variables), None without FSDP. FSDP2 only: its checkpoints and
+    full-weight export are what the tests prove. One change to Accelerate's default: parameters stay fp32 in
+    FSDP and `--mixed_precision bf16` is autocast (as under DDP). FSDP's own bf16 policy casts BatchNorm's
+    weights to bf16 while its running statistics stay fp32, a mix BatchNorm refuses (on CPU and CUDA alike);
+    the price is fp32 all-gathers, nothing for a ResNet whose activations dominate the traffic."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+        return None
+    if os.environ.get("FSDP_VERSION", "1") != "2":
+        raise UserError("the launch config asks for FSDP version 1; this script runs FSDP2: set fsdp_version: 2 "
+                        "(see accelerate_configs/fsdp_4gpu.yaml).")
+    return FullyShardedDataParallelPlugin(mixed_precision_policy=MixedPrecisionPolicy())
+
+
+def shard_on_cpu_too(accelerator, plugin: FullyShardedDataParallelPlugin | None) -> None:
+    """Runs FSDP2 for real when an FSDP config is launched on CPU (gloo), where Accelerate would fall back
+    to DDP silently: it builds MULTI_CPU whenever cpu=True and ignores the FSDP plugin, yet its FSDP2 code
+    (fully_shard in prepare, sharded save_state/load_state, full get_state_dict) works on CPU. So set
+    distributed_type FSDP and the plugin in Accelerate's shared state, in both PartialState and
+    AcceleratorState (they keep separate copies; setting one alone is undone before save_state). This
+    touches Accelerate internals: tested with the Accelerate range pinned in requirements.txt, and the
+    wrapper is asserted after prepare(). On GPUs Accelerate does all of it itself; this does nothing."""
+    if plugin is None or accelerator.distributed_type != DistributedType.MULTI_CPU:
+        return
+    PartialState().distributed_type = DistributedType.FSDP
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin
+
+
+def check_world(accelerator, fsdp_asked: bool) -> None:
+    """Stops on the launches that otherwise train silently with the wrong setup: processes that each train alone,
+    machines launched with different counts, an FSDP config that became DDP."""
+    problem = process_count_problem(accelerator.num_processes)
+    if problem:
+        raise UserError(f"{problem} ({accelerator.distributed_type.value}).")
+    if fsdp_asked and accelerator.distributed_type != DistributedType.FSDP:
+        raise UserError(f"the launch config asks for FSDP but Accelerate set up {accelerator.distributed_type.value}.")
+
+
+def per_process_batch(accelerator, batch_size: int, global_batch_size: int | None, grad_accum: int) -> int:
+    """--batch-size, or --global-batch-size split exactly over processes x accumulation steps."""
+    if global_batch_size is None:
+        return batch_size
+    per_process, rest = divmod(global_batch_size, accelerator.num_processes * grad_accum)
+    if rest or per_process == 0:
+        raise UserError(f"--global-batch-size {global_batch_size} does not divide into {accelerator.num_processes} "
+                        f"processes x {grad_accum} accumulation steps.")
+    return per_process
+
+
+def check_wrapper(accelerator, model, bf16_grad_sync: bool) -> None:
+    """After prepare(): asserts the wrapper the distributed type promises (gradients really are averaged, or
+    parameters really are sharded); under DDP with bf16 autocast, all-reduces gradients in bf16 if asked
+    (PyTorch's bf16_compress_hook, through Accelerate's handler)."""
+    if accelerator.distributed_type in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
+        ddp = getattr(model, "_orig_mod", model)  # under a dynamo backend, Accelerate compiles the DDP wrapper
+        assert isinstance(ddp, torch.nn.parallel.DistributedDataParallel), type(ddp)
+        if bf16_grad_sync and accelerator.mixed_precision == "bf16":
+            DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType.BF16).register_comm_hook(ddp)
+    if accelerator.distributed_type == DistributedType.FSDP:
+        assert isinstance(accelerator.unwrap_model(model, keep_torch_compile=False), FSDPModule), type(model)
+
+
+@torch.no_grad()
+def share_bn_statistics(accelerator, model) -> None:
+    """Copies rank 0's BatchNorm running statistics to every rank under FSDP. They drift apart (each rank
+    normalises its own batches); DDP (broadcast_buffers=True) copies rank 0's at every forward, FSDP never
+    does. Done by hand before each evaluation and checkpoint (no library call does it), so FSDP evaluates and
+    saves exactly the statistics DDP would."""
+    if accelerator.distributed_type == DistributedType.FSDP:
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# End
+# ----------------------------------------------------------------------------------------------------
 
 
 def run(job) -> int:
@@ -54,7 +153,8 @@ def release_process_group() -> None:
 
     Why: under FSDP2 the group outlives destroy_process_group() (which `accelerator.end_training()` calls). The
     sharded parameters are DTensors whose DeviceMesh holds the group, and so do the autograd graph of the last
-    loss (through FSDP's hooks) and torch's process-wide DTensor caches (redistribution planners, mesh topology). The group and its gloo worker threads then died only at interpreter exit, where a thread that
+    loss (through FSDP's hooks) and torch's process-wide DTensor caches (redistribution planners, mesh topology).
+    The group and its gloo worker threads then died only at interpreter exit, where a thread that
     needs the finalizing interpreter is ended by pthread_exit inside C++ code: 'terminate called without an
     active exception', SIGABRT, and a finished job reported failed (about 1 FSDP job in 6-10 on CPU). So after
     main() returns: collect its freed objects (module hooks form reference cycles), drop the cached meshes'

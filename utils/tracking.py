@@ -1,0 +1,180 @@
+"""What a run reports: to W&B or TensorBoard (through Accelerate's trackers), to the console and to summary.json.
+
+`Tracker` owns the policies: W&B offline without credentials, the same W&B run continued across resumes, logging
+only past the last logged step, the confusion-matrix plot, the final summary. `TrainMeter` sums the training loss
+on the device (no host sync per step) and reads it once per log window and per epoch."""
+
+from __future__ import annotations
+
+import json
+import netrc
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+LOGGED_STEP_FILE = "tracker_logged_step.txt"
+
+
+class Tracker:
+    """One run's tracker (wandb, tensorboard or none). Build it before the Accelerator (pass `log_with`), then
+    `start()` once the run's config is known."""
+
+    def __init__(self, kind: str, output_dir: str, log_every: int, project: str | None = None,
+                 run_name: str | None = None, group: str | None = None, tags: str | None = None):
+        self.kind, self.output_dir, self.log_every = kind, Path(output_dir), log_every
+        self.log_with = None if kind == "none" else kind
+        self.project = project or os.environ.get("WANDB_PROJECT", "cifar10-accelerate")
+        self.wandb_args = {"dir": os.environ.get("WANDB_DIR") or output_dir,  # scratch space on clusters, if set
+                           "name": run_name, "group": group,  # None: W&B's own default / WANDB_*
+                           "tags": tags.split(",") if tags else None}
+        self.accelerator, self.wandb_run, self.already_logged = None, None, 0
+        if kind == "wandb":
+            wandb_offline_without_credentials()
+
+    def start(self, accelerator, config: dict, run_id: str | None, resumed: bool) -> str | None:
+        """Starts (or, with the `run_id` of a resumed job, continues) the run; returns its id for the checkpoints."""
+        self.accelerator = accelerator
+        if self.kind == "tensorboard":  # its hparams take numbers, strings and booleans only
+            config = {k: v if isinstance(v, int | float | str | bool) else json.dumps(v) for k, v in config.items()}
+        same_run = {"id": run_id, "resume": "allow"} if run_id else {}
+        accelerator.init_trackers(self.project, config=config, init_kwargs={
+            "wandb": {**{k: v for k, v in self.wandb_args.items() if v}, **same_run}})
+        if self.kind == "wandb" and accelerator.is_main_process:
+            self.wandb_run = accelerator.get_tracker("wandb", unwrap=True)
+            run_id = self.wandb_run.id
+            note_wandb_folder(Path(self.wandb_run.dir).parent, self.output_dir)
+        # A run killed after its last checkpoint had already logged the steps it trains again now (to the same
+        # values: resume is exact); log only past them, so the tracker's steps keep increasing.
+        logged = self.output_dir / LOGGED_STEP_FILE
+        self.already_logged = int(logged.read_text()) if resumed and logged.is_file() else 0
+        return run_id
+
+    def should_log(self, step: int) -> bool:
+        return step % self.log_every == 0
+
+    def log(self, values: dict, step: int) -> None:
+        if step > self.already_logged:
+            self.accelerator.log(values, step=step)
+            if self.accelerator.is_main_process:
+                (self.output_dir / LOGGED_STEP_FILE).write_text(str(step))
+
+    def log_epoch(self, epoch: int, epochs: int, step: int, train_loss: float, images: int, seconds: float,
+                  metrics: dict) -> None:
+        """The end of an epoch (numbered from 1): one console line; to the tracker the epoch's training loss and
+        speed, peak memory, and the evaluation's metrics (eval/*, eval/top1_<class>, W&B's confusion-matrix plot)."""
+        self.accelerator.print(f"epoch {epoch}/{epochs}  train_loss {train_loss:.4f}  eval_top1 "
+                               f"{metrics['top1']:.2f}%  {images / seconds:,.0f} img/s  {seconds:.1f} s")
+        scalars = {f"eval/{k}": v for k, v in metrics.items() if k not in ("class_top1", "confusion")}
+        per_class = {f"eval/top1_{c}": v for c, v in metrics["class_top1"].items()}
+        classes = list(metrics["class_top1"])
+        plot = wandb_confusion_matrix(metrics["confusion"], classes) if self.wandb_run is not None else {}
+        self.log({"train/epoch_loss": train_loss, "train/epoch_images_per_sec": images / seconds,
+                  "train/epoch_seconds": seconds, "sys/peak_memory_gb": peak_memory_gb(self.accelerator.device),
+                  **scalars, **per_class, "epoch": epoch, **plot}, step=step)
+
+    def finish(self, summary: dict) -> None:
+        """summary.json (written by the main process) is also the W&B run's summary."""
+        if self.accelerator.is_main_process:
+            with open(self.output_dir / "summary.json", "w") as f:
+                json.dump(summary, f, indent=2)
+            if self.wandb_run is not None:
+                self.wandb_run.summary.update(summary)
+
+
+class TrainMeter:
+    """The training loss summed on the device, and the time, over one epoch and over the current log window."""
+
+    def __init__(self, device: torch.device, images_per_batch: int):
+        self.images_per_batch = images_per_batch  # all processes together
+        self.epoch_sum = torch.zeros((), device=device)
+        self.window_sum = self.epoch_sum.clone()
+        self.epoch_batches = self.window_batches = 0
+        self.epoch_start = self.window_start = time.time()
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.epoch_sum += loss.detach()
+        self.window_sum += loss.detach()
+        self.epoch_batches += 1
+        self.window_batches += 1
+
+    def window(self, accelerator) -> tuple[float, float]:
+        """(mean loss over all processes, images per second) since the last call; syncs with the device."""
+        loss = accelerator.reduce(self.window_sum / self.window_batches, reduction="mean").item()
+        speed = self.window_batches * self.images_per_batch / (time.time() - self.window_start)
+        self.window_sum.zero_()
+        self.window_batches, self.window_start = 0, time.time()
+        return loss, speed
+
+    def images(self) -> int:
+        return self.epoch_batches * self.images_per_batch
+
+    def seconds(self) -> float:
+        return time.time() - self.epoch_start
+
+    def epoch_loss(self, accelerator) -> float:
+        return accelerator.reduce(self.epoch_sum / max(1, self.epoch_batches), reduction="mean").item()
+
+
+def wandb_offline_without_credentials() -> None:
+    """W&B would stop and ask for a key; with none configured, log offline instead (`wandb sync` later)."""
+    if os.environ.get("WANDB_MODE") or os.environ.get("WANDB_API_KEY"):
+        return
+    host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").split("://")[-1].split("/")[0]
+    try:
+        if netrc.netrc().authenticators(host):
+            return
+    except (OSError, netrc.NetrcParseError):
+        pass
+    os.environ["WANDB_MODE"] = "offline"
+    print("wandb: no credentials found; logging offline (upload later with `wandb sync`)", file=sys.stderr)
+
+
+def note_wandb_folder(run_folder: Path, output_dir: Path) -> None:
+    """A W&B run folder outside the output folder ($WANDB_DIR) is listed in <output-dir>/wandb_runs.txt, one line
+    per life of the run, so compare_runs.py finds it from the output folder."""
+    if output_dir.resolve() not in run_folder.resolve().parents:
+        with open(output_dir / "wandb_runs.txt", "a") as f:
+            f.write(f"{run_folder.resolve()}\n")
+
+
+def wandb_confusion_matrix(confusion: list[list[int]], classes: list[str]) -> dict:
+    """{"eval/confusion_matrix": W&B's confusion-matrix plot} from counts (rows: true class)."""
+    import wandb
+
+    pairs = [(true, pred) for true, row in enumerate(confusion) for pred, count in enumerate(row) for _ in range(count)]
+    return {"eval/confusion_matrix": wandb.plot.confusion_matrix(
+        y_true=[t for t, _ in pairs], preds=[q for _, q in pairs], class_names=list(classes))}
+
+
+def environment() -> dict:
+    """Library versions and the code's git commit, for the tracker's config and summary.json."""
+    import accelerate
+    import torchvision
+
+    return {"versions": {"torch": torch.__version__, "torchvision": torchvision.__version__,
+                         "accelerate": accelerate.__version__, "python": sys.version.split()[0]},
+            "git_commit": git_commit()}
+
+
+def git_commit() -> str | None:
+    """The commit of this checkout, '+dirty' with uncommitted changes; None outside git."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
+                              timeout=30)
+    try:
+        head, changes = git("rev-parse", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("+dirty" if changes.stdout.strip() else "") if head.returncode == 0 else None
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """This process's peak: memory allocated by tensors on a GPU, else the resident set size on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024) / 2**30
