@@ -1,0 +1,170 @@
+"""The seed's plain-PyTorch DDP script, done right with HuggingFace Accelerate: ResNet-18 on CIFAR-10, nothing else.
+
+    python train_minimal.py --data-dir ../shared/data/cifar10                                   # 1 process
+    accelerate launch --config_file accelerate_configs/cpu.yaml  train_minimal.py --data-dir DATA   # 2 gloo ranks
+    accelerate launch --config_file accelerate_configs/4gpu.yaml train_minimal.py --data-dir DATA   # 4 GPUs, DDP
+
+The same training as train_cifar.py with --no-channels-last --grad-clip 0 --scale-lr (the tests hold the two to the
+same losses and weights), without its surroundings: no atomic checkpoints, preemption handling, NaN guard, FSDP,
+run continuation in W&B or recipes. Copy train_cifar.py when you need those. The data path (decode once, shard,
+augment on the device) comes from utils/data.py, the model from utils/models.py; the Accelerate idioms (prepare,
+accumulate, gather_for_metrics, save_state) are written out here on purpose, though train_cifar.py uses them too.
+"PITFALL" marks each line that avoids one of the classic silent failures of the seed (its sections 12-14).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
+from safetensors.torch import load_file, save_file
+
+from utils import UserError, process_count_problem
+from utils.data import BatchTransform, load_cifar10, make_loader, take_prefix
+from utils.launch import run
+from utils.models import build_model
+from utils.schedule import warmup_cosine
+from utils.tracking import wandb_offline_without_credentials
+
+REFERENCE_BATCH = 128  # --lr is the learning rate for this many images per optimizer step
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data-dir", help="folder with the Hub's parquet files; unset: download uoft-cs/cifar10")
+    p.add_argument("--output-dir", default="runs/minimal", help="checkpoints, summary.json, model.safetensors")
+    p.add_argument("--epochs", type=int, default=30)
+    p.add_argument("--batch-size", type=int, default=128, help="images per process per micro-step")
+    p.add_argument("--lr", type=float, default=0.1, help=f"peak lr for a global batch of {REFERENCE_BATCH}")
+    p.add_argument("--train-subset", type=int, help="train on the first N training images only")
+    p.add_argument("--eval-subset", type=int, help="evaluate on the first N test images only")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tracker", default="wandb" if importlib.util.find_spec("wandb") else "none",
+                   choices=["wandb", "tensorboard", "none"])
+    p.add_argument("--resume", action="store_true", help="continue from the newest epoch checkpoint in --output-dir")
+    args = p.parse_args(argv)
+    for name in ("epochs", "batch_size", "lr", "grad_accum", "train_subset", "eval_subset"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            raise UserError(f"--{name.replace('_', '-')} must be positive (got {getattr(args, name)}).")
+    return args
+
+
+@torch.no_grad()
+def evaluate(model, loader, transform, accelerator) -> tuple[int, float]:
+    """(test images, top-1 %) over all ranks. PITFALL (duplicated validation): each rank evaluates its own shard of
+    the test set, and gather_for_metrics drops the padding that evened the shards, so every image counts once."""
+    model.eval()
+    correct = total = 0
+    for images, labels in loader:
+        predictions = model(transform(images, train=False)).argmax(dim=1)
+        predictions, labels = accelerator.gather_for_metrics((predictions, labels))
+        correct += (predictions == labels).sum()
+        total += len(labels)
+    return total, 100.0 * float(correct) / max(total, 1)
+
+
+def main(args: argparse.Namespace) -> dict:
+    if args.tracker == "wandb":
+        wandb_offline_without_credentials()  # W&B would stop to ask for a key; offline instead (`wandb sync` later)
+    accelerator = Accelerator(
+        cpu=not torch.cuda.is_available(),  # on CPU, launched processes form a gloo group only with cpu=True
+        gradient_accumulation_steps=args.grad_accum,
+        log_with=None if args.tracker == "none" else args.tracker,
+        # Checkpoints go to <output-dir>/checkpoints/checkpoint_<i>, the newest 2 kept.
+        project_config=ProjectConfiguration(args.output_dir, automatic_checkpoint_naming=True, total_limit=2),
+        # PITFALL (no set_epoch): the seedable sampler reshuffles every epoch (train_loader.set_epoch below), the
+        # same order on every rank, each rank taking its own slice; it depends on the seed, not the world size.
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+    )  # no mixed_precision here: the launcher's (YAML or --mixed_precision) is what runs
+    problem = process_count_problem(accelerator.num_processes)  # N launched processes that would each train alone
+    if problem:
+        raise UserError(problem)
+    world, out = accelerator.num_processes, Path(args.output_dir)
+    done = sorted((out / "checkpoints").glob("checkpoint_*"), key=lambda f: int(f.name.split("_")[1]))  # epochs
+    if done and not args.resume:  # checked first: a fresh run never overwrites an earlier one
+        raise UserError(f"{out} holds checkpoints of an earlier run; pass --resume or use another --output-dir.")
+    global_batch = args.batch_size * world * args.grad_accum
+    lr = args.lr * global_batch / REFERENCE_BATCH  # PITFALL (LR not scaled): linear scaling rule
+    accelerator.print(f"{world} process(es), {accelerator.distributed_type.value}, mixed precision "
+                      f"{accelerator.mixed_precision}; global batch {global_batch}, lr {lr:g}")
+
+    # Data: whole splits as uint8 tensors (decoded once, cached); prepare() shards them over the processes.
+    data = load_cifar10(args.data_dir, None, accelerator)  # one process per machine decodes and caches
+    train_loader = make_loader(*take_prefix(data["train"], args.train_subset, "--train-subset"), args.batch_size,
+                               train=True)
+    eval_loader = make_loader(*take_prefix(data["test"], args.eval_subset, "--eval-subset"), args.batch_size,
+                              train=False)
+
+    set_seed(args.seed)  # PITFALL (different init per rank): same seed, same weights (and DDP broadcasts rank 0's)
+    model = build_model("resnet18")  # torchvision's ResNet-18 with a CIFAR stem
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=5e-4,
+                                fused=True)
+    # PITFALL (BN without SyncBN): DDP copies rank 0's BatchNorm statistics at every forward (broadcast_buffers),
+    # so every rank evaluates and saves the same ones; SyncBatchNorm would also pool batch statistics (CUDA only).
+    model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+    transform = BatchTransform(accelerator.device, args.seed * 1000 + accelerator.process_index, augment=True,
+                               channels_last=False)  # random crop + flip on the device; its own stream per rank
+    steps_per_epoch = math.ceil(len(train_loader) / args.grad_accum)
+    # Stepped once per optimizer step, by us: a prepared scheduler would step world-size times per optimizer step.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer,
+                                                  warmup_cosine(steps_per_epoch, args.epochs * steps_per_epoch))
+    accelerator.register_for_checkpointing(scheduler)  # saved and restored with the model and optimizer
+
+    start_epoch = 0
+    if done:  # --resume
+        accelerator.load_state(done[-1])  # model, optimizer, scheduler, every rank's RNG
+        # Accelerate saves registered objects from the main process only; the augmentation stream is per rank.
+        transform.load_state_dict(load_file(done[-1] / f"augment_rank{accelerator.process_index}.safetensors"))
+        start_epoch = accelerator.project_configuration.iteration = int(done[-1].name.split("_")[1]) + 1
+        accelerator.print(f"resumed from {done[-1]}: epoch {start_epoch + 1}")
+    accelerator.init_trackers("cifar10-accelerate", config={**vars(args), "world_size": world, "effective_lr": lr})
+
+    train_seconds, images_seen, top1, examples, train_loss = 0.0, 0, 0.0, 0, float("nan")
+    for epoch in range(start_epoch, args.epochs):
+        model.train()
+        train_loader.set_epoch(epoch)  # PITFALL (no set_epoch): a new shuffle each epoch
+        loss_sum, batches, started = torch.zeros((), device=accelerator.device), 0, time.time()
+        for images, labels in train_loader:
+            with accelerator.accumulate(model):  # PITFALL-free accumulation: no all-reduce on non-final micro-steps
+                loss = F.cross_entropy(model(transform(images, train=True)), labels)
+                accelerator.backward(loss)  # scales by 1/grad_accum; DDP averages the gradients over ranks
+                optimizer.step()  # a no-op on non-final micro-steps
+                optimizer.zero_grad(set_to_none=True)
+            if accelerator.sync_gradients and not optimizer.step_was_skipped:  # fp16 overflow: no step, no schedule
+                scheduler.step()
+            loss_sum += loss.detach()  # summed on the device: no host sync per step
+            batches += 1
+        train_loss = accelerator.reduce(loss_sum / batches, reduction="mean").item()  # the mean over all ranks
+        train_seconds += time.time() - started
+        images_seen += batches * args.batch_size * world
+        examples, top1 = evaluate(model, eval_loader, transform, accelerator)
+        accelerator.print(f"epoch {epoch + 1}/{args.epochs}  train_loss {train_loss:.4f}  eval_top1 {top1:.2f}%")
+        accelerator.log({"train/loss": train_loss, "train/lr": scheduler.get_last_lr()[0], "eval/top1": top1,
+                         "epoch": epoch + 1}, step=(epoch + 1) * steps_per_epoch)
+        # PITFALL (saving from every rank): save_state writes the shared state from the main process, each rank's RNG
+        location = accelerator.save_state()  # from that rank; then our per-rank augmentation stream
+        save_file(transform.state_dict(), Path(location) / f"augment_rank{accelerator.process_index}.safetensors")
+
+    # Outputs, written once. PITFALL ('module.' prefix): weights of the unwrapped model, loadable into a plain one.
+    summary = {"world_size": world, "global_batch": global_batch, "effective_lr": lr, "epochs": args.epochs,
+               "train_loss": train_loss, "eval_examples": examples, "eval_top1": top1,
+               "train_images_per_sec": images_seen / max(train_seconds, 1e-9)}
+    accelerator.save_model(model, out, safe_serialization=True)  # main process only: model.safetensors
+    if accelerator.is_main_process:  # PITFALL (saving from every rank): one writer
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    accelerator.end_training()
+    return summary
+
+
+if __name__ == "__main__":
+    sys.exit(run(lambda: main(parse_args())))  # bad input: one line and exit status 2
