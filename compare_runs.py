@@ -150,7 +150,8 @@ def load_wandb_api(path: str) -> Run:
         api_run = wandb.Api().run(path)
         history = list(api_run.scan_history())
     except Exception as e:  # no network, no login, no such run
-        raise UserError(f"cannot read W&B run {path}: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"cannot read W&B run {path}: {why}") from None
     return Run(name=api_run.name, id=api_run.id, group=api_run.group, config=dict(api_run.config), history=history,
                summary={k: v for k, v in api_run.summary.items()})
 
@@ -166,7 +167,8 @@ def load(source: str) -> list[Run]:
             folders += [Path(line) for line in (path / "wandb_runs.txt").read_text().split()]
         folders = folders or [path]
         lives: dict[str, list[Run]] = {}
-        for folder in sorted(folders, key=lambda p: p.name.split("-")[-2] if p.name.count("-") >= 2 else p.name):  # by start time
+        for folder in sorted(folders,
+                             key=lambda p: p.name.split("-")[-2] if p.name.count("-") >= 2 else p.name):  # by start
             run = load_local(folder)
             lives.setdefault(run.id, []).append(run)
         return [merge_lives(parts) for parts in lives.values()]
@@ -189,7 +191,8 @@ COLUMNS = {  # column -> (summary.json key, history key, pick from history)
 
 def table(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+    return "\n".join("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i,
+                               (cell, w) in enumerate(zip(row, widths)))
                      for row in rows)
 
 
@@ -197,7 +200,8 @@ def run_table(runs: list[Run]) -> str:
     rows = [["run", "group", *COLUMNS]]
     for run in runs:
         values = [run.metric(*spec) for spec in COLUMNS.values()]
-        rows.append([f"{run.name} ({run.id})", run.group or "-", *(f"{v:.2f}" if i < 2 else f"{v:,.0f}" for i, v in enumerate(values))])
+        rows.append([f"{run.name} ({run.id})", run.group or "-",
+                     *(f"{v:.2f}" if i < 2 else f"{v:,.0f}" for i, v in enumerate(values))])
     return table(rows)
 
 
@@ -238,7 +242,8 @@ def plot(runs: list[Run], folder: Path, by_group: bool) -> list[Path]:
 
     def points(run, x, y):  # x "_wall": seconds since the run's first logged step, across resumed lives
         start = min((row["_timestamp"] for row in run.history if "_timestamp" in row), default=0.0)
-        xs = [row.get("_timestamp", math.nan) - start for row in run.history] if x == "_wall" else [row.get(x) for row in run.history]
+        xs = [row.get("_timestamp",
+                      math.nan) - start for row in run.history] if x == "_wall" else [row.get(x) for row in run.history]
         return [(px, row[y]) for px, row in zip(xs, run.history)
                 if isinstance(px, int | float) and not math.isnan(px) and isinstance(row.get(y), int | float)]
 
@@ -251,10 +256,12 @@ def plot(runs: list[Run], folder: Path, by_group: bool) -> list[Path]:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         curves: dict[str, list[list[tuple[float, float]]]] = {}
         for run in runs:
-            curves.setdefault((run.group or run.name) if by_group else f"{run.name} ({run.id})", []).append(points(run, x, y))
+            name = (run.group or run.name) if by_group else f"{run.name} ({run.id})"
+            curves.setdefault(name, []).append(points(run, x, y))
         for name, members in curves.items():
             members = [m for m in members if m]
-            xs = sorted(set.intersection(*(set(px for px, _ in m) for m in members))) if len(members) > 1 and x != "_wall" else []
+            xs = sorted(set.intersection(*(set(px for px,
+                                               _ in m) for m in members))) if len(members) > 1 and x != "_wall" else []
             if not xs:  # one run, or wall-clock points (they never line up across runs): draw each
                 for i, m in enumerate(members):
                     ax.plot(*zip(*m), alpha=1.0 if len(members) == 1 else 0.6, label=name if i == 0 else None)
@@ -277,8 +284,10 @@ def plot(runs: list[Run], folder: Path, by_group: bool) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("runs", nargs="+", help="output folders, W&B run folders, or W&B run paths entity/project/run_id")
-    parser.add_argument("--by-group", action="store_true", help="also aggregate runs sharing a W&B group (mean +/- std)")
+    parser.add_argument("runs", nargs="+",
+                        help="output folders, W&B run folders, or W&B run paths entity/project/run_id")
+    parser.add_argument("--by-group", action="store_true",
+                        help="also aggregate runs sharing a W&B group (mean +/- std)")
     parser.add_argument("--plots", default="comparison", help="folder for the PNG plots (default: comparison)")
     args = parser.parse_args(argv)
     runs = [run for source in args.runs for run in load(source)]

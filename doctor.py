@@ -1,7 +1,8 @@
 """Check a distributed setup before training: launch it exactly like train_cifar.py (same YAML, same flags).
 
     accelerate launch --config_file accelerate_configs/cpu.yaml doctor.py
-    accelerate launch --config_file accelerate_configs/2node_16gpu.yaml --machine_rank R --main_process_ip HEAD doctor.py
+    accelerate launch --config_file accelerate_configs/2node_16gpu.yaml --machine_rank R --main_process_ip HEAD \
+        doctor.py
 
 Every process prints what it sees (versions, rank, world size, device, backend); the main process checks
 that all agree, times an all-reduce (bus bandwidth) and a barrier, and prints OK or, for each problem, what
@@ -27,7 +28,8 @@ FIXES = {  # a phrase of the error (lower case) -> the fix
     "joined": "a process is missing: every machine must run the launch command, with the same --num_machines and "
               "--num_processes, its own --machine_rank, and the head node's --main_process_ip/--main_process_port",
     "address already in use": "the port is busy (an earlier job still running?): pick another --main_process_port",
-    "trying to connect": "this process cannot reach the head node: check that it started, that --main_process_ip is its "
+    "trying to connect": "this process cannot reach the head node: check that it started, that --main_process_ip is "
+                         "its "
                          "address as seen from here and --main_process_port its port, and that no firewall blocks it",
     "connection refused": "nothing listens at the head node's address yet or a firewall blocks it: check "
                           "--main_process_ip is the head node's address reachable from here, and that it started",
@@ -40,7 +42,8 @@ def facts(accelerator) -> dict:
     import accelerate
 
     cuda = torch.cuda.is_available()
-    return {"rank": accelerator.process_index, "local_rank": accelerator.local_process_index, "host": socket.gethostname(),
+    return {"rank": accelerator.process_index, "local_rank": accelerator.local_process_index,
+            "host": socket.gethostname(),
             "world_size": accelerator.num_processes, "count_problem": process_count_problem(accelerator.num_processes),
             "distributed_type": accelerator.distributed_type.value, "mixed_precision": accelerator.mixed_precision,
             "device": str(accelerator.device), "backend": dist.get_backend() if dist.is_initialized() else "none",
@@ -51,7 +54,8 @@ def facts(accelerator) -> dict:
 
 def diagnose(error: Exception) -> str:
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    fix = next((f for key, f in FIXES.items() if key in str(error).lower()), "see the message above; rerun with the same "
+    fix = next((f for key, f in FIXES.items() if key in str(error).lower()),
+               "see the message above; rerun with the same "
                "command on every machine")
     return f"{text}\n  fix: {fix}"
 
@@ -64,7 +68,8 @@ def main() -> int:
     rank = int(os.environ.get("RANK", "0"))
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
     say(f"doctor: launcher says world size {os.environ.get('WORLD_SIZE', '1')}, head "
-        f"{os.environ.get('MASTER_ADDR', '-')}:{os.environ.get('MASTER_PORT', '-')}; waiting at most {args.timeout:g} s")
+        f"{os.environ.get('MASTER_ADDR', '-')}:{os.environ.get('MASTER_PORT', '-')}; waiting at most "
+        f"{args.timeout:g} s")
 
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs, gather_object
@@ -82,7 +87,8 @@ def main() -> int:
         say(f"  rank {f['rank']} (local {f['local_rank']}) on {f['host']}: {f['device']}, {f['backend']}, "
             f"{f['distributed_type']}, mixed precision {f['mixed_precision']}, torch {f['torch']}, accelerate "
             f"{f['accelerate']}, CUDA {f['cuda']}, NCCL {f['nccl']}")
-    for problem in dict.fromkeys(f["count_problem"] for f in everyone if f["count_problem"]):  # each once, in rank order
+    # each problem once, in rank order
+    for problem in dict.fromkeys(f["count_problem"] for f in everyone if f["count_problem"]):
         ranks = [f["rank"] for f in everyone if f["count_problem"] == problem]
         problems.append(f"world-size mismatch on rank(s) {', '.join(map(str, ranks))}: {problem}")
     for key in ("world_size", "distributed_type", "mixed_precision", "torch", "accelerate", "cuda", "nccl"):

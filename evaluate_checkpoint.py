@@ -3,7 +3,7 @@
     python evaluate_checkpoint.py runs/cifar10/best.safetensors --data-dir ../shared/data/cifar10
     accelerate launch --config_file accelerate_configs/cpu.yaml evaluate_checkpoint.py runs/cifar10/model.safetensors
 
-Loads the weights into a plain model from train_cifar.build_model (strict: every key must match) and prints
+Loads the weights into a plain model from utils.models.build_model (strict: every key must match) and prints
 one JSON line with loss, top-1, top-5 and the number of test images. The model name and eval subset default
 to those in the summary.json beside the weights, so the numbers match what training reported.
 """
@@ -19,9 +19,10 @@ import torch
 from accelerate import Accelerator
 from safetensors.torch import load_file
 
-from train_cifar import build_model, evaluate
 from utils import UserError
 from utils.data import BatchTransform, load_cifar10, make_loader
+from utils.evaluation import evaluate
+from utils.models import build_model
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -51,8 +52,10 @@ def main(argv: list[str] | None = None) -> dict:
     images, labels = load_cifar10(args.data_dir, args.cache_dir, accelerator)["test"]
     images, labels = (images[:subset], labels[:subset]) if subset else (images, labels)
     model, loader = accelerator.prepare(model, make_loader(images, labels, args.batch_size, train=False))
-    metrics = evaluate(model, loader, BatchTransform(accelerator.device, 0, augment=False, channels_last=False), accelerator)
-    result = {k: v for k, v in metrics.items() if k != "class_top1"} | {"weights": str(args.weights), "model": model_name}
+    metrics = evaluate(model, loader, BatchTransform(accelerator.device, 0, augment=False, channels_last=False),
+                       accelerator)
+    result = {k: v for k, v in metrics.items() if k != "class_top1"}
+    result |= {"weights": str(args.weights), "model": model_name}
     accelerator.print(json.dumps(result))
     return result
 

@@ -19,7 +19,8 @@ def add_data_args(parser) -> None:
 
 def data_flags(args) -> list[str]:
     """The data flags parsed by add_data_args, back as command-line arguments for train_cifar.py."""
-    return [f"--{name}={value}" for name, value in (("data-dir", args.data_dir), ("cache-dir", args.cache_dir)) if value]
+    return [f"--{name}={value}" for name,
+            value in (("data-dir", args.data_dir), ("cache-dir", args.cache_dir)) if value]
 
 
 def header(title: str) -> None:
@@ -35,7 +36,8 @@ def header(title: str) -> None:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
     print(f"# {title}")
     print(f"machine: {os.cpu_count()} cores, {cpu}; GPU: {gpu}")
-    print(f"versions: python {platform.python_version()}, torch {torch.__version__}, torchvision {torchvision.__version__}, "
+    print(f"versions: python {platform.python_version()}, torch {torch.__version__}, "
+          f"torchvision {torchvision.__version__}, "
           f"accelerate {accelerate.__version__}")
     print(f"command: {shlex.join([sys.executable.rsplit('/', 1)[-1], *sys.argv])}")
 

@@ -52,13 +52,16 @@ def measure(side: str, args) -> float:
                               dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=True))
     images, labels = load_cifar10(args.data_dir, args.cache_dir, accelerator)["train"]
     if side == "ours":
-        loader = accelerator.prepare(make_loader(images[: args.images], labels[: args.images], args.batch_size, train=True))
-        transform = BatchTransform(accelerator.device, 0, augment=True, channels_last=True)  # as train_cifar.py (its default)
+        loader = accelerator.prepare(make_loader(images[: args.images], labels[: args.images], args.batch_size,
+                                                 train=True))
+        transform = BatchTransform(accelerator.device, 0, augment=True,
+                                   channels_last=True)  # as train_cifar.py (its default)
         step = lambda x: transform(x, train=True)  # noqa: E731
     else:
         seed_tf = transforms.Compose([transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip(),
                                       transforms.ToTensor(), transforms.Normalize(MEAN, STD)])
-        loader = torch.utils.data.DataLoader(PilDataset(images[: args.seed_images], labels[: args.seed_images], seed_tf),
+        loader = torch.utils.data.DataLoader(PilDataset(images[: args.seed_images], labels[: args.seed_images],
+                                                        seed_tf),
                                              batch_size=args.batch_size, shuffle=True, drop_last=True)
         step = lambda x: x.to(accelerator.device, non_blocking=True)  # noqa: E731
 
@@ -84,7 +87,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="fresh processes per pipeline, alternating")
     parser.add_argument("--passes", type=int, default=3, help="measured passes per process (median)")
     parser.add_argument("--warmup", type=int, default=5, help="passes per process before measuring")
-    parser.add_argument("--side", choices=["ours", "seed"], help=argparse.SUPPRESS)  # one measurement, in a child process
+    parser.add_argument("--side", choices=["ours", "seed"],
+                        help=argparse.SUPPRESS)  # one measurement, in a child process
     args = parser.parse_args()
     if args.side:
         print(json.dumps(measure(args.side, args)))
@@ -95,12 +99,14 @@ def main() -> None:
     rates: dict[str, list[float]] = {"ours": [], "seed": []}
     for _ in range(args.repeats):
         for side, found in rates.items():
-            result = subprocess.run([sys.executable, __file__, "--side", side, *forward], capture_output=True, text=True)
+            result = subprocess.run([sys.executable, __file__, "--side", side, *forward], capture_output=True,
+                                    text=True)
             if result.returncode != 0:
                 sys.exit(result.stderr[-3000:])
             found.append(json.loads(result.stdout.strip().splitlines()[-1]))
     print(f"device: {torch.device('cuda' if torch.cuda.is_available() else 'cpu')}; batch {args.batch_size}; "
-          f"augmentation: crop (pad 4) + flip + normalise; each number: one fresh process, median of {args.passes} passes "
+          f"augmentation: crop (pad 4) + flip + normalise; each number: one fresh process, median of {args.passes} "
+          f"passes "
           f"after {args.warmup} warm-up passes")
     report("ours", rates["ours"], "seed-style", rates["seed"])
 

@@ -26,7 +26,8 @@ from bench.common import add_data_args, data_flags, header  # noqa: E402
 
 
 def launch(args: list[str], out: Path, env: dict | None = None) -> str:
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / "1gpu.yaml"),
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(REPO / "accelerate_configs" / "1gpu.yaml"),
            str(REPO / "train_cifar.py"), "--output-dir", str(out), "--overwrite", *args]
     print("$", " ".join(cmd[3:]), flush=True)
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, **(env or {})})
@@ -36,10 +37,12 @@ def launch(args: list[str], out: Path, env: dict | None = None) -> str:
 
 
 def resnet18_throughput(data: list[str], work: Path) -> float:
-    stdout = launch([*data, "--model", "resnet18", "--channels-last", "--compile", "--data-on-device", "--batch-size", "512",
+    stdout = launch([*data, "--model", "resnet18", "--channels-last", "--compile", "--data-on-device", "--batch-size",
+                     "512",
                      "--epochs", "3", "--tracker", "none"], work / "resnet18")
     rates = [float(m.group(1).replace(",", "")) for m in re.finditer(r"epoch \d+/\d+ .* ([\d,]+) img/s", stdout)]
-    print(f"resnet18 bf16 + channels_last + compile, batch 512: {rates[-1]:,.0f} img/s (epochs: {', '.join(f'{r:,.0f}' for r in rates)})")
+    epochs = ", ".join(f"{r:,.0f}" for r in rates)
+    print(f"resnet18 bf16 + channels_last + compile, batch 512: {rates[-1]:,.0f} img/s (epochs: {epochs})")
     return rates[-1]
 
 
@@ -47,7 +50,8 @@ def fast_recipe_time(data: list[str], work: Path, target: float) -> float | None
     import compare_runs
 
     launch([*data, "--recipe", "fast", "--max-steps", "20", "--tracker", "none"], work / "warmup")  # compile cache
-    launch([*data, "--recipe", "fast", "--tracker", "wandb"], work / "fast", env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+    launch([*data, "--recipe", "fast", "--tracker", "wandb"], work / "fast",
+           env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
     [run] = compare_runs.load(str(work / "fast"))
     seconds, reached = 0.0, None
     for row in (r for r in run.history if "eval/top1" in r):
@@ -93,7 +97,8 @@ def airbench_time(data_dir: str | None, cache_dir: str | None, work: Path) -> fl
         print(f"airbench failed:\n{result.stderr[-2000:]}")
         return None
     measured = json.loads(result.stdout.strip().splitlines()[-1])
-    print(f"airbench94: {measured['accuracy'] * (100 if measured['accuracy'] <= 1 else 1):.2f}% in {measured['seconds']:.2f} s")
+    accuracy = measured["accuracy"] * (100 if measured["accuracy"] <= 1 else 1)
+    print(f"airbench94: {accuracy:.2f}% in {measured['seconds']:.2f} s")
     return measured["seconds"]
 
 
@@ -114,7 +119,8 @@ def main() -> None:
     ours = fast_recipe_time(data, work, args.target)
     theirs = airbench_time(args.data_dir, args.cache_dir, work)
     if ours and theirs:
-        print(f"ratio airbench94 time / --recipe fast time to {args.target}%: {theirs / ours:.2f}x (above 1: we are faster)")
+        print(f"ratio airbench94 time / --recipe fast time to {args.target}%: {theirs / ours:.2f}x "
+              f"(above 1: we are faster)")
 
 
 if __name__ == "__main__":

@@ -16,11 +16,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from accelerate import Accelerator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train_cifar  # noqa: E402
 from bench.common import add_data_args, header, report  # noqa: E402
 from utils.data import BatchTransform, load_cifar10  # noqa: E402
+from utils.models import build_model  # noqa: E402
+from utils.schedule import warmup_cosine  # noqa: E402
 
 
 def bare_loop(cfg: train_cifar.Config, images: torch.Tensor, labels: torch.Tensor) -> float:
@@ -28,11 +31,11 @@ def bare_loop(cfg: train_cifar.Config, images: torch.Tensor, labels: torch.Tenso
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     images, labels = images.to(dev), labels.to(dev)
     torch.manual_seed(cfg.seed)
-    model = train_cifar.build_model(cfg.model).to(dev)
+    model = build_model(cfg.model).to(dev)
     if cfg.channels_last:  # as train_cifar.py does (its default)
         model = model.to(memory_format=torch.channels_last)
     optimizer = train_cifar.build_optimizer(cfg, model, cfg.lr)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, train_cifar.warmup_cosine(1, cfg.max_steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(1, cfg.max_steps))
     transform = BatchTransform(dev, 0, augment=True, channels_last=cfg.channels_last)
     order = torch.randperm(len(labels), device=dev)
     model.train()
@@ -63,15 +66,18 @@ def main() -> None:
     out = tempfile.mkdtemp(prefix="loop_overhead_")
     n = args.steps * args.batch_size
     cfg = train_cifar.Config(data_dir=args.data_dir, cache_dir=args.cache_dir, output_dir=out, model=args.model,
-                             batch_size=args.batch_size, train_subset=n, eval_subset=100, epochs=1, max_steps=args.steps,
+                             batch_size=args.batch_size, train_subset=n, eval_subset=100, epochs=1,
+                             max_steps=args.steps,
                              warmup_epochs=1 / args.steps, tracker="none", overwrite=True, log_every=10)
     assert math.ceil(n / args.batch_size) == args.steps
-    images, labels = load_cifar10(cfg.data_dir, cfg.cache_dir, train_cifar.Accelerator(cpu=not torch.cuda.is_available()))["train"]
+    images, labels = load_cifar10(cfg.data_dir, cfg.cache_dir,
+                                  Accelerator(cpu=not torch.cuda.is_available()))["train"]
     ours, bare = [], []
     for _ in range(args.repeats):
         ours.append(train_cifar.main(cfg)["train_images_per_sec"])
         bare.append(bare_loop(cfg, images[:n], labels[:n]))
-    print(f"model {args.model}, batch {args.batch_size}, {args.steps} optimizer steps per run, {torch.get_num_threads()} threads")
+    print(f"model {args.model}, batch {args.batch_size}, {args.steps} optimizer steps per run, "
+          f"{torch.get_num_threads()} threads")
     ratio = report("train_cifar.py loop", ours, "bare loop", bare)
     print(f"overhead: {100 * (1 / ratio - 1):+.1f}% time per image")
 

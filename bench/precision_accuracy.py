@@ -29,9 +29,12 @@ SETTINGS = {"shipped": (["--mixed_precision", "bf16"], []),
 
 
 def run(setting: str, seed: int, args, out: Path) -> dict:
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / "cpu.yaml"),
-           "--main_process_port", "0", *SETTINGS[setting][0], str(REPO / "train_cifar.py"), "--model", "resnet18_imagenet",
-           "--train-subset", str(args.train_subset), "--epochs", str(args.epochs), "--seed", str(seed), "--tracker", "none",
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(REPO / "accelerate_configs" / "cpu.yaml"),
+           "--main_process_port", "0", *SETTINGS[setting][0], str(REPO / "train_cifar.py"), "--model",
+           "resnet18_imagenet",
+           "--train-subset", str(args.train_subset), "--epochs", str(args.epochs), "--seed", str(seed), "--tracker",
+           "none",
            "--output-dir", str(out), *SETTINGS[setting][1], *data_flags(args)]
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if result.returncode != 0:
@@ -64,7 +67,8 @@ def main() -> None:
               f"over {len(top1)} seeds")
     diffs = [a["eval_top1"] - b["eval_top1"] for a, b in zip(results["shipped"], results[args.against])]
     se = statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else float("nan")
-    print(f"paired difference shipped - {args.against}: {statistics.fmean(diffs):+.2f} +/- {se:.2f} points (standard error)")
+    print(f"paired difference shipped - {args.against}: {statistics.fmean(diffs):+.2f} +/- {se:.2f} points "
+          f"(standard error)")
     report("shipped", [s["train_images_per_sec"] for s in results["shipped"]],
            args.against, [s["train_images_per_sec"] for s in results[args.against]])
 

@@ -45,8 +45,10 @@ def main() -> None:
     def ours_cmd(fast: bool) -> list[str]:
         launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/cpu.yaml",
                   "--main_process_port", "0", *([] if fast else ["--mixed_precision", "no"])]
-        return [*launch, "train_cifar.py", *data, "--model", "resnet18_imagenet", "--optimizer", "adamw", "--lr", "1e-3",
-                "--weight-decay", "0.01", "--batch-size", "128", "--augment", "none", "--grad-clip", "0", "--train-subset", str(args.images),
+        return [*launch, "train_cifar.py", *data, "--model", "resnet18_imagenet", "--optimizer", "adamw", "--lr",
+                "1e-3",
+                "--weight-decay", "0.01", "--batch-size", "128", "--augment", "none", "--grad-clip", "0",
+                "--train-subset", str(args.images),
                 "--eval-subset", "100", "--epochs", str(args.epochs), "--tracker", "none", "--output-dir", out,
                 "--overwrite", *([] if fast else ["--no-channels-last"])]
 

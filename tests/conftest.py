@@ -80,7 +80,8 @@ def run_train(args: list[str], launch: list[str] | None = None, env: dict | None
     if launch is None:
         cmd = [sys.executable, str(script), *args]
     else:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch, "--main_process_port", "0", str(script), *args]
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch, "--main_process_port", "0", str(script),
+               *args]
     return subprocess.run(cmd, cwd=REPO, env=env or script_env(), capture_output=True, text=True, timeout=timeout)
 
 
@@ -119,8 +120,10 @@ def assert_same_state(a: Path, b: Path) -> None:
 
 # The checkpoint/resume job (tests/test_checkpoint.py, tests/test_fsdp.py): 512 images, global batch 64 -> 8 optimizer
 # steps per epoch, 2 epochs, a checkpoint every 3 steps, NCHW (the layout evaluate_checkpoint.py and FSDP2 use).
-CHECKPOINT_JOB = ["--model", "resnet18_imagenet", "--train-subset", "512", "--eval-subset", "100", "--global-batch-size", "64",
-                  "--epochs", "2", "--checkpoint-every-steps", "3", "--deterministic", "--tracker", "none", "--lr", "0.05",
+CHECKPOINT_JOB = ["--model", "resnet18_imagenet", "--train-subset", "512", "--eval-subset", "100",
+                  "--global-batch-size", "64",
+                  "--epochs", "2", "--checkpoint-every-steps", "3", "--deterministic", "--tracker", "none", "--lr",
+                  "0.05",
                   "--no-channels-last"]
 
 
@@ -128,7 +131,8 @@ def job_args(cifar_dir, cache_dir, out, *extra) -> list[str]:
     return ["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out), *extra]
 
 
-TRACKED_JOB = ["--model", "resnet18_imagenet", "--train-subset", "256", "--eval-subset", "64", "--global-batch-size", "32",
+TRACKED_JOB = ["--model", "resnet18_imagenet", "--train-subset", "256", "--eval-subset", "64", "--global-batch-size",
+               "32",
                "--epochs", "2", "--log-every", "2", "--tracker", "wandb"]
 
 
@@ -142,7 +146,8 @@ def tracked_runs(cifar_dir, cache_dir, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tracked")
     specs = {"a0": (["--lr", "0.05", "--group", "A"], None, {}),
              "a1": (["--lr", "0.05", "--seed", "1"], None, {"WANDB_RUN_GROUP": "A"}),
-             "b": (["--lr", "0.2", "--group", "B", "--run-name", "b-run", "--tags", "x,y"], ["--config_file", str(CPU_YAML)], {})}
+             "b": (["--lr", "0.2", "--group", "B", "--run-name", "b-run", "--tags", "x,y"],
+                   ["--config_file", str(CPU_YAML)], {})}
     out = {}
     for name, (extra, launch, env) in specs.items():
         out[name] = root / name

@@ -10,7 +10,8 @@ changes no behaviour, it only records, per rank, into <output-dir>/probe-rank<R>
   fc_dtypes    dtypes of the classifier's output during training forwards (what autocast really ran)
   init_digest  sha256 of the model's parameters as built by the script, before prepare() (before DDP's broadcast)
   eval_buffer_digest  sha256 of the BatchNorm buffers when each evaluation is called (as training left them)
-  eval_param_digest   sha256 of the parameters when each evaluation is called (DDP: equal on all ranks; FSDP2: the shards)
+  eval_param_digest   sha256 of the parameters when each evaluation is called (DDP: equal on all ranks; FSDP2: the
+               shards)
   eval_forward_digest sha256 of the BatchNorm buffers at the first forward of each evaluation (what it uses)
   aug_seed     initial seed of the rank's augmentation generator
   param_types  class names of the prepared model's parameters (DTensor under FSDP2)
@@ -237,7 +238,8 @@ if __name__ == "__main__":
     status = run(lambda: train_cifar.main(cfg))  # as train_cifar.py's own __main__
     recording = False
     rec["gloo_threads_at_exit"] = gloo_threads()
-    rec["bytes_written"] = int(dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())["write_bytes"])
+    io_counters = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    rec["bytes_written"] = int(io_counters["write_bytes"])
     rank = int(os.environ.get("RANK", "0"))
     Path(output_dir, f"probe-rank{rank}.json").write_text(json.dumps(rec))
     sys.exit(status)

@@ -25,21 +25,24 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=30)
     parser.add_argument("--data-dir", default=str(SHARED_CIFAR))
-    parser.add_argument("--work-dir", default=None, help="where outputs and failed jobs' stderr go (default: a temp dir)")
+    parser.add_argument("--work-dir", default=None,
+                        help="where outputs and failed jobs' stderr go (default: a temp dir)")
     parser.add_argument("--keep-going", action="store_true", help="do not stop at the first failed job")
     args = parser.parse_args()
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="fsdp-exit-"))
     statuses: collections.Counter[int] = collections.Counter()
     for i in range(args.runs):
         out = work / f"run-{i}"
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(FSDP_CPU_YAML), "--mixed_precision",
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(FSDP_CPU_YAML),
+               "--mixed_precision",
                "no", "--main_process_port", "0", str(PROBE),
                *job_args(args.data_dir, work / "cache", out, *CHECKPOINT_JOB, "--grad-clip", "0", "--log-every", "1")]
         started = time.time()
         result = subprocess.run(cmd, cwd=REPO, env=script_env(), capture_output=True, text=True)
         statuses[result.returncode] += 1
         finished = (out / "summary.json").exists()
-        print(f"run {i + 1}/{args.runs}: exit {result.returncode}, summary.json {'written' if finished else 'missing'}, "
+        print(f"run {i + 1}/{args.runs}: exit {result.returncode}, "
+              f"summary.json {'written' if finished else 'missing'}, "
               f"{time.time() - started:.0f} s", flush=True)
         if result.returncode != 0:
             (work / f"run-{i}.stderr").write_text(result.stderr)

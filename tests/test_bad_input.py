@@ -70,7 +70,8 @@ def test_images_that_are_not_32x32_rgb(tmp_path, small_data, kwargs, found):
 
 @pytest.mark.parametrize(("flag", "value"), [("--lr", "0"), ("--batch-size", "0"), ("--epochs", "-1")])
 def test_non_positive_lr_batch_epochs(tmp_path, small_data, flag, value):
-    _fails_cleanly(tmp_path, ["--data-dir", str(small_data), flag, value], f"{flag} must be positive (got {float(value):g}")
+    _fails_cleanly(tmp_path, ["--data-dir", str(small_data), flag, value],
+                   f"{flag} must be positive (got {float(value):g}")
 
 
 def test_eval_subset_larger_than_the_split(tmp_path, small_data):

@@ -68,7 +68,8 @@ def test_kill_9_mid_epoch_then_resume_auto_matches_the_uninterrupted_run(referen
     out = tmp_path / "killed"
     proc = start(job_args(cifar_dir, cache_dir, out, "--log-every", "1"), TWO_RANKS, script=PROBE)
     wait_for_checkpoint(out, proc, 3)
-    while not (out / "probe-logs-rank0.jsonl").is_file() or len((out / "probe-logs-rank0.jsonl").read_text().splitlines()) < 4:
+    logs = out / "probe-logs-rank0.jsonl"
+    while not logs.is_file() or len(logs.read_text().splitlines()) < 4:
         time.sleep(0.01)  # let it log past the checkpoint, as a real job would before it dies
     job = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
     for process in job:
@@ -92,7 +93,8 @@ def test_kill_9_mid_epoch_then_resume_auto_matches_the_uninterrupted_run(referen
 
 
 @pytest.mark.parametrize("how", ["SIGTERM to the launcher", "SIGUSR1 to every rank"])
-def test_preemption_signal_checkpoints_at_the_next_step_and_resume_is_exact(reference, cifar_dir, cache_dir, tmp_path, how):
+def test_preemption_signal_checkpoints_at_the_next_step_and_resume_is_exact(reference, cifar_dir, cache_dir, tmp_path,
+                                                                            how):
     out = tmp_path / "preempted"
     proc = start(job_args(cifar_dir, cache_dir, out), TWO_RANKS)
     wait_for_checkpoint(out, proc, 3)
@@ -156,7 +158,8 @@ def test_checkpoint_with_one_flipped_byte_is_found_corrupt_and_skipped(reference
     assert len(warnings) == 1 and "checksum mismatch" in warnings[0] and weights.read_bytes() == bytes(data)
 
 
-def test_resume_from_a_named_checkpoint_continues_from_it_and_keeps_the_newer_one(reference, cifar_dir, cache_dir, tmp_path):
+def test_resume_from_a_named_checkpoint_continues_from_it_and_keeps_the_newer_one(reference, cifar_dir, cache_dir,
+                                                                                  tmp_path):
     out = tmp_path / "named"
     shutil.copytree(reference, out)
     (out / "summary.json").unlink()
@@ -214,8 +217,8 @@ def test_nan_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(cifar
 def test_exported_weights_evaluate_to_the_reported_top1(reference, cifar_dir, cache_dir):
     s = read_summary(reference)
     for name, expected in [("model.safetensors", s["eval_top1"]), ("best.safetensors", s["best_eval_top1"])]:
-        result = subprocess.run([sys.executable, "evaluate_checkpoint.py", str(reference / name), "--data-dir", str(cifar_dir),
-                                 "--cache-dir", str(cache_dir), "--batch-size", "50"],
+        result = subprocess.run([sys.executable, "evaluate_checkpoint.py", str(reference / name),
+                                 "--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--batch-size", "50"],
                                 cwd=REPO, env=script_env(OMP_NUM_THREADS="1"), capture_output=True, text=True)
         assert result.returncode == 0, result.stderr[-3000:]
         got = json.loads(result.stdout.strip().splitlines()[-1])
@@ -227,7 +230,8 @@ def test_exported_weights_evaluate_to_the_reported_top1(reference, cifar_dir, ca
 def small_run(tmp_path_factory) -> tuple[Path, Path]:
     data = write_cifar_dir(tmp_path_factory.mktemp("small") / "data", n_train=64, n_test=16)
     out = data.parent / "run"
-    result = run_train(["--data-dir", str(data), "--output-dir", str(out), "--model", "resnet18_imagenet", "--batch-size",
+    result = run_train(["--data-dir", str(data), "--output-dir", str(out), "--model", "resnet18_imagenet",
+                        "--batch-size",
                         "16", "--epochs", "1", "--tracker", "none", "--cache-dir", str(data.parent / "cache")])
     assert result.returncode == 0, result.stderr[-3000:]
     return data, out
@@ -240,7 +244,8 @@ def _tree(folder: Path) -> dict:
 @pytest.mark.parametrize(("extra", "message"), [
     (["--resume", "/nonexistent/step-1"], "--resume /nonexistent/step-1 does not exist"),
     (["--resume", "{data}"], "is not a usable checkpoint: no trainer_state.json: not a checkpoint"),
-    (["--resume", "{ckpt}", "--model", "resnet18"], "holds weights of --model resnet18_imagenet; this run builds --model resnet18"),
+    (["--resume", "{ckpt}", "--model", "resnet18"],
+     "holds weights of --model resnet18_imagenet; this run builds --model resnet18"),
     (["--keep-last", "0"], "--keep-last must be positive (got 0)"),
     (["--model", "resnet18_imagenet", "--lr", "0.2"], "holds checkpoints of an earlier run with another config (lr)"),
 ])
@@ -261,8 +266,10 @@ def test_overwrite_deletes_the_earlier_runs_checkpoints_and_starts_fresh(small_r
     data, earlier = small_run
     out = tmp_path / "overwritten"
     shutil.copytree(earlier, out)
-    result = run_train(["--data-dir", str(data), "--output-dir", str(out), "--model", "resnet18_imagenet", "--batch-size",
-                        "16", "--epochs", "1", "--tracker", "none", "--cache-dir", str(data.parent / "cache"), "--lr", "0.3",
+    result = run_train(["--data-dir", str(data), "--output-dir", str(out), "--model", "resnet18_imagenet",
+                        "--batch-size",
+                        "16", "--epochs", "1", "--tracker", "none", "--cache-dir", str(data.parent / "cache"), "--lr",
+                        "0.3",
                         "--overwrite"])
     assert result.returncode == 0, result.stderr[-3000:]
     s = read_summary(out)
@@ -302,7 +309,8 @@ def small_disk(tmp_path):
     """A real filesystem with a real size limit: a 150 MiB tmpfs (one checkpoint of this job is 90 MiB)."""
     folder = tmp_path / "small_disk"
     folder.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=150m", "tmpfs", str(folder)], capture_output=True, text=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=150m", "tmpfs", str(folder)], capture_output=True,
+                             text=True)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a size-limited tmpfs here (needs root): {mounted.stderr.strip()}")
     yield folder
@@ -316,7 +324,8 @@ def test_full_disk_stops_every_rank_with_one_line_and_the_last_good_checkpoint_r
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode != 0 and len(errors) == 1, result.stderr[-3000:]
     good = out / "checkpoints" / "step-00000003"
-    assert errors[0].startswith(f"error: no space left on device writing {out / 'checkpoints' / '.tmp-step-00000006'} (")
+    partial = out / "checkpoints" / ".tmp-step-00000006"
+    assert errors[0].startswith(f"error: no space left on device writing {partial} (")
     assert errors[0].endswith(f"; last good checkpoint: {good}"), errors[0]
     assert not [line for line in result.stderr.splitlines() if "[rank" in line and "Traceback" in line]  # no rank's
     assert "warning: only" in result.stdout and "less than one checkpoint" in result.stdout  # after step 3
@@ -343,7 +352,8 @@ def test_full_disk_while_exporting_weights_keeps_the_previous_file_whole(small_d
     ckpt.write_weights(Accelerator(cpu=True), {"w": torch.ones(10)}, previous, root=small_disk / "checkpoints")
     before = previous.read_bytes()
     with pytest.raises(UserError) as raised:
-        ckpt.write_weights(Accelerator(cpu=True), {"w": torch.ones(50 * 2**20)}, previous, root=small_disk / "checkpoints")
+        ckpt.write_weights(Accelerator(cpu=True), {"w": torch.ones(50 * 2**20)}, previous,
+                           root=small_disk / "checkpoints")
     assert str(raised.value).startswith(f"no space left on device writing {previous} (")
     assert str(raised.value).endswith("; last good checkpoint: none")
     assert previous.read_bytes() == before and sorted(p.name for p in small_disk.iterdir()) == ["best.safetensors"]
@@ -372,7 +382,8 @@ def test_second_job_in_a_busy_output_dir_stops_naming_the_first_and_a_dead_jobs_
     assert (out / ".lock").is_file()
     third = run_train(job_args(cifar_dir, cache_dir, out, "--resume", "auto"), launch=TWO_RANKS)
     assert third.returncode == 0, third.stderr[-3000:]
-    assert f"note: took over the lock of a job that is gone (host {socket.gethostname()}, pid {holder.pid}," in third.stdout
+    gone = f"host {socket.gethostname()}, pid {holder.pid},"
+    assert f"note: took over the lock of a job that is gone ({gone}" in third.stdout
     assert read_summary(out)["global_step"] == 16 and not (out / ".lock").exists()  # released at the end
 
 
@@ -395,4 +406,5 @@ def test_hung_peer_stops_the_others_after_dist_timeout_with_one_line(cifar_dir, 
     assert len(errors) == 1 and "did not answer within --dist-timeout 10 s" in errors[0], stderr[-3000:]
     from utils import checkpoint as ckpt
 
-    assert all(ckpt.problem(folder) is None for folder in ckpt.step_folders(out / "checkpoints"))  # nothing half-written
+    # nothing half-written
+    assert all(ckpt.problem(folder) is None for folder in ckpt.step_folders(out / "checkpoints"))

@@ -53,7 +53,8 @@ def test_process_count_and_precision_match_the_hardware_the_file_names(path):
     assert config.num_processes == (machines * gpus if gpus else 2)  # CPU files: 2 gloo processes
     assert not config.use_cpu  # use_cpu starts a single process (see cpu.yaml)
     if gpus:
-        said = hardware.split("nvidia gpu")[0].split()[-1]  # "... 4 NVIDIA GPUs", "one NVIDIA GPU", "2 machines x 8 NVIDIA"
+        # "... 4 NVIDIA GPUs", "one NVIDIA GPU", "2 machines x 8 NVIDIA"
+        said = hardware.split("nvidia gpu")[0].split()[-1]
         assert WORDS[said] == gpus and "bf16" in hardware, hardware
         assert path.stem.endswith(f"{machines * gpus}gpu")
         assert machines == 1 or hardware.startswith(f"# hardware: {machines} machines x {gpus}")
@@ -73,17 +74,21 @@ def launch_two_machines(script: Path, args: list[str], num_processes=(2, 2), tim
     (exit status, stdout, stderr) per machine."""
     port, launchers = _free_port(), []
     for rank, processes in enumerate(num_processes):
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / "2node_16gpu.yaml"),
-               "--num_machines", "2", "--num_processes", str(processes), "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1",
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(REPO / "accelerate_configs" / "2node_16gpu.yaml"),
+               "--num_machines", "2", "--num_processes", str(processes), "--machine_rank", str(rank),
+               "--main_process_ip", "127.0.0.1",
                "--main_process_port", str(port), "--mixed_precision", "no", str(script), *args]
-        launchers.append(subprocess.Popen(cmd, cwd=REPO, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        launchers.append(subprocess.Popen(cmd, cwd=REPO, env=script_env(), stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True))
     return [(p.wait(timeout), *p.communicate()) for p in launchers]
 
 
 def test_two_machines_on_loopback_train_together_from_the_multinode_config(cifar_dir, cache_dir, tmp_path):
     out = tmp_path / "two_nodes"
     results = launch_two_machines(REPO / "train_cifar.py", [
-        "--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out), "--model", "resnet18_imagenet",
+        "--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out), "--model",
+        "resnet18_imagenet",
         "--train-subset", "256", "--eval-subset", "50", "--batch-size", "32", "--epochs", "1", "--tracker", "none"])
     assert [r[0] for r in results] == [0, 0], results[0][2][-3000:] + results[1][2][-3000:]
     s = read_summary(out)
@@ -93,17 +98,20 @@ def test_two_machines_on_loopback_train_together_from_the_multinode_config(cifar
 
 def test_machines_launched_with_different_process_counts_stop_training(cifar_dir, cache_dir, tmp_path):
     # 2 processes in all on one machine's command, 4 on the other's: torchrun forms a world of 1 + 2 = 3.
-    results = launch_two_machines(REPO / "train_cifar.py", ["--data-dir", str(cifar_dir), "--output-dir", str(tmp_path / "o"),
+    results = launch_two_machines(REPO / "train_cifar.py",
+                                  ["--data-dir", str(cifar_dir), "--output-dir", str(tmp_path / "o"),
                                                             "--tracker", "none"], num_processes=(2, 4))
     assert [r[0] for r in results] != [0, 0]
     errors = [line for r in results for line in r[2].splitlines() if line.startswith("error:")]
-    assert errors == ["error: the machines were launched with different process counts: this machine runs 1, so 2 machines "
-                      "make 2, but 3 joined; use the same --num_processes and --num_machines on every machine (MULTI_CPU)."]
+    assert errors == ["error: the machines were launched with different process counts: this machine runs 1, so 2 "
+                      "machines make 2, but 3 joined; use the same --num_processes and --num_machines on every machine "
+                      "(MULTI_CPU)."]
     assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
 
 
 def test_doctor_reports_a_healthy_two_rank_cpu_setup():
-    result = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / "cpu.yaml"),
+    result = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                             str(REPO / "accelerate_configs" / "cpu.yaml"),
                              "--main_process_port", "0", str(REPO / "doctor.py"), "--timeout", "30", "--size-mb", "8"],
                             cwd=REPO, env=script_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
@@ -119,10 +127,12 @@ def test_doctor_diagnoses_machines_launched_with_different_process_counts():
     assert results[0][0] == 1, results[0][2][-3000:]
     problems = [line for line in results[0][1].splitlines() if line.startswith("doctor: PROBLEM")]
     assert problems == [
-        "doctor: PROBLEM: world-size mismatch on rank(s) 0: the machines were launched with different process counts: this "
-        "machine runs 1, so 2 machines make 2, but 3 joined; use the same --num_processes and --num_machines on every machine",
-        "doctor: PROBLEM: world-size mismatch on rank(s) 1, 2: the machines were launched with different process counts: this "
-        "machine runs 2, so 2 machines make 4, but 3 joined; use the same --num_processes and --num_machines on every machine"]
+        "doctor: PROBLEM: world-size mismatch on rank(s) 0: the machines were launched with different process counts: "
+        "this machine runs 1, so 2 machines make 2, but 3 joined; use the same --num_processes and --num_machines on "
+        "every machine",
+        "doctor: PROBLEM: world-size mismatch on rank(s) 1, 2: the machines were launched with different process "
+        "counts: this machine runs 2, so 2 machines make 4, but 3 joined; use the same --num_processes and "
+        "--num_machines on every machine"]
 
 
 def _doctor_alone(port: int, timeout: float, rank: int = 0):
@@ -139,7 +149,8 @@ def test_doctor_diagnoses_a_missing_process_within_its_timeout():
     assert result.returncode == 1
     assert seconds < 5 + 30, "reported within the timeout (plus start-up), not hung"
     lines = [line for line in result.stderr.splitlines() if line.startswith(("doctor: PROBLEM", "  fix:"))]
-    assert lines[0].startswith("doctor: PROBLEM on rank 0: ") and "1/2 clients joined" in lines[0], result.stderr[-2000:]
+    assert lines[0].startswith("doctor: PROBLEM on rank 0: "), result.stderr[-2000:]
+    assert "1/2 clients joined" in lines[0], result.stderr[-2000:]
     assert lines[1].startswith("  fix: a process is missing: every machine must run the launch command")
 
 

@@ -49,7 +49,8 @@ def test_second_load_reads_the_cache_and_a_changed_source_is_decoded_again(tmp_p
     second = load_cifar10(str(src), str(cache), accelerator)
     assert calls == []  # served from the cache
     assert all(torch.equal(a, b) for s in ("train", "test") for a, b in zip(first[s], second[s]))
-    assert all(d[s][0].is_contiguous(memory_format=torch.channels_last) for d in (first, second) for s in ("train", "test"))
+    assert all(d[s][0].is_contiguous(memory_format=torch.channels_last)
+               for d in (first, second) for s in ("train", "test"))
 
     write_cifar_dir(src, n_train=48, n_test=12)  # replace the source files
     third = load_cifar10(str(src), str(cache), accelerator)
@@ -132,7 +133,8 @@ def test_each_image_is_mirrored_with_probability_half_and_shifted_uniformly():
     # Pixel values name their coordinates: channel 0 = row + 1, channel 1 = column + 1. The centre pixel of a
     # crop then tells the shift, and its right-hand neighbour tells whether the crop is mirrored.
     r = torch.arange(1, 33, dtype=torch.uint8)
-    image = torch.stack([r.view(32, 1).expand(32, 32), r.view(1, 32).expand(32, 32), torch.zeros(32, 32, dtype=torch.uint8)])
+    image = torch.stack([r.view(32, 1).expand(32, 32), r.view(1, 32).expand(32, 32),
+                         torch.zeros(32, 32, dtype=torch.uint8)])
     batch = image.expand(64, 3, 32, 32)
     transform = BatchTransform(torch.device("cpu"), seed=3, augment=True, channels_last=True)
     outs = torch.stack([transform.crop_and_flip(batch).clone() for _ in range(50)]).long()  # (50, 64, 3, 32, 32)

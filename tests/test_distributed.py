@@ -29,7 +29,8 @@ from utils.data import BatchTransform, load_cifar10, make_loader
 
 TRAIN_SUBSET, EVAL_SUBSET = 200, 101  # 200 = 6 batches of 32 + 8 dropped; 101 is odd: eval shards are padded
 COMMON = ["--model", "resnet18_imagenet", "--train-subset", str(TRAIN_SUBSET), "--eval-subset", str(EVAL_SUBSET),
-          "--epochs", "2", "--warmup-epochs", "0.5", "--augment", "none", "--optimizer", "sgd", "--lr", "0.1", "--scale-lr",
+          "--epochs", "2", "--warmup-epochs", "0.5", "--augment", "none", "--optimizer", "sgd", "--lr", "0.1",
+          "--scale-lr",
           "--deterministic", "--log-every", "1", "--tracker", "none"]
 TWO_RANKS = ["--config_file", str(CPU_YAML), "--mixed_precision", "no"]  # fp32, like the 1-process runs
 CONFIGS = {
@@ -67,7 +68,8 @@ class Run:
     def global_order(self) -> list[list[list[int]]]:
         """Per epoch, the batches in the order of the global batch sequence (rank 0, rank 1, rank 0, ...)."""
         per_rank = [self.train_epochs(r) for r in range(len(self.probes))]
-        return [[b for step in zip(*(pr[e] for pr in per_rank), strict=True) for b in step] for e in range(len(per_rank[0]))]
+        return [[b for step in zip(*(pr[e] for pr in per_rank),
+                                   strict=True) for b in step] for e in range(len(per_rank[0]))]
 
     def logged(self, key: str, rank: int = 0) -> list[tuple[int, float]]:
         return [(step, values[key]) for step, values in self.probes[rank]["logs"] if key in values]
@@ -133,7 +135,8 @@ def test_data_order_changes_every_epoch_and_is_the_same_for_the_same_seed_at_any
 
 
 # 3. Exact evaluation -------------------------------------------------------------------------------
-def test_two_rank_eval_counts_each_image_once_and_equals_one_rank_eval_of_the_exported_weights(runs, cifar_dir, cache_dir):
+def test_two_rank_eval_counts_each_image_once_and_equals_one_rank_eval_of_the_exported_weights(runs, cifar_dir,
+                                                                                               cache_dir):
     run = runs["two_ranks"]
     assert run.summary["eval_examples"] == EVAL_SUBSET
     fetched = [set(i for d, b in p["batches"] if d == 1 for i in b) for p in run.probes]
@@ -165,7 +168,8 @@ def test_reported_metrics_match_an_independent_computation_from_the_gathered_log
     assert logits.shape == (EVAL_SUBSET, 10) and run.probes[1]["eval_outputs"][-1] == gathered  # all ranks see all
     ranked = np.argsort(-logits, axis=1, kind="stable")
     top1, top5 = ranked[:, 0] == labels, (ranked[:, :5] == labels[:, None]).any(axis=1)
-    log_probs = logits - logits.max(1, keepdims=True) - np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1, keepdims=True))
+    shifted = logits - logits.max(1, keepdims=True)
+    log_probs = shifted - np.log(np.exp(shifted).sum(1, keepdims=True))
     confusion = np.zeros((10, 10), dtype=int)
     for true, predicted in zip(labels, ranked[:, 0]):
         confusion[true, predicted] += 1
@@ -224,7 +228,8 @@ def test_lr_follows_the_linear_scaling_rule_and_the_schedule_counts_optimizer_st
     c = math.cos
     expected = {64: [0.05, 0.05, 0.025 * (1 + c(math.pi / 4)), 0.025, 0.025 * (1 + c(3 * math.pi / 4)), 0.0],
                 128: [0.1, 0.0]}
-    for name, global_batch in [("two_ranks", 64), ("one_rank_accum2", 64), ("two_ranks_accum2", 128), ("one_rank_accum4", 128)]:
+    for name, global_batch in [("two_ranks", 64), ("one_rank_accum2", 64), ("two_ranks_accum2", 128),
+                               ("one_rank_accum4", 128)]:
         run = runs[name]
         assert run.summary["effective_lr"] == pytest.approx({64: 0.05, 128: 0.1}[global_batch])
         logged = run.logged("train/lr")
@@ -275,7 +280,8 @@ def test_weights_and_summary_are_written_by_rank_zero_only(runs):
 def test_mixed_precision_from_the_yaml_is_what_autocast_runs(runs, cifar_dir, cache_dir, tmp_path):
     out = tmp_path / "bf16"
     result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out),
-                        *COMMON, "--batch-size", "32", "--max-steps", "2"], launch=["--config_file", str(CPU_YAML)], script=PROBE)
+                        *COMMON, "--batch-size", "32", "--max-steps", "2"], launch=["--config_file", str(CPU_YAML)],
+                        script=PROBE)
     assert result.returncode == 0, result.stderr[-4000:]
     run = Run(out)
     assert run.summary["mixed_precision"] == "bf16"
@@ -322,7 +328,8 @@ def test_a_compiled_ddp_model_passes_the_ddp_check_and_keeps_its_bf16_all_reduce
 # 10. Guards ----------------------------------------------------------------------------------------
 def test_fsdp_asked_for_but_not_set_up_stops(cifar_dir, cache_dir, tmp_path):
     """One process without a launcher: Accelerate sets up no distributed type at all, FSDP settings or not."""
-    result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(tmp_path / "o"),
+    result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir",
+                        str(tmp_path / "o"),
                         "--tracker", "none"], env=script_env(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2"))
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode != 0
@@ -330,7 +337,8 @@ def test_fsdp_asked_for_but_not_set_up_stops(cifar_dir, cache_dir, tmp_path):
 
 
 def test_global_batch_that_does_not_divide_stops(cifar_dir, cache_dir, tmp_path):
-    result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(tmp_path / "o"),
+    result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir",
+                        str(tmp_path / "o"),
                         "--tracker", "none", "--global-batch-size", "100", "--grad-accum", "3"], launch=TWO_RANKS)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode != 0
@@ -340,9 +348,11 @@ def test_global_batch_that_does_not_divide_stops(cifar_dir, cache_dir, tmp_path)
 def test_world_size_that_differs_from_the_launchers_stops(cifar_dir, cache_dir, tmp_path):
     # Two launched CPU processes whose Accelerator lacks cpu=True do not form a group: each would train
     # alone on all the data. The probe recreates that mistake; the script's guard must stop both.
-    result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(tmp_path / "o"),
+    result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir",
+                        str(tmp_path / "o"),
                         "--tracker", "none"], launch=TWO_RANKS, script=PROBE, env=script_env(PROBE_ACCELERATOR_CPU="0"))
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode != 0
-    assert errors == ["error: the launcher started 2 processes but Accelerate runs 1: they would train separately (NO)."]
+    assert errors == ["error: the launcher started 2 processes but Accelerate runs 1: they would train separately "
+                      "(NO)."]
     assert not (tmp_path / "o" / "model.safetensors").exists()

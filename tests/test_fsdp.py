@@ -100,10 +100,12 @@ def test_fsdp_exported_weights_load_into_a_plain_model(runs):
     state = load_file(runs["fsdp"] / "model.safetensors")
     model.load_state_dict(state, strict=True)
     names = dict(model.named_parameters())
-    assert sum(state[k].numel() for k in names) == read_summary(runs["fsdp"])["parameters"]  # full tensors, not rank 0's shard
+    # full tensors, not rank 0's shard
+    assert sum(state[k].numel() for k in names) == read_summary(runs["fsdp"])["parameters"]
 
 
-def test_fsdp_checkpoints_are_sharded_per_rank_and_resume_exactly_after_preemption(runs, cifar_dir, cache_dir, tmp_path):
+def test_fsdp_checkpoints_are_sharded_per_rank_and_resume_exactly_after_preemption(runs, cifar_dir, cache_dir,
+                                                                                   tmp_path):
     state = json.loads((runs["fsdp"] / "checkpoints" / "step-00000016" / "trainer_state.json").read_text())
     shards = sorted(name for name in state["files"] if name.endswith(".distcp"))
     assert len(shards) == 4, state["files"].keys()  # model and optimizer, one file per rank each
@@ -146,14 +148,16 @@ def test_every_fsdp_config_key_is_a_launcher_option():
     options = {o for action in launch_command_parser()._actions for o in action.option_strings}
     for path in sorted((REPO / "accelerate_configs").glob("fsdp_*.yaml")):
         keys = [line.split(":")[0].strip() for line in path.read_text().splitlines() if line.startswith("  fsdp_")]
-        assert keys and all(f"--{k}" in options for k in keys), (path.name, [k for k in keys if f"--{k}" not in options])
+        assert keys and all(f"--{k}" in options for k in keys), (path.name,
+                                                                 [k for k in keys if f"--{k}" not in options])
 
 
 
 def test_fsdp_runs_with_the_default_channels_last_by_keeping_nchw(cifar_dir, cache_dir, tmp_path):
     """FSDP2 shards contiguous parameters only; channels_last (the script's default) is switched off under FSDP."""
     out = tmp_path / "default_layout"
-    result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out), "--model",
+    result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out),
+                        "--model",
                         "resnet18_imagenet", "--train-subset", "128", "--eval-subset", "32", "--batch-size", "32",
                         "--max-steps", "2", "--tracker", "none"], launch=FSDP)
     assert result.returncode == 0, result.stderr[-3000:]

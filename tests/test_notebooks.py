@@ -20,7 +20,8 @@ def execute(name: str, parameters: str, monkeypatch) -> nbformat.NotebookNode:
     cell.source = f"from pathlib import Path\nREPO = Path({str(REPO)!r})\n{parameters}"
     monkeypatch.setenv("WANDB_MODE", "offline")  # the kernel inherits this process's environment
     monkeypatch.setenv("WANDB_SILENT", "true")
-    NotebookClient(notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(REPO / "notebooks")}}).execute()
+    NotebookClient(notebook, timeout=300, kernel_name="python3",
+                   resources={"metadata": {"path": str(REPO / "notebooks")}}).execute()
     return notebook
 
 
@@ -38,10 +39,12 @@ def test_notebook_is_committed_without_outputs(path):
             assert cell.outputs == [] and cell.execution_count is None, f"{path.name}: strip outputs before committing"
 
 
-def test_launch_from_notebook_trains_with_two_processes_and_shows_the_result(cifar_dir, cache_dir, tmp_path, monkeypatch):
+def test_launch_from_notebook_trains_with_two_processes_and_shows_the_result(cifar_dir, cache_dir, tmp_path,
+                                                                             monkeypatch):
     out = tmp_path / "notebook_run"
     notebook = execute("launch_from_notebook.ipynb", f"DATA_DIR = {str(cifar_dir)!r}\nCACHE_DIR = {str(cache_dir)!r}\n"
-                       f"OUTPUT_DIR = {str(out)!r}\nTRAIN_SUBSET, EVAL_SUBSET = 256, 64\nEPOCHS = 1\nTRACKER = 'wandb'", monkeypatch)
+                       f"OUTPUT_DIR = {str(out)!r}\nTRAIN_SUBSET, EVAL_SUBSET = 256, 64\nEPOCHS = 1\nTRACKER = 'wandb'",
+                       monkeypatch)
     s = read_summary(out)
     assert (s["world_size"], s["distributed_type"], s["epochs_completed"]) == (2, "MULTI_CPU", 1)
     shown = text_of(notebook)
@@ -51,12 +54,14 @@ def test_launch_from_notebook_trains_with_two_processes_and_shows_the_result(cif
 
 def test_compare_runs_notebook_shows_the_table_groups_and_plots(tracked_runs, tmp_path, monkeypatch):
     runs = [str(tracked_runs[name]) for name in ("a0", "a1", "b")]
-    notebook = execute("compare_runs.ipynb", f"RUNS = {json.dumps(runs)}\nPLOTS = {str(tmp_path / 'plots')!r}", monkeypatch)
+    notebook = execute("compare_runs.ipynb", f"RUNS = {json.dumps(runs)}\nPLOTS = {str(tmp_path / 'plots')!r}",
+                       monkeypatch)
     shown = text_of(notebook)
     for name in ("a0", "a1", "b"):
         assert f"{read_summary(tracked_runs[name])['eval_top1']:.2f}" in shown
     assert "config keys that differ:" in shown and "\nA " in shown and "+/-" in shown
-    images = [out for cell in notebook.cells if cell.cell_type == "code" for out in cell.outputs if "image/png" in out.get("data", {})]
+    images = [out for cell in notebook.cells if cell.cell_type == "code"
+              for out in cell.outputs if "image/png" in out.get("data", {})]
     assert len(images) == 3
     assert sorted(p.name for p in Path(tmp_path / "plots").glob("*.png")) == [
         "eval_top1_vs_epoch.png", "eval_top1_vs_wall_clock.png", "train_loss_vs_step.png"]

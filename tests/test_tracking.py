@@ -126,7 +126,8 @@ def test_tensorboard_tracker_logs_the_same_metrics(cifar_dir, cache_dir, tmp_pat
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "tb"
-    result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out), *TRACKED_JOB,
+    result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out),
+                        *TRACKED_JOB,
                         "--tracker", "tensorboard", "--epochs", "1"])
     assert result.returncode == 0, result.stderr[-3000:]
     events = EventAccumulator(str(out / "cifar10-accelerate")).Reload()
@@ -138,7 +139,8 @@ def test_tensorboard_tracker_logs_the_same_metrics(cifar_dir, cache_dir, tmp_pat
 def test_run_comparison_refuses_an_argument_that_is_neither_folder_nor_wandb_path(tmp_path):
     result = compare(tmp_path / "missing" / "folder", "--plots", tmp_path / "p")
     assert result.returncode == 2
-    assert result.stderr.strip() == f"error: {tmp_path / 'missing' / 'folder'} is neither a folder nor a W&B run path (entity/project/run_id)."
+    missing = tmp_path / "missing" / "folder"
+    assert result.stderr.strip() == f"error: {missing} is neither a folder nor a W&B run path (entity/project/run_id)."
 
 
 def test_wandb_dir_is_honoured_and_compare_runs_still_finds_the_run(cifar_dir, cache_dir, tmp_path):

@@ -88,7 +88,8 @@ def test_one_process_bf16_from_the_launcher_with_accumulation_and_offline_wandb(
 
 
 def test_every_config_field_is_a_documented_flag():
-    parsed = train_cifar.parse_config(["--lr", "0.5", "--channels-last", "--train-subset", "7", "--model", "resnet18_imagenet"])
+    parsed = train_cifar.parse_config(["--lr", "0.5", "--channels-last", "--train-subset", "7", "--model",
+                                       "resnet18_imagenet"])
     assert (parsed.lr, parsed.channels_last, parsed.train_subset, parsed.model) == (0.5, True, 7, "resnet18_imagenet")
     defaults = train_cifar.parse_config([])
     assert defaults == train_cifar.Config()
@@ -147,7 +148,8 @@ def test_flip_test_time_augmentation_averages_the_logits_of_each_image_and_its_m
 
 
 def test_fast_recipe_trains_resnet9_with_the_data_on_the_device(cifar_dir, cache_dir, tmp_path):
-    """The GPU recipe's code path on CPU (where 'on the device' is the host and compile is switched off to save time)."""
+    """The GPU recipe's code path on CPU (where 'on the device' is the host and compile is switched off to save
+    time)."""
     out = tmp_path / "fast"
     result = run_train(["--recipe", "fast", "--no-compile", "--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir),
                         "--output-dir", str(out), "--train-subset", "2048", "--eval-subset", "500", "--epochs", "2",
