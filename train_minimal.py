@@ -18,6 +18,7 @@ import argparse
 import importlib.util
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -89,6 +90,8 @@ def main(args: argparse.Namespace) -> dict:
     problem = process_count_problem(accelerator.num_processes)  # N launched processes that would each train alone
     if problem:
         raise UserError(problem)
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":  # on CPU, Accelerate would run DDP silently
+        raise UserError("train_minimal.py runs DDP; for an FSDP launch config use train_cifar.py.")
     world, out = accelerator.num_processes, Path(args.output_dir)
     done = sorted((out / "checkpoints").glob("checkpoint_*"), key=lambda f: int(f.name.split("_")[1]))  # epochs
     if done and not args.resume:  # checked first: a fresh run never overwrites an earlier one
@@ -112,6 +115,7 @@ def main(args: argparse.Namespace) -> dict:
     # PITFALL (BN without SyncBN): DDP copies rank 0's BatchNorm statistics at every forward (broadcast_buffers),
     # so every rank evaluates and saves the same ones; SyncBatchNorm would also pool batch statistics (CUDA only).
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+    assert world == 1 or isinstance(model, torch.nn.parallel.DistributedDataParallel), type(model)  # grads averaged
     transform = BatchTransform(accelerator.device, args.seed * 1000 + accelerator.process_index, augment=True,
                                channels_last=False)  # random crop + flip on the device; its own stream per rank
     steps_per_epoch = math.ceil(len(train_loader) / args.grad_accum)

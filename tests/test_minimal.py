@@ -79,3 +79,13 @@ def test_minimal_script_refuses_to_start_over_an_earlier_run(cifar_dir, tmp_path
     assert result.stderr.strip().splitlines() == [
         f"error: {out} holds checkpoints of an earlier run; pass --resume or use another --output-dir."]
     assert (out / "checkpoints" / "checkpoint_0" / "model.safetensors").read_bytes() == b"earlier"
+
+
+def test_minimal_script_refuses_an_fsdp_launch_config_instead_of_running_ddp_silently(cifar_dir, tmp_path):
+    result = run_train(["--data-dir", str(cifar_dir), *JOB, "--output-dir", str(tmp_path / "out")],
+                       launch=["--config_file", str(REPO / "accelerate_configs" / "fsdp_cpu.yaml")],
+                       script=REPO / "train_minimal.py")
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: train_minimal.py runs DDP; for an FSDP launch config use train_cifar.py."]
+    assert not (tmp_path / "out" / "checkpoints").exists()
