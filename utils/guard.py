@@ -35,8 +35,9 @@ class StopGuard:
         self.accelerator, self.every = accelerator, every
         self.checkpoints = checkpoints  # its `.last` (the newest good checkpoint) goes into the divergence error
         self.signals: list[int] = []
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, lambda signum, frame: self.signals.append(signum))
+        signals = self.signals  # the handlers outlive main(): they must not hold the accelerator and its model (FSDP's
+        for sig in (signal.SIGTERM, signal.SIGUSR1):  # hold the process group, which must go before interpreter exit)
+            signal.signal(sig, lambda signum, frame: signals.append(signum))
         self.first_bad_step = torch.full((), -1, dtype=torch.long, device=accelerator.device)
 
     def observe(self, loss: torch.Tensor, step: int) -> None:
