@@ -251,11 +251,9 @@ def main(cfg: Config) -> dict:
         fsdp_plugin=fsdp,
     )  # no mixed_precision argument on purpose: the launcher's choice must win
     shard_on_cpu_too(accelerator, fsdp)  # Accelerate alone would run DDP for an FSDP config on CPU
-    check_world(accelerator, fsdp_asked=fsdp is not None)
+    check_world(accelerator, fsdp_asked=fsdp is not None, sync_bn=cfg.sync_bn)  # one line if the setup is wrong
     world = accelerator.num_processes
     batch_size = per_process_batch(accelerator, cfg.batch_size, cfg.global_batch_size, cfg.grad_accum)
-    if cfg.sync_bn and accelerator.device.type != "cuda":
-        raise UserError("--sync-bn needs CUDA GPUs: torch's SyncBatchNorm does not run on CPU.")
     _lock = lock_output_dir(accelerator, cfg.output_dir)  # one job per output folder, until main() returns
     checkpointer = Checkpointer(accelerator, cfg.output_dir, asdict(cfg), cfg.keep_last, cfg.checkpoint_every_steps)
     resume_from = checkpointer.resume_point(cfg.resume, cfg.overwrite)

@@ -113,6 +113,8 @@ def test_preemption_signal_checkpoints_at_the_next_step_and_resume_is_exact(refe
     saved = [p for p in (out / "checkpoints").glob("step-*") if int(p.name[5:]) > 3]
     assert saved, stderr[-3000:]
     assert not (out / "summary.json").exists()
+    if how.startswith("SIGUSR1"):
+        return  # the same checkpoint as SIGTERM's (only the delivery differs): its exact resume is checked once, below
     result = run_train(job_args(cifar_dir, cache_dir, out, "--resume", "auto"), launch=TWO_RANKS)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "resumed from" in result.stdout
@@ -380,11 +382,12 @@ def test_second_job_in_a_busy_output_dir_stops_naming_the_first_and_a_dead_jobs_
     first.wait()
     psutil.wait_procs(job, timeout=10)
     assert (out / ".lock").is_file()
-    third = run_train(job_args(cifar_dir, cache_dir, out, "--resume", "auto"), launch=TWO_RANKS)
+    # the third job resumes from step 3 or 6 and stops at step 7 (enough to see the lock taken over and released)
+    third = run_train(job_args(cifar_dir, cache_dir, out, "--resume", "auto", "--max-steps", "7"), launch=TWO_RANKS)
     assert third.returncode == 0, third.stderr[-3000:]
     gone = f"host {socket.gethostname()}, pid {holder.pid},"
     assert f"note: took over the lock of a job that is gone ({gone}" in third.stdout
-    assert read_summary(out)["global_step"] == 16 and not (out / ".lock").exists()  # released at the end
+    assert read_summary(out)["global_step"] == 7 and not (out / ".lock").exists()  # released at the end
 
 
 def test_hung_peer_stops_the_others_after_dist_timeout_with_one_line(cifar_dir, cache_dir, tmp_path):

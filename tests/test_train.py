@@ -152,10 +152,10 @@ def test_fast_recipe_trains_resnet9_with_the_data_on_the_device(cifar_dir, cache
     time)."""
     out = tmp_path / "fast"
     result = run_train(["--recipe", "fast", "--no-compile", "--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir),
-                        "--output-dir", str(out), "--train-subset", "2048", "--eval-subset", "500", "--epochs", "2",
-                        "--batch-size", "128", "--warmup-epochs", "1", "--tracker", "none"])
+                        "--output-dir", str(out), "--train-subset", "1024", "--eval-subset", "250", "--epochs", "2",
+                        "--batch-size", "64", "--lr", "0.2", "--warmup-epochs", "1", "--tracker", "none"])
     assert result.returncode == 0, result.stderr[-4000:]
     s = read_summary(out)
     assert (s["config"]["model"], s["config"]["tta_flip"], s["config"]["data_on_device"]) == ("resnet9", True, True)
-    assert s["global_step"] == 2 * (2048 // 128) and s["eval_examples"] == 500
-    assert s["eval_top1"] > 20, s["eval_top1"]  # chance is 10%
+    assert s["global_step"] == 2 * (1024 // 64) and s["eval_examples"] == 250
+    assert s["eval_top1"] > 20, s["eval_top1"]  # chance is 10% (+- 1.9 points on 250 images); 30.0% measured here

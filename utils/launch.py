@@ -63,14 +63,16 @@ def shard_on_cpu_too(accelerator, plugin: FullyShardedDataParallelPlugin | None)
     accelerator.state.fsdp_plugin = plugin
 
 
-def check_world(accelerator, fsdp_asked: bool) -> None:
+def check_world(accelerator, fsdp_asked: bool, sync_bn: bool = False) -> None:
     """Stops on the launches that otherwise train silently with the wrong setup: processes that each train alone,
-    machines launched with different counts, an FSDP config that became DDP."""
+    machines launched with different counts, an FSDP config that became DDP; and on SyncBatchNorm without CUDA."""
     problem = process_count_problem(accelerator.num_processes)
     if problem:
         raise UserError(f"{problem} ({accelerator.distributed_type.value}).")
     if fsdp_asked and accelerator.distributed_type != DistributedType.FSDP:
         raise UserError(f"the launch config asks for FSDP but Accelerate set up {accelerator.distributed_type.value}.")
+    if sync_bn and accelerator.device.type != "cuda":
+        raise UserError("--sync-bn needs CUDA GPUs: torch's SyncBatchNorm does not run on CPU.")
 
 
 def per_process_batch(accelerator, batch_size: int, global_batch_size: int | None, grad_accum: int) -> int:
