@@ -242,8 +242,10 @@ def plot(runs: list[Run], folder: Path, by_group: bool) -> list[Path]:
 
     def points(run, x, y):  # x "_wall": seconds since the run's first logged step, across resumed lives
         start = min((row["_timestamp"] for row in run.history if "_timestamp" in row), default=0.0)
-        xs = [row.get("_timestamp",
-                      math.nan) - start for row in run.history] if x == "_wall" else [row.get(x) for row in run.history]
+        if x == "_wall":
+            xs = [row.get("_timestamp", math.nan) - start for row in run.history]
+        else:
+            xs = [row.get(x) for row in run.history]
         return [(px, row[y]) for px, row in zip(xs, run.history)
                 if isinstance(px, int | float) and not math.isnan(px) and isinstance(row.get(y), int | float)]
 
@@ -260,8 +262,8 @@ def plot(runs: list[Run], folder: Path, by_group: bool) -> list[Path]:
             curves.setdefault(name, []).append(points(run, x, y))
         for name, members in curves.items():
             members = [m for m in members if m]
-            xs = sorted(set.intersection(*(set(px for px,
-                                               _ in m) for m in members))) if len(members) > 1 and x != "_wall" else []
+            shared = set.intersection(*(set(px for px, _ in m) for m in members)) if members else set()
+            xs = sorted(shared) if len(members) > 1 and x != "_wall" else []
             if not xs:  # one run, or wall-clock points (they never line up across runs): draw each
                 for i, m in enumerate(members):
                     ax.plot(*zip(*m), alpha=1.0 if len(members) == 1 else 0.6, label=name if i == 0 else None)

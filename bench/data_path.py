@@ -52,16 +52,16 @@ def measure(side: str, args) -> float:
                               dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=True))
     images, labels = load_cifar10(args.data_dir, args.cache_dir, accelerator)["train"]
     if side == "ours":
-        loader = accelerator.prepare(make_loader(images[: args.images], labels[: args.images], args.batch_size,
-                                                 train=True))
-        transform = BatchTransform(accelerator.device, 0, augment=True,
-                                   channels_last=True)  # as train_cifar.py (its default)
+        n = args.images
+        loader = accelerator.prepare(make_loader(images[:n], labels[:n], args.batch_size, train=True))
+        # channels-last, as train_cifar.py's default
+        transform = BatchTransform(accelerator.device, 0, augment=True, channels_last=True)
         step = lambda x: transform(x, train=True)  # noqa: E731
     else:
         seed_tf = transforms.Compose([transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip(),
                                       transforms.ToTensor(), transforms.Normalize(MEAN, STD)])
-        loader = torch.utils.data.DataLoader(PilDataset(images[: args.seed_images], labels[: args.seed_images],
-                                                        seed_tf),
+        n = args.seed_images
+        loader = torch.utils.data.DataLoader(PilDataset(images[:n], labels[:n], seed_tf),
                                              batch_size=args.batch_size, shuffle=True, drop_last=True)
         step = lambda x: x.to(accelerator.device, non_blocking=True)  # noqa: E731
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import stat
 
 import numpy as np
 import pytest
@@ -35,6 +36,20 @@ def test_decoded_tensors_equal_pil_decoding_of_the_parquet_rows(cifar_dir, cache
         expected = np.array(Image.open(io.BytesIO(row["img"]["bytes"]))).transpose(2, 0, 1)
         assert torch.equal(images[i], torch.from_numpy(expected))
         assert labels[i].item() == row["label"]
+
+
+def test_the_decoded_cache_gets_the_mode_the_umask_gives_any_new_file(tmp_path, accelerator):
+    """A cache in a cluster's shared data folder must be readable by the other users (mkstemp alone makes 0600)."""
+    src = write_cifar_dir(tmp_path / "src", n_train=40, n_test=12)
+    for umask, expected in [(0o022, 0o644), (0o007, 0o660)]:
+        cache = tmp_path / f"cache-{umask:o}"
+        old = os.umask(umask)
+        try:
+            load_cifar10(str(src), str(cache), accelerator)
+        finally:
+            os.umask(old)
+        (written,) = cache.glob("cifar10-*.safetensors")
+        assert stat.S_IMODE(written.stat().st_mode) == expected, oct(written.stat().st_mode)
 
 
 def test_second_load_reads_the_cache_and_a_changed_source_is_decoded_again(tmp_path, accelerator, monkeypatch):

@@ -271,8 +271,8 @@ class Checkpointer:
         scheduler.load_state_dict(saved["scheduler"])
         transform.load_state_dict(rank_state)
         progress = saved["progress"]
-        self.accelerator.print(f"resumed from {folder}: epoch {progress['epoch'] + 1}, batch "
-                               f"{progress['batches_in_epoch']} of it, step {progress['global_step']}")
+        self.accelerator.print(f"resumed from {folder}: epoch {progress['epoch'] + 1} after "
+                               f"{progress['batches_in_epoch']} of its batches, step {progress['global_step']}")
         return progress
 
     def clear(self) -> None:

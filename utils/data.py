@@ -177,6 +177,9 @@ def _write_cache(path: Path, data: dict[str, tuple[torch.Tensor, torch.Tensor]])
     os.close(fd)
     try:
         save_file(tensors, tmp)
+        umask = os.umask(0)  # mkstemp made the file private (0600); give it the mode any new file gets (shared data
+        os.umask(umask)  # folders on clusters: other users must read it too)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)  # atomic: a reader sees the old file or the complete new one, never a half
     finally:
         if os.path.exists(tmp):
