@@ -68,9 +68,10 @@ HEALTH_CHECK_EVERY = 10  # optimizer steps between the (collective) checks for p
 # ====================================================================================================
 @dataclass
 class Config:
+    # --- recipe: presets of the other flags ---
     recipe: str | None = opt(None, "preset defaults for one GPU: fast (ResNet-9, ~94%) or resnet18 (95%+); see "
                              "RECIPES; flags still win", ("fast", "resnet18"))
-    # --- data ---
+    # --- data: where the images come from, how many, how they are augmented, where the outputs go ---
     data_dir: str | None = opt(None, "folder with train-*.parquet / test-*.parquet (Hub layout); unset: download "
                                "uoft-cs/cifar10")
     cache_dir: str | None = opt(None, "decoded-tensor cache; unset: <data-dir>/.decoded if writable, else "
@@ -81,14 +82,14 @@ class Config:
                        ("standard", "none"))
     data_on_device: bool = opt(False, "keep both splits on the GPU (uint8, 180 MB): no host-to-device copy per batch")
     output_dir: str = opt("runs/cifar10", "summary.json, model.safetensors and tracker files go here")
-    # --- model ---
+    # --- model: the network and how it runs ---
     model: str = opt("resnet18", "resnet18: CIFAR stem (3x3 stride-1 conv, no max-pool); resnet18_imagenet: "
                      "torchvision's as-is; resnet9: Myrtle.ai's fast CIFAR net", MODELS)
     channels_last: bool = opt(True, "NHWC memory format: faster convolutions with bf16 on GPUs and CPUs; "
                               "--no-channels-last: NCHW")
     compile: bool = opt(False, "torch.compile the model (through Accelerate's dynamo backend 'inductor')")
     sync_bn: bool = opt(False, "convert BatchNorm to SyncBatchNorm (CUDA only): batch statistics over all ranks")
-    # --- optimisation ---
+    # --- optimisation: batch, learning rate and its schedule, regularisation, reproducibility ---
     epochs: int = opt(30, "passes over the training set")
     batch_size: int = opt(128, "images per process per micro-step; global batch = batch_size x processes x "
                           "grad_accum")
@@ -109,7 +110,7 @@ class Config:
     seed: int = opt(0, "seeds the weights (same on every rank), data order and augmentation")
     deterministic: bool = opt(False, "deterministic kernels; on CPU also 1 thread, so 1 process matches N launched "
                               "processes bitwise")
-    # --- checkpoints ---
+    # --- checkpoints: resume, how often, how many; how long to wait for a missing process ---
     resume: str | None = opt(None, "auto: continue from the newest sound checkpoint in <output-dir>/checkpoints "
                              "(fresh if none); or a checkpoint folder")
     checkpoint_every_steps: int | None = opt(None, "also checkpoint every N optimizer steps (always at the end of "
@@ -117,7 +118,7 @@ class Config:
     keep_last: int = opt(2, "checkpoints kept, besides the best one")
     overwrite: bool = opt(False, "start fresh in an output dir holding an earlier run's checkpoints, deleting them")
     dist_timeout: int = opt(600, "seconds a collective waits for a missing process before the job fails")
-    # --- logging ---
+    # --- logging: the tracker, the run's name and group, how often it hears from the run ---
     tracker: str = opt("wandb" if importlib.util.find_spec("wandb") else "none",
                        "wandb (the default when installed; offline by itself without credentials), tensorboard "
                        "(<output-dir>/<project>/) or none", ("wandb", "tensorboard", "none"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import fields
 
 import pytest
@@ -12,6 +13,7 @@ from conftest import CPU_YAML, read_summary, run_train, script_env
 from safetensors.torch import load_file
 
 import train_cifar
+from utils.config import build_parser
 from utils.data import BatchTransform, load_cifar10, make_loader
 
 EVAL_SUBSET = 1001  # not divisible by 2 ranks x 64: Accelerate pads the last batches, gather_for_metrics must drop it
@@ -97,6 +99,20 @@ def test_every_config_field_is_a_documented_flag():
         assert f.metadata["help"], f.name
     with pytest.raises(SystemExit):
         train_cifar.parse_config(["--optimizer", "lion"])
+
+
+def test_help_lists_the_flags_in_the_groups_of_the_config_each_with_its_purpose():
+    text = build_parser(train_cifar.Config, "description").format_help()
+    sections = re.split(r"^([a-z]+):$", text, flags=re.MULTILINE)  # [preamble, title, body, title, body, ...]
+    titles, bodies = sections[1::2], sections[2::2]
+    assert titles == ["options", "recipe", "data", "model", "optimisation", "checkpoints", "logging"]
+    flags = {title: re.findall(r"^  (--[a-z0-9-]+)", body, flags=re.MULTILINE) for title, body in zip(titles, bodies)}
+    assert flags["options"] == []  # only -h: every field sits in a group
+    assert sorted(f for group in flags.values() for f in group) == sorted(
+        "--" + f.name.replace("_", "-") for f in fields(train_cifar.Config))
+    assert ("--lr" in flags["optimisation"] and "--resume" in flags["checkpoints"] and "--data-dir" in flags["data"]
+            and "--tracker" in flags["logging"] and "--model" in flags["model"])
+    assert bodies[titles.index("optimisation")].lstrip().startswith("batch, learning rate and its schedule")
 
 
 def test_schedule_warms_up_linearly_then_decays_to_zero_by_the_last_step():

@@ -1,12 +1,18 @@
 """A dataclass is the command line: each field becomes a flag (`lr` -> `--lr`) with its help text, type, default and
-choices; `--flag/--no-flag` for booleans. Written by hand (a few lines of argparse) so that a script's Config stays
-a plain dataclass, printed at start, sent to the tracker and written to summary.json."""
+choices; `--flag/--no-flag` for booleans. A comment line `# --- name: purpose ---` in the class body starts a group
+of flags in --help, as in the README's table. Written by hand (a few lines of argparse) so that a script's Config
+stays a plain dataclass, printed at start, sent to the tracker and written to summary.json."""
 
 from __future__ import annotations
 
 import argparse
+import inspect
+import re
 import typing
 from dataclasses import field, fields
+
+GROUP_LINE = re.compile(r"^\s*#\s*---\s*([\w ]+?)\s*(?::\s*(.*?))?\s*---\s*$")
+FIELD_LINE = re.compile(r"^\s*(\w+)\s*:")
 
 
 def opt(default, help: str, choices: tuple | None = None):
@@ -14,19 +20,45 @@ def opt(default, help: str, choices: tuple | None = None):
     return field(default=default, metadata={"help": help, "choices": choices})
 
 
+def groups(config_class) -> dict[str, tuple[str, str]]:
+    """field name -> (group title, purpose), from the `# --- title: purpose ---` lines of the class body."""
+    try:
+        source = inspect.getsource(config_class)
+    except (OSError, TypeError):  # no source file (e.g. a frozen application): one flat list
+        return {}
+    names, found, current = {f.name for f in fields(config_class)}, {}, None
+    for line in source.splitlines():
+        heading, declared = GROUP_LINE.match(line), FIELD_LINE.match(line)
+        if heading:
+            current = (heading[1], heading[2] or "")
+        elif declared and declared[1] in names and current:
+            found[declared[1]] = current
+    return found
+
+
+def build_parser(config_class, description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description, usage="%(prog)s [-h] [--flag VALUE ...]")
+    sections, where = {}, groups(config_class)
+    hints = typing.get_type_hints(config_class)
+    for f in fields(config_class):
+        title = where.get(f.name)
+        if title is not None and title not in sections:
+            sections[title] = parser.add_argument_group(*title)
+        target = sections[title] if title is not None else parser
+        flag, kind = "--" + f.name.replace("_", "-"), hints[f.name]
+        if kind is bool:
+            target.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
+        else:
+            kind = next(t for t in typing.get_args(kind) or (kind,) if t is not type(None))  # X | None -> X
+            target.add_argument(flag, type=kind, default=f.default, choices=f.metadata["choices"],
+                                help=f.metadata["help"].replace("%", "%%") + " (default: %(default)s)")
+    return parser
+
+
 def parse(config_class, argv: list[str] | None, description: str, presets: dict[str, dict] | None = None):
     """config_class(**flags); `--recipe NAME` (when `presets` is given) sets the defaults of presets[NAME] first,
     so flags given on the command line still win, and --help shows the recipe's values."""
-    parser = argparse.ArgumentParser(description=description)
-    hints = typing.get_type_hints(config_class)
-    for f in fields(config_class):
-        flag, kind = "--" + f.name.replace("_", "-"), hints[f.name]
-        if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
-        else:
-            kind = next(t for t in typing.get_args(kind) or (kind,) if t is not type(None))  # X | None -> X
-            parser.add_argument(flag, type=kind, default=f.default, choices=f.metadata["choices"],
-                                help=f.metadata["help"].replace("%", "%%") + " (default: %(default)s)")
+    parser = build_parser(config_class, description)
     if presets:
         first = argparse.ArgumentParser(add_help=False)  # the recipe's defaults must be in place before --help
         first.add_argument("--recipe", choices=sorted(presets))
