@@ -129,6 +129,8 @@ class Config:
                             "--by-group)")
     tags: str | None = opt(None, "comma-separated W&B tags (or $WANDB_TAGS)")
     log_every: int = opt(50, "optimizer steps between train/loss, train/lr and train/images_per_sec logs")
+    progress_every: float = opt(60.0, "without a terminal (SLURM logs): seconds between console progress lines (step, "
+                                "loss, img/s, ETA), printed at log steps; 0: at every log step")
 
     def validate(self) -> None:
         positive = ["epochs", "batch_size", "global_batch_size", "lr", "grad_accum", "log_every", "train_subset",
@@ -137,7 +139,7 @@ class Config:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise UserError(f"--{name.replace('_', '-')} must be positive (got {value:g}).")
-        for name in ["weight_decay", "warmup_epochs", "grad_clip"]:
+        for name in ["weight_decay", "warmup_epochs", "grad_clip", "progress_every"]:
             if getattr(self, name) < 0:
                 raise UserError(f"--{name.replace('_', '-')} must not be negative (got {getattr(self, name)}).")
         if not 0 <= self.label_smoothing < 1:
@@ -238,7 +240,8 @@ def main(cfg: Config) -> dict:
     check_output_dir(cfg.output_dir)
     if cfg.deterministic:
         make_deterministic()
-    tracker = Tracker(cfg.tracker, cfg.output_dir, cfg.log_every, cfg.wandb_project, cfg.run_name, cfg.group, cfg.tags)
+    tracker = Tracker(cfg.tracker, cfg.output_dir, cfg.log_every, cfg.wandb_project, cfg.run_name, cfg.group, cfg.tags,
+                      cfg.progress_every)
     fsdp = fsdp_plugin_from_launcher()  # None unless the launch config asks for FSDP
     accelerator = Accelerator(
         cpu=not torch.cuda.is_available(),  # without it, N launched CPU processes each train alone (no gloo group)
@@ -330,9 +333,9 @@ def main(cfg: Config) -> dict:
             p.took_step()
             if tracker.should_log(p.global_step):
                 window_loss, speed = meter.window(accelerator)  # syncs
-                tracker.log({"train/loss": window_loss, "train/lr": scheduler.get_last_lr()[0], "epoch": epoch_number,
-                             "train/images_per_sec": speed}, step=p.global_step)
-                bar.set_postfix(loss=f"{window_loss:.3f}")
+                tracker.log_train(p.global_step, total_steps, epoch_number, cfg.epochs, window_loss,
+                                  scheduler.get_last_lr()[0], speed, global_batch)
+                bar.set_postfix(loss=f"{window_loss:.3f}", img_s=f"{speed:,.0f}")
             if p.global_step >= total_steps:
                 break
             if guard.should_stop(p.global_step, now=checkpointer.due(p.global_step)):  # collective

@@ -131,9 +131,8 @@ def job_args(cifar_dir, cache_dir, out, *extra) -> list[str]:
     return ["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out), *extra]
 
 
-TRACKED_JOB = ["--model", "resnet18_imagenet", "--train-subset", "256", "--eval-subset", "64", "--global-batch-size",
-               "32",
-               "--epochs", "2", "--log-every", "2", "--tracker", "wandb"]
+TRACKED_JOB = ["--model", "resnet18_imagenet", "--train-subset", "256", "--eval-subset", "64",
+               "--global-batch-size", "32", "--epochs", "2", "--log-every", "2", "--tracker", "wandb"]
 
 
 @pytest.fixture(scope="session")
@@ -142,16 +141,18 @@ def tracked_runs(cifar_dir, cache_dir, tmp_path_factory) -> dict[str, Path]:
     2 epochs, log every 2 steps):
       a0  1 process, lr 0.05, seed 0, --group A
       a1  1 process, lr 0.05, seed 1, group A from $WANDB_RUN_GROUP (W&B's own variables keep working)
-      b   2 processes (cpu.yaml), lr 0.2, --group B, --run-name b-run, --tags x,y"""
+      b   2 processes (cpu.yaml), lr 0.2, --group B, --run-name b-run, --tags x,y, --progress-every 0
+    Each run's stdout is kept in <run>/stdout.txt."""
     root = tmp_path_factory.mktemp("tracked")
     specs = {"a0": (["--lr", "0.05", "--group", "A"], None, {}),
              "a1": (["--lr", "0.05", "--seed", "1"], None, {"WANDB_RUN_GROUP": "A"}),
-             "b": (["--lr", "0.2", "--group", "B", "--run-name", "b-run", "--tags", "x,y"],
-                   ["--config_file", str(CPU_YAML)], {})}
+             "b": (["--lr", "0.2", "--group", "B", "--run-name", "b-run", "--tags", "x,y",
+                    "--progress-every", "0"], ["--config_file", str(CPU_YAML)], {})}
     out = {}
     for name, (extra, launch, env) in specs.items():
         out[name] = root / name
         result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out[name]),
                             *TRACKED_JOB, *extra], launch=launch, env=script_env(**env))
         assert result.returncode == 0, result.stderr[-3000:]
+        (out[name] / "stdout.txt").write_text(result.stdout)
     return out

@@ -4,6 +4,7 @@ the run files those jobs wrote (the runs: conftest.tracked_runs)."""
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -61,6 +62,27 @@ def test_wandb_run_holds_config_run_facts_step_and_epoch_metrics_and_the_summary
         assert run.summary[key] == s[key]  # the run's summary is summary.json
     assert s["eval_confusion"][3][3] * 100 / sum(s["eval_confusion"][3]) == pytest.approx(s["eval_class_top1"]["cat"])
     assert sum(map(sum, s["eval_confusion"])) == 64
+
+
+def test_without_a_terminal_progress_lines_show_the_logged_loss_and_the_time_left(runs):
+    # b: --progress-every 0, so a line at every log step; a0: the default 60 s, so only the first log step's line
+    [run] = compare_runs.load(str(runs["b"]))
+    logged = {row["_step"]: row for row in run.history if "train/loss" in row}
+    pattern = (r"^step (\d+)/16 \(epoch ([12])/2\)  loss ([\d.]+)  lr ([\d.e-]+)  ([\d,]+) img/s  "
+               r"ETA (\d+)h(\d\d)m(\d\d)s$")
+    lines = [re.match(pattern, line) for line in (runs["b"] / "stdout.txt").read_text().splitlines()]
+    lines = [m for m in lines if m]
+    assert [int(m[1]) for m in lines] == [2, 4, 6, 8, 10, 12, 14, 16]
+    for m in lines:
+        step = int(m[1])
+        assert int(m[2]) == (step - 1) // 8 + 1
+        assert float(m[3]) == pytest.approx(logged[step]["train/loss"], abs=5e-5)  # what the tracker got
+        assert float(m[4]) == pytest.approx(logged[step]["train/lr"], rel=1e-3)
+        eta = int(m[6]) * 3600 + int(m[7]) * 60 + int(m[8])
+        # (16 - step) steps of 32 images at the logged speed
+        assert eta == pytest.approx((16 - step) * 32 / logged[step]["train/images_per_sec"], abs=1)
+    first = [line for line in (runs["a0"] / "stdout.txt").read_text().splitlines() if line.startswith("step ")]
+    assert len(first) == 1 and first[0].startswith("step 2/16 (epoch 1/2)")
 
 
 def test_compare_runs_prints_each_runs_real_final_top1_and_writes_plots(runs, tmp_path):

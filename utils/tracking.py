@@ -25,8 +25,13 @@ class Tracker:
     `start()` once the run's config is known."""
 
     def __init__(self, kind: str, output_dir: str, log_every: int, project: str | None = None,
-                 run_name: str | None = None, group: str | None = None, tags: str | None = None):
+                 run_name: str | None = None, group: str | None = None, tags: str | None = None,
+                 progress_every: float = 60.0):
         self.kind, self.output_dir, self.log_every = kind, Path(output_dir), log_every
+        # Without a terminal (SLURM logs, CI) tqdm's bar is off: print a progress line instead, at a log step at least
+        # progress_every seconds after the previous line (with a terminal the bar shows loss, speed and ETA).
+        self.progress_every, self.last_line = progress_every, None
+        self.console = not sys.stderr.isatty()
         self.log_with = None if kind == "none" else kind
         self.project = project or os.environ.get("WANDB_PROJECT", "cifar10-accelerate")
         self.wandb_args = {"dir": os.environ.get("WANDB_DIR") or output_dir,  # scratch space on clusters, if set
@@ -62,6 +67,19 @@ class Tracker:
             self.accelerator.log(values, step=step)
             if self.accelerator.is_main_process:
                 (self.output_dir / LOGGED_STEP_FILE).write_text(str(step))
+
+    def log_train(self, step: int, total_steps: int, epoch: int, epochs: int, loss: float, lr: float,
+                  images_per_sec: float, global_batch: int) -> None:
+        """A log step's training numbers to the tracker and, without a terminal, now and then to the console."""
+        self.log({"train/loss": loss, "train/lr": lr, "epoch": epoch, "train/images_per_sec": images_per_sec}, step)
+        now = time.time()
+        if not self.console or (self.last_line is not None and now - self.last_line < self.progress_every):
+            return
+        self.last_line = now
+        eta = round((total_steps - step) * global_batch / max(images_per_sec, 1e-9))  # training left, not evaluation
+        hours, minutes, seconds = eta // 3600, eta % 3600 // 60, eta % 60
+        self.accelerator.print(f"step {step}/{total_steps} (epoch {epoch}/{epochs})  loss {loss:.4f}  lr {lr:.4g}  "
+                               f"{images_per_sec:,.0f} img/s  ETA {hours}h{minutes:02d}m{seconds:02d}s")
 
     def log_epoch(self, epoch: int, epochs: int, step: int, train_loss: float, images: int, seconds: float,
                   metrics: dict) -> None:
