@@ -209,14 +209,25 @@ def shorten(text: str, width: int = 48) -> str:
     return text if len(text) <= width else text[:width - 3] + "..."
 
 
+# Config keys that name a run or a place rather than set how it trains: they nearly always differ.
+IDENTITY_KEYS = {"output_dir", "run_name", "group", "tags", "wandb_project", "data_dir", "cache_dir", "resume",
+                 "overwrite", "git_commit", "tracker", "dist_timeout", "log_every", "progress_every"}
+
+
 def config_differences(runs: list[Run]) -> str:
+    """The settings that differ between the runs, as a table; names and paths that differ only listed below it."""
     keys = sorted({k for run in runs for k in run.config})
     differ = [k for k in keys if len({json.dumps(run.config.get(k), sort_keys=True) for run in runs}) > 1]
-    if not differ:
-        return "config: identical"
-    rows = [["config key", *(run.id for run in runs)]]
-    rows += [[k, *(shorten(json.dumps(run.config.get(k))) for run in runs)] for k in differ]
-    return "config keys that differ:\n" + table(rows)
+    settings = [k for k in differ if k not in IDENTITY_KEYS]
+    names = [k for k in differ if k in IDENTITY_KEYS]
+    lines = ["config: the same settings" if not settings else "config keys that differ:"]
+    if settings:
+        rows = [["config key", *(run.id for run in runs)]]
+        rows += [[k, *(shorten(json.dumps(run.config.get(k))) for run in runs)] for k in settings]
+        lines.append(table(rows))
+    if names:
+        lines.append(f"also different (names, paths, logging): {', '.join(names)}")
+    return "\n".join(lines)
 
 
 def group_table(runs: list[Run]) -> str:
@@ -234,50 +245,71 @@ def group_table(runs: list[Run]) -> str:
     return table(rows)
 
 
-def plot(runs: list[Run], folder: Path, by_group: bool) -> list[Path]:
+FIGURES = [  # file, x (history key; "_wall": seconds since the run's first log), y, y label
+    ("eval_top1_vs_epoch.png", "epoch", "eval/top1", "eval top-1 (%)"),
+    ("eval_top1_vs_wall_clock.png", "_wall", "eval/top1", "eval top-1 (%)"),
+    ("train_loss_vs_step.png", "_step", "train/loss", "train loss (every --log-every steps)"),
+    ("train_epoch_loss_vs_epoch.png", "epoch", "train/epoch_loss", "train loss (epoch mean)"),  # every run has it
+]
+FEW_POINTS = 20  # a series with at most this many points is drawn with markers: one point alone is no line
+
+
+def points(run: Run, x: str, y: str) -> list[tuple[float, float]]:
+    """(x, y) of every history row that has both; x "_wall": seconds since the run's first logged step, across
+    resumed lives."""
+    if x == "_wall":
+        start = min((row["_timestamp"] for row in run.history if "_timestamp" in row), default=0.0)
+        xs = [row.get("_timestamp", math.nan) - start for row in run.history]
+    else:
+        xs = [row.get(x) for row in run.history]
+    return [(px, row[y]) for px, row in zip(xs, run.history)
+            if isinstance(px, int | float) and not math.isnan(px) and isinstance(row.get(y), int | float)]
+
+
+def figure(runs: list[Run], x: str, y: str, label: str, by_group: bool):
+    """One comparison chart: a curve per run, or with by_group the mean +/- std of each group's runs at the x values
+    they share (wall-clock points never line up: drawn one by one)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
-    def points(run, x, y):  # x "_wall": seconds since the run's first logged step, across resumed lives
-        start = min((row["_timestamp"] for row in run.history if "_timestamp" in row), default=0.0)
-        if x == "_wall":
-            xs = [row.get("_timestamp", math.nan) - start for row in run.history]
-        else:
-            xs = [row.get(x) for row in run.history]
-        return [(px, row[y]) for px, row in zip(xs, run.history)
-                if isinstance(px, int | float) and not math.isnan(px) and isinstance(row.get(y), int | float)]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    curves: dict[str, list[list[tuple[float, float]]]] = {}
+    for run in runs:
+        name = (run.group or run.name) if by_group else f"{run.name} ({run.id})"
+        curves.setdefault(name, []).append(points(run, x, y))
+    for name, members in curves.items():
+        members = [m for m in members if m]
+        shared = set.intersection(*(set(px for px, _ in m) for m in members)) if members else set()
+        xs = sorted(shared) if len(members) > 1 and x != "_wall" else []
+        if not xs:  # one run, or wall-clock points: draw each
+            for i, m in enumerate(members):
+                ax.plot(*zip(*m), alpha=1.0 if len(members) == 1 else 0.6, label=name if i == 0 else None,
+                        marker="o" if len(m) <= FEW_POINTS else None)
+            continue
+        ys = [[dict(m)[px] for m in members] for px in xs]
+        mean = [statistics.fmean(v) for v in ys]
+        std = [statistics.stdev(v) for v in ys]
+        ax.plot(xs, mean, label=f"{name} (mean of {len(members)})", marker="o" if len(xs) <= FEW_POINTS else None)
+        ax.fill_between(xs, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.25)
+    ax.set_xlabel({"_wall": "wall-clock seconds", "_step": "optimizer step"}.get(x, x))
+    ax.set_ylabel(label)
+    ax.grid(alpha=0.3)
+    if ax.lines:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
 
-    figures = [("eval_top1_vs_epoch.png", "epoch", "eval/top1", "eval top-1 (%)"),
-               ("eval_top1_vs_wall_clock.png", "_wall", "eval/top1", "eval top-1 (%)"),
-               ("train_loss_vs_step.png", "_step", "train/loss", "train loss")]
+
+def plot(runs: list[Run], folder: Path, by_group: bool) -> list[Path]:
+    """Writes the FIGURES as PNG files into folder; returns their paths."""
+    import matplotlib.pyplot as plt
+
     folder.mkdir(parents=True, exist_ok=True)
     written = []
-    for filename, x, y, label in figures:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        curves: dict[str, list[list[tuple[float, float]]]] = {}
-        for run in runs:
-            name = (run.group or run.name) if by_group else f"{run.name} ({run.id})"
-            curves.setdefault(name, []).append(points(run, x, y))
-        for name, members in curves.items():
-            members = [m for m in members if m]
-            shared = set.intersection(*(set(px for px, _ in m) for m in members)) if members else set()
-            xs = sorted(shared) if len(members) > 1 and x != "_wall" else []
-            if not xs:  # one run, or wall-clock points (they never line up across runs): draw each
-                for i, m in enumerate(members):
-                    ax.plot(*zip(*m), alpha=1.0 if len(members) == 1 else 0.6, label=name if i == 0 else None)
-                continue
-            ys = [[dict(m)[px] for m in members] for px in xs]
-            mean = [statistics.fmean(v) for v in ys]
-            std = [statistics.stdev(v) for v in ys]
-            ax.plot(xs, mean, label=f"{name} (mean of {len(members)})")
-            ax.fill_between(xs, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.25)
-        ax.set_xlabel({"_wall": "wall-clock seconds", "_step": "optimizer step"}.get(x, x))
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
+    for filename, x, y, label in FIGURES:
+        fig = figure(runs, x, y, label, by_group)
         fig.savefig(folder / filename, dpi=100)
         plt.close(fig)
         written.append(folder / filename)

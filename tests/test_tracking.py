@@ -94,13 +94,33 @@ def test_compare_runs_prints_each_runs_real_final_top1_and_writes_plots(runs, tm
         row = next(line for line in lines if f"({_run_id(runs[name])})" in line)
         assert f"{s['eval_top1']:.2f}" in row.split() and f"{s['best_eval_top1']:.2f}" in row.split()
     differ = lines[lines.index("config keys that differ:") + 1:]
-    assert any(line.split()[0] == "lr" for line in differ) and any(line.split()[0] == "world_size" for line in differ)
-    assert not any(line.split()[0] in ("epochs", "model") for line in differ if line.strip())
-    for png in ("eval_top1_vs_epoch.png", "eval_top1_vs_wall_clock.png", "train_loss_vs_step.png"):
+    keys = [line.split()[0] for line in differ if line.strip() and not line.startswith("also different")]
+    assert "lr" in keys and "world_size" in keys and "epochs" not in keys and "model" not in keys
+    assert not {"output_dir", "run_name", "group", "tags"} & set(keys)  # names and paths: not in the table...
+    [names] = [line for line in differ if line.startswith("also different")]  # ...but listed after it
+    assert names == "also different (names, paths, logging): group, output_dir, progress_every, run_name, tags"
+    for png in ("eval_top1_vs_epoch.png", "eval_top1_vs_wall_clock.png", "train_loss_vs_step.png",
+                "train_epoch_loss_vs_epoch.png"):
         image = Image.open(tmp_path / "plots" / png)
         image.verify()
         image = Image.open(tmp_path / "plots" / png).convert("RGB")
         assert image.size == (700, 450) and len(image.getcolors(1 << 16) or range(1 << 16)) > 10  # drawn, not blank
+
+
+def test_a_run_with_fewer_logged_steps_than_epochs_still_draws_every_chart():
+    # 3 epochs of 16 steps with --log-every 50: one train/loss point in all, three epoch rows
+    rows = [{"_step": 16 * e, "epoch": e, "train/epoch_loss": 2.3 - 0.2 * e, "eval/top1": 20.0 + 5 * e,
+             "_timestamp": 100.0 + 10 * e} for e in (1, 2, 3)]
+    run = compare_runs.Run("short", "s1", history=[*rows[:2], {"_step": 40, "train/loss": 1.95}, rows[2]])
+    drawn = {}
+    for filename, x, y, label in compare_runs.FIGURES:
+        fig = compare_runs.figure([run], x, y, label, by_group=False)
+        [line] = fig.axes[0].lines
+        assert line.get_marker() == "o", filename  # a lone point is visible
+        drawn[filename] = (list(line.get_xdata()), list(line.get_ydata()))
+    assert drawn["train_loss_vs_step.png"] == ([40], [1.95])
+    assert drawn["train_epoch_loss_vs_epoch.png"] == ([1, 2, 3], [pytest.approx(v) for v in (2.1, 1.9, 1.7)])
+    assert drawn["eval_top1_vs_wall_clock.png"][0] == [0.0, 10.0, 20.0]
 
 
 def _run_id(out: Path) -> str:
