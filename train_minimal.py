@@ -39,7 +39,7 @@ from utils.tracking import wandb_offline_without_credentials
 REFERENCE_BATCH = 128  # --lr is the learning rate for this many images per optimizer step
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_config(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data-dir", help="folder with the Hub's parquet files; unset: download uoft-cs/cifar10")
     p.add_argument("--output-dir", default="runs/minimal", help="checkpoints, summary.json, model.safetensors")
@@ -52,7 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tracker", default="wandb" if importlib.util.find_spec("wandb") else "none",
                    choices=["wandb", "tensorboard", "none"])
-    p.add_argument("--resume", action="store_true", help="continue from the newest epoch checkpoint in --output-dir")
+    p.add_argument("--resume", nargs="?", const="auto", choices=["auto"],
+                   help="continue from the newest epoch checkpoint in --output-dir (fresh if none); `auto` optional")
     args = p.parse_args(argv)
     for name in ("epochs", "batch_size", "lr", "grad_accum", "train_subset", "eval_subset"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
@@ -131,7 +132,8 @@ def main(args: argparse.Namespace) -> dict:
         transform.load_state_dict(load_file(done[-1] / f"augment_rank{accelerator.process_index}.safetensors"))
         start_epoch = accelerator.project_configuration.iteration = int(done[-1].name.split("_")[1]) + 1
         accelerator.print(f"resumed from {done[-1]}: epoch {start_epoch + 1}")
-    accelerator.init_trackers("cifar10-accelerate", config={**vars(args), "world_size": world, "effective_lr": lr})
+    config = {**vars(args), "model": "resnet18", "world_size": world, "global_batch": global_batch, "effective_lr": lr}
+    accelerator.init_trackers("cifar10-accelerate", config, init_kwargs={"wandb": {"dir": str(out)}})  # W&B files
 
     train_seconds, images_seen, top1, examples, train_loss = 0.0, 0, 0.0, 0, float("nan")
     for epoch in range(start_epoch, args.epochs):
@@ -149,20 +151,21 @@ def main(args: argparse.Namespace) -> dict:
             loss_sum += loss.detach()  # summed on the device: no host sync per step
             batches += 1
         train_loss = accelerator.reduce(loss_sum / batches, reduction="mean").item()  # the mean over all ranks
-        train_seconds += time.time() - started
-        images_seen += batches * args.batch_size * world
+        seconds, images = time.time() - started, batches * args.batch_size * world
+        train_seconds, images_seen = train_seconds + seconds, images_seen + images
         examples, top1 = evaluate(model, eval_loader, transform, accelerator)
         accelerator.print(f"epoch {epoch + 1}/{args.epochs}  train_loss {train_loss:.4f}  eval_top1 {top1:.2f}%")
-        accelerator.log({"train/loss": train_loss, "train/lr": scheduler.get_last_lr()[0], "eval/top1": top1,
-                         "epoch": epoch + 1}, step=(epoch + 1) * steps_per_epoch)
+        accelerator.log({"train/epoch_loss": train_loss, "train/lr": scheduler.get_last_lr()[0], "eval/top1": top1,
+                         "train/epoch_images_per_sec": images / seconds, "epoch": epoch + 1},
+                        step=(epoch + 1) * steps_per_epoch)  # the keys train_cifar.py uses: compare_runs.py reads both
         # PITFALL (saving from every rank): save_state writes the shared state from the main process, each rank's RNG
         location = accelerator.save_state()  # from that rank; then our per-rank augmentation stream
         save_file(transform.state_dict(), Path(location) / f"augment_rank{accelerator.process_index}.safetensors")
 
     # Outputs, written once. PITFALL ('module.' prefix): weights of the unwrapped model, loadable into a plain one.
-    summary = {"world_size": world, "global_batch": global_batch, "effective_lr": lr, "epochs": args.epochs,
+    summary = {"world_size": world, "global_batch": global_batch, "effective_lr": lr, "epochs_completed": args.epochs,
                "train_loss": train_loss, "eval_examples": examples, "eval_top1": top1,
-               "train_images_per_sec": images_seen / max(train_seconds, 1e-9)}
+               "train_images_per_sec": images_seen / max(train_seconds, 1e-9), "config": config}
     accelerator.save_model(model, out, safe_serialization=True)  # main process only: model.safetensors
     if accelerator.is_main_process:  # PITFALL (saving from every rank): one writer
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -171,4 +174,4 @@ def main(args: argparse.Namespace) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(run(lambda: main(parse_args())))  # bad input: one line and exit status 2
+    sys.exit(run(lambda: main(parse_config())))  # bad input: one line and exit status 2

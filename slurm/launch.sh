@@ -7,7 +7,8 @@
 #   MAIN_PORT                       rendezvous port on the head node (default 29500)
 #   RDZV_BACKEND                    c10d (default: elastic, tolerant of node start order) or static
 #   MIXED_PRECISION                 bf16 (default), fp16 or no
-#   everything after `--` goes to train_cifar.py
+#   SCRIPT                          the training script (default train_cifar.py; also train_minimal.py)
+#   everything after `--` goes to the script
 set -euo pipefail
 cd "$(dirname "$0")/.."
 nodes=${SLURM_NNODES:-1}
@@ -22,4 +23,4 @@ exec python -m accelerate.commands.launch --multi_gpu \
     --num_machines "$nodes" --machine_rank "$node_rank" --num_processes $((nodes * per_node)) \
     --main_process_ip "$head_node" --main_process_port "$port" --rdzv_backend "${RDZV_BACKEND:-c10d}" \
     --mixed_precision "${MIXED_PRECISION:-bf16}" \
-    train_cifar.py --resume auto "$@"
+    "${SCRIPT:-train_cifar.py}" --resume auto "$@"

@@ -7,10 +7,13 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import CPU_YAML, REPO, assert_same_state, read_summary, run_train, script_env
 from safetensors.torch import load_file
 
+import compare_runs
+import evaluate_checkpoint
 from utils.models import build_model
 
 RECORD = REPO / "tests" / "record_losses.py"
@@ -38,7 +41,8 @@ def test_minimal_script_trains_exactly_like_train_cifar_and_resumes_exactly(cifa
     (tmp_path / "xdg" / "accelerate-cifar").symlink_to(cache_dir, target_is_directory=True)
     env = script_env(XDG_CACHE_HOME=str(tmp_path / "xdg"))
     data = ["--data-dir", str(cifar_dir)]
-    minimal_losses, minimal = run_recorded("train_minimal.py", tmp_path / "minimal", [*data, *JOB], env)
+    minimal_losses, minimal = run_recorded("train_minimal.py", tmp_path / "minimal",
+                                           [*data, *JOB, "--tracker", "wandb"], env)
     cifar_losses, cifar = run_recorded("train_cifar.py", tmp_path / "cifar",
                                        [*data, "--cache-dir", str(cache_dir), *JOB, *CIFAR_EQUIVALENT], env)
 
@@ -53,16 +57,25 @@ def test_minimal_script_trains_exactly_like_train_cifar_and_resumes_exactly(cifa
     assert minimal["eval_top1"] == cifar["eval_top1"]
     assert minimal["train_images_per_sec"] > 0
 
-    # The exported weights have no 'module.' prefix: they load strictly into a plain model.
+    # The exported weights have no 'module.' prefix: they load strictly into a plain model, and the collection's
+    # tools read the minimal script's outputs as they read train_cifar.py's.
     weights = load_file(tmp_path / "minimal" / "model.safetensors")
     assert not [k for k in weights if k.startswith("module.")]
     build_model("resnet18").load_state_dict(weights, strict=True)
+    evaluated = evaluate_checkpoint.main([str(tmp_path / "minimal" / "model.safetensors"), *data, "--cache-dir",
+                                          str(cache_dir)])  # the model and test subset from summary.json
+    assert (evaluated["model"], evaluated["examples"], evaluated["top1"]) == ("resnet18", 48, minimal["eval_top1"])
+    [run] = compare_runs.load(str(tmp_path / "minimal"))  # its offline W&B run, in its output folder
+    assert run.metric(*compare_runs.COLUMNS["final top-1 %"]) == minimal["eval_top1"]
+    assert run.metric(*compare_runs.COLUMNS["epochs"]) == 2 and run.config["effective_lr"] == 0.1
+    per_epoch = [sum(minimal_losses[0][e:e + 4] + minimal_losses[1][e:e + 4]) / 8 for e in (0, 4)]  # both ranks
+    assert [y for _, y in compare_runs.points(run, "epoch", "train/epoch_loss")] == pytest.approx(per_epoch, rel=1e-5)
 
     # Resume at the epoch boundary: from the first epoch's checkpoint, the second epoch again, to the same weights.
     again = tmp_path / "again"
     (again / "checkpoints").mkdir(parents=True)
     shutil.copytree(tmp_path / "minimal" / "checkpoints" / "checkpoint_0", again / "checkpoints" / "checkpoint_0")
-    resumed_losses, _ = run_recorded("train_minimal.py", again, [*data, *JOB, "--resume"], env)
+    resumed_losses, _ = run_recorded("train_minimal.py", again, [*data, *JOB, "--resume", "auto"], env)
     assert [len(rank) for rank in resumed_losses] == [4, 4]
     for rank in range(2):
         assert resumed_losses[rank] == minimal_losses[rank][4:]
