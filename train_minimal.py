@@ -104,8 +104,11 @@ def main(args: argparse.Namespace) -> dict:
 
     # Data: whole splits as uint8 tensors (decoded once, cached); prepare() shards them over the processes.
     data = load_cifar10(args.data_dir, None, accelerator)  # one process per machine decodes and caches
-    train_loader = make_loader(*take_prefix(data["train"], args.train_subset, "--train-subset"), args.batch_size,
-                               train=True)
+    train_split = take_prefix(data["train"], args.train_subset, "--train-subset")
+    if len(train_split[1]) < args.batch_size * world:  # drop_last: not one batch would be trained
+        raise UserError(f"{len(train_split[1])} training images do not fill one batch of {args.batch_size} on each of "
+                        f"{world} processes.")
+    train_loader = make_loader(*train_split, args.batch_size, train=True)
     eval_loader = make_loader(*take_prefix(data["test"], args.eval_subset, "--eval-subset"), args.batch_size,
                               train=False)
 

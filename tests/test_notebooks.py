@@ -39,16 +39,26 @@ def test_notebook_is_committed_without_outputs(path):
             assert cell.outputs == [] and cell.execution_count is None, f"{path.name}: strip outputs before committing"
 
 
-def test_launch_from_notebook_trains_with_two_processes_and_shows_the_result(cifar_dir, cache_dir, tmp_path,
-                                                                             monkeypatch):
+@pytest.mark.parametrize("script", ["train_cifar.py", "train_minimal.py"])
+def test_launch_from_notebook_trains_either_script_with_two_processes_and_shows_the_result(
+        script, cifar_dir, cache_dir, tmp_path, monkeypatch):
     out = tmp_path / "notebook_run"
-    notebook = execute("launch_from_notebook.ipynb", f"DATA_DIR = {str(cifar_dir)!r}\nCACHE_DIR = {str(cache_dir)!r}\n"
-                       f"OUTPUT_DIR = {str(out)!r}\nTRAIN_SUBSET, EVAL_SUBSET = 256, 64\nEPOCHS = 1\nTRACKER = 'wandb'",
-                       monkeypatch)
+    if script == "train_cifar.py":
+        subsets, extra = (256, 64), ["--model", "resnet18_imagenet", "--cache-dir", str(cache_dir), "--log-every", "5"]
+    else:  # no --cache-dir: with a read-only data folder it caches under $XDG_CACHE_HOME (the kernel inherits it)
+        subsets, extra = (128, 32), []
+        (tmp_path / "xdg").mkdir()
+        (tmp_path / "xdg" / "accelerate-cifar").symlink_to(cache_dir, target_is_directory=True)
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    notebook = execute("launch_from_notebook.ipynb", f"SCRIPT = {script!r}\nDATA_DIR = {str(cifar_dir)!r}\n"
+                       f"OUTPUT_DIR = {str(out)!r}\nTRAIN_SUBSET, EVAL_SUBSET = {subsets}\nEPOCHS = 1\n"
+                       f"TRACKER = 'wandb'\nEXTRA_FLAGS = {extra!r}", monkeypatch)
     s = read_summary(out)
-    assert (s["world_size"], s["distributed_type"], s["epochs_completed"]) == (2, "MULTI_CPU", 1)
+    assert (s["world_size"], s["epochs_completed"], s["eval_examples"]) == (2, 1, subsets[1])
+    assert s["config"]["output_dir"] == str(out) and s["config"]["batch_size"] == 64
     shown = text_of(notebook)
-    assert f"test top-1 {s['eval_top1']:.2f}% on 64 images" in shown
+    assert f"launching 2 processes of {script}" in shown
+    assert f"test top-1 {s['eval_top1']:.2f}% on {subsets[1]} images" in shown
     assert len(list((out / "wandb").glob("offline-run-*"))) == 1
 
 
