@@ -72,6 +72,7 @@ def test_compare_runs_notebook_shows_the_table_groups_and_plots(tracked_runs, tm
     assert "config keys that differ:" in shown and "\nA " in shown and "+/-" in shown
     images = [out for cell in notebook.cells if cell.cell_type == "code"
               for out in cell.outputs if "image/png" in out.get("data", {})]
-    assert len(images) == 3
+    assert len(images) == 4
     assert sorted(p.name for p in Path(tmp_path / "plots").glob("*.png")) == [
-        "eval_top1_vs_epoch.png", "eval_top1_vs_wall_clock.png", "train_loss_vs_step.png"]
+        "eval_top1_vs_epoch.png", "eval_top1_vs_wall_clock.png", "train_epoch_loss_vs_epoch.png",
+        "train_loss_vs_step.png"]
