@@ -19,7 +19,7 @@ divergence, launcher quirks) are small objects in utils/, each named where main(
 Your own model: change `build_model` (utils/models.py), or call yours where main() does; keep `num_classes`.
 Your own data: change `build_loaders` below (any DataLoaders of (uint8 images N x 3 x H x W, int64 labels) batches;
 set MEAN/STD in utils/data.py); augmentation, sharding and resume stay as they are.
-Smaller starting point: train_minimal.py (the same training, 150 lines, no surroundings).
+Smaller starting point: train_minimal.py (the same training, 180 lines, no surroundings).
 """
 
 from __future__ import annotations
