@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -78,37 +77,12 @@ def run_train(args: list[str], launch: list[str] | None = None, env: dict | None
               script: Path = REPO / "train_cifar.py"):
     """train_cifar.py (or the probe around it) in fresh processes: plain `python`, or
     `accelerate launch <launch>` with a free port."""
-    return subprocess.run(_command(args, launch, script), cwd=REPO, env=env or script_env(), capture_output=True,
-                          text=True, timeout=timeout)
-
-
-def _command(args: list[str], launch: list[str] | None, script: Path) -> list[str]:
     if launch is None:
-        return [sys.executable, str(script), *args]
-    return [sys.executable, "-m", "accelerate.commands.launch", *launch, "--main_process_port", "0", str(script), *args]
-
-
-def run_trains(jobs: list[dict], at_once: int = 2, timeout: int = 600) -> list[subprocess.CompletedProcess]:
-    """Independent jobs (each a dict of run_train's arguments), `at_once` of them at a time: a job spends much of its
-    time starting (imports, one process at a time), which another job's training can overlap (two 2-rank jobs: 19 s
-    together instead of 24 s one after the other). Results in the order of `jobs`."""
-    results = []
-    with tempfile.TemporaryDirectory() as logs:
-        for first in range(0, len(jobs), at_once):
-            running = []
-            for i, job in enumerate(jobs[first:first + at_once], start=first):
-                cmd = _command(job["args"], job.get("launch"), job.get("script", REPO / "train_cifar.py"))
-                out, err = open(Path(logs, f"{i}.out"), "w+"), open(Path(logs, f"{i}.err"), "w+")
-                proc = subprocess.Popen(cmd, cwd=REPO, env=job.get("env") or script_env(), stdout=out, stderr=err,
-                                        text=True)
-                running.append((cmd, proc, out, err))
-            for cmd, proc, out, err in running:
-                proc.wait(timeout=timeout)
-                with out, err:
-                    out.seek(0)
-                    err.seek(0)
-                    results.append(subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read()))
-    return results
+        cmd = [sys.executable, str(script), *args]
+    else:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch, "--main_process_port", "0", str(script),
+               *args]
+    return subprocess.run(cmd, cwd=REPO, env=env or script_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def read_summary(output_dir: Path) -> dict:
@@ -174,11 +148,11 @@ def tracked_runs(cifar_dir, cache_dir, tmp_path_factory) -> dict[str, Path]:
              "a1": (["--lr", "0.05", "--seed", "1"], None, {"WANDB_RUN_GROUP": "A"}),
              "b": (["--lr", "0.2", "--group", "B", "--run-name", "b-run", "--tags", "x,y",
                     "--progress-every", "0"], ["--config_file", str(CPU_YAML)], {})}
-    out = {name: root / name for name in specs}
-    results = run_trains([{"args": ["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir",
-                                    str(out[name]), *TRACKED_JOB, *extra], "launch": launch, "env": script_env(**env)}
-                          for name, (extra, launch, env) in specs.items()])
-    for name, result in zip(specs, results):
+    out = {}
+    for name, (extra, launch, env) in specs.items():
+        out[name] = root / name
+        result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out[name]),
+                            *TRACKED_JOB, *extra], launch=launch, env=script_env(**env))
         assert result.returncode == 0, result.stderr[-3000:]
         (out[name] / "stdout.txt").write_text(result.stdout)
     return out

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 from accelerate import Accelerator
-from conftest import CPU_YAML, PROBE, read_summary, run_train, run_trains, script_env
+from conftest import CPU_YAML, PROBE, read_summary, run_train, script_env
 from safetensors.torch import load_file
 
 import train_cifar
@@ -77,13 +77,14 @@ class Run:
 
 @pytest.fixture(scope="module")
 def runs(cifar_dir, cache_dir, tmp_path_factory) -> dict[str, Run]:
-    outs = {name: tmp_path_factory.mktemp(name) for name in CONFIGS}
-    results = run_trains([{"args": ["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir",
-                                    str(outs[name]), *COMMON, *extra], "launch": launch, "script": PROBE}
-                          for name, (launch, extra) in CONFIGS.items()])
-    for result in results:
+    done = {}
+    for name, (launch, extra) in CONFIGS.items():
+        out = tmp_path_factory.mktemp(name)
+        result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out),
+                            *COMMON, *extra], launch=launch, script=PROBE)
         assert result.returncode == 0, result.stderr[-4000:]
-    return {name: Run(out) for name, out in outs.items()}
+        done[name] = Run(out)
+    return done
 
 
 # 1. N ranks == 1 rank ------------------------------------------------------------------------------

@@ -28,7 +28,6 @@ from conftest import (
     assert_same_state,
     read_summary,
     run_train,
-    run_trains,
     start,
     wait_for_checkpoint,
     workers,
@@ -48,12 +47,11 @@ def job_args(cifar_dir, cache_dir, out, *extra):
 
 @pytest.fixture(scope="module")
 def runs(cifar_dir, cache_dir, tmp_path_factory):
-    yamls = {"ddp": CPU_YAML, "fsdp": FSDP_CPU_YAML}
-    out = {name: tmp_path_factory.mktemp(name) for name in yamls}
-    results = run_trains([{"args": job_args(cifar_dir, cache_dir, out[name]), "script": PROBE,
-                           "launch": ["--config_file", str(yaml), "--mixed_precision", "no"]}  # cpu.yaml: bf16
-                          for name, yaml in yamls.items()])
-    for result in results:
+    out = {}
+    for name, yaml in (("ddp", CPU_YAML), ("fsdp", FSDP_CPU_YAML)):
+        out[name] = tmp_path_factory.mktemp(name)
+        result = run_train(job_args(cifar_dir, cache_dir, out[name]), script=PROBE,
+                           launch=["--config_file", str(yaml), "--mixed_precision", "no"])  # cpu.yaml's default is bf16
         assert result.returncode == 0, result.stderr[-4000:]
     return out
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CPU_YAML, REPO, assert_same_state, read_summary, run_train, run_trains, script_env
+from conftest import CPU_YAML, REPO, assert_same_state, read_summary, run_train, script_env
 from safetensors.torch import load_file
 
 import compare_runs
@@ -26,14 +26,12 @@ JOB = ["--train-subset", "128", "--eval-subset", "48", "--batch-size", "16", "--
 CIFAR_EQUIVALENT = ["--model", "resnet18", "--no-channels-last", "--grad-clip", "0", "--scale-lr"]
 
 
-def run_recorded(*jobs: tuple[str, Path, list[str]], env: dict) -> list[tuple[list[list[float]], dict]]:
-    """(script, output folder, flags) jobs, run side by side; per job each rank's training losses and the summary."""
-    results = run_trains([{"args": [str(REPO / script), *args, "--output-dir", str(out)], "launch": FP32_TWO_RANKS,
-                           "env": env, "script": RECORD} for script, out, args in jobs])
-    for result in results:
-        assert result.returncode == 0, result.stderr[-3000:]
-    return [([json.loads((out / f"losses-rank{r}.json").read_text()) for r in range(2)], read_summary(out))
-            for _, out, _ in jobs]
+def run_recorded(script: str, out: Path, args: list[str], env: dict) -> tuple[list[list[float]], dict]:
+    result = run_train([str(REPO / script), *args, "--output-dir", str(out)], launch=FP32_TWO_RANKS, env=env,
+                       script=RECORD)
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = [json.loads((out / f"losses-rank{r}.json").read_text()) for r in range(2)]
+    return losses, read_summary(out)
 
 
 def test_minimal_script_trains_exactly_like_train_cifar_and_resumes_exactly(cifar_dir, cache_dir, tmp_path):
@@ -43,10 +41,10 @@ def test_minimal_script_trains_exactly_like_train_cifar_and_resumes_exactly(cifa
     (tmp_path / "xdg" / "accelerate-cifar").symlink_to(cache_dir, target_is_directory=True)
     env = script_env(XDG_CACHE_HOME=str(tmp_path / "xdg"))
     data = ["--data-dir", str(cifar_dir)]
-    (minimal_losses, minimal), (cifar_losses, cifar) = run_recorded(
-        ("train_minimal.py", tmp_path / "minimal", [*data, *JOB, "--tracker", "wandb"]),
-        ("train_cifar.py", tmp_path / "cifar", [*data, "--cache-dir", str(cache_dir), *JOB, *CIFAR_EQUIVALENT]),
-        env=env)
+    minimal_losses, minimal = run_recorded("train_minimal.py", tmp_path / "minimal",
+                                           [*data, *JOB, "--tracker", "wandb"], env)
+    cifar_losses, cifar = run_recorded("train_cifar.py", tmp_path / "cifar",
+                                       [*data, "--cache-dir", str(cache_dir), *JOB, *CIFAR_EQUIVALENT], env)
 
     # Same job: 2 epochs x 4 micro-steps on each rank, the same loss at every one, the same final weights.
     assert [len(rank) for rank in minimal_losses] == [8, 8]
@@ -77,7 +75,7 @@ def test_minimal_script_trains_exactly_like_train_cifar_and_resumes_exactly(cifa
     again = tmp_path / "again"
     (again / "checkpoints").mkdir(parents=True)
     shutil.copytree(tmp_path / "minimal" / "checkpoints" / "checkpoint_0", again / "checkpoints" / "checkpoint_0")
-    [(resumed_losses, _)] = run_recorded(("train_minimal.py", again, [*data, *JOB, "--resume", "auto"]), env=env)
+    resumed_losses, _ = run_recorded("train_minimal.py", again, [*data, *JOB, "--resume", "auto"], env)
     assert [len(rank) for rank in resumed_losses] == [4, 4]
     for rank in range(2):
         assert resumed_losses[rank] == minimal_losses[rank][4:]
