@@ -144,7 +144,7 @@ def main(args: argparse.Namespace) -> dict:
         train_loader.set_epoch(epoch)  # PITFALL (no set_epoch): a new shuffle each epoch
         loss_sum, batches, started = torch.zeros((), device=accelerator.device), 0, time.time()
         for images, labels in train_loader:
-            with accelerator.accumulate(model):  # PITFALL-free accumulation: no all-reduce on non-final micro-steps
+            with accelerator.accumulate(model):  # PITFALL (all-reduce at every micro-step): only at the last one
                 loss = F.cross_entropy(model(transform(images, train=True)), labels)
                 accelerator.backward(loss)  # scales by 1/grad_accum; DDP averages the gradients over ranks
                 optimizer.step()  # a no-op on non-final micro-steps
@@ -165,6 +165,8 @@ def main(args: argparse.Namespace) -> dict:
         location = accelerator.save_state()  # from that rank; then our per-rank augmentation stream
         save_file(transform.state_dict(), Path(location) / f"augment_rank{accelerator.process_index}.safetensors")
 
+    if start_epoch >= args.epochs:  # resumed a finished run (a requeued job): nothing to train, evaluate once
+        examples, top1 = evaluate(model, eval_loader, transform, accelerator)
     # Outputs, written once. PITFALL ('module.' prefix): weights of the unwrapped model, loadable into a plain one.
     summary = {"world_size": world, "global_batch": global_batch, "effective_lr": lr, "epochs_completed": args.epochs,
                "train_loss": train_loss, "eval_examples": examples, "eval_top1": top1,

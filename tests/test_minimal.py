@@ -80,6 +80,9 @@ def test_minimal_script_trains_exactly_like_train_cifar_and_resumes_exactly(cifa
     for rank in range(2):
         assert resumed_losses[rank] == minimal_losses[rank][4:]
     assert_same_state(again / "model.safetensors", tmp_path / "minimal" / "model.safetensors")
+    # Resuming the finished run (a requeued job) trains nothing and reports the same test accuracy.
+    nothing, finished = run_recorded("train_minimal.py", again, [*data, *JOB, "--resume", "auto"], env)
+    assert nothing == [[], []] and (finished["eval_examples"], finished["eval_top1"]) == (48, minimal["eval_top1"])
 
 
 def test_minimal_script_refuses_to_start_over_an_earlier_run(cifar_dir, tmp_path):
