@@ -43,7 +43,7 @@ from tqdm.auto import tqdm
 from utils import UserError
 from utils.checkpoint import Checkpointer, export_weights
 from utils.config import opt, parse
-from utils.data import BatchTransform, load_cifar10, make_loader, take_prefix
+from utils.data import BatchTransform, check_one_batch, load_cifar10, make_loader, take_prefix
 from utils.evaluation import evaluate
 from utils.guard import StopGuard, check_output_dir, lock_output_dir
 from utils.launch import (
@@ -213,9 +213,7 @@ def build_loaders(cfg: Config, accelerator: Accelerator, batch_size: int):
     data = load_cifar10(cfg.data_dir, cfg.cache_dir, accelerator)
     train_split = take_prefix(data["train"], cfg.train_subset, "--train-subset")
     eval_split = take_prefix(data["test"], cfg.eval_subset, "--eval-subset")
-    if len(train_split[1]) < batch_size * accelerator.num_processes:
-        raise UserError(f"{len(train_split[1])} training images do not fill one batch of {batch_size} on each of "
-                        f"{accelerator.num_processes} processes.")
+    check_one_batch(train_split[1], batch_size, accelerator.num_processes)
     if cfg.data_on_device:  # GPU-resident: Accelerate's move to the device becomes a no-op
         train_split, eval_split = ([t.to(accelerator.device) for t in split] for split in (train_split, eval_split))
     return make_loader(*train_split, batch_size, train=True), make_loader(*eval_split, batch_size, train=False)
@@ -338,14 +336,15 @@ def main(cfg: Config) -> dict:
                 bar.set_postfix(loss=f"{window_loss:.3f}", img_s=f"{speed:,.0f}")
             if p.global_step >= total_steps:
                 break
-            if guard.should_stop(p.global_step, now=checkpointer.due(p.global_step)):  # collective
+            periodic = checkpointer.due(p.global_step)
+            if guard.should_stop(p.global_step, now=periodic):  # collective
                 p.trained(meter.images(), meter.seconds())
                 folder = checkpointer.save(p, model, scheduler, transform)
                 accelerator.print(f"preempted ({guard.reason()}): saved {folder}; continue with --resume auto")
                 accelerator.wait_for_everyone()
                 accelerator.end_training()  # see utils.launch.release_process_group() for what follows
                 return {"preempted": True, "checkpoint": str(folder)}
-            if checkpointer.due(p.global_step) and p.batches_in_epoch < len(train_loader):  # else the epoch's own
+            if periodic and p.batches_in_epoch < len(train_loader):  # at the epoch's end, the epoch's own save
                 checkpointer.save(p, model, scheduler, transform)
         train_loss = meter.epoch_loss(accelerator)  # syncs
         epoch_images, epoch_seconds = meter.images(), meter.seconds()

@@ -14,6 +14,7 @@ from accelerate.utils import DataLoaderConfiguration
 from conftest import write_cifar_dir
 from PIL import Image
 
+from utils import UserError
 from utils import data as cdata
 from utils.data import BatchTransform, default_cache_dir, load_cifar10, make_loader
 
@@ -194,3 +195,10 @@ def test_transform_state_dict_continues_the_same_augmentation_stream():
     resumed = BatchTransform(torch.device("cpu"), seed=99, augment=True, channels_last=True)
     resumed.load_state_dict(state)
     assert all(torch.equal(a, resumed(images, train=True)) for a in later)
+
+
+def test_a_training_split_smaller_than_one_batch_on_every_process_stops_with_one_sentence():
+    cdata.check_one_batch(torch.zeros(64), batch_size=32, processes=2)  # exactly one batch each: fine
+    with pytest.raises(UserError) as e:
+        cdata.check_one_batch(torch.zeros(63), batch_size=32, processes=2)
+    assert str(e.value) == "63 training images do not fill one batch of 32 on each of 2 processes."

@@ -226,6 +226,13 @@ def _load(data_dir, cache_dir, log, write_cache: bool):
     return data
 
 
+def check_one_batch(labels: torch.Tensor, batch_size: int, processes: int) -> None:
+    """Training drops the last partial batch: a split smaller than one batch on every process would train nothing."""
+    if len(labels) < batch_size * processes:
+        raise UserError(f"{len(labels)} training images do not fill one batch of {batch_size} on each of {processes} "
+                        f"processes.")
+
+
 def take_prefix(pair: tuple[torch.Tensor, torch.Tensor], n: int | None, flag: str):
     """The first n (images, labels) of a split (all with n None); a prefix is class-balanced (rows are shuffled)."""
     images, labels = pair
