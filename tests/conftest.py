@@ -121,10 +121,8 @@ def assert_same_state(a: Path, b: Path) -> None:
 # The checkpoint/resume job (tests/test_checkpoint.py, tests/test_fsdp.py): 512 images, global batch 64 -> 8 optimizer
 # steps per epoch, 2 epochs, a checkpoint every 3 steps, NCHW (the layout evaluate_checkpoint.py and FSDP2 use).
 CHECKPOINT_JOB = ["--model", "resnet18_imagenet", "--train-subset", "512", "--eval-subset", "100",
-                  "--global-batch-size", "64",
-                  "--epochs", "2", "--checkpoint-every-steps", "3", "--deterministic", "--tracker", "none", "--lr",
-                  "0.05",
-                  "--no-channels-last"]
+                  "--global-batch-size", "64", "--epochs", "2", "--checkpoint-every-steps", "3", "--deterministic",
+                  "--tracker", "none", "--lr", "0.05", "--no-channels-last"]
 
 
 def job_args(cifar_dir, cache_dir, out, *extra) -> list[str]:

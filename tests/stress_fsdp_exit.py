@@ -34,8 +34,7 @@ def main() -> int:
     for i in range(args.runs):
         out = work / f"run-{i}"
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(FSDP_CPU_YAML),
-               "--mixed_precision",
-               "no", "--main_process_port", "0", str(PROBE),
+               "--mixed_precision", "no", "--main_process_port", "0", str(PROBE),
                *job_args(args.data_dir, work / "cache", out, *CHECKPOINT_JOB, "--grad-clip", "0", "--log-every", "1")]
         started = time.time()
         result = subprocess.run(cmd, cwd=REPO, env=script_env(), capture_output=True, text=True)

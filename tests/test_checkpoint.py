@@ -233,8 +233,8 @@ def small_run(tmp_path_factory) -> tuple[Path, Path]:
     data = write_cifar_dir(tmp_path_factory.mktemp("small") / "data", n_train=64, n_test=16)
     out = data.parent / "run"
     result = run_train(["--data-dir", str(data), "--output-dir", str(out), "--model", "resnet18_imagenet",
-                        "--batch-size",
-                        "16", "--epochs", "1", "--tracker", "none", "--cache-dir", str(data.parent / "cache")])
+                        "--batch-size", "16", "--epochs", "1", "--tracker", "none", "--cache-dir",
+                        str(data.parent / "cache")])
     assert result.returncode == 0, result.stderr[-3000:]
     return data, out
 
@@ -269,10 +269,8 @@ def test_overwrite_deletes_the_earlier_runs_checkpoints_and_starts_fresh(small_r
     out = tmp_path / "overwritten"
     shutil.copytree(earlier, out)
     result = run_train(["--data-dir", str(data), "--output-dir", str(out), "--model", "resnet18_imagenet",
-                        "--batch-size",
-                        "16", "--epochs", "1", "--tracker", "none", "--cache-dir", str(data.parent / "cache"), "--lr",
-                        "0.3",
-                        "--overwrite"])
+                        "--batch-size", "16", "--epochs", "1", "--tracker", "none", "--cache-dir",
+                        str(data.parent / "cache"), "--lr", "0.3", "--overwrite"])
     assert result.returncode == 0, result.stderr[-3000:]
     s = read_summary(out)
     assert s["resumed_from"] is None and s["config"]["lr"] == 0.3 and s["global_step"] == 4  # 64 images / 16
