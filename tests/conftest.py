@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -64,6 +65,20 @@ def cifar_dir(tmp_path_factory) -> Path:
 def cache_dir(tmp_path_factory) -> Path:
     """One decoded-tensor cache for the whole session: the first run decodes, the rest load."""
     return tmp_path_factory.mktemp("decoded")
+
+
+@contextmanager
+def small_tmpfs(folder: Path, size: str):
+    """A real filesystem with a real size limit mounted at folder (needs root, as in CI); skips the test otherwise."""
+    folder.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a size-limited tmpfs here (needs root): {mounted.stderr.strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=True)
 
 
 def script_env(**extra) -> dict:

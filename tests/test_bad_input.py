@@ -6,7 +6,7 @@ import hashlib
 from pathlib import Path
 
 import pytest
-from conftest import CPU_YAML, run_train, write_cifar_dir, write_parquet
+from conftest import CPU_YAML, run_train, script_env, small_tmpfs, write_cifar_dir, write_parquet
 
 
 def _digest(folder: Path) -> dict:
@@ -14,7 +14,7 @@ def _digest(folder: Path) -> dict:
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def _fails_cleanly(tmp_path: Path, args: list[str], message: str, launch=None) -> str:
+def _fails_cleanly(tmp_path: Path, args: list[str], message: str, launch=None, env=None) -> str:
     """Runs train_cifar.py on an output dir holding an earlier run's files; checks exit 2 (or the launcher's
     non-zero status), exactly one `error:` line naming `message`, no Python traceback from our processes,
     and that the earlier run's files and the data files are byte-identical afterwards."""
@@ -24,7 +24,7 @@ def _fails_cleanly(tmp_path: Path, args: list[str], message: str, launch=None) -
     (out / "model.safetensors").write_bytes(b"weights of an earlier run")
     before = _digest(tmp_path)
     result = run_train(["--output-dir", str(out), "--cache-dir", str(tmp_path / "cache"), "--tracker", "none", *args],
-                       launch=launch)
+                       launch=launch, env=env)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode == (2 if launch is None else 1), result.stderr[-3000:]
     assert len(errors) == 1 and message in errors[0], result.stderr[-3000:]
@@ -99,6 +99,14 @@ def test_no_data_dir_and_no_hub_access_names_both_options(tmp_path, monkeypatch)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # and nothing downloaded before
     line = _fails_cleanly(tmp_path, [], "could not download uoft-cs/cifar10 from the Hugging Face Hub")
     assert "--data-dir" in line and "internet" in line
+
+
+def test_datasets_cache_on_a_full_disk_says_so_and_where(tmp_path):
+    data = write_cifar_dir(tmp_path / "data", n_train=600, n_test=16)  # a 1.3 MiB train file for a 1 MiB cache disk
+    with small_tmpfs(tmp_path / "cache" / "hf", "1m") as disk:  # cache/ is left out of the before-after digest
+        line = _fails_cleanly(tmp_path, ["--data-dir", str(data)], "no space left on device",
+                              env=script_env(HF_DATASETS_CACHE=str(disk / "datasets")))
+    assert f"its cache {disk / 'datasets'} (" in line and "HF_DATASETS_CACHE" in line, line
 
 
 def test_sync_bn_on_cpu_stops_with_a_clear_message(tmp_path, small_data):

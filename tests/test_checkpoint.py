@@ -28,6 +28,7 @@ from conftest import (
     read_summary,
     run_train,
     script_env,
+    small_tmpfs,
     start,
     wait_for_checkpoint,
     workers,
@@ -306,15 +307,9 @@ def test_resumed_run_continues_the_same_wandb_run(small_run, tmp_path):
 # Faults a cluster job meets: a full disk, a second job in the same folder, a hung peer -------------------
 @pytest.fixture
 def small_disk(tmp_path):
-    """A real filesystem with a real size limit: a 150 MiB tmpfs (one checkpoint of this job is 90 MiB)."""
-    folder = tmp_path / "small_disk"
-    folder.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=150m", "tmpfs", str(folder)], capture_output=True,
-                             text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a size-limited tmpfs here (needs root): {mounted.stderr.strip()}")
-    yield folder
-    subprocess.run(["umount", "-l", str(folder)], check=True)
+    """A 150 MiB tmpfs (one checkpoint of this job is 90 MiB)."""
+    with small_tmpfs(tmp_path / "small_disk", "150m") as folder:
+        yield folder
 
 
 def test_full_disk_stops_every_rank_with_one_line_and_the_last_good_checkpoint_resumes_exactly(

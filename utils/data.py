@@ -15,11 +15,13 @@ The pipeline, and why it never starves a GPU:
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
 import os
 import random
+import shutil
 import tempfile
 import warnings
 from pathlib import Path
@@ -68,7 +70,15 @@ def _read_local(files: dict[str, list[Path]]):
     try:
         return datasets.load_dataset("parquet", data_files={s: [str(p) for p in ps] for s, ps in files.items()})
     except Exception as e:
-        raise UserError(f"cannot read the parquet files in {files['train'][0].parent}: {_first_line(e)}") from None
+        cause = _root_cause(e)  # load_dataset wraps the real reason (a full disk, say) in DatasetGenerationError
+        if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+            cache = Path(datasets.config.HF_DATASETS_CACHE)
+            free = shutil.disk_usage(cache if cache.exists() else Path.home()).free
+            raise UserError(
+                f"no space left on device while datasets copied {files['train'][0].parent} into its cache {cache} "
+                f"({free / 2**20:,.0f} MiB free); free some space or point HF_DATASETS_CACHE at a larger disk."
+            ) from None
+        raise UserError(f"cannot read the parquet files in {files['train'][0].parent}: {_first_line(cause)}") from None
 
 
 def _read_hub():
@@ -83,7 +93,16 @@ def _read_hub():
         ) from None
 
 
-def _first_line(e: Exception) -> str:
+def _root_cause(e: BaseException) -> BaseException:
+    """The innermost exception of a chain (raise ... from ..., or raised while handling another)."""
+    seen = {id(e)}
+    while (inner := e.__cause__ or e.__context__) is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        e = inner
+    return e
+
+
+def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
