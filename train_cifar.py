@@ -17,8 +17,8 @@ data, model, resume, the training loop, outputs. The run's surroundings (trackin
 divergence, launcher quirks) are small objects in utils/, each named where main() uses it.
 
 Your own model: change `build_model` (utils/models.py), or call yours where main() does; keep `num_classes`.
-Your own data: change `build_loaders` below (any DataLoaders of (uint8 images N x 3 x H x W, int64 labels) batches;
-set MEAN/STD in utils/data.py); augmentation, sharding and resume stay as they are.
+Your own data: change `build_loaders` in utils/data.py (any DataLoaders of (uint8 images N x 3 x H x W, int64 labels)
+batches; set MEAN/STD there); augmentation, sharding and resume stay as they are.
 Smaller starting point: train_minimal.py (the same training, 180 lines, no surroundings).
 """
 
@@ -42,8 +42,8 @@ from tqdm.auto import tqdm
 
 from utils import UserError
 from utils.checkpoint import Checkpointer, export_weights
-from utils.config import opt, parse
-from utils.data import BatchTransform, check_one_batch, load_cifar10, make_loader, take_prefix
+from utils.config import check_ranges, opt, parse
+from utils.data import BatchTransform, build_loaders
 from utils.evaluation import evaluate
 from utils.guard import StopGuard, check_output_dir, lock_output_dir
 from utils.launch import (
@@ -56,6 +56,7 @@ from utils.launch import (
     shard_on_cpu_too,
 )
 from utils.models import MODELS, build_model
+from utils.progress import Progress
 from utils.schedule import warmup_cosine
 from utils.tracking import Tracker, TrainMeter, environment, peak_memory_gb
 
@@ -133,15 +134,10 @@ class Config:
                                 "loss, img/s, ETA), printed at log steps; 0: at every log step")
 
     def validate(self) -> None:
-        positive = ["epochs", "batch_size", "global_batch_size", "lr", "grad_accum", "log_every", "train_subset",
-                    "eval_subset", "max_steps", "checkpoint_every_steps", "keep_last", "dist_timeout"]
-        for name in positive:
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise UserError(f"--{name.replace('_', '-')} must be positive (got {value:g}).")
-        for name in ["weight_decay", "warmup_epochs", "grad_clip", "progress_every"]:
-            if getattr(self, name) < 0:
-                raise UserError(f"--{name.replace('_', '-')} must not be negative (got {getattr(self, name)}).")
+        check_ranges(self, positive=["epochs", "batch_size", "global_batch_size", "lr", "grad_accum", "log_every",
+                                     "train_subset", "eval_subset", "max_steps", "checkpoint_every_steps", "keep_last",
+                                     "dist_timeout"],
+                     non_negative=["weight_decay", "warmup_epochs", "grad_clip", "progress_every"])
         if not 0 <= self.label_smoothing < 1:
             raise UserError(f"--label-smoothing must be in [0, 1) (got {self.label_smoothing}).")
 
@@ -163,62 +159,9 @@ def parse_config(argv: list[str] | None = None) -> Config:
     return parse(Config, argv, description=__doc__.splitlines()[0], presets=RECIPES)
 
 
-@dataclass
-class Progress:
-    """Where training stands; saved in every checkpoint, restored on resume."""
-    epoch: int = 0  # current epoch, from 0
-    batches_in_epoch: int = 0  # micro-batches each process has taken from the current epoch
-    global_step: int = 0  # optimizer steps done
-    images_seen: int = 0  # training images, all processes
-    train_seconds: float = 0.0  # training time without evaluation
-    best_top1: float = 0.0
-    best_checkpoint: str | None = None  # kept by the rotation
-    tracker_run_id: str | None = None  # the W&B run a resumed job continues
-
-    def took_batch(self) -> None:
-        self.batches_in_epoch += 1
-
-    def took_step(self) -> None:
-        self.global_step += 1
-
-    def trained(self, images: int, seconds: float) -> None:
-        self.images_seen += images
-        self.train_seconds += seconds
-
-    def end_epoch(self, batches_per_epoch: int) -> None:
-        """Moves to the next epoch if this one is complete (not after a --max-steps stop in its middle)."""
-        if self.batches_in_epoch == batches_per_epoch:
-            self.epoch += 1
-            self.batches_in_epoch = 0
-
-    def summary(self) -> dict:
-        return {"epochs_completed": self.epoch, "global_step": self.global_step, "train_images_seen": self.images_seen,
-                "train_images_per_sec": self.images_seen / max(self.train_seconds, 1e-9),
-                "best_eval_top1": self.best_top1, "best_checkpoint": self.best_checkpoint}
-
-    def is_best(self, top1: float) -> bool:
-        """Records a new best evaluation; the checkpoint of this step is then kept by the rotation."""
-        if top1 <= self.best_top1:
-            return False
-        self.best_top1, self.best_checkpoint = top1, f"step-{self.global_step:08d}"
-        return True
-
-
 # ====================================================================================================
-# Data and optimizer (the model: utils/models.py)
+# Optimizer (the model: utils/models.py; the data: utils/data.build_loaders)
 # ====================================================================================================
-def build_loaders(cfg: Config, accelerator: Accelerator, batch_size: int):
-    """Training and test DataLoaders over whole splits held as uint8 tensors (decoded once, cached); prepare()
-    then shards them, reshuffles per epoch and moves batches to the device. Your own data: return yours here."""
-    data = load_cifar10(cfg.data_dir, cfg.cache_dir, accelerator)
-    train_split = take_prefix(data["train"], cfg.train_subset, "--train-subset")
-    eval_split = take_prefix(data["test"], cfg.eval_subset, "--eval-subset")
-    check_one_batch(train_split[1], batch_size, accelerator.num_processes)
-    if cfg.data_on_device:  # GPU-resident: Accelerate's move to the device becomes a no-op
-        train_split, eval_split = ([t.to(accelerator.device) for t in split] for split in (train_split, eval_split))
-    return make_loader(*train_split, batch_size, train=True), make_loader(*eval_split, batch_size, train=False)
-
-
 def build_optimizer(cfg: Config, model: torch.nn.Module, lr: float, fused: bool = True) -> torch.optim.Optimizer:
     # fused: one kernel for the whole update, on CPU and CUDA (torch's default is a per-tensor loop on CPU,
     # foreach on GPUs). ResNet-18 on 1 CPU thread: SGD 24 ms per step (loop) / 10.8 (foreach) / 3.5 (fused),

@@ -123,7 +123,7 @@ def wait_for_checkpoint(out: Path, proc: subprocess.Popen, step: int, timeout: f
 def workers(proc: subprocess.Popen) -> list[psutil.Process]:
     """The training processes of a launched job (torchrun's workers)."""
     return [c for c in psutil.Process(proc.pid).children(recursive=True)
-            if any(name in " ".join(c.cmdline()) for name in ("train_cifar.py", "probe_train.py"))]
+            if any(name in " ".join(c.cmdline()) for name in ("train_cifar.py", "probe_train.py", "train_vit.py"))]
 
 
 def assert_same_state(a: Path, b: Path) -> None:

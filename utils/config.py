@@ -11,6 +11,8 @@ import re
 import typing
 from dataclasses import field, fields
 
+from utils import UserError
+
 GROUP_LINE = re.compile(r"^\s*#\s*---\s*([\w ]+?)\s*(?::\s*(.*?))?\s*---\s*$")
 FIELD_LINE = re.compile(r"^\s*(\w+)\s*:")
 
@@ -69,3 +71,12 @@ def parse(config_class, argv: list[str] | None, description: str, presets: dict[
     if hasattr(cfg, "validate"):
         cfg.validate()
     return cfg
+
+
+def check_ranges(cfg, positive: list[str], non_negative: list[str]) -> None:
+    """One line naming the flag when a field that must be positive (or >= 0) is not; None values are unset."""
+    for name in positive + non_negative:
+        value = getattr(cfg, name)
+        if value is not None and (value <= 0 if name in positive else value < 0):
+            need = "be positive" if name in positive else "not be negative"
+            raise UserError(f"--{name.replace('_', '-')} must {need} (got {value:g}).")

@@ -387,3 +387,19 @@ class BatchTransform:
         shifts = torch.arange(2 * p + 1, device=dev)
         crop_offset = (shifts.view(-1, 1) * (W * c) + shifts.view(1, -1) * c).view(-1, 1)  # every (dy, dx)
         self.crop_rows = crop_offset + torch.arange(h, device=dev) * (W * c)  # ((2p+1)^2, h): where each row starts
+
+
+# ----------------------------------------------------------------------------------------------------
+# The scripts' loaders
+# ----------------------------------------------------------------------------------------------------
+def build_loaders(cfg, accelerator, batch_size: int):
+    """Training and test DataLoaders over whole splits held as uint8 tensors (decoded once, cached); prepare()
+    then shards them, reshuffles per epoch and moves batches to the device. cfg: a script's Config (data_dir,
+    cache_dir, train_subset, eval_subset, data_on_device). Your own data: return yours here."""
+    data = load_cifar10(cfg.data_dir, cfg.cache_dir, accelerator)
+    train_split = take_prefix(data["train"], cfg.train_subset, "--train-subset")
+    eval_split = take_prefix(data["test"], cfg.eval_subset, "--eval-subset")
+    check_one_batch(train_split[1], batch_size, accelerator.num_processes)
+    if cfg.data_on_device:  # GPU-resident: Accelerate's move to the device becomes a no-op
+        train_split, eval_split = ([t.to(accelerator.device) for t in split] for split in (train_split, eval_split))
+    return make_loader(*train_split, batch_size, train=True), make_loader(*eval_split, batch_size, train=False)

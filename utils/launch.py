@@ -34,18 +34,28 @@ def make_deterministic() -> None:
         torch.set_num_threads(1)  # launched processes get OMP_NUM_THREADS=1
 
 
-def fsdp_plugin_from_launcher() -> FullyShardedDataParallelPlugin | None:
+def fsdp_plugin_from_launcher(blocks: list[str] | None = None,
+                              bf16_params: bool = False) -> FullyShardedDataParallelPlugin | None:
     """The launcher's FSDP settings (its FSDP_* variables), None without FSDP. FSDP2 only: its checkpoints and
-    full-weight export are what the tests prove. One change to Accelerate's default: parameters stay fp32 in
-    FSDP and `--mixed_precision bf16` is autocast (as under DDP). FSDP's own bf16 policy casts BatchNorm's
-    weights to bf16 while its running statistics stay fp32, a mix BatchNorm refuses (on CPU and CUDA alike);
-    the price is fp32 all-gathers, nothing for a ResNet whose activations dominate the traffic."""
+    full-weight export are what the tests prove.
+
+    blocks: the module classes to shard one by one, instead of the launch config's fsdp_transformer_layer_cls_to_wrap
+    (the YAMLs name ResNet's BasicBlock; train_vit.py passes EncoderBlock, so one YAML serves both scripts).
+    Mixed precision: by default parameters stay fp32 in FSDP and `--mixed_precision bf16` is autocast (as under
+    DDP). FSDP's own bf16 policy casts BatchNorm's weights to bf16 while its running statistics stay fp32, a mix
+    BatchNorm refuses (on CPU and CUDA alike); the price is fp32 all-gathers, nothing for a ResNet whose activations
+    dominate the traffic. bf16_params (a model without BatchNorm, such as a ViT): under `--mixed_precision bf16`,
+    FSDP gathers bf16 copies of the fp32 shards for forward and backward (half the bytes) and reduces gradients in
+    fp32; the optimizer updates, and checkpoints save, the fp32 shards."""
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
         return None
     if os.environ.get("FSDP_VERSION", "1") != "2":
         raise UserError("the launch config asks for FSDP version 1; this script runs FSDP2: set fsdp_version: 2 "
                         "(see accelerate_configs/fsdp_4gpu.yaml).")
-    return FullyShardedDataParallelPlugin(mixed_precision_policy=MixedPrecisionPolicy())
+    bf16 = bf16_params and os.environ.get("ACCELERATE_MIXED_PRECISION", "no") == "bf16"
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else \
+        MixedPrecisionPolicy()
+    return FullyShardedDataParallelPlugin(mixed_precision_policy=policy, transformer_cls_names_to_wrap=blocks)
 
 
 def shard_on_cpu_too(accelerator, plugin: FullyShardedDataParallelPlugin | None) -> None:

@@ -1,5 +1,6 @@
-"""The image classifiers the scripts train: torchvision's ResNet-18 (with a CIFAR stem, or as-is) and Myrtle.ai's
-ResNet-9. Your own model: add it to build_model(), or build it where the script calls build_model()."""
+"""The image classifiers the scripts train: torchvision's ResNet-18 (with a CIFAR stem, or as-is), Myrtle.ai's
+ResNet-9 (train_cifar.py) and torchvision's VisionTransformer sized for 32 px images (train_vit.py). Your own model:
+add it to build_model(), or build it where the script calls build_model()."""
 
 from __future__ import annotations
 
@@ -7,12 +8,19 @@ import torch.nn as nn
 import torchvision
 
 MODELS = ("resnet18", "resnet18_imagenet", "resnet9")
+# ViT presets for 32 x 32 images, patch 4 (64 patches + the class token): (layers, heads, hidden width, MLP width).
+# The widths of DeiT-Ti/S/B and ViT-L; vit_micro is for tests and a first run on a laptop.
+VITS = {"vit_micro": (2, 2, 64, 128), "vit_tiny": (12, 3, 192, 768), "vit_s": (12, 6, 384, 1536),
+        "vit_b": (12, 12, 768, 3072), "vit_l": (24, 16, 1024, 4096)}
 
 
 def build_model(name: str, num_classes: int = 10, sync_bn: bool = False) -> nn.Module:
     """torchvision's ResNet-18; 'resnet18' swaps the ImageNet stem (7x7 stride-2 conv + max-pool, which
     shrinks 32x32 inputs to 8x8 before the first block) for a 3x3 stride-1 conv; or 'resnet9' (below).
-    sync_bn turns every BatchNorm into a SyncBatchNorm (statistics over all ranks' batches; CUDA only)."""
+    sync_bn turns every BatchNorm into a SyncBatchNorm (statistics over all ranks' batches; CUDA only).
+    A name in VITS: vit() below."""
+    if name in VITS:
+        return vit(name, num_classes)
     model = resnet9(num_classes) if name == "resnet9" else torchvision.models.resnet18(num_classes=num_classes)
     if name == "resnet18":
         model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
@@ -48,3 +56,24 @@ class Scale(nn.Module):
 
     def forward(self, x):
         return x * self.factor
+
+
+def vit(name: str, num_classes: int = 10, image_size: int = 32, patch_size: int = 4) -> nn.Module:
+    """torchvision's VisionTransformer (pre-norm blocks, class token, learned position embeddings) at a VITS size;
+    its transformer blocks are torchvision.models.vision_transformer.EncoderBlock, the unit FSDP shards."""
+    layers, heads, hidden, mlp = VITS[name]
+    return torchvision.models.VisionTransformer(image_size, patch_size, layers, heads, hidden, mlp,
+                                                num_classes=num_classes)
+
+
+def checkpoint_blocks(model: nn.Module) -> int:
+    """Activation checkpointing for every ViT block: its forward keeps only the block's input and recomputes the
+    rest during backward (about a third more compute, for activations ~1/(layers) of the full set). Applied before
+    prepare(), so FSDP shards the wrapped blocks as usual (torchtitan's order). torch's checkpoint_wrapper
+    (non-reentrant) keeps the state-dict keys of the plain model. Returns the number of blocks wrapped."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    blocks = model.encoder.layers
+    for i, block in enumerate(blocks):
+        blocks[i] = checkpoint_wrapper(block)
+    return len(blocks)

@@ -1,0 +1,159 @@
+"""train_vit.py on 2 CPU gloo ranks: FSDP2 shards the ViT's blocks and trains exactly like DDP, bf16 parameters
+under FSDP's mixed-precision policy, activation checkpointing that changes no number, and a preempted FSDP job
+that resumes from its sharded checkpoint to the same weights, exported as a plain ViT.
+
+The job (through tests/record_losses.py): vit_micro, 256 images, global batch 64 -> 4 optimizer steps per epoch,
+2 epochs, a checkpoint every 2 steps, AdamW, augmentation on, --deterministic, no gradient clipping (as in
+test_fsdp.py: the clip factor's summation order differs between the wrappers by one ulp, which the first steps
+amplify). Measured: FSDP's losses and weights equal DDP's bitwise in fp32; the tolerance is 1e-6.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import (
+    CPU_YAML,
+    FSDP_CPU_YAML,
+    REPO,
+    assert_same_state,
+    job_args,
+    read_summary,
+    run_train,
+    start,
+    wait_for_checkpoint,
+    workers,
+)
+from safetensors.torch import load_file
+
+from utils.models import build_model
+
+VIT = REPO / "train_vit.py"
+RECORD = REPO / "tests" / "record_losses.py"
+JOB = ["--model", "vit_micro", "--train-subset", "256", "--eval-subset", "128", "--global-batch-size", "64",
+       "--epochs", "2", "--lr", "2e-3", "--warmup-epochs", "0.5", "--grad-clip", "0", "--checkpoint-every-steps", "2",
+       "--deterministic", "--tracker", "none"]
+FSDP = ["--config_file", str(FSDP_CPU_YAML)]
+TOLERANCE = 1e-6
+MICRO_PARAMETERS = 75_082  # vit_micro: counted by hand from its shapes, see test_vit_micro_has_the_parameters...
+RUNS = {  # name: launch flags, extra script flags
+    "ddp": (["--config_file", str(CPU_YAML), "--mixed_precision", "no"], []),
+    "fsdp": ([*FSDP, "--mixed_precision", "no"], []),
+    "fsdp_ac": ([*FSDP, "--mixed_precision", "no"], ["--activation-checkpointing"]),
+    "fsdp_bf16": ([*FSDP, "--mixed_precision", "bf16"], []),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(cifar_dir, cache_dir, tmp_path_factory):
+    out = {}
+    for name, (launch, extra) in RUNS.items():
+        out[name] = tmp_path_factory.mktemp(name)
+        result = run_train([str(VIT), *job_args(cifar_dir, cache_dir, out[name], *JOB, *extra)], script=RECORD,
+                           launch=launch)
+        assert result.returncode == 0, result.stderr[-4000:]
+    return out
+
+
+def record(out, rank: int = 0) -> dict:
+    return json.loads((out / f"record-rank{rank}.json").read_text())
+
+
+def losses(out, rank: int = 0) -> list[float]:
+    return json.loads((out / f"losses-rank{rank}.json").read_text())
+
+
+def max_weight_difference(a, b) -> float:
+    sa, sb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert sa.keys() == sb.keys()
+    return max((sa[k] - sb[k]).abs().max().item() for k in sa)
+
+
+def test_vit_micro_has_the_parameters_its_shapes_give():
+    d, mlp, layers, patches = 64, 128, 2, 64
+    block = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * mlp + mlp) + (mlp * d + d)  # 2 norms, attention, MLP
+    expected = (3 * 4 * 4 * d + d) + d + (patches + 1) * d + layers * block + 2 * d + (d * 10 + 10)
+    assert expected == MICRO_PARAMETERS == sum(p.numel() for p in build_model("vit_micro").parameters())
+
+
+def test_fsdp_shards_each_vit_block_and_each_rank_holds_about_half(runs):
+    for rank in (0, 1):
+        rec = record(runs["fsdp"], rank)
+        assert rec["param_types"] == ["DTensor"]
+        assert rec["fsdp_units"].count("FSDPEncoderBlock") == 2, rec["fsdp_units"]  # the script's block, not the YAML's
+        assert rec["fsdp_units"][0] == "FSDPVisionTransformer"  # the root: embeddings, final norm and head
+    held = [record(runs["fsdp"], rank)["local_numel"] for rank in (0, 1)]
+    assert sum(held) == MICRO_PARAMETERS and max(held) < 0.55 * MICRO_PARAMETERS, held
+    ddp = record(runs["ddp"])
+    assert ddp["local_numel"] == MICRO_PARAMETERS and ddp["param_types"] == ["Parameter"]
+    s = read_summary(runs["fsdp"])
+    assert s["distributed_type"] == "FSDP" and s["wrapper"] == "FSDPVisionTransformer"
+    assert s["parameters"] == MICRO_PARAMETERS and s["parameters_on_main_process"] == held[0]
+
+
+def test_fsdp_losses_at_every_step_and_final_weights_equal_ddp(runs):
+    ddp, fsdp = losses(runs["ddp"]), losses(runs["fsdp"])
+    assert len(ddp) == len(fsdp) == 8 and len(set(ddp)) == 8  # 8 steps, and the loss moves
+    assert max(abs(a - b) for a, b in zip(ddp, fsdp)) <= TOLERANCE, (ddp, fsdp)
+    assert max_weight_difference(runs["ddp"], runs["fsdp"]) <= TOLERANCE
+    assert read_summary(runs["ddp"])["distributed_type"] == "MULTI_CPU"
+
+
+def test_activation_checkpointing_recomputes_each_block_and_changes_no_loss_and_no_weight(runs):
+    # vit_micro's matmuls per forward: 2 blocks x (attention in, attention out, 2 MLP) + the head = 9; over 8 steps
+    # 72, and checkpointing runs each block's 4 again in backward: 8 x 8 more.
+    assert record(runs["fsdp"])["linear_calls"] == 8 * 9
+    assert record(runs["fsdp_ac"])["linear_calls"] == 8 * 9 + 8 * 8
+    plain, checkpointed = losses(runs["fsdp"]), losses(runs["fsdp_ac"])
+    assert len(checkpointed) == 8 and max(abs(a - b) for a, b in zip(plain, checkpointed)) <= TOLERANCE
+    assert max_weight_difference(runs["fsdp"], runs["fsdp_ac"]) <= TOLERANCE
+    assert read_summary(runs["fsdp_ac"])["config"]["activation_checkpointing"] is True
+
+
+def test_bf16_policy_computes_with_bf16_weights_and_keeps_fp32_master_shards(runs):
+    for rank in (0, 1):
+        rec = record(runs["fsdp_bf16"], rank)
+        assert rec["linear_weight_dtypes"] == ["torch.bfloat16"], rec  # every training matmul ran on gathered bf16
+        assert rec["optimizer_dtypes"] == ["torch.float32"], rec  # AdamW updates the fp32 shards
+    assert record(runs["fsdp"])["linear_weight_dtypes"] == ["torch.float32"]  # the same probe sees fp32 without it
+    exported = load_file(runs["fsdp_bf16"] / "model.safetensors")
+    assert {t.dtype for t in exported.values()} == {torch.float32}  # what is saved: the master weights
+    s = read_summary(runs["fsdp_bf16"])
+    assert s["mixed_precision"] == "bf16" and s["fsdp_param_dtype"] == "bfloat16"
+    assert read_summary(runs["fsdp"])["fsdp_param_dtype"] == "float32"
+    fp32, bf16 = losses(runs["fsdp"]), losses(runs["fsdp_bf16"])
+    assert fp32 != bf16 and max(abs(a - b) for a, b in zip(fp32, bf16)) < 0.05  # bf16 rounding, the same training
+
+
+def test_preempted_fsdp_vit_resumes_from_its_shards_and_exports_a_plain_vit_with_the_reported_top1(
+        runs, cifar_dir, cache_dir, tmp_path):
+    out = tmp_path / "preempted"
+    args = job_args(cifar_dir, cache_dir, out, *JOB)
+    proc = start(args, [*FSDP, "--mixed_precision", "no"], script=VIT)
+    wait_for_checkpoint(out, proc, 2)
+    for worker in workers(proc):
+        worker.send_signal(signal.SIGUSR1)
+    _, stderr = proc.communicate(timeout=120)
+    assert not (out / "summary.json").exists(), "the job should have stopped early"
+    state = json.loads(next((out / "checkpoints").glob("step-*/trainer_state.json")).read_text())
+    assert sum(name.endswith(".distcp") for name in state["files"]) == 4  # model and optimizer, one shard per rank
+    result = run_train([*args, "--resume", "auto"], launch=[*FSDP, "--mixed_precision", "no"], script=VIT)
+    assert result.returncode == 0, result.stderr[-4000:]
+    s = read_summary(out)
+    assert s["resumed_from"] and s["global_step"] == 8
+    assert_same_state(out / "model.safetensors", runs["fsdp"] / "model.safetensors")  # as if never stopped
+
+    model = build_model("vit_micro")
+    model.load_state_dict(load_file(out / "model.safetensors"), strict=True)  # a plain ViT, every key
+    evaluated = subprocess.run([sys.executable, str(REPO / "evaluate_checkpoint.py"), str(out / "model.safetensors"),
+                                "--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir)],
+                               cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    metrics = json.loads(evaluated.stdout.strip().splitlines()[-1])
+    assert metrics["model"] == "vit_micro" and metrics["examples"] == 128
+    assert abs(metrics["top1"] - s["eval_top1"]) < 1e-9, (metrics, s["eval_top1"])

@@ -1,0 +1,305 @@
+"""Train a Vision Transformer on CIFAR-10 with HuggingFace Accelerate: DDP or FSDP2, from one CPU to many GPUs.
+
+    python train_vit.py --data-dir ../shared/data/cifar10 --model vit_micro --epochs 1     # 1 process, a first run
+    accelerate launch --config_file accelerate_configs/fsdp_cpu.yaml train_vit.py --model vit_tiny  # FSDP2, 2 CPU ranks
+    accelerate launch --config_file accelerate_configs/4gpu.yaml      train_vit.py          # 4 GPUs, DDP, ViT-S
+    accelerate launch --config_file accelerate_configs/fsdp_4gpu.yaml train_vit.py --model vit_b  # 4 GPUs, FSDP2
+    accelerate launch --config_file accelerate_configs/fsdp_8gpu.yaml train_vit.py --model vit_l \
+        --activation-checkpointing                                                     # 8 GPUs, FSDP2, ViT-L
+
+When FSDP: when the model's state (weights, gradients, AdamW's two moments: 16 bytes per parameter in fp32) and its
+activations stop fitting one device. FSDP2 shards each transformer block over the processes (each holds 1/N of the
+state and gathers one block at a time); under `--mixed_precision bf16` it gathers bf16 copies of the fp32 shards and
+reduces gradients in fp32. `--activation-checkpointing` keeps only each block's input and recomputes the rest in
+backward. Same YAMLs as train_cifar.py: this script tells FSDP to shard ViT blocks (EncoderBlock) instead of the
+YAML's ResNet BasicBlock. For a model that fits, DDP is simpler and faster (README, "FSDP").
+
+Same structure as train_cifar.py (its docstring explains it); the differences: a ViT (utils/models.vit), AdamW without
+weight decay on biases, norms, the class token and position embeddings, FSDP2 bf16 parameters, activation
+checkpointing, no BatchNorm (no channels-last, no SyncBN).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
+from torch.distributed.tensor import DTensor
+from tqdm.auto import tqdm
+
+from utils import UserError
+from utils.checkpoint import Checkpointer, export_weights
+from utils.config import check_ranges, opt, parse
+from utils.data import BatchTransform, build_loaders
+from utils.evaluation import evaluate
+from utils.guard import StopGuard, check_output_dir, lock_output_dir
+from utils.launch import (
+    check_world,
+    check_wrapper,
+    fsdp_plugin_from_launcher,
+    make_deterministic,
+    per_process_batch,
+    run,
+    shard_on_cpu_too,
+)
+from utils.models import VITS, build_model, checkpoint_blocks
+from utils.progress import Progress
+from utils.schedule import warmup_cosine
+from utils.tracking import Tracker, TrainMeter, environment, peak_memory_gb
+
+REFERENCE_BATCH = 128  # --scale-lr: lr is given for this global batch and scaled linearly from it
+HEALTH_CHECK_EVERY = 10  # optimizer steps between the (collective) checks for preemption signals and NaN loss
+BLOCK = "EncoderBlock"  # the class FSDP shards one by one: torchvision's ViT block
+
+
+# ====================================================================================================
+# Config: every hyperparameter and path, in one place
+# ====================================================================================================
+@dataclass
+class Config:
+    # --- data: where the images come from, how many, how they are augmented, where the outputs go ---
+    data_dir: str | None = opt(None, "folder with train-*.parquet / test-*.parquet (Hub layout); unset: download "
+                               "uoft-cs/cifar10")
+    cache_dir: str | None = opt(None, "decoded-tensor cache; unset: <data-dir>/.decoded if writable, else "
+                                "~/.cache/accelerate-cifar")
+    train_subset: int | None = opt(None, "train on the first N training images only")
+    eval_subset: int | None = opt(None, "evaluate on the first N test images only")
+    augment: str = opt("standard", "standard: random crop (4 px zero padding) + horizontal flip; none",
+                       ("standard", "none"))
+    data_on_device: bool = opt(False, "keep both splits on the GPU (uint8, 180 MB): no host-to-device copy per batch")
+    output_dir: str = opt("runs/cifar10-vit", "summary.json, model.safetensors and tracker files go here")
+    # --- model: the network and how it runs ---
+    model: str = opt("vit_s", "ViT size, patch 4 at 32 px: vit_micro (75K parameters, tests), vit_tiny (5.4M), vit_s "
+                     "(21M), vit_b (85M), vit_l (302M)", tuple(VITS))
+    activation_checkpointing: bool = opt(False, "recompute each block's activations in backward instead of keeping "
+                                         "them: less memory, about a third more compute")
+    compile: bool = opt(False, "torch.compile the model (through Accelerate's dynamo backend 'inductor')")
+    # --- optimisation: batch, learning rate and its schedule, regularisation, reproducibility ---
+    epochs: int = opt(100, "passes over the training set")
+    batch_size: int = opt(128, "images per process per micro-step; global batch = batch_size x processes x "
+                          "grad_accum")
+    global_batch_size: int | None = opt(None, "fix the global batch instead: batch_size = this / (processes x "
+                                        "grad_accum), exactly")
+    lr: float = opt(5e-4, "peak AdamW learning rate, reached after warmup")
+    scale_lr: bool = opt(False, f"linear scaling rule: lr x global_batch / {REFERENCE_BATCH}")
+    weight_decay: float = opt(0.05, "AdamW's decoupled weight decay, on the weight matrices only (not on biases, "
+                              "norms, the class token and position embeddings)")
+    label_smoothing: float = opt(0.1, "cross-entropy label smoothing, in [0, 1)")
+    warmup_epochs: float = opt(5.0, "linear warmup from 0 to lr, then cosine decay to 0")
+    grad_accum: int = opt(1, "micro-steps per optimizer step (no gradient all-reduce on the others)")
+    grad_clip: float = opt(1.0, "clip the global gradient norm to this; 0: no clipping")
+    bf16_grad_sync: bool = opt(True, "DDP under bf16 mixed precision: all-reduce gradients in bf16 (half the "
+                               "bytes); --no-bf16-grad-sync: in fp32. FSDP reduces in fp32")
+    max_steps: int | None = opt(None, "stop after this many optimizer steps (the schedule is planned for them)")
+    seed: int = opt(0, "seeds the weights (same on every rank), data order and augmentation")
+    deterministic: bool = opt(False, "deterministic kernels; on CPU also 1 thread, so 1 process matches N launched "
+                              "processes bitwise")
+    # --- checkpoints: resume, how often, how many; how long to wait for a missing process ---
+    resume: str | None = opt(None, "auto: continue from the newest sound checkpoint in <output-dir>/checkpoints "
+                             "(fresh if none); or a checkpoint folder")
+    checkpoint_every_steps: int | None = opt(None, "also checkpoint every N optimizer steps (always at the end of "
+                                             "each epoch)")
+    keep_last: int = opt(2, "checkpoints kept, besides the best one")
+    overwrite: bool = opt(False, "start fresh in an output dir holding an earlier run's checkpoints, deleting them")
+    dist_timeout: int = opt(600, "seconds a collective waits for a missing process before the job fails")
+    # --- logging: the tracker, the run's name and group, how often it hears from the run ---
+    tracker: str = opt("wandb" if importlib.util.find_spec("wandb") else "none",
+                       "wandb (the default when installed; offline by itself without credentials), tensorboard "
+                       "(<output-dir>/<project>/) or none", ("wandb", "tensorboard", "none"))
+    wandb_project: str | None = opt(None, "W&B project (TensorBoard: the folder name); unset: $WANDB_PROJECT, else "
+                                    "cifar10-accelerate")
+    run_name: str | None = opt(None, "W&B run name; unset: $WANDB_NAME, else W&B picks one")
+    group: str | None = opt(None, "W&B group, e.g. one per setting run with several seeds")
+    tags: str | None = opt(None, "comma-separated W&B tags (or $WANDB_TAGS)")
+    log_every: int = opt(50, "optimizer steps between train/loss, train/lr and train/images_per_sec logs")
+    progress_every: float = opt(60.0, "without a terminal (SLURM logs): seconds between console progress lines, "
+                                "printed at log steps; 0: at every log step")
+
+    def validate(self) -> None:
+        check_ranges(self, positive=["epochs", "batch_size", "global_batch_size", "lr", "grad_accum", "log_every",
+                                     "train_subset", "eval_subset", "max_steps", "checkpoint_every_steps", "keep_last",
+                                     "dist_timeout"],
+                     non_negative=["weight_decay", "warmup_epochs", "grad_clip", "progress_every"])
+        if not 0 <= self.label_smoothing < 1:
+            raise UserError(f"--label-smoothing must be in [0, 1) (got {self.label_smoothing}).")
+
+
+def parse_config(argv: list[str] | None = None) -> Config:
+    return parse(Config, argv, description=__doc__.splitlines()[0])
+
+
+# ====================================================================================================
+# Optimizer (the model: utils/models.vit; the data: utils/data.build_loaders)
+# ====================================================================================================
+def build_optimizer(cfg: Config, model: torch.nn.Module, lr: float) -> torch.optim.AdamW:
+    """AdamW with weight decay on the weight matrices only: decaying biases, LayerNorm scales, the class token and
+    the position embeddings only pulls them to zero (the ViT/DeiT recipe). Built before prepare(); Accelerate then
+    swaps in the sharded parameters under FSDP. foreach under both wrappers: the same arithmetic, so DDP and FSDP
+    runs agree bitwise (measured; the fused kernel rounds differently on plain tensors and on DTensors, 2e-5 apart
+    after 8 steps). The update is a small part of a ViT step."""
+    no_decay = {"class_token", "encoder.pos_embedding"}
+    decay, plain = [], []
+    for name, param in model.named_parameters():
+        (plain if param.ndim <= 1 or name in no_decay else decay).append(param)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": plain, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, foreach=True)
+
+
+# ====================================================================================================
+# Training
+# ====================================================================================================
+def main(cfg: Config) -> dict:
+    started = time.time()
+    check_output_dir(cfg.output_dir)
+    if cfg.deterministic:
+        make_deterministic()
+    tracker = Tracker(cfg.tracker, cfg.output_dir, cfg.log_every, cfg.wandb_project, cfg.run_name, cfg.group, cfg.tags,
+                      cfg.progress_every)
+    fsdp = fsdp_plugin_from_launcher(blocks=[BLOCK], bf16_params=True)  # None unless the launch config asks for FSDP
+    accelerator = Accelerator(
+        cpu=not torch.cuda.is_available(),  # without it, N launched CPU processes each train alone (no gloo group)
+        gradient_accumulation_steps=cfg.grad_accum,
+        log_with=tracker.log_with,
+        project_dir=cfg.output_dir,
+        dynamo_backend="inductor" if cfg.compile else None,  # None: whatever the launcher configured
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=True),
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout))],
+        fsdp_plugin=fsdp,
+    )  # no mixed_precision argument on purpose: the launcher's choice must win
+    shard_on_cpu_too(accelerator, fsdp)  # Accelerate alone would run DDP for an FSDP config on CPU
+    check_world(accelerator, fsdp_asked=fsdp is not None)  # one line if the setup is wrong
+    world = accelerator.num_processes
+    batch_size = per_process_batch(accelerator, cfg.batch_size, cfg.global_batch_size, cfg.grad_accum)
+    _lock = lock_output_dir(accelerator, cfg.output_dir)  # one job per output folder, until main() returns
+    checkpointer = Checkpointer(accelerator, cfg.output_dir, asdict(cfg), cfg.keep_last, cfg.checkpoint_every_steps)
+    resume_from = checkpointer.resume_point(cfg.resume, cfg.overwrite)
+    global_batch = batch_size * world * cfg.grad_accum
+    lr = cfg.lr * global_batch / REFERENCE_BATCH if cfg.scale_lr else cfg.lr
+    accelerator.print(f"config: {json.dumps(asdict(cfg))}")
+    accelerator.print(f"{world} process(es), {accelerator.distributed_type.value}, mixed precision "
+                      f"{accelerator.mixed_precision}, device {accelerator.device}; global batch {global_batch}, "
+                      f"lr {lr:g}")
+
+    # --- data: Accelerate shards, shuffles per epoch and moves to device ---
+    train_loader, eval_loader = build_loaders(cfg, accelerator, batch_size)
+
+    # --- model: same seed on every rank -> same initial weights; blocks checkpointed before FSDP shards them ---
+    set_seed(cfg.seed)
+    model = build_model(cfg.model)
+    if cfg.activation_checkpointing:
+        checkpoint_blocks(model)
+    optimizer = build_optimizer(cfg, model, lr)
+    model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+    check_wrapper(accelerator, model, cfg.bf16_grad_sync)  # DDP or FSDP really wraps it; bf16 all-reduce if asked
+    params_here = sum((q.to_local() if isinstance(q, DTensor) else q).numel() for q in model.parameters())
+    # Augmentation stream differs per rank (different images must get different crops), fixed by the seed.
+    transform = BatchTransform(accelerator.device, cfg.seed * 1000 + accelerator.process_index,
+                               augment=cfg.augment == "standard", channels_last=False)
+
+    # --- schedule, counted in optimizer steps; not prepared (Accelerate would step it once per process) ---
+    steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum)
+    total_steps = min(cfg.max_steps or math.inf, cfg.epochs * steps_per_epoch)
+    warmup_steps = min(round(cfg.warmup_epochs * steps_per_epoch), total_steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, warmup_cosine(warmup_steps, total_steps))
+
+    # --- resume: weights, optimizer, RNG of every rank (Accelerate), schedule, augmentation stream, counters ---
+    p = Progress(**checkpointer.restore(resume_from, scheduler, transform)) if resume_from else Progress()
+    if cfg.overwrite and not resume_from:
+        checkpointer.clear()  # only now: a bad flag or data file above stopped the job with the old run intact
+    accelerator.wait_for_everyone()
+    run_info = {"world_size": world, "distributed_type": accelerator.distributed_type.value,
+                "mixed_precision": accelerator.mixed_precision, "fsdp_param_dtype": _param_dtype(fsdp),
+                "batch_size_per_process": batch_size, "global_batch": global_batch, "effective_lr": lr, **environment()}
+    p.tracker_run_id = tracker.start(accelerator, {**asdict(cfg), **run_info}, p.tracker_run_id, bool(resume_from))
+    guard = StopGuard(accelerator, HEALTH_CHECK_EVERY, checkpointer)  # preemption signals and a non-finite loss
+
+    metrics, train_loss = None, float("nan")
+    while p.epoch < cfg.epochs and p.global_step < total_steps:
+        model.train()
+        epoch_number = p.epoch + 1
+        train_loader.set_epoch(p.epoch)  # new shuffle each epoch, same on every rank
+        skip = p.batches_in_epoch  # resuming in the middle of an epoch: the batches already trained
+        batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
+        bar = tqdm(batches, f"epoch {epoch_number}/{cfg.epochs}", len(train_loader), initial=skip,
+                   leave=False, disable=None if accelerator.is_local_main_process else True)  # None: off without a tty
+        meter = TrainMeter(accelerator.device, batch_size * world)
+        for images, labels in bar:
+            with accelerator.accumulate(model):  # skips the gradient sync on non-final micro-steps
+                logits = model(transform(images, train=True))  # crop, flip and normalise on the device
+                loss = F.cross_entropy(logits, labels, label_smoothing=cfg.label_smoothing)
+                accelerator.backward(loss)  # divides by grad_accum
+                if accelerator.sync_gradients and cfg.grad_clip > 0:
+                    accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                optimizer.step()  # the prepared optimizer only steps on the final micro-step
+                optimizer.zero_grad(set_to_none=True)
+            guard.observe(loss, p.global_step + 1)  # on the device: no sync per step
+            meter.add(loss)
+            p.took_batch()
+            if not accelerator.sync_gradients:
+                continue
+            if not optimizer.step_was_skipped:  # fp16 overflow steps leave the schedule where it was
+                scheduler.step()
+            p.took_step()
+            if tracker.should_log(p.global_step):
+                window_loss, speed = meter.window(accelerator)  # syncs
+                tracker.log_train(p.global_step, total_steps, epoch_number, cfg.epochs, window_loss,
+                                  scheduler.get_last_lr()[0], speed, global_batch)
+                bar.set_postfix(loss=f"{window_loss:.3f}", img_s=f"{speed:,.0f}")
+            if p.global_step >= total_steps:
+                break
+            periodic = checkpointer.due(p.global_step)
+            if guard.should_stop(p.global_step, now=periodic):  # collective
+                p.trained(meter.images(), meter.seconds())
+                folder = checkpointer.save(p, model, scheduler, transform)
+                accelerator.print(f"preempted ({guard.reason()}): saved {folder}; continue with --resume auto")
+                accelerator.wait_for_everyone()
+                accelerator.end_training()  # see utils.launch.release_process_group() for what follows
+                return {"preempted": True, "checkpoint": str(folder)}
+            if periodic and p.batches_in_epoch < len(train_loader):  # at the epoch's end, the epoch's own save
+                checkpointer.save(p, model, scheduler, transform)
+        train_loss = meter.epoch_loss(accelerator)  # syncs
+        epoch_images, epoch_seconds = meter.images(), meter.seconds()
+        bar.close()
+        p.trained(epoch_images, epoch_seconds)
+        p.end_epoch(len(train_loader))
+
+        guard.check()  # raises on a non-finite loss, before anything is saved
+        metrics = evaluate(model, eval_loader, transform, accelerator, tta_flip=False)
+        if p.is_best(metrics["top1"]):
+            export_weights(accelerator, model, Path(cfg.output_dir) / "best.safetensors")
+        tracker.log_epoch(epoch_number, cfg.epochs, p.global_step, train_loss, epoch_images, epoch_seconds, metrics)
+        checkpointer.save(p, model, scheduler, transform)
+
+    # --- outputs: written once, by the main process; full fp32 weights that load into a plain ViT ---
+    if metrics is None:  # resumed from a checkpoint of a finished run
+        metrics = evaluate(model, eval_loader, transform, accelerator, tta_flip=False)
+    export_weights(accelerator, model, Path(cfg.output_dir) / "model.safetensors")
+    summary = {**run_info, "model": cfg.model, "wrapper": type(model).__name__,
+               "parameters": sum(q.numel() for q in model.parameters()),  # DTensors count in full
+               "parameters_on_main_process": params_here, **p.summary(), "train_loss": train_loss,
+               **{f"eval_{k}": v for k, v in metrics.items()}, "peak_memory_gb": peak_memory_gb(accelerator.device),
+               "last_checkpoint": str(checkpointer.last), "resumed_from": str(resume_from) if resume_from else None,
+               "wall_seconds": time.time() - started, "config": asdict(cfg)}
+    tracker.finish(summary)  # summary.json, and the W&B run's summary
+    accelerator.wait_for_everyone()
+    accelerator.end_training()  # trackers, process group; utils.launch.run() frees the rest once main() returns
+    return summary
+
+
+def _param_dtype(fsdp) -> str | None:
+    """The dtype FSDP gathers parameters in for compute (None without FSDP; fp32 unless bf16 was launched)."""
+    return None if fsdp is None else str(fsdp.mixed_precision_policy.param_dtype or torch.float32).split(".")[-1]
+
+
+if __name__ == "__main__":
+    sys.exit(run(lambda: main(parse_config())))  # a UserError: one line, exit 2
