@@ -11,6 +11,8 @@ import pytest
 from conftest import REPO, read_summary
 from nbclient import NotebookClient
 
+import compare_runs
+
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 
 
@@ -39,12 +41,14 @@ def test_notebook_is_committed_without_outputs(path):
             assert cell.outputs == [] and cell.execution_count is None, f"{path.name}: strip outputs before committing"
 
 
-@pytest.mark.parametrize("script", ["train_cifar.py", "train_minimal.py"])
-def test_launch_from_notebook_trains_either_script_with_two_processes_and_shows_the_result(
+@pytest.mark.parametrize("script", ["train_cifar.py", "train_minimal.py", "train_vit.py"])
+def test_launch_from_notebook_trains_each_script_with_two_processes_and_shows_the_result(
         script, cifar_dir, cache_dir, tmp_path, monkeypatch):
     out = tmp_path / "notebook_run"
     if script == "train_cifar.py":
         subsets, extra = (256, 64), ["--model", "resnet18_imagenet", "--cache-dir", str(cache_dir), "--log-every", "5"]
+    elif script == "train_vit.py":
+        subsets, extra = (128, 32), ["--model", "vit_micro", "--cache-dir", str(cache_dir), "--log-every", "1"]
     else:  # no --cache-dir: with a read-only data folder it caches under $XDG_CACHE_HOME (the kernel inherits it)
         subsets, extra = (128, 32), []
         (tmp_path / "xdg").mkdir()
@@ -60,6 +64,9 @@ def test_launch_from_notebook_trains_either_script_with_two_processes_and_shows_
     assert f"launching 2 processes of {script}" in shown
     assert f"test top-1 {s['eval_top1']:.2f}% on {subsets[1]} images" in shown
     assert len(list((out / "wandb").glob("offline-run-*"))) == 1
+    [run] = compare_runs.load(str(out))  # the run's offline W&B files, whichever script wrote them
+    assert run.metric(*compare_runs.COLUMNS["final top-1 %"]) == s["eval_top1"]
+    assert run.config["model"] == s["config"]["model"] and len(compare_runs.points(run, "epoch", "eval/top1")) == 1
 
 
 def test_compare_runs_notebook_shows_the_table_groups_and_plots(tracked_runs, tmp_path, monkeypatch):

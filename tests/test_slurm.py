@@ -46,19 +46,21 @@ def test_slurm_scripts_parse(script):
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
 
 
+@pytest.mark.parametrize("script, model", [("train_minimal.py", "resnet18"), ("train_vit.py", "vit_micro")])
 def test_launch_logic_starts_two_fake_nodes_as_one_world_of_two_for_the_script_named_in_script(
-        fake_slurm, cifar_dir, cache_dir, tmp_path):
-    # SCRIPT=train_minimal.py (the sbatch test below runs the default, train_cifar.py, through the same launch.sh).
+        script, model, fake_slurm, cifar_dir, cache_dir, tmp_path):
+    # SCRIPT= one of the others (the sbatch test below runs the default, train_cifar.py, through the same launch.sh).
     # The minimal script has no --cache-dir: with a read-only data folder it caches under $XDG_CACHE_HOME.
     (tmp_path / "xdg").mkdir()
     (tmp_path / "xdg" / "accelerate-cifar").symlink_to(cache_dir, target_is_directory=True)
     out = tmp_path / "two_nodes"
+    model_flag = ["--model", model] if script == "train_vit.py" else []  # the minimal script has one model
     nodes = [subprocess.Popen(["bash", str(SLURM / "launch.sh"), "--", "--data-dir", str(cifar_dir), "--output-dir",
                                str(out), "--train-subset", "64", "--eval-subset", "20", "--batch-size", "16",
-                               "--epochs", "1", "--tracker", "none"],
+                               "--epochs", "1", "--tracker", "none", *model_flag],
                               # static: with c10d both fake nodes, being one host, would each try to host the store
                               env={**fake_slurm, "SLURM_NNODES": "2", "SLURM_NODEID": str(rank), "GPUS_PER_NODE": "1",
-                                   "RDZV_BACKEND": "static", "SCRIPT": "train_minimal.py",
+                                   "RDZV_BACKEND": "static", "SCRIPT": script,
                                    "XDG_CACHE_HOME": str(tmp_path / "xdg")},
                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for rank in (0, 1)]
@@ -66,7 +68,9 @@ def test_launch_logic_starts_two_fake_nodes_as_one_world_of_two_for_the_script_n
     assert [n.returncode for n in nodes] == [0, 0], results[0][1][-3000:] + results[1][1][-3000:]
     s = read_summary(out)
     assert s["world_size"] == 2 and s["eval_examples"] == 20 and s["config"]["resume"] == "auto"
-    assert s["config"]["model"] == "resnet18" and (out / "checkpoints" / "checkpoint_0").is_dir()
+    assert s["config"]["model"] == model
+    checkpoint = "checkpoint_0" if script == "train_minimal.py" else "step-00000002"  # 64 images, 2 x 16 per step
+    assert (out / "checkpoints" / checkpoint).is_dir()
 
 
 def test_sbatch_script_checkpoints_and_requeues_on_the_preemption_signal(fake_slurm, cifar_dir, cache_dir, tmp_path):
