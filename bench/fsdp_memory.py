@@ -64,8 +64,7 @@ def worker(args) -> None:
     model = build_model(args.model)
     if args.activation_checkpointing:
         checkpoint_blocks(model)
-    cfg = train_vit.Config(weight_decay=0.05)
-    model, optimizer = accelerator.prepare(model, train_vit.build_optimizer(cfg, model, 1e-4))
+    model, optimizer = accelerator.prepare(model, train_vit.build_optimizer(train_vit.Config(), model, 1e-4))
     device = accelerator.device
 
     def in_use() -> int:

@@ -66,14 +66,13 @@ def vit(name: str, num_classes: int = 10, image_size: int = 32, patch_size: int 
                                                 num_classes=num_classes)
 
 
-def checkpoint_blocks(model: nn.Module) -> int:
+def checkpoint_blocks(model: nn.Module) -> None:
     """Activation checkpointing for every ViT block: its forward keeps only the block's input and recomputes the
     rest during backward (about a third more compute, for activations ~1/(layers) of the full set). Applied before
     prepare(), so FSDP shards the wrapped blocks as usual (torchtitan's order). torch's checkpoint_wrapper
-    (non-reentrant) keeps the state-dict keys of the plain model. Returns the number of blocks wrapped."""
+    (non-reentrant) keeps the state-dict keys of the plain model."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     blocks = model.encoder.layers
     for i, block in enumerate(blocks):
         blocks[i] = checkpoint_wrapper(block)
-    return len(blocks)
