@@ -106,12 +106,16 @@ def test_two_ranks_match_one_rank_weights(runs):
 
 def test_two_ranks_with_accumulation_match_one_rank_with_double_accumulation(runs):
     # Same micro-batches, but the gradient sum runs in another order: per rank (g0+g2), (g1+g3), then the
-    # all-reduce, against ((g0+g1)+g2)+g3 in one process. Float addition is not associative, so this pair
-    # agrees to rounding, not bitwise: measured 1.2e-7 after one step, about 1e-6 after these two. Any real
-    # difference in what is averaged (a lost micro-batch, a sum instead of a mean) moves weights by > 1e-3.
+    # all-reduce, against ((g0+g1)+g2)+g3 in one process, and one process runs its kernels on 2 threads (another
+    # split of each reduction). Float addition is not associative, so this pair agrees to rounding, not bitwise.
+    # How far depends on the CPU's kernels: conv1's weight gradient sums 400k terms that largely cancel, and after
+    # these 2 steps it differed by 1.2e-7 on one CI machine and by 1.2e-4 (6e-4 of its own update) on an AVX-512/AMX
+    # one; every other parameter within 1.4e-4 of its update. So each parameter is held to 1% of its own update:
+    # a lost micro-batch or a sum instead of a mean changes the update by 25% or more.
     pa, pb = _compare(runs["two_ranks_accum2"], runs["one_rank_accum4"])
-    worst = max((pa[n] - pb[n]).abs().max().item() for n in pa)
-    assert worst < 2e-5, worst
+    start = dict(train_cifar.build_model("resnet18_imagenet").named_parameters())
+    worst = {n: ((pa[n] - pb[n]).abs().max() / (pb[n] - start[n].detach()).abs().max()).item() for n in pa}
+    assert max(worst.values()) < 1e-2, sorted(worst.items(), key=lambda kv: kv[1])[-3:]
 
 
 # 2. Sharding ---------------------------------------------------------------------------------------

@@ -2,14 +2,16 @@
 as DDP, sharded checkpoints that resume exactly, and full exported weights.
 
 The job (both wrappers, through tests/probe_train.py): 512 images, global batch 64 -> 8 optimizer steps per
-epoch, 2 epochs, a checkpoint every 3 steps, SGD, augmentation on, fp32, --deterministic, train/loss logged at
-every step, and no gradient clipping. Why no clipping: the clip factor divides by the global gradient norm,
-which FSDP sums in another order (per shard, then across ranks) than DDP (per tensor): one float32 ulp in the
-factor, which this chaotic first epoch amplifies to 1e-2 in the loss within 6 steps (measured). Without it, the
-two wrappers do the same arithmetic: with 2 ranks the gradient average (g0 + g1) / 2 is exact in DDP's
-all-reduce and in FSDP's reduce-scatter, and the gathered parameters are the same numbers. Measured: bitwise
-equal losses and weights. The tolerance (1e-6, ~4 ulps of a loss near 2.3) leaves room only for a kernel that
-rounds differently on differently aligned memory on another CPU.
+epoch, 2 epochs, a checkpoint every 3 steps, SGD at lr 0.01, augmentation on, fp32, --deterministic, train/loss
+logged at every step, and no gradient clipping. Why no clipping: the clip factor divides by the global gradient
+norm, which FSDP sums in another order (per shard, then across ranks) than DDP (per tensor): one float32 ulp in
+the factor. Without it, the two wrappers do the same arithmetic: with 2 ranks the gradient average (g0 + g1) / 2
+is exact in DDP's all-reduce and in FSDP's reduce-scatter, and the gathered parameters are the same numbers.
+Measured on the first CI machine: bitwise equal losses and weights. On a later one (AVX-512 with AMX) a kernel
+rounds one step differently from step 13 (FSDP's gathered parameters sit elsewhere in memory); at lr 0.05 the
+chaotic first epoch (loss up to 5.6) amplified that to 1.6e-4 in the loss, at lr 0.01 it stays 2.4e-7 in the loss
+and 4.8e-7 in the weights. Hence lr 0.01 and a tolerance of 1e-5; a 1% error in the gradient scale moves both by
+more than 1e-4.
 """
 
 from __future__ import annotations
@@ -36,9 +38,10 @@ from safetensors.torch import load_file
 
 import train_cifar
 
-JOB = [*CHECKPOINT_JOB, "--grad-clip", "0", "--log-every", "1"]  # NCHW (FSDP2 keeps it): the same layout for both
+# NCHW (FSDP2 keeps it): the same layout for both; lr 0.01 keeps the trajectory out of the chaotic regime
+JOB = [*CHECKPOINT_JOB, "--grad-clip", "0", "--log-every", "1", "--lr", "0.01"]
 FSDP = ["--config_file", str(FSDP_CPU_YAML)]
-TOLERANCE = 1e-6
+TOLERANCE = 1e-5
 
 
 def job_args(cifar_dir, cache_dir, out, *extra):
@@ -85,7 +88,8 @@ def test_fsdp_loss_trajectory_and_weights_match_ddp(runs):
     assert max((a[k].double() - b[k].double()).abs().max().item() for k in a) <= TOLERANCE
     s, d = read_summary(runs["fsdp"]), read_summary(runs["ddp"])
     assert s["eval_examples"] == d["eval_examples"] == 100
-    assert s["eval_top1"] == d["eval_top1"] and abs(s["eval_loss"] - d["eval_loss"]) <= 1e-5
+    assert abs(s["eval_top1"] - d["eval_top1"]) <= 1.0  # top-1 is in %: at most 1 of the 100 answers flips
+    assert abs(s["eval_loss"] - d["eval_loss"]) <= 1e-5
 
 
 def test_fsdp_ranks_evaluate_with_rank_zeros_batchnorm_statistics_like_ddp(runs):
