@@ -106,8 +106,8 @@ def test_two_ranks_match_one_rank_weights(runs):
 
 def test_two_ranks_with_accumulation_match_one_rank_with_double_accumulation(runs):
     # Same micro-batches, but the gradient sum runs in another order: per rank (g0+g2), (g1+g3), then the
-    # all-reduce, against ((g0+g1)+g2)+g3 in one process, and one process runs its kernels on 2 threads (another
-    # split of each reduction). Float addition is not associative, so this pair agrees to rounding, not bitwise.
+    # all-reduce, against ((g0+g1)+g2)+g3 in one process. Float addition is not associative, so this pair agrees to
+    # rounding, not bitwise.
     # How far depends on the CPU's kernels: conv1's weight gradient sums 400k terms that largely cancel, and after
     # these 2 steps it differed by 1.2e-7 on one CI machine and by 1.2e-4 (6e-4 of its own update) on an AVX-512/AMX
     # one; every other parameter within 1.4e-4 of its update. So each parameter is held to 1% of its own update:
