@@ -258,7 +258,7 @@ def test_bad_resume_input_stops_with_one_line_and_deletes_nothing(small_run, ext
     args = [a.format(data=data, ckpt=checkpoint) for a in extra]
     before = _tree(out)
     result = run_train(["--data-dir", str(data), "--output-dir", str(out), "--batch-size", "16", "--epochs", "1",
-                        "--tracker", "none", "--cache-dir", str(data.parent / "cache"), *args])
+                        "--tracker", "none", "--cache-dir", str(data.parent / "cache"), *args], fork=True)
     assert result.returncode == 2, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], result.stderr[-3000:]

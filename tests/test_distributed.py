@@ -334,7 +334,7 @@ def test_fsdp_asked_for_but_not_set_up_stops(cifar_dir, cache_dir, tmp_path):
     """One process without a launcher: Accelerate sets up no distributed type at all, FSDP settings or not."""
     result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir",
                         str(tmp_path / "o"),
-                        "--tracker", "none"], env=script_env(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2"))
+                        "--tracker", "none"], env=script_env(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2"), fork=True)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode != 0
     assert len(errors) == 1 and "asks for FSDP but Accelerate set up NO" in errors[0], result.stderr[-3000:]

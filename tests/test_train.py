@@ -125,16 +125,18 @@ def test_schedule_warms_up_linearly_then_decays_to_zero_by_the_last_step():
 
 
 def test_compiled_model_trains_and_exports_weights_without_the_orig_mod_prefix(cifar_dir, cache_dir, tmp_path):
+    # resnet9: the fast recipe's model, and 25% less inductor compile time than resnet18_imagenet's (32 s against
+    # 42 s with a cold compile cache on 2 CPU cores)
     out = tmp_path / "compiled"
     result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out),
-                        "--model", "resnet18_imagenet", "--train-subset", "256", "--eval-subset", "64",
+                        "--model", "resnet9", "--train-subset", "256", "--eval-subset", "64",
                         "--batch-size", "64", "--max-steps", "2", "--compile", "--tracker", "none"])
     assert result.returncode == 0, result.stderr[-4000:]
     s = read_summary(out)
     assert s["wrapper"] == "OptimizedModule" and s["global_step"] == 2 and s["eval_examples"] == 64
     state = load_file(out / "model.safetensors")
     assert not [k for k in state if k.startswith(("_orig_mod.", "module."))]
-    train_cifar.build_model("resnet18_imagenet").load_state_dict(state, strict=True)
+    train_cifar.build_model("resnet9").load_state_dict(state, strict=True)
 
 
 def test_recipe_sets_its_defaults_and_explicit_flags_still_win():
