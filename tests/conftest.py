@@ -129,6 +129,13 @@ def run_python(argv: list[str], env: dict, timeout: float) -> subprocess.Complet
         return subprocess.CompletedProcess(argv, status, out.read_text(), err.read_text())
 
 
+def pytest_unconfigure(config):
+    if _FORK_SERVER is not None:  # end of input: the server leaves its loop and exits
+        _FORK_SERVER.stdin.close()
+        _FORK_SERVER.wait(timeout=60)
+        _FORK_SERVER.stdout.close()
+
+
 def run_train(args: list[str], launch: list[str] | None = None, env: dict | None = None, timeout: int = 600,
               script: Path = REPO / "train_cifar.py", fork: bool = False):
     """train_cifar.py (or the probe around it) in fresh processes: plain `python`, or `accelerate launch <launch>`
@@ -210,7 +217,7 @@ def tracked_runs(cifar_dir, cache_dir, tmp_path_factory) -> dict[str, Path]:
     for name, (extra, launch, env) in specs.items():
         out[name] = root / name
         result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out[name]),
-                            *TRACKED_JOB, *extra], launch=launch, env=script_env(**env))
+                            *TRACKED_JOB, *extra], launch=launch, env=script_env(**env), fork=True)
         assert result.returncode == 0, result.stderr[-3000:]
         (out[name] / "stdout.txt").write_text(result.stdout)
     return out

@@ -10,8 +10,10 @@ after these imports is safe because the server never runs a torch operation (no 
 Protocol, one JSON line per request on stdin: {"argv", "env", "cwd", "stdout", "stderr"}; the server answers with
 the child's pid, then, when the child has ended, its exit status as subprocess reports it (-N after signal N).
 
-Used for processes whose numbers no test compares bitwise with another process's: the `accelerate launch`
-launcher (its training processes are fresh interpreters that it starts) and one-process runs that stop on bad input.
+Used for the `accelerate launch` launcher (its training processes are fresh interpreters that it starts) and for
+one-process runs whose numbers no test compares bitwise with another process's: bad input, and runs checked against
+thresholds or their own files. Bitwise comparisons between processes keep fresh interpreters, because a kernel can
+round differently on memory laid out differently.
 """
 
 from __future__ import annotations

@@ -235,7 +235,7 @@ def small_run(tmp_path_factory) -> tuple[Path, Path]:
     out = data.parent / "run"
     result = run_train(["--data-dir", str(data), "--output-dir", str(out), "--model", "resnet18_imagenet",
                         "--batch-size", "16", "--epochs", "1", "--tracker", "none", "--cache-dir",
-                        str(data.parent / "cache")])
+                        str(data.parent / "cache")], fork=True)
     assert result.returncode == 0, result.stderr[-3000:]
     return data, out
 
@@ -271,7 +271,7 @@ def test_overwrite_deletes_the_earlier_runs_checkpoints_and_starts_fresh(small_r
     shutil.copytree(earlier, out)
     result = run_train(["--data-dir", str(data), "--output-dir", str(out), "--model", "resnet18_imagenet",
                         "--batch-size", "16", "--epochs", "1", "--tracker", "none", "--cache-dir",
-                        str(data.parent / "cache"), "--lr", "0.3", "--overwrite"])
+                        str(data.parent / "cache"), "--lr", "0.3", "--overwrite"], fork=True)
     assert result.returncode == 0, result.stderr[-3000:]
     s = read_summary(out)
     assert s["resumed_from"] is None and s["config"]["lr"] == 0.3 and s["global_step"] == 4  # 64 images / 16
@@ -292,9 +292,9 @@ def test_resumed_run_continues_the_same_wandb_run(small_run, tmp_path):
     out = tmp_path / "tracked"
     common = ["--data-dir", str(data), "--output-dir", str(out), "--model", "resnet18_imagenet", "--batch-size", "16",
               "--tracker", "wandb", "--cache-dir", str(data.parent / "cache"), "--log-every", "1"]
-    first = run_train([*common, "--epochs", "1"])
+    first = run_train([*common, "--epochs", "1"], fork=True)
     assert first.returncode == 0, first.stderr[-3000:]
-    second = run_train([*common, "--epochs", "2", "--resume", "auto"])
+    second = run_train([*common, "--epochs", "2", "--resume", "auto"], fork=True)
     assert second.returncode == 0, second.stderr[-3000:]
     runs = sorted((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and runs[0].name.split("-")[-1] == runs[1].name.split("-")[-1]  # one W&B run id

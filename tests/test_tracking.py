@@ -170,7 +170,7 @@ def test_tensorboard_tracker_logs_the_same_metrics(cifar_dir, cache_dir, tmp_pat
     out = tmp_path / "tb"
     result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out),
                         *TRACKED_JOB,
-                        "--tracker", "tensorboard", "--epochs", "1"])
+                        "--tracker", "tensorboard", "--epochs", "1"], fork=True)
     assert result.returncode == 0, result.stderr[-3000:]
     events = EventAccumulator(str(out / "cifar10-accelerate")).Reload()
     assert [e.step for e in events.Scalars("train/loss")] == [2, 4, 6, 8]
@@ -190,7 +190,7 @@ def test_wandb_dir_is_honoured_and_compare_runs_still_finds_the_run(cifar_dir, c
     out, scratch = tmp_path / "out", tmp_path / "scratch"
     scratch.mkdir()
     result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out),
-                        *TRACKED_JOB, "--epochs", "1"], env=script_env(WANDB_DIR=str(scratch)))
+                        *TRACKED_JOB, "--epochs", "1"], env=script_env(WANDB_DIR=str(scratch)), fork=True)
     assert result.returncode == 0, result.stderr[-3000:]
     folders = list((scratch / "wandb").glob("offline-run-*"))
     assert len(folders) == 1 and not (out / "wandb").exists()

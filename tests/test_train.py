@@ -130,7 +130,7 @@ def test_compiled_model_trains_and_exports_weights_without_the_orig_mod_prefix(c
     out = tmp_path / "compiled"
     result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out),
                         "--model", "resnet9", "--train-subset", "256", "--eval-subset", "64",
-                        "--batch-size", "64", "--max-steps", "2", "--compile", "--tracker", "none"])
+                        "--batch-size", "64", "--max-steps", "2", "--compile", "--tracker", "none"], fork=True)
     assert result.returncode == 0, result.stderr[-4000:]
     s = read_summary(out)
     assert s["wrapper"] == "OptimizedModule" and s["global_step"] == 2 and s["eval_examples"] == 64
@@ -171,7 +171,7 @@ def test_fast_recipe_trains_resnet9_with_the_data_on_the_device(cifar_dir, cache
     out = tmp_path / "fast"
     result = run_train(["--recipe", "fast", "--no-compile", "--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir),
                         "--output-dir", str(out), "--train-subset", "1024", "--eval-subset", "250", "--epochs", "2",
-                        "--batch-size", "64", "--lr", "0.2", "--warmup-epochs", "1", "--tracker", "none"])
+                        "--batch-size", "64", "--lr", "0.2", "--warmup-epochs", "1", "--tracker", "none"], fork=True)
     assert result.returncode == 0, result.stderr[-4000:]
     s = read_summary(out)
     assert (s["config"]["model"], s["config"]["tta_flip"], s["config"]["data_on_device"]) == ("resnet9", True, True)
