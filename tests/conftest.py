@@ -113,17 +113,25 @@ def run_python(argv: list[str], env: dict, timeout: float) -> subprocess.Complet
     if _FORK_SERVER is None or _FORK_SERVER.poll() is not None:
         _FORK_SERVER = subprocess.Popen([sys.executable, str(REPO / "tests" / "forked.py")], cwd=REPO,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
-    server = _FORK_SERVER
+    server, pid = _FORK_SERVER, None
     with tempfile.TemporaryDirectory() as tmp:
         out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
         request = {"argv": argv, "env": env, "cwd": str(REPO), "stdout": str(out), "stderr": str(err)}
-        server.stdin.write((json.dumps(request) + "\n").encode())
-        pid = _answer(server, time.time() + 120)
-        assert pid is not None, "the test fork server did not answer"
-        status = _answer(server, time.time() + timeout)
+        try:
+            server.stdin.write((json.dumps(request) + "\n").encode())
+            pid = _answer(server, time.time() + 120)
+            assert pid is not None, "the test fork server did not answer"
+            status = _answer(server, time.time() + timeout)
+        except BaseException:  # e.g. pytest-timeout: the server is still waiting for this child; start afresh
+            _FORK_SERVER = None
+            server.kill()
+            status = None
+            raise
+        finally:
+            if status is None and pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)  # the child and what it started (forked.run made it a group)
         if status is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)  # the child and what it started (forked.run made it a group)
             _answer(server, time.time() + 60)
             raise subprocess.TimeoutExpired(argv, timeout, out.read_text(), err.read_text())
         return subprocess.CompletedProcess(argv, status, out.read_text(), err.read_text())
