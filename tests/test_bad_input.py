@@ -110,5 +110,20 @@ def test_datasets_cache_on_a_full_disk_says_so_and_where(tmp_path):
     assert f"its cache {disk / 'datasets'} (" in line and "HF_DATASETS_CACHE" in line, line
 
 
+def test_image_folder_whose_image_cannot_be_decoded_names_the_file(tmp_path):
+    from PIL import Image
+
+    from utils.data import CLASSES
+
+    for split in ("train", "test"):
+        for name in CLASSES:
+            (tmp_path / "folder" / split / name).mkdir(parents=True)
+            Image.new("RGB", (32, 32)).save(tmp_path / "folder" / split / name / "0.png")
+    broken = tmp_path / "folder" / "test" / "cat" / "1.jpg"
+    broken.write_bytes(b"\xff\xd8 half a jpeg")
+    line = _fails_cleanly(tmp_path, ["--data-dir", str(tmp_path / "folder")], f"undecodable image at {broken} (")
+    assert line.startswith("error: the test split has"), line
+
+
 def test_sync_bn_on_cpu_stops_with_a_clear_message(tmp_path, small_data):
     _fails_cleanly(tmp_path, ["--data-dir", str(small_data), "--sync-bn"], "--sync-bn needs CUDA GPUs")

@@ -202,3 +202,71 @@ def test_a_training_split_smaller_than_one_batch_on_every_process_stops_with_one
     with pytest.raises(UserError) as e:
         cdata.check_one_batch(torch.zeros(63), batch_size=32, processes=2)
     assert str(e.value) == "63 training images do not fill one batch of 32 on each of 2 processes."
+
+
+# Image folders (train/<class>/*.png, test/<class>/...), read through datasets' imagefolder builder ---------------
+def _export_folder(root, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], split_names=None) -> None:
+    """Each image as a lossless PNG in <split>/<class name>/<row>.png."""
+    for split, (images, labels) in pairs.items():
+        for row, (image, label) in enumerate(zip(images, labels.tolist())):
+            folder = root / (split_names or {}).get(split, split) / cdata.CLASSES[label]
+            folder.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(image.permute(1, 2, 0).numpy()).save(folder / f"{row:05d}.png")
+
+
+def test_an_image_folder_of_cifar_pngs_decodes_to_the_parquets_tensors_and_labels(cifar_dir, cache_dir, tmp_path,
+                                                                                   accelerator):
+    parquet = load_cifar10(str(cifar_dir), str(cache_dir), accelerator)
+    prefix = {"train": (parquet["train"][0][:2000], parquet["train"][1][:2000]),
+              "test": (parquet["test"][0][:500], parquet["test"][1][:500])}
+    _export_folder(tmp_path / "folder", prefix, split_names={"test": "validation"})  # validation/ is a test split too
+    folder = load_cifar10(str(tmp_path / "folder"), str(tmp_path / "cache"), accelerator)
+    for split, (images, labels) in prefix.items():
+        # the folder lists its files by class, then by name (the row): the same images in that order
+        order = sorted(range(len(labels)), key=lambda row: (labels[row].item(), row))
+        assert torch.equal(folder[split][1], labels[order])
+        assert torch.equal(folder[split][0], images[order])
+        assert len(folder[split][1].unique()) == 10
+    assert len(list((tmp_path / "cache").glob("cifar10-*.safetensors"))) == 1  # cached like a parquet source
+
+
+def _folder_error(tmp_path, accelerator) -> str:
+    with pytest.raises(UserError) as e:
+        load_cifar10(str(tmp_path / "folder"), str(tmp_path / "cache"), accelerator)
+    return str(e.value)
+
+
+def _tiny_folder(root, classes=cdata.CLASSES[:2], size=(32, 32), mode="RGB"):
+    for split in ("train", "test"):
+        for k, name in enumerate(classes):
+            (root / split / name).mkdir(parents=True, exist_ok=True)
+            Image.new(mode, size, color=k * 40).save(root / split / name / "0.png")
+
+
+def test_image_folder_bad_input_is_named_in_one_sentence(tmp_path, accelerator):
+    folder = tmp_path / "folder"
+    _tiny_folder(folder, classes=cdata.CLASSES)
+    (folder / "train" / "zebra").mkdir()
+    assert _folder_error(tmp_path, accelerator) == f"the class folder {folder / 'train' / 'zebra'} holds no image " \
+                                                   f"({', '.join(cdata.IMAGE_SUFFIXES)})."
+    Image.new("RGB", (32, 32)).save(folder / "train" / "zebra" / "0.png")
+    assert _folder_error(tmp_path, accelerator) == f"--data-dir {folder}: train/ and test/ have different class " \
+                                                   f"folders (zebra only in one of them)."
+    (folder / "train" / "zebra" / "0.png").unlink()
+    (folder / "train" / "zebra").rmdir()
+    broken = folder / "train" / "airplane" / "1.png"
+    broken.write_bytes(b"not a png")
+    message = _folder_error(tmp_path, accelerator)
+    assert message.startswith(f"the train split has an undecodable image at {broken} ("), message
+    broken.unlink()
+    (folder / "test").rename(folder / "elsewhere")
+    assert _folder_error(tmp_path, accelerator) == f"--data-dir {folder} has train/ but neither test/ nor " \
+                                                   f"validation/ beside it."
+
+
+def test_image_folder_with_other_classes_or_sizes_stops_until_those_are_supported(tmp_path, accelerator):
+    _tiny_folder(tmp_path / "folder", classes=("cats", "dogs"))
+    assert "classes are cats, dogs; this version trains CIFAR-10's ten classes" in _folder_error(tmp_path, accelerator)
+    _tiny_folder(tmp_path / "other" / "folder", classes=cdata.CLASSES, size=(48, 48))
+    message = _folder_error(tmp_path / "other", accelerator)
+    assert "48x48 RGB image at " in message and message.endswith("CIFAR-10 images must be 32x32 RGB."), message

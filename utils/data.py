@@ -1,7 +1,8 @@
-"""CIFAR-10 as uint8 tensors: read (local parquet or the Hub), decode once, cache, batch, augment on device.
+"""CIFAR-10 as uint8 tensors: read (local parquet, an image folder or the Hub), decode once, cache, batch, augment.
 
 The pipeline, and why it never starves a GPU:
-  1. `load_cifar10` reads the parquet files with `datasets` (the Hub layout of uoft-cs/cifar10), decodes
+  1. `load_cifar10` reads the parquet files (the Hub layout of uoft-cs/cifar10) or an image folder
+     (train/<class>/*.png, test/<class>/...) with `datasets`' own builders, decodes
      every image once into an (N, 3, 32, 32) uint8 tensor stored channels-last (NHWC in memory, as the
      JPEGs decode and as the models run) and caches that as a safetensors file, keyed by the source
      files, so later runs load it in about a second.
@@ -38,37 +39,61 @@ CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "hors
 MEAN = (0.4914, 0.4822, 0.4465)  # per-channel mean of the CIFAR-10 training images, in [0, 1]
 STD = (0.2470, 0.2435, 0.2616)
 CACHE_FORMAT = 2  # bump when the cached tensors change meaning
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
+IMAGE_COLUMNS, LABEL_COLUMNS = ("img", "image"), ("label", "labels", "fine_label")
 
 
 # ----------------------------------------------------------------------------------------------------
 # Source: local parquet files or the Hub
 # ----------------------------------------------------------------------------------------------------
-def find_parquet_files(data_dir: str | Path) -> dict[str, list[Path]]:
-    """The train-*.parquet and test-*.parquet files under data_dir (any depth, as in a Hub snapshot)."""
+def find_source(data_dir: str | Path) -> tuple[str, dict[str, list[Path]]]:
+    """What --data-dir holds: ("parquet", the train-*/test-*.parquet files at any depth, as in a Hub snapshot) or
+    ("imagefolder", the image files of train/<class>/ and of test/<class>/ or validation/<class>/)."""
     root = Path(data_dir)
     if not root.is_dir():
         raise UserError(f"--data-dir {root} does not exist or is not a directory.")
-    files = {split: sorted(root.rglob(f"{split}-*.parquet")) for split in SPLITS}
-    for split, found in files.items():
-        if not found:
-            raise UserError(
-                f"--data-dir {root} holds no {split}-*.parquet file "
-                f"(expected the parquet layout of the Hub dataset {HUB_DATASET})."
-            )
+    parquet = {split: sorted(root.rglob(f"{split}-*.parquet")) for split in SPLITS}
+    if all(parquet.values()):
+        return "parquet", parquet
+    if (root / "train").is_dir() and any(d.is_dir() for d in (root / "train").iterdir()):
+        return "imagefolder", _image_folder_files(root)
+    missing = next(split for split, found in parquet.items() if not found)
+    raise UserError(
+        f"--data-dir {root} holds no {missing}-*.parquet file and no image folder (train/<class>/*.png, "
+        f"test/<class>/...); expected the parquet layout of the Hub dataset {HUB_DATASET} or such a folder."
+    )
+
+
+def _image_folder_files(root: Path) -> dict[str, list[Path]]:
+    test = next((root / name for name in ("test", "validation") if (root / name).is_dir()), None)
+    if test is None:
+        raise UserError(f"--data-dir {root} has train/ but neither test/ nor validation/ beside it.")
+    files, classes = {}, {}
+    for split, folder in (("train", root / "train"), ("test", test)):
+        classes[split] = sorted(d.name for d in folder.iterdir() if d.is_dir())
+        for name in classes[split]:
+            if not any(f.suffix.lower() in IMAGE_SUFFIXES for f in (folder / name).iterdir()):
+                raise UserError(f"the class folder {folder / name} holds no image ({', '.join(IMAGE_SUFFIXES)}).")
+        files[split] = sorted(f for f in folder.rglob("*") if f.suffix.lower() in IMAGE_SUFFIXES)
+    if classes["train"] != classes["test"]:
+        differ = sorted(set(classes["train"]) ^ set(classes["test"]))
+        raise UserError(f"--data-dir {root}: train/ and {test.name}/ have different class folders ({', '.join(differ)} "
+                        f"only in one of them).")
     return files
 
 
-def _read_local(files: dict[str, list[Path]]):
+def _read_local(kind: str, files: dict[str, list[Path]]):
+    """The splits through datasets' packaged builder for the kind ('parquet' or 'imagefolder'); both work offline."""
     import datasets
     import pyarrow.parquet as pq
 
-    for path in (p for paths in files.values() for p in paths):
+    for path in (p for paths in files.values() for p in paths if kind == "parquet"):
         try:  # reading the footer names the broken file; load_dataset's error would not
             pq.read_metadata(path)
         except Exception as e:
             raise UserError(f"{path} is not a readable parquet file ({_first_line(e)}).") from None
     try:
-        return datasets.load_dataset("parquet", data_files={s: [str(p) for p in ps] for s, ps in files.items()})
+        return datasets.load_dataset(kind, data_files={s: [str(p) for p in ps] for s, ps in files.items()})
     except Exception as e:
         cause = _root_cause(e)  # load_dataset wraps the real reason (a full disk, say) in DatasetGenerationError
         if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
@@ -78,7 +103,7 @@ def _read_local(files: dict[str, list[Path]]):
                 f"no space left on device while datasets copied {files['train'][0].parent} into its cache {cache} "
                 f"({free / 2**20:,.0f} MiB free); free some space or point HF_DATASETS_CACHE at a larger disk."
             ) from None
-        raise UserError(f"cannot read the parquet files in {files['train'][0].parent}: {_first_line(cause)}") from None
+        raise UserError(f"cannot read the {kind} files in {files['train'][0].parent}: {_first_line(cause)}") from None
 
 
 def _read_hub():
@@ -110,40 +135,53 @@ def _first_line(e: BaseException) -> str:
 # ----------------------------------------------------------------------------------------------------
 # Decode once into uint8 tensors
 # ----------------------------------------------------------------------------------------------------
+def _column(ds, split: str, names: tuple[str, ...], what: str) -> str:
+    found = [n for n in names if n in ds.column_names]
+    if not found:
+        raise UserError(f"the {split} split has columns {ds.column_names}; expected an {what} column named "
+                        f"{' or '.join(repr(n) for n in names)}.")
+    return found[0]
+
+
 def decode_split(ds, split: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, 3, 32, 32) uint8 images (channels-last in memory) and (N,) int64 labels from a datasets.Dataset
-    with `img` and `label`."""
+    """(N, 3, 32, 32) uint8 images (channels-last in memory) and (N,) int64 labels from a datasets.Dataset with an
+    image column (`img` or `image`) and a label column (`label`, `labels` or `fine_label`), CIFAR-10's classes."""
+    from datasets import ClassLabel
     from datasets import Image as ImageFeature
     from PIL import Image, UnidentifiedImageError
 
-    missing = {"img", "label"} - set(ds.column_names)
-    if missing:
-        raise UserError(
-            f"the {split} split has columns {ds.column_names}; expected 'img' and 'label' "
-            f"(the schema of {HUB_DATASET})."
-        )
-    # Undecoded bytes: we decode straight into one preallocated array instead of one PIL object per row.
-    table = ds.cast_column("img", ImageFeature(decode=False)).with_format("arrow")[:]
-    labels = table.column("label").to_numpy(zero_copy_only=False)
+    image_col = _column(ds, split, IMAGE_COLUMNS, "image")
+    label_col = _column(ds, split, LABEL_COLUMNS, "label")
+    feature = ds.features[label_col]
+    if isinstance(feature, ClassLabel) and tuple(feature.names) != CLASSES:
+        raise UserError(f"the {split} split's classes are {', '.join(feature.names[:12])}"
+                        f"{', ...' if len(feature.names) > 12 else ''}; this version trains CIFAR-10's ten classes "
+                        f"({', '.join(CLASSES)}) only.")
+    # Undecoded: we decode straight into one preallocated array instead of one PIL object per row. A parquet row
+    # holds the image's bytes; an image folder's row holds its path.
+    table = ds.cast_column(image_col, ImageFeature(decode=False)).with_format("arrow")[:]
+    labels = table.column(label_col).to_numpy(zero_copy_only=False)
     bad = np.flatnonzero(~np.isin(labels, np.arange(len(CLASSES))))
     if len(bad):
         raise UserError(
             f"the {split} split has label {labels[bad[0]]} at row {bad[0]} ({len(bad)} rows in all); "
             f"labels must be 0-9."
         )
-    blobs = table.column("img").combine_chunks().field("bytes").to_pylist()
+    column = table.column(image_col).combine_chunks()
+    blobs, paths = column.field("bytes").to_pylist(), column.field("path").to_pylist()
     images = np.empty((len(blobs), 32, 32, 3), dtype=np.uint8)
-    for i, blob in enumerate(blobs):
+    for i, (blob, path) in enumerate(zip(blobs, paths)):
+        where = f"row {i}" if blob is not None else path
         try:
-            with Image.open(io.BytesIO(blob)) as im:
+            with Image.open(io.BytesIO(blob) if blob is not None else path) as im:
                 if im.mode != "RGB" or im.size != (32, 32):
                     raise UserError(
-                        f"the {split} split has a {im.size[0]}x{im.size[1]} {im.mode} image at row {i}; "
+                        f"the {split} split has a {im.size[0]}x{im.size[1]} {im.mode} image at {where}; "
                         f"CIFAR-10 images must be 32x32 RGB."
                     )
                 images[i] = np.asarray(im)
         except (UnidentifiedImageError, OSError, TypeError) as e:
-            raise UserError(f"the {split} split has an undecodable image at row {i} ({_first_line(e)}).") from None
+            raise UserError(f"the {split} split has an undecodable image at {where} ({_first_line(e)}).") from None
     return torch.from_numpy(images).permute(0, 3, 1, 2), torch.from_numpy(labels.astype(np.int64))
 
 
@@ -229,7 +267,7 @@ def load_cifar10(data_dir: str | None, cache_dir: str | None,
 
 def _load(data_dir, cache_dir, log, write_cache: bool):
     if data_dir is not None:
-        files = find_parquet_files(data_dir)
+        kind, files = find_source(data_dir)
         key, dsd = _fingerprint([p for ps in files.values() for p in ps]), None
     else:
         dsd = _read_hub()  # the Hub client's own cache makes this cheap after the first download
@@ -238,7 +276,7 @@ def _load(data_dir, cache_dir, log, write_cache: bool):
     data = _read_cache(path) if path.exists() else None
     if data is None:
         log(f"decoding CIFAR-10 once into uint8 tensors; cache: {path}")
-        dsd = dsd if dsd is not None else _read_local(files)
+        dsd = dsd if dsd is not None else _read_local(kind, files)
         data = {s: decode_split(dsd[s], s) for s in SPLITS}
         if write_cache:
             _write_cache(path, data)
