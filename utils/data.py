@@ -44,7 +44,7 @@ IMAGE_COLUMNS, LABEL_COLUMNS = ("img", "image"), ("label", "labels", "fine_label
 
 
 # ----------------------------------------------------------------------------------------------------
-# Source: local parquet files or the Hub
+# Source: local parquet files, an image folder, or the Hub
 # ----------------------------------------------------------------------------------------------------
 def find_source(data_dir: str | Path) -> tuple[str, dict[str, list[Path]]]:
     """What --data-dir holds: ("parquet", the train-*/test-*.parquet files at any depth, as in a Hub snapshot) or
@@ -138,7 +138,7 @@ def _first_line(e: BaseException) -> str:
 def _column(ds, split: str, names: tuple[str, ...], what: str) -> str:
     found = [n for n in names if n in ds.column_names]
     if not found:
-        raise UserError(f"the {split} split has columns {ds.column_names}; expected an {what} column named "
+        raise UserError(f"the {split} split has columns {ds.column_names}; expected {what} column named "
                         f"{' or '.join(repr(n) for n in names)}.")
     return found[0]
 
@@ -150,8 +150,8 @@ def decode_split(ds, split: str) -> tuple[torch.Tensor, torch.Tensor]:
     from datasets import Image as ImageFeature
     from PIL import Image, UnidentifiedImageError
 
-    image_col = _column(ds, split, IMAGE_COLUMNS, "image")
-    label_col = _column(ds, split, LABEL_COLUMNS, "label")
+    image_col = _column(ds, split, IMAGE_COLUMNS, "an image")
+    label_col = _column(ds, split, LABEL_COLUMNS, "a label")
     feature = ds.features[label_col]
     if isinstance(feature, ClassLabel) and tuple(feature.names) != CLASSES:
         raise UserError(f"the {split} split's classes are {', '.join(feature.names[:12])}"
