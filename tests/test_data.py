@@ -270,3 +270,21 @@ def test_image_folder_with_other_classes_or_sizes_stops_until_those_are_supporte
     _tiny_folder(tmp_path / "other" / "folder", classes=cdata.CLASSES, size=(48, 48))
     message = _folder_error(tmp_path / "other", accelerator)
     assert "48x48 RGB image at " in message and message.endswith("CIFAR-10 images must be 32x32 RGB."), message
+
+
+def test_image_and_label_columns_are_found_by_name_and_a_missing_one_is_named():
+    import datasets
+
+    pixels = np.random.default_rng(0).integers(0, 256, (3, 32, 32, 3), dtype=np.uint8)
+    pngs = []
+    for arr in pixels:
+        buf = io.BytesIO()
+        Image.fromarray(arr).save(buf, format="PNG")
+        pngs.append({"bytes": buf.getvalue(), "path": None})
+    features = datasets.Features({"image": datasets.Image(), "fine_label": datasets.ClassLabel(names=cdata.CLASSES)})
+    ds = datasets.Dataset.from_dict({"image": pngs, "fine_label": [3, 0, 9]}, features=features)
+    images, labels = cdata.decode_split(ds, "train")
+    assert torch.equal(images, torch.from_numpy(pixels).permute(0, 3, 1, 2)) and labels.tolist() == [3, 0, 9]
+    with pytest.raises(UserError, match=r"^the test split has columns \['image', 'target'\]; expected a label column "
+                                        r"named 'label' or 'labels' or 'fine_label'\.$"):
+        cdata.decode_split(ds.rename_column("fine_label", "target"), "test")
