@@ -278,9 +278,16 @@ def _load(data_dir, cache_dir, log, write_cache: bool):
         log(f"decoding CIFAR-10 once into uint8 tensors; cache: {path}")
         dsd = dsd if dsd is not None else _read_local(kind, files)
         data = {s: decode_split(dsd[s], s) for s in SPLITS}
+        if data_dir is not None and kind == "imagefolder":  # rows come class by class: shuffle them once, with a
+            data = {s: _shuffled(*pair) for s, pair in data.items()}  # fixed seed, so a prefix is class-balanced
         if write_cache:
             _write_cache(path, data)
     return data
+
+
+def _shuffled(images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))
+    return images.permute(0, 2, 3, 1)[order].permute(0, 3, 1, 2), labels[order]  # stays channels-last in memory
 
 
 def check_one_batch(labels: torch.Tensor, batch_size: int, processes: int) -> None:
