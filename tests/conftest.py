@@ -49,6 +49,17 @@ def write_parquet(path: Path, n: int, seed: int = 0, size=(32, 32), mode: str = 
     return path
 
 
+def write_image_folder(root: Path, classes, size=(32, 32), mode: str = "RGB") -> Path:
+    """An image folder (train/<class>/0.png, test/<class>/0.png) with one plain image per class and split."""
+    from PIL import Image
+
+    for split in ("train", "test"):
+        for k, name in enumerate(classes):
+            (root / split / name).mkdir(parents=True, exist_ok=True)
+            Image.new(mode, size, color=k * 20).save(root / split / name / "0.png")
+    return root
+
+
 def write_cifar_dir(root: Path, n_train: int = 256, n_test: int = 64, **kwargs) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     write_parquet(root / "train-00000-of-00001.parquet", n_train, seed=1, **kwargs)

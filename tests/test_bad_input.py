@@ -6,7 +6,7 @@ import hashlib
 from pathlib import Path
 
 import pytest
-from conftest import CPU_YAML, run_train, script_env, small_tmpfs, write_cifar_dir, write_parquet
+from conftest import CPU_YAML, run_train, script_env, small_tmpfs, write_cifar_dir, write_image_folder, write_parquet
 
 
 def _digest(folder: Path) -> dict:
@@ -111,14 +111,9 @@ def test_datasets_cache_on_a_full_disk_says_so_and_where(tmp_path):
 
 
 def test_image_folder_whose_image_cannot_be_decoded_names_the_file(tmp_path):
-    from PIL import Image
-
     from utils.data import CLASSES
 
-    for split in ("train", "test"):
-        for name in CLASSES:
-            (tmp_path / "folder" / split / name).mkdir(parents=True)
-            Image.new("RGB", (32, 32)).save(tmp_path / "folder" / split / name / "0.png")
+    write_image_folder(tmp_path / "folder", CLASSES)
     broken = tmp_path / "folder" / "test" / "cat" / "1.jpg"
     broken.write_bytes(b"\xff\xd8 half a jpeg")
     line = _fails_cleanly(tmp_path, ["--data-dir", str(tmp_path / "folder")], f"undecodable image at {broken} (")

@@ -12,7 +12,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration
-from conftest import write_cifar_dir
+from conftest import write_cifar_dir, write_image_folder
 from PIL import Image
 
 from utils import UserError
@@ -246,16 +246,9 @@ def _folder_error(tmp_path, accelerator) -> str:
     return str(e.value)
 
 
-def _tiny_folder(root, classes=cdata.CLASSES[:2], size=(32, 32), mode="RGB"):
-    for split in ("train", "test"):
-        for k, name in enumerate(classes):
-            (root / split / name).mkdir(parents=True, exist_ok=True)
-            Image.new(mode, size, color=k * 40).save(root / split / name / "0.png")
-
-
 def test_image_folder_bad_input_is_named_in_one_sentence(tmp_path, accelerator):
     folder = tmp_path / "folder"
-    _tiny_folder(folder, classes=cdata.CLASSES)
+    write_image_folder(folder, cdata.CLASSES)
     (folder / "train" / "zebra").mkdir()
     assert _folder_error(tmp_path, accelerator) == f"the class folder {folder / 'train' / 'zebra'} holds no image " \
                                                    f"({', '.join(cdata.IMAGE_SUFFIXES)})."
@@ -275,9 +268,9 @@ def test_image_folder_bad_input_is_named_in_one_sentence(tmp_path, accelerator):
 
 
 def test_image_folder_with_other_classes_or_sizes_stops_until_those_are_supported(tmp_path, accelerator):
-    _tiny_folder(tmp_path / "folder", classes=("cats", "dogs"))
+    write_image_folder(tmp_path / "folder", ("cats", "dogs"))
     assert "classes are cats, dogs; this version trains CIFAR-10's ten classes" in _folder_error(tmp_path, accelerator)
-    _tiny_folder(tmp_path / "other" / "folder", classes=cdata.CLASSES, size=(48, 48))
+    write_image_folder(tmp_path / "other" / "folder", cdata.CLASSES, size=(48, 48))
     message = _folder_error(tmp_path / "other", accelerator)
     assert "48x48 RGB image at " in message and message.endswith("CIFAR-10 images must be 32x32 RGB."), message
 

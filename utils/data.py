@@ -270,7 +270,7 @@ def _load(data_dir, cache_dir, log, write_cache: bool):
         kind, files = find_source(data_dir)
         key, dsd = _fingerprint([p for ps in files.values() for p in ps]), None
     else:
-        dsd = _read_hub()  # the Hub client's own cache makes this cheap after the first download
+        kind, dsd = "hub", _read_hub()  # the Hub client's own cache makes this cheap after the first download
         key = _fingerprint([f["filename"] for s in SPLITS for f in dsd[s].cache_files])
     path = (Path(cache_dir) if cache_dir else default_cache_dir(data_dir)) / f"cifar10-{key}.safetensors"
     data = _read_cache(path) if path.exists() else None
@@ -278,7 +278,7 @@ def _load(data_dir, cache_dir, log, write_cache: bool):
         log(f"decoding CIFAR-10 once into uint8 tensors; cache: {path}")
         dsd = dsd if dsd is not None else _read_local(kind, files)
         data = {s: decode_split(dsd[s], s) for s in SPLITS}
-        if data_dir is not None and kind == "imagefolder":  # rows come class by class: shuffle them once, with a
+        if kind == "imagefolder":  # rows come class by class: shuffle them once, with a
             data = {s: _shuffled(*pair) for s, pair in data.items()}  # fixed seed, so a prefix is class-balanced
         if write_cache:
             _write_cache(path, data)
