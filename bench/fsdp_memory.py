@@ -1,12 +1,13 @@
 """Memory per process of train_vit.py's model under DDP and FSDP2, with and without activation checkpointing.
 
     python bench/fsdp_memory.py                                   # CPU: 2 gloo processes, vit_s and vit_b
-    python bench/fsdp_memory.py --gpus                            # 2 GPUs (NCCL): 2gpu-shaped launches
+    python bench/fsdp_memory.py --gpus 2                          # 2 GPUs (NCCL): 2gpu-shaped launches
+    python bench/fsdp_memory.py --gpus 1 --mixed-precision bf16   # 1 GPU, 1 process: what fits (no sharding ratio)
     python bench/fsdp_memory.py --models vit_s --batch-size 64
 
 For each model and setting it launches 2 processes (`accelerate launch`, the repo's cpu.yaml / fsdp_cpu.yaml, or
---multi_gpu / FSDP2 flags with --gpus) that build the model, the AdamW optimizer and the wrapper exactly as
-train_vit.py does, then train a few steps on random 32 x 32 images. Each process reports:
+one per GPU with --multi_gpu / FSDP2 flags with --gpus N) that build the model, the AdamW optimizer and the wrapper
+exactly as train_vit.py does, then train a few steps on random 32 x 32 images. Each process reports:
   model state  bytes of the parameters, gradients and AdamW state it holds (FSDP2: its shards), counted tensor by
                tensor: what sharding divides;
   activations  the memory the forward pass leaves for backward: bytes in use at the loss minus before the forward
@@ -110,10 +111,12 @@ def worker(args) -> None:
 
 
 def launch(args, model: str, wrapper: str, checkpointed: bool) -> dict:
+    processes = args.gpus or 2
     if args.gpus:
-        config = ["--multi_gpu", "--num_processes", "2", "--mixed_precision", args.mixed_precision]
+        config = [*(["--multi_gpu"] if args.gpus > 1 else []), "--num_processes", str(args.gpus), "--mixed_precision",
+                  args.mixed_precision]
         if wrapper == "fsdp":
-            config = ["--use_fsdp", "--fsdp_version", "2", "--num_processes", "2", "--mixed_precision",
+            config = ["--use_fsdp", "--fsdp_version", "2", "--num_processes", str(args.gpus), "--mixed_precision",
                       args.mixed_precision, "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP",
                       "--fsdp_transformer_layer_cls_to_wrap", "EncoderBlock", "--fsdp_reshard_after_forward", "true"]
     else:
@@ -127,8 +130,8 @@ def launch(args, model: str, wrapper: str, checkpointed: bool) -> dict:
         if done.returncode != 0:
             sys.exit(f"error: the {wrapper} launch for {model} failed:\n{done.stderr[-3000:]}")
         ranks = [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))]
-    assert len(ranks) == 2 and {r["world"] for r in ranks} == {2}, ranks
-    want = "FSDP" if wrapper == "fsdp" else ("MULTI_GPU" if args.gpus else "MULTI_CPU")
+    assert len(ranks) == processes and {r["world"] for r in ranks} == {processes}, ranks
+    want = "FSDP" if wrapper == "fsdp" else {0: "MULTI_CPU", 1: "NO"}.get(args.gpus, "MULTI_GPU")
     assert {r["distributed_type"] for r in ranks} == {want}, ranks
     worst = max(ranks, key=lambda r: r["params"] + r["grads"] + r["optimizer"])
     return {**worst, "state": worst["params"] + worst["grads"] + worst["optimizer"],
@@ -141,7 +144,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16, help="images per process per step")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--mixed-precision", default="no", choices=("no", "bf16"))
-    parser.add_argument("--gpus", action="store_true", help="2 CUDA GPUs instead of 2 CPU processes")
+    parser.add_argument("--gpus", type=int, default=0, help="N CUDA GPUs, one process each, instead of 2 CPU "
+                        "processes")
+    parser.add_argument("--results", help="also write the numbers (MiB) and ratios to this JSON file")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -155,12 +160,14 @@ def main() -> None:
 
     from bench.common import header
 
-    header("FSDP2 vs DDP memory per process, train_vit.py's model and optimizer, 2 processes")
+    processes = args.gpus or 2
+    where = f"{args.gpus} GPU(s)" if args.gpus else "2 CPU processes"
+    header(f"FSDP2 vs DDP memory per process, train_vit.py's model and optimizer, {where}")
     print(f"batch {args.batch_size} per process, {args.steps} steps, mixed precision {args.mixed_precision}; MiB per "
-          f"process (the larger of the 2)")
+          f"process (the largest of the {processes})")
     print(f"{'model':<7} {'wrapper':<5} {'act. ckpt':<9} {'params':>8} {'grads':>8} {'AdamW':>8} {'state':>8} "
           f"{'activations':>11} {'peak':>8}")
-    mib = 2 ** 20
+    mib, numbers = 2 ** 20, {}
     for model in args.models:
         got = {}
         for wrapper in ("ddp", "fsdp"):
@@ -169,11 +176,16 @@ def main() -> None:
                 print(f"{model:<7} {wrapper:<5} {'yes' if checkpointed else 'no':<9} {r['params'] / mib:>8,.0f} "
                       f"{r['grads'] / mib:>8,.0f} {r['optimizer'] / mib:>8,.0f} {r['state'] / mib:>8,.0f} "
                       f"{r['activations'] / mib:>11,.0f} {r['peak'] / mib:>8,.0f}", flush=True)
+                numbers[f"{model} {wrapper}{' ac' if checkpointed else ''} MiB"] = {
+                    k: round(r[k] / mib) for k in ("state", "activations", "peak")}
         state = got["fsdp", False]["state"] / got["ddp", False]["state"]
         acts = [got[w, False]["activations"] / max(got[w, True]["activations"], 1) for w in ("ddp", "fsdp")]
         print(f"{model}: model state FSDP / DDP {state:.2f}x; activations plain / checkpointed: DDP {acts[0]:.1f}x, "
               f"FSDP {acts[1]:.1f}x")
-
+        numbers[f"{model} ratios"] = {"state_fsdp_over_ddp": round(state, 3), "activations_ddp_plain_over_ac":
+                                      round(acts[0], 2), "activations_fsdp_plain_over_ac": round(acts[1], 2)}
+        if args.results:  # after each model: a later one that fails or runs out of time leaves these
+            Path(args.results).write_text(json.dumps(numbers, indent=2))
 
 if __name__ == "__main__":
     main()

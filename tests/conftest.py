@@ -25,6 +25,19 @@ SHARED_CIFAR = REPO.parent / "shared" / "data" / "cifar10"
 CPU_YAML = REPO / "accelerate_configs" / "cpu.yaml"
 FSDP_CPU_YAML = REPO / "accelerate_configs" / "fsdp_cpu.yaml"
 PROBE = REPO / "tests" / "probe_train.py"
+GPU_YAML = REPO / "accelerate_configs" / "1gpu.yaml"
+# A test marked `cuda` runs where torch sees a GPU (bench/gpu_check.sh runs them: python -m pytest -m cuda) and is
+# skipped elsewhere. DEVICES parametrizes a test over the CPU and, marked so, CUDA.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (bench/gpu_check.sh runs these there)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
 
 
 def write_parquet(path: Path, n: int, seed: int = 0, size=(32, 32), mode: str = "RGB", labels=None, fmt="PNG") -> Path:
@@ -69,16 +82,20 @@ def write_cifar_dir(root: Path, n_train: int = 256, n_test: int = 64, **kwargs) 
 
 @pytest.fixture(scope="session")
 def cifar_dir(tmp_path_factory) -> Path:
-    """The real CIFAR-10 copy beside the checkout (CI has it), else generated learnable stand-ins."""
-    if (SHARED_CIFAR / "train-00000-of-00001.parquet").exists():
-        return SHARED_CIFAR
+    """The real CIFAR-10 copy: $TEST_DATA_DIR, else the one beside the checkout (CI has it); else generated learnable
+    stand-ins."""
+    for real in (os.environ.get("TEST_DATA_DIR"), SHARED_CIFAR):
+        if real and (Path(real) / "train-00000-of-00001.parquet").exists():
+            return Path(real)
     return write_cifar_dir(tmp_path_factory.mktemp("cifar"), n_train=8192, n_test=2000)
 
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
-    """One decoded-tensor cache for the whole session: the first run decodes, the rest load."""
-    return tmp_path_factory.mktemp("decoded")
+    """One decoded-tensor cache for the whole session: the first run decodes, the rest load. $TEST_CACHE_DIR shares
+    one with other programs (bench/gpu_check.sh: the tests and the benchmarks decode CIFAR-10 once)."""
+    shared = os.environ.get("TEST_CACHE_DIR")
+    return Path(shared) if shared else tmp_path_factory.mktemp("decoded")
 
 
 @contextlib.contextmanager

@@ -20,6 +20,8 @@ changes no behaviour, it only records, per rank, into <output-dir>/probe-rank<R>
   logs         every accelerator.log(values, step) call (also appended, as it happens, to probe-logs-rank<R>.jsonl,
                which survives a kill)
   writes       files this rank wrote under the output dir
+  dataset_devices  where each dataset's images are held (training first): cuda with --data-on-device on a GPU
+  norm_types   class names of the normalisation layers in the prepared model (SyncBatchNorm with --sync-bn)
   eval_outputs per evaluation, the (logits, labels) gather_for_metrics returned: every test image once, as
                the metrics see them
   bytes_written bytes this process sent to storage (/proc/self/io write_bytes: files on a disk filesystem,
@@ -56,7 +58,7 @@ from utils.launch import run  # noqa: E402
 rec = {"batches": [], "allreduce_at": [], "synced_in_bf16": [], "comm_hook": None, "compiled": None, "fc_dtypes": [],
        "init_digest": None, "eval_buffer_digest": [], "eval_param_digest": [], "eval_forward_digest": [],
        "aug_seed": None, "param_types": [], "local_numel": 0, "fsdp_units": [], "logs": [], "writes": [],
-       "eval_outputs": []}
+       "eval_outputs": [], "dataset_devices": [], "norm_types": []}
 datasets_seen: list[int] = []
 forwards = {"train": 0, "eval_started": False}
 
@@ -65,7 +67,7 @@ def digest(tensors) -> str:
     h = hashlib.sha256()
     for t in tensors:
         t = t.to_local() if isinstance(t, DTensor) else t  # FSDP2: this rank's shard
-        h.update(t.detach().float().contiguous().numpy().tobytes())
+        h.update(t.detach().float().contiguous().cpu().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -75,6 +77,7 @@ real_getitems = cdata.BatchedTensorDataset.__getitems__
 def getitems(self, indices):
     if id(self) not in datasets_seen:
         datasets_seen.append(id(self))
+        rec["dataset_devices"].append(self.images.device.type)
     rec["batches"].append([datasets_seen.index(id(self)), [int(i) for i in indices]])
     return real_getitems(self, indices)
 
@@ -94,6 +97,7 @@ def prepare(self, *objects, **kwargs):
     rec["param_types"] = sorted({type(q).__name__ for q in wrapped.parameters()})
     rec["local_numel"] = sum((q.to_local() if isinstance(q, DTensor) else q).numel() for q in wrapped.parameters())
     rec["fsdp_units"] = [type(m).__name__ for m in wrapped.modules() if isinstance(m, FSDPModule)]
+    rec["norm_types"] = sorted({type(m).__name__ for m in inner.modules() if "Norm" in type(m).__name__})
 
     def count_forward(module, args):
         if module.training:

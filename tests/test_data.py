@@ -12,7 +12,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration
-from conftest import write_cifar_dir, write_image_folder
+from conftest import DEVICES, write_cifar_dir, write_image_folder
 from PIL import Image
 
 from utils import UserError
@@ -133,10 +133,12 @@ def _all_crops(image: torch.Tensor, pad: int = 4) -> list[torch.Tensor]:
     return crops + [c.flip(-1) for c in crops]
 
 
-def test_crop_and_flip_gives_a_padded_crop_or_its_mirror_for_every_image():
+@pytest.mark.parametrize("device", DEVICES)
+def test_crop_and_flip_gives_a_padded_crop_or_its_mirror_for_every_image(device):
     gen = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (64, 3, 32, 32), dtype=torch.uint8, generator=gen)
-    out = BatchTransform(torch.device("cpu"), seed=1, augment=True, channels_last=False).crop_and_flip(images)
+    transform = BatchTransform(torch.device(device), seed=1, augment=True, channels_last=False)
+    out = transform.crop_and_flip(images.to(device)).cpu()
     matches = []
     for src, got in zip(images, out):
         hits = [i for i, c in enumerate(_all_crops(src)) if torch.equal(c, got)]
@@ -146,15 +148,17 @@ def test_crop_and_flip_gives_a_padded_crop_or_its_mirror_for_every_image():
     assert any(m >= 81 for m in matches) and any(m < 81 for m in matches)  # both flipped and not
 
 
-def test_each_image_is_mirrored_with_probability_half_and_shifted_uniformly():
+@pytest.mark.parametrize("device", DEVICES)
+def test_each_image_is_mirrored_with_probability_half_and_shifted_uniformly(device):
     # Pixel values name their coordinates: channel 0 = row + 1, channel 1 = column + 1. The centre pixel of a
     # crop then tells the shift, and its right-hand neighbour tells whether the crop is mirrored.
     r = torch.arange(1, 33, dtype=torch.uint8)
     image = torch.stack([r.view(32, 1).expand(32, 32), r.view(1, 32).expand(32, 32),
                          torch.zeros(32, 32, dtype=torch.uint8)])
-    batch = image.expand(64, 3, 32, 32)
-    transform = BatchTransform(torch.device("cpu"), seed=3, augment=True, channels_last=True)
-    outs = torch.stack([transform.crop_and_flip(batch).clone() for _ in range(50)]).long()  # (50, 64, 3, 32, 32)
+    batch = image.expand(64, 3, 32, 32).to(device)
+    transform = BatchTransform(torch.device(device), seed=3, augment=True, channels_last=True)
+    outs = [transform.crop_and_flip(batch).to("cpu", copy=True) for _ in range(50)]  # each call reuses its buffer
+    outs = torch.stack(outs).long()  # (50, 64, 3, 32, 32)
     mirrored = outs[:, :, 1, 16, 17] < outs[:, :, 1, 16, 16]
     dy = outs[:, :, 0, 16, 16] - 13  # row 16 of the crop = padded row 16 + dy = image row 12 + dy
     dx = torch.where(mirrored, outs[:, :, 1, 16, 16] - 12, outs[:, :, 1, 16, 16] - 13)
@@ -177,6 +181,26 @@ def test_normalised_output_and_per_seed_random_streams():
     assert torch.equal(make(0)(images, train=False), plain)  # evaluation never augments
     assert torch.equal(make(5)(images, train=True), make(5)(images, train=True))  # same seed, same stream
     assert not torch.equal(make(5)(images, train=True), make(6)(images, train=True))  # ranks differ
+
+
+@pytest.mark.cuda
+def test_the_transform_on_cuda_gives_the_cpu_outputs_for_the_same_draws():
+    """Same images, same random draws (made on the CPU): CUDA's crops are the CPU's byte for byte, through every op
+    the transform runs there (index_select on the unfold view with out=, index_copy, flip, non-contiguous copies),
+    and the normalised floats agree to rounding. Batches of two sizes, so the canvas is rebuilt once."""
+    gen = torch.Generator().manual_seed(0)
+    cpu = BatchTransform(torch.device("cpu"), seed=4, augment=True, channels_last=True)
+    cuda = BatchTransform(torch.device("cuda"), seed=4, augment=True, channels_last=True)
+    for n in (128, 128, 37):
+        images = torch.randint(0, 256, (n, 3, 32, 32), dtype=torch.uint8, generator=gen)
+        images = images.contiguous(memory_format=torch.channels_last)  # as the loader delivers them
+        draws = BatchTransform(torch.device("cpu"), seed=n, augment=True, channels_last=True).draw(n)
+        on_cpu = cpu.crop_and_flip(images, draws).clone()
+        on_cuda = cuda.crop_and_flip(images.cuda(non_blocking=True), tuple(d.cuda() for d in draws))
+        assert torch.equal(on_cuda.cpu(), on_cpu)
+        assert 0 < len(draws[0]) < n  # some mirrored, some not
+        assert torch.allclose(cuda(on_cuda, train=False).cpu(), cpu(on_cpu, train=False), rtol=0, atol=1e-5)
+    assert cuda.generator.device.type == "cuda" and cuda.draw(8)[1].device.type == "cuda"
 
 
 def test_decoding_needs_no_network(tmp_path, accelerator, monkeypatch):

@@ -253,7 +253,8 @@ def test_sync_bn_converts_every_batchnorm_before_prepare():
     assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in synced.modules())
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="SyncBatchNorm runs only on CUDA; needs 2 GPUs")
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="SyncBatchNorm across GPUs needs 2 of them")
 def test_sync_bn_running_statistics_agree_across_two_gpus(cifar_dir, cache_dir, tmp_path):
     out = tmp_path / "syncbn"
     result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out),

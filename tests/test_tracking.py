@@ -164,18 +164,33 @@ def test_reader_keeps_the_records_before_a_cut_off_end(runs, tmp_path):
     assert part.history == whole.history[: len(part.history)]
 
 
-def test_tensorboard_tracker_logs_the_same_metrics(cifar_dir, cache_dir, tmp_path):
+def test_tensorboard_tracker_logs_the_same_metrics_and_the_gpu_race_reads_them_without_wandb(cifar_dir, cache_dir,
+                                                                                             tmp_path):
+    """bench/gpu_race.py reads a finished run without W&B (the GPU machine has none): from its TensorBoard files and
+    from its console lines."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from bench.gpu_race import epoch_lines, epochs_from_tensorboard
 
     out = tmp_path / "tb"
     result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out),
                         *TRACKED_JOB,
-                        "--tracker", "tensorboard", "--epochs", "1"], fork=True)
+                        "--tracker", "tensorboard", "--epochs", "2"], fork=True)
     assert result.returncode == 0, result.stderr[-3000:]
     events = EventAccumulator(str(out / "cifar10-accelerate")).Reload()
-    assert [e.step for e in events.Scalars("train/loss")] == [2, 4, 6, 8]
-    assert events.Scalars("eval/top1")[-1].value == pytest.approx(read_summary(out)["eval_top1"])
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(2, 17, 2))
+    summary = read_summary(out)
+    assert events.Scalars("eval/top1")[-1].value == pytest.approx(summary["eval_top1"])
     assert not (out / "wandb").exists()
+    epochs, lines = epochs_from_tensorboard(out), epoch_lines(result.stdout)
+    assert [(e["epoch"], e["step"]) for e in epochs] == [(1, 8), (2, 16)] and [e["epoch"] for e in lines] == [1, 2]
+    assert epochs[-1]["top1"] == pytest.approx(summary["eval_top1"])
+    assert lines[-1]["top1"] == pytest.approx(summary["eval_top1"], abs=0.0051)  # printed with 2 decimals
+    train_seconds = summary["train_images_seen"] / summary["train_images_per_sec"]
+    assert sum(e["seconds"] for e in epochs) == pytest.approx(train_seconds, rel=1e-5)
+    for tb, console in zip(epochs, lines):
+        assert 0 < tb["seconds"] and abs(tb["seconds"] - console["seconds"]) <= 0.05 + 1e-6  # printed with 0.1 s
+        assert console["images_per_sec"] == pytest.approx(256 / tb["seconds"], rel=1e-5, abs=0.5)  # printed rounded
 
 
 def test_run_comparison_refuses_an_argument_that_is_neither_folder_nor_wandb_path(tmp_path):

@@ -393,7 +393,17 @@ class BatchTransform:
         x = torch.addcmul(shift, rows, scale).view(n, h, w, c).permute(0, 3, 1, 2)  # float, channels-last
         return x if self.channels_last else x.contiguous()
 
-    def crop_and_flip(self, images: torch.Tensor) -> torch.Tensor:
+    def draw(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next batch's randomness, on the generator's device: which images are mirrored (a Binomial(n, 1/2)
+        count, then a uniform subset) and each image's crop offset, an index into the (2 pad + 1)^2 (dy, dx)."""
+        g = self.generator
+        m = self.count_rng.getrandbits(n).bit_count()  # Binomial(n, 1/2)
+        mirrored = torch.randperm(n, generator=g, device=g.device)[:m]
+        crop = torch.randint(0, (2 * self.pad + 1) ** 2, (n,), generator=g, device=g.device)  # (dy, dx) uniform
+        return mirrored, crop
+
+    def crop_and_flip(self, images: torch.Tensor, draws: tuple[torch.Tensor, torch.Tensor] | None = None
+                      ) -> torch.Tensor:
         """Each image: a crop at a uniform offset of its zero-padded self, mirrored with probability 1/2.
 
         Written with plain tensor ops because torchvision's v2 transforms draw one crop for the whole batch.
@@ -404,18 +414,18 @@ class BatchTransform:
         2. ONE index_select of B x H row windows (each W x 3 contiguous bytes of the canvas) crops all images.
         The result is a view of a buffer that the next call overwrites (`__call__` reads it at once): fresh
         buffers per batch cost page faults on CPU (reusing this one and the mirror's took P2 from 48x to 52x).
+        draws: (mirrored, crop) from `draw()` instead of new ones (the GPU check applies a CPU draw on CUDA).
         """
         n, c, h, w = images.shape
-        p, g, dev = self.pad, self.generator, images.device
+        p, dev = self.pad, images.device
         if self.canvas is None or self.canvas.shape != (2 * n, h + 2 * p, w + 2 * p, c) or self.canvas.device != dev:
             self._make_canvas(n, c, h, w, dev, images.dtype)
         nhwc = images.permute(0, 2, 3, 1)
         self.interior[:n].copy_(nhwc)
-        m = self.count_rng.getrandbits(n).bit_count()  # Binomial(n, 1/2)
-        mirrored = torch.randperm(n, generator=g, device=dev)[:m]
+        mirrored, crop = draws if draws is not None else self.draw(n)
+        m = len(mirrored)
         self.interior[n:n + m].copy_(torch.index_select(nhwc, 0, mirrored, out=self.scratch[:m]).flip(2))
         start = self.image_start[:n].index_copy(0, mirrored, self.image_start[n:n + m])  # where image i now is
-        crop = torch.randint(0, len(self.crop_rows), (n,), generator=g, device=dev)  # (dy, dx) uniform
         rows = self.crop_rows.index_select(0, crop).add_(start.view(n, 1))  # (n, h): first byte of each cropped row
         crops = torch.index_select(self.windows, 0, rows.view(-1), out=self.crops)
         return crops.view(n, h, w, c).permute(0, 3, 1, 2)
