@@ -107,9 +107,10 @@ def plan(args, out: Path) -> list[Part]:
     race = [py, "bench/gpu_race.py", *data, *cache, "--work", str(work / "race")]
     return [
         Part("decode", [py, "-c", decode], 120),
-        Part("tests", [py, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", "--basetemp",
-                       str(work / "pytest"), *cuda_test_files()], 170, env=test_env),
-        Part("race", [*race, "--parts", "resnet18", "fast", "airbench", "--results", str(work / "race.json")], 200,
+        # -v: each test's outcome is in the log as it ends, also when the part runs out of time
+        Part("tests", [py, "-m", "pytest", "-m", "cuda", "-v", "-p", "no:cacheprovider", "--basetemp",
+                       str(work / "pytest"), *cuda_test_files()], 180, env=test_env),
+        Part("race", [*race, "--parts", "resnet18", "fast", "airbench", "--results", str(work / "race.json")], 210,
              results=work / "race.json"),
         Part("vit", [*race, "--parts", "vit_s", "--results", str(work / "vit.json")], 50, results=work / "vit.json"),
         Part("vit_memory", [py, "bench/fsdp_memory.py", "--gpus", "1", "--models", "vit_s", "vit_b",

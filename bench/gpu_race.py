@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -82,6 +83,14 @@ def time_to_target(epochs: list[dict], target: float) -> float | None:
         if row["top1"] >= target:
             return seconds
     return None
+
+
+def without_compile(epochs: list[dict]) -> list[dict]:
+    """The epochs with the first one's seconds (which hold the compilation, or loading it from the cache) replaced by
+    the median of the others: the steady-state time a longer-lived process would see."""
+    if len(epochs) < 2:
+        return epochs
+    return [{**epochs[0], "seconds": statistics.median(row["seconds"] for row in epochs[1:])}, *epochs[1:]]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -173,11 +182,13 @@ def fast(data: list[str], work: Path, target: float) -> dict:
     for row in epochs:
         print(f"  epoch {row['epoch']:>3}: {row['seconds']:6.2f} s training, eval top-1 {row['top1']:.2f}%")
     summary = json.loads((work / "fast" / "summary.json").read_text())
-    reached = time_to_target(epochs, target)
+    reached, steady = time_to_target(epochs, target), time_to_target(without_compile(epochs), target)
     print(f"--recipe fast: final top-1 {summary['eval_top1']:.2f}%, " +
-          (f"reached {target}% after {reached:.2f} s of training" if reached else f"did not reach {target}%"))
-    return {"final_top1": summary["eval_top1"], "seconds_to_target": reached, "target": target,
-            "training_seconds": sum(r["seconds"] for r in epochs), "epochs": len(epochs)}
+          (f"reached {target}% after {reached:.2f} s of training ({steady:.2f} s with epoch 1 at the median epoch's "
+           f"time, without the compile cache's loading)" if reached else f"did not reach {target}%"))
+    return {"final_top1": summary["eval_top1"], "seconds_to_target": reached, "seconds_to_target_steady": steady,
+            "target": target, "training_seconds": sum(r["seconds"] for r in epochs), "epochs": len(epochs),
+            "first_epoch_seconds": epochs[0]["seconds"]}
 
 
 AIRBENCH = """

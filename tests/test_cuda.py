@@ -45,16 +45,19 @@ def test_a_one_gpu_bf16_job_with_the_data_on_the_gpu_trains_under_bf16_autocast(
     assert 0.05 < s["peak_memory_gb"] < 40, s["peak_memory_gb"]  # the CUDA allocator's peak, not the host's RSS
 
 
-def test_a_compiled_model_on_a_gpu_trains_and_exports_weights_without_the_orig_mod_prefix(cifar_dir, cache_dir,
-                                                                                           tmp_path):
+def test_the_fast_recipe_compiled_on_a_gpu_trains_and_exports_weights_without_the_orig_mod_prefix(cifar_dir, cache_dir,
+                                                                                                    tmp_path):
+    """--recipe fast as the GPU race runs it (ResNet-9, inductor, channels_last, data on the GPU, flip TTA, batch 512:
+    the race then finds these graphs in the compile cache), on 4 steps."""
     out = tmp_path / "compiled"
-    result = run_train(job_args(cifar_dir, cache_dir, out, "--model", "resnet9", "--compile", "--train-subset", "2048",
-                                "--eval-subset", "512", "--batch-size", "256", "--max-steps", "8", "--tracker", "none"),
-                       launch=ONE_GPU)
+    result = run_train(job_args(cifar_dir, cache_dir, out, "--recipe", "fast", "--train-subset", "2048",
+                                "--eval-subset", "512", "--max-steps", "4", "--tracker", "none"), launch=ONE_GPU)
     assert result.returncode == 0, result.stderr[-4000:]
     s = read_summary(out)
-    assert s["wrapper"] == "OptimizedModule" and s["global_step"] == 8 and s["eval_examples"] == 512
-    assert math.isfinite(s["train_loss"]) and s["config"]["compile"]
+    assert s["wrapper"] == "OptimizedModule" and s["global_step"] == 4 and s["eval_examples"] == 512
+    assert (s["model"], s["config"]["compile"], s["config"]["data_on_device"], s["config"]["tta_flip"]) == \
+        ("resnet9", True, True, True)
+    assert math.isfinite(s["train_loss"]) and s["mixed_precision"] == "bf16"
     state = load_file(out / "model.safetensors")
     assert not [k for k in state if k.startswith(("_orig_mod.", "module."))]
     assert {t.dtype for t in state.values() if t.is_floating_point()} == {torch.float32}  # bf16 was autocast only
