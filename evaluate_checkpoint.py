@@ -43,17 +43,18 @@ def main(argv: list[str] | None = None) -> dict:
     subset = args.eval_subset if args.eval_subset is not None else trained.get("eval_subset")
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    model = build_model(model_name)
+    data = load_cifar10(args.data_dir, args.cache_dir, accelerator)
+    model = build_model(model_name, len(data["classes"]))
     try:
         model.load_state_dict(load_file(args.weights), strict=True)
     except (RuntimeError, OSError) as e:
-        raise UserError(f"{args.weights} does not hold --model {model_name} weights: "
-                        f"{str(e).strip().splitlines()[0]}") from None
-    images, labels = load_cifar10(args.data_dir, args.cache_dir, accelerator)["test"]
+        raise UserError(f"{args.weights} does not hold --model {model_name} weights for {len(data['classes'])} "
+                        f"classes: {str(e).strip().splitlines()[0]}") from None
+    images, labels = data["test"]
     images, labels = (images[:subset], labels[:subset]) if subset else (images, labels)
     model, loader = accelerator.prepare(model, make_loader(images, labels, args.batch_size, train=False))
     metrics = evaluate(model, loader, BatchTransform(accelerator.device, 0, augment=False, channels_last=False),
-                       accelerator)
+                       accelerator, classes=data["classes"])
     result = {k: v for k, v in metrics.items() if k != "class_top1"}
     result |= {"weights": str(args.weights), "model": model_name}
     accelerator.print(json.dumps(result))

@@ -17,8 +17,9 @@ data, model, resume, the training loop, outputs. The run's surroundings (trackin
 divergence, launcher quirks) are small objects in utils/, each named where main() uses it.
 
 Your own model: change `build_model` (utils/models.py), or call yours where main() does; keep `num_classes`.
-Your own data: change `build_loaders` in utils/data.py (any DataLoaders of (uint8 images N x 3 x H x W, int64 labels)
-batches; set MEAN/STD there); augmentation, sharding and resume stay as they are.
+Your own data: a parquet folder or an image folder of 32x32 images with any classes works as it is (`--data-dir`);
+else change `build_loaders` in utils/data.py (any DataLoaders of (uint8 images N x 3 x H x W, int64 labels) batches,
+and the class names; set MEAN/STD there); augmentation, sharding and resume stay as they are.
 Smaller starting point: train_minimal.py (the same training, 180 lines, no surroundings).
 """
 
@@ -210,11 +211,11 @@ def main(cfg: Config) -> dict:
                       f"lr {lr:g}")
 
     # --- data: Accelerate shards, shuffles per epoch and moves to device ---
-    train_loader, eval_loader = build_loaders(cfg, accelerator, batch_size)
+    train_loader, eval_loader, data = build_loaders(cfg, accelerator, batch_size)  # data: classes, source
 
     # --- model: same seed on every rank -> same initial weights (DDP also broadcasts rank 0's) ---
     set_seed(cfg.seed)
-    model = build_model(cfg.model, sync_bn=cfg.sync_bn)  # converted before prepare(), as DDP requires
+    model = build_model(cfg.model, len(data["classes"]), sync_bn=cfg.sync_bn)  # SyncBN before prepare(), as DDP needs
     sharded = fsdp is not None
     channels_last = cfg.channels_last and not sharded  # FSDP2 shards contiguous parameters only: NCHW under FSDP
     if channels_last:
@@ -296,7 +297,7 @@ def main(cfg: Config) -> dict:
         p.end_epoch(len(train_loader))
 
         guard.check()  # raises on a non-finite loss, before anything is saved
-        metrics = evaluate(model, eval_loader, transform, accelerator, cfg.tta_flip)
+        metrics = evaluate(model, eval_loader, transform, accelerator, cfg.tta_flip, data["classes"])
         if p.is_best(metrics["top1"]):
             export_weights(accelerator, model, Path(cfg.output_dir) / "best.safetensors")
         tracker.log_epoch(epoch_number, cfg.epochs, p.global_step, train_loss, epoch_images, epoch_seconds, metrics)
@@ -304,9 +305,10 @@ def main(cfg: Config) -> dict:
 
     # --- outputs: written once, by the main process; weights unwrapped (no 'module.' prefix) ---
     if metrics is None:  # resumed from a checkpoint of a finished run
-        metrics = evaluate(model, eval_loader, transform, accelerator, cfg.tta_flip)
+        metrics = evaluate(model, eval_loader, transform, accelerator, cfg.tta_flip, data["classes"])
     export_weights(accelerator, model, Path(cfg.output_dir) / "model.safetensors")
-    summary = {**run_info, "model": cfg.model, "wrapper": type(model).__name__,
+    summary = {**run_info, "model": cfg.model, "wrapper": type(model).__name__, "dataset": data["dataset"],
+               "classes": list(data["classes"]), "image_size": data["image_size"],
                "parameters": sum(q.numel() for q in model.parameters()),  # DTensors count in full
                "parameters_on_main_process": params_here, **p.summary(), "train_loss": train_loss,
                **{f"eval_{k}": v for k, v in metrics.items()}, "peak_memory_gb": peak_memory_gb(accelerator.device),

@@ -111,7 +111,7 @@ def main(args: argparse.Namespace) -> dict:
                               train=False)
 
     set_seed(args.seed)  # PITFALL (different init per rank): same seed, same weights (and DDP broadcasts rank 0's)
-    model = build_model("resnet18")  # torchvision's ResNet-18 with a CIFAR stem
+    model = build_model("resnet18", len(data["classes"]))  # torchvision's ResNet-18 with a CIFAR stem
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=5e-4,
                                 fused=True)
     # PITFALL (BN without SyncBN): DDP copies rank 0's BatchNorm statistics at every forward (broadcast_buffers),

@@ -191,11 +191,11 @@ def main(cfg: Config) -> dict:
                       f"lr {lr:g}")
 
     # --- data: Accelerate shards, shuffles per epoch and moves to device ---
-    train_loader, eval_loader = build_loaders(cfg, accelerator, batch_size)
+    train_loader, eval_loader, data = build_loaders(cfg, accelerator, batch_size)  # data: classes, source
 
     # --- model: same seed on every rank -> same initial weights; blocks checkpointed before FSDP shards them ---
     set_seed(cfg.seed)
-    model = build_model(cfg.model)
+    model = build_model(cfg.model, len(data["classes"]))
     if cfg.activation_checkpointing:
         checkpoint_blocks(model)
     optimizer = build_optimizer(cfg, model, lr)
@@ -274,7 +274,7 @@ def main(cfg: Config) -> dict:
         p.end_epoch(len(train_loader))
 
         guard.check()  # raises on a non-finite loss, before anything is saved
-        metrics = evaluate(model, eval_loader, transform, accelerator, tta_flip=False)
+        metrics = evaluate(model, eval_loader, transform, accelerator, tta_flip=False, classes=data["classes"])
         if p.is_best(metrics["top1"]):
             export_weights(accelerator, model, Path(cfg.output_dir) / "best.safetensors")
         tracker.log_epoch(epoch_number, cfg.epochs, p.global_step, train_loss, epoch_images, epoch_seconds, metrics)
@@ -282,9 +282,10 @@ def main(cfg: Config) -> dict:
 
     # --- outputs: written once, by the main process; full fp32 weights that load into a plain ViT ---
     if metrics is None:  # resumed from a checkpoint of a finished run
-        metrics = evaluate(model, eval_loader, transform, accelerator, tta_flip=False)
+        metrics = evaluate(model, eval_loader, transform, accelerator, tta_flip=False, classes=data["classes"])
     export_weights(accelerator, model, Path(cfg.output_dir) / "model.safetensors")
-    summary = {**run_info, "model": cfg.model, "wrapper": type(model).__name__,
+    summary = {**run_info, "model": cfg.model, "wrapper": type(model).__name__, "dataset": data["dataset"],
+               "classes": list(data["classes"]), "image_size": data["image_size"],
                "parameters": sum(q.numel() for q in model.parameters()),  # DTensors count in full
                "parameters_on_main_process": params_here, **p.summary(), "train_loss": train_loss,
                **{f"eval_{k}": v for k, v in metrics.items()}, "peak_memory_gb": peak_memory_gb(accelerator.device),

@@ -211,14 +211,15 @@ def airbench(data_dir: str | None, cache_dir: str | None, work: Path) -> dict:
 
     if importlib.util.find_spec("airbench") is None:
         raise PartFailed("airbench is not installed (offline: carry its wheel, see ../shared/gpu-kit or README)")
-    from utils.data import CLASSES, load_cifar10
+    from utils.data import load_cifar10
 
     folder = work / "airbench" / "cifar10"
     folder.mkdir(parents=True, exist_ok=True)
+    data = load_cifar10(data_dir, cache_dir)
     for split, name in (("train", "train.pt"), ("test", "test.pt")):  # airbench's cache format: NHWC uint8
-        images, labels = load_cifar10(data_dir, cache_dir)[split]
-        torch.save({"images": images.permute(0, 2, 3, 1).contiguous(), "labels": labels, "classes": list(CLASSES)},
-                   folder / name)
+        images, labels = data[split]
+        torch.save({"images": images.permute(0, 2, 3, 1).contiguous(), "labels": labels,
+                    "classes": list(data["classes"])}, folder / name)
     result = subprocess.run([sys.executable, "-c", AIRBENCH], cwd=folder.parent, capture_output=True, text=True)
     if result.returncode != 0:
         print(result.stderr[-3000:], file=sys.stderr)

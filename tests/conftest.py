@@ -40,14 +40,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def write_parquet(path: Path, n: int, seed: int = 0, size=(32, 32), mode: str = "RGB", labels=None, fmt="PNG") -> Path:
-    """A parquet file with the schema of uoft-cs/cifar10 (img {bytes, path}, label). Images are a
-    class-coloured square on noise, so a model can learn them: class k has its own colour and place."""
+CIFAR_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
+
+
+def write_parquet(path: Path, n: int, seed: int = 0, size=(32, 32), mode: str = "RGB", labels=None, fmt="PNG",
+                  class_names=CIFAR_CLASSES, columns=("img", "label")) -> Path:
+    """A parquet file with the schema of uoft-cs/cifar10 (img {bytes, path}, label: a ClassLabel of class_names;
+    plain int64 labels with class_names=None). Images are a class-coloured square on noise, so a model can learn
+    them: class k has its own colour and place (classes k and k + 10 look alike)."""
     import datasets
     from PIL import Image
 
     rng = np.random.default_rng(seed)
-    labels = rng.integers(0, 10, n) if labels is None else np.asarray(labels)
+    labels = rng.integers(0, len(class_names or range(10)), n) if labels is None else np.asarray(labels)
     images = []
     for label in labels:
         arr = rng.integers(0, 80, (size[1], size[0], 3), dtype=np.uint8)
@@ -57,8 +62,10 @@ def write_parquet(path: Path, n: int, seed: int = 0, size=(32, 32), mode: str = 
         buf = io.BytesIO()
         im.save(buf, format=fmt)
         images.append({"bytes": buf.getvalue(), "path": None})
-    features = datasets.Features({"img": datasets.Image(), "label": datasets.Value("int64")})
-    datasets.Dataset.from_dict({"img": images, "label": labels.tolist()}, features=features).to_parquet(str(path))
+    label = datasets.ClassLabel(names=list(class_names)) if class_names else datasets.Value("int64")
+    features = datasets.Features({columns[0]: datasets.Image(), columns[1]: label})
+    datasets.Dataset.from_dict({columns[0]: images, columns[1]: labels.tolist()}, features=features).to_parquet(
+        str(path))
     return path
 
 

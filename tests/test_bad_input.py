@@ -57,9 +57,26 @@ def test_corrupt_parquet_file(tmp_path, small_data):
     assert train.name in line
 
 
-def test_labels_outside_0_to_9(tmp_path, small_data):
-    write_parquet(small_data / "train-00000-of-00001.parquet", 20, labels=[3] * 7 + [11] + [0] * 12)
-    _fails_cleanly(tmp_path, ["--data-dir", str(small_data)], "has label 11 at row 7")
+def test_integer_labels_that_are_not_0_to_c_minus_1(tmp_path, small_data):
+    """Without class names the labels must be 0..C-1: 0, 3 and 11 are three labels, so 3 and 11 name no class."""
+    write_parquet(small_data / "train-00000-of-00001.parquet", 20, labels=[3] * 7 + [11] + [0] * 12, class_names=None)
+    write_parquet(small_data / "test-00000-of-00001.parquet", 8, labels=[0] * 8, class_names=None)
+    line = _fails_cleanly(tmp_path, ["--data-dir", str(small_data)], "has label 3 at row 0 (8 rows in all)")
+    assert line.endswith("must hold the integers 0..C-1, and the training split has 3 distinct labels."), line
+
+
+def test_train_and_test_splits_with_different_classes(tmp_path, small_data):
+    write_parquet(small_data / "test-00000-of-00001.parquet", 8, class_names=("cat", "dog"))
+    _fails_cleanly(tmp_path, ["--data-dir", str(small_data)], "the train and test splits have different classes "
+                   "(train: airplane, automobile, bird, cat, deer, dog, frog, horse, ship, truck; test: cat, dog).")
+
+
+def test_a_label_column_that_is_neither_class_names_nor_integers(tmp_path, small_data):
+    import datasets
+
+    ds = datasets.Dataset.from_parquet(str(small_data / "test-00000-of-00001.parquet"))
+    ds.cast_column("label", datasets.Value("string")).to_parquet(str(small_data / "test-00000-of-00001.parquet"))
+    _fails_cleanly(tmp_path, ["--data-dir", str(small_data)], "the test split's label column 'label' is Value(")
 
 
 @pytest.mark.parametrize(("kwargs", "found"), [({"size": (28, 28)}, "28x28 RGB"), ({"mode": "L"}, "32x32 L")])
@@ -90,9 +107,9 @@ def test_output_dir_that_cannot_be_written(tmp_path, small_data):
 
 
 def test_bad_labels_under_two_ranks_stop_both_with_one_line(tmp_path, small_data):
-    write_parquet(small_data / "train-00000-of-00001.parquet", 20, labels=[-1] * 20)
-    _fails_cleanly(tmp_path, ["--data-dir", str(small_data)], "has label -1 at row 0",
-                   launch=["--config_file", str(CPU_YAML)])
+    write_parquet(small_data / "train-00000-of-00001.parquet", 20, labels=[-1] * 20)  # -1: the Hub's "no label"
+    _fails_cleanly(tmp_path, ["--data-dir", str(small_data)], "has label -1 at row 0 (20 rows in all); labels must "
+                   "be 0-9.", launch=["--config_file", str(CPU_YAML)])
 
 
 def test_no_data_dir_and_no_hub_access_names_both_options(tmp_path, monkeypatch):

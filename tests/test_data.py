@@ -12,7 +12,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration
-from conftest import DEVICES, write_cifar_dir, write_image_folder
+from conftest import DEVICES, write_cifar_dir, write_image_folder, write_parquet
 from PIL import Image
 
 from utils import UserError
@@ -291,12 +291,27 @@ def test_image_folder_bad_input_is_named_in_one_sentence(tmp_path, accelerator):
                                                    f"validation/ beside it."
 
 
-def test_image_folder_with_other_classes_or_sizes_stops_until_those_are_supported(tmp_path, accelerator):
-    write_image_folder(tmp_path / "folder", ("cats", "dogs"))
-    assert "classes are cats, dogs; this version trains CIFAR-10's ten classes" in _folder_error(tmp_path, accelerator)
+def test_an_image_folder_names_its_classes_and_other_sizes_stop_until_they_are_supported(tmp_path, accelerator):
+    write_image_folder(tmp_path / "folder", ("dogs", "cats", "birds"))
+    data = load_cifar10(str(tmp_path / "folder"), str(tmp_path / "cache"), accelerator)
+    assert data["classes"] == ("birds", "cats", "dogs")  # the folders' names, sorted; label k is classes[k]
+    by_label = {int(label): int(image[0, 0, 0]) for image, label in zip(*data["train"])}
+    assert by_label == {0: 40, 1: 20, 2: 0}  # write_image_folder paints class folder k (given order) with k * 20
+    assert load_cifar10(str(tmp_path / "folder"), str(tmp_path / "cache"), accelerator)["classes"] == data["classes"]
     write_image_folder(tmp_path / "other" / "folder", cdata.CLASSES, size=(48, 48))
     message = _folder_error(tmp_path / "other", accelerator)
     assert "48x48 RGB image at " in message and message.endswith("CIFAR-10 images must be 32x32 RGB."), message
+
+
+def test_integer_labels_without_class_names_make_classes_named_by_their_numbers(tmp_path, accelerator):
+    src = tmp_path / "src"
+    src.mkdir()
+    write_parquet(src / "train-00000-of-00001.parquet", 12, labels=[2, 0, 1] * 4, class_names=None)
+    write_parquet(src / "test-00000-of-00001.parquet", 3, labels=[1, 1, 0], class_names=None)
+    data = load_cifar10(str(src), str(tmp_path / "cache"), accelerator)
+    assert data["classes"] == ("0", "1", "2") and data["train"][1].tolist() == [2, 0, 1] * 4
+    assert data["dataset"] == {"source": str(src), "kind": "parquet", "fingerprint": data["dataset"]["fingerprint"]}
+    assert load_cifar10(str(src), str(tmp_path / "cache"), accelerator)["classes"] == ("0", "1", "2")  # cached
 
 
 def test_image_and_label_columns_are_found_by_name_and_a_missing_one_is_named():
@@ -310,8 +325,9 @@ def test_image_and_label_columns_are_found_by_name_and_a_missing_one_is_named():
         pngs.append({"bytes": buf.getvalue(), "path": None})
     features = datasets.Features({"image": datasets.Image(), "fine_label": datasets.ClassLabel(names=cdata.CLASSES)})
     ds = datasets.Dataset.from_dict({"image": pngs, "fine_label": [3, 0, 9]}, features=features)
-    images, labels = cdata.decode_split(ds, "train")
+    images, labels, names = cdata.decode_split(ds, "train")
     assert torch.equal(images, torch.from_numpy(pixels).permute(0, 3, 1, 2)) and labels.tolist() == [3, 0, 9]
+    assert names == cdata.CLASSES
     with pytest.raises(UserError, match=r"^the test split has columns \['image', 'target'\]; expected a label column "
                                         r"named 'label' or 'labels' or 'fine_label'\.$"):
         cdata.decode_split(ds.rename_column("fine_label", "target"), "test")

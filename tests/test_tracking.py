@@ -179,6 +179,7 @@ def test_tensorboard_tracker_logs_the_same_metrics_and_the_gpu_race_reads_them_w
     assert result.returncode == 0, result.stderr[-3000:]
     events = EventAccumulator(str(out / "cifar10-accelerate")).Reload()
     assert [e.step for e in events.Scalars("train/loss")] == list(range(2, 17, 2))
+    assert {f"eval/top1_{c}" for c in CLASSES} <= set(events.Tags()["scalars"])  # 10 classes: per-class keys too
     summary = read_summary(out)
     assert events.Scalars("eval/top1")[-1].value == pytest.approx(summary["eval_top1"])
     assert not (out / "wandb").exists()

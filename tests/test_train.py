@@ -6,10 +6,11 @@ import math
 import re
 from dataclasses import fields
 
+import numpy as np
 import pytest
 import torch
 from accelerate import Accelerator
-from conftest import CPU_YAML, read_summary, run_train, script_env
+from conftest import CPU_YAML, read_summary, run_train, script_env, write_parquet
 from safetensors.torch import load_file
 
 import train_cifar
@@ -177,3 +178,29 @@ def test_fast_recipe_trains_resnet9_with_the_data_on_the_device(cifar_dir, cache
     assert (s["config"]["model"], s["config"]["tta_flip"], s["config"]["data_on_device"]) == ("resnet9", True, True)
     assert s["global_step"] == 2 * (1024 // 64) and s["eval_examples"] == 250
     assert s["eval_top1"] > 20, s["eval_top1"]  # chance is 10% (+- 1.9 points on 250 images); 30.0% measured here
+
+
+def test_a_hundred_class_parquet_with_image_and_fine_label_columns_trains_resnet18_for_its_classes(tmp_path, cache_dir):
+    """The classes come from the data: the model's head, the metrics, the confusion matrix and summary.json. With
+    more than 20 classes the tracker gets no per-class keys (summary.json keeps them all)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    names = tuple(f"class_{k:03d}" for k in range(100))
+    data = tmp_path / "cifar100-like"
+    data.mkdir()
+    for split, n, seed in (("train", 400, 1), ("test", 200, 2)):
+        write_parquet(data / f"{split}-00000-of-00001.parquet", n, seed=seed, labels=np.arange(n) % 100,
+                      class_names=names, columns=("image", "fine_label"))
+    out = tmp_path / "run"
+    result = run_train(["--data-dir", str(data), "--cache-dir", str(cache_dir), "--output-dir", str(out), "--model",
+                        "resnet18", "--batch-size", "64", "--max-steps", "3", "--tracker", "tensorboard"], fork=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    s = read_summary(out)
+    assert s["classes"] == list(names) and s["image_size"] == 32 and s["dataset"]["kind"] == "parquet"
+    assert list(s["eval_class_top1"]) == list(names) and s["eval_examples"] == 200
+    assert len(s["eval_confusion"]) == 100 and {len(row) for row in s["eval_confusion"]} == {100}
+    assert [sum(row) for row in s["eval_confusion"]] == [2] * 100  # each class twice in the test split
+    assert s["eval_top5"] >= s["eval_top1"]
+    assert load_file(out / "model.safetensors")["fc.weight"].shape == (100, 512)
+    tags = EventAccumulator(str(out / "cifar10-accelerate")).Reload().Tags()["scalars"]
+    assert "eval/top5" in tags and not [t for t in tags if t.startswith("eval/top1_")]

@@ -38,7 +38,7 @@ SPLITS = ("train", "test")
 CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 MEAN = (0.4914, 0.4822, 0.4465)  # per-channel mean of the CIFAR-10 training images, in [0, 1]
 STD = (0.2470, 0.2435, 0.2616)
-CACHE_FORMAT = 2  # bump when the cached tensors change meaning
+CACHE_FORMAT = 3  # bump when the cached tensors change meaning (3: the class names are stored with them)
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
 IMAGE_COLUMNS, LABEL_COLUMNS = ("img", "image"), ("label", "labels", "fine_label")
 
@@ -93,6 +93,9 @@ def _read_local(kind: str, files: dict[str, list[Path]]):
         except Exception as e:
             raise UserError(f"{path} is not a readable parquet file ({_first_line(e)}).") from None
     try:
+        if kind == "parquet":  # a builder per split: one for both would cast the test file to the train file's features
+            return {s: datasets.load_dataset(kind, data_files={s: [str(p) for p in ps]}, split=s)  # (class names too)
+                    for s, ps in files.items()}
         return datasets.load_dataset(kind, data_files={s: [str(p) for p in ps] for s, ps in files.items()})
     except Exception as e:
         cause = _root_cause(e)  # load_dataset wraps the real reason (a full disk, say) in DatasetGenerationError
@@ -143,9 +146,10 @@ def _column(ds, split: str, names: tuple[str, ...], what: str) -> str:
     return found[0]
 
 
-def decode_split(ds, split: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, 3, 32, 32) uint8 images (channels-last in memory) and (N,) int64 labels from a datasets.Dataset with an
-    image column (`img` or `image`) and a label column (`label`, `labels` or `fine_label`), CIFAR-10's classes."""
+def decode_split(ds, split: str) -> tuple[torch.Tensor, torch.Tensor, tuple[str, ...] | None]:
+    """(N, 3, 32, 32) uint8 images (channels-last in memory), (N,) int64 labels and the class names (None for a
+    label column of plain integers) from a datasets.Dataset with an image column (`img` or `image`) and a label
+    column (`label`, `labels` or `fine_label`): a ClassLabel (the Hub's, an image folder's) or integers."""
     from datasets import ClassLabel
     from datasets import Image as ImageFeature
     from PIL import Image, UnidentifiedImageError
@@ -153,20 +157,14 @@ def decode_split(ds, split: str) -> tuple[torch.Tensor, torch.Tensor]:
     image_col = _column(ds, split, IMAGE_COLUMNS, "an image")
     label_col = _column(ds, split, LABEL_COLUMNS, "a label")
     feature = ds.features[label_col]
-    if isinstance(feature, ClassLabel) and tuple(feature.names) != CLASSES:
-        raise UserError(f"the {split} split's classes are {', '.join(feature.names[:12])}"
-                        f"{', ...' if len(feature.names) > 12 else ''}; this version trains CIFAR-10's ten classes "
-                        f"({', '.join(CLASSES)}) only.")
+    names = tuple(feature.names) if isinstance(feature, ClassLabel) else None
+    if names is None and not (hasattr(feature, "dtype") and feature.dtype.startswith(("int", "uint"))):
+        raise UserError(f"the {split} split's label column {label_col!r} is {feature}, neither class names (a "
+                        f"ClassLabel) nor integers.")
     # Undecoded: we decode straight into one preallocated array instead of one PIL object per row. A parquet row
     # holds the image's bytes; an image folder's row holds its path.
     table = ds.cast_column(image_col, ImageFeature(decode=False)).with_format("arrow")[:]
     labels = table.column(label_col).to_numpy(zero_copy_only=False)
-    bad = np.flatnonzero(~np.isin(labels, np.arange(len(CLASSES))))
-    if len(bad):
-        raise UserError(
-            f"the {split} split has label {labels[bad[0]]} at row {bad[0]} ({len(bad)} rows in all); "
-            f"labels must be 0-9."
-        )
     column = table.column(image_col).combine_chunks()
     blobs, paths = column.field("bytes").to_pylist(), column.field("path").to_pylist()
     images = np.empty((len(blobs), 32, 32, 3), dtype=np.uint8)
@@ -182,7 +180,32 @@ def decode_split(ds, split: str) -> tuple[torch.Tensor, torch.Tensor]:
                 images[i] = np.asarray(im)
         except (UnidentifiedImageError, OSError, TypeError) as e:
             raise UserError(f"the {split} split has an undecodable image at {where} ({_first_line(e)}).") from None
-    return torch.from_numpy(images).permute(0, 3, 1, 2), torch.from_numpy(labels.astype(np.int64))
+    return torch.from_numpy(images).permute(0, 3, 1, 2), torch.from_numpy(labels.astype(np.int64)), names
+
+
+def _classes(decoded: dict[str, tuple]) -> tuple[str, ...]:
+    """The class names both splits share: the ClassLabel's, or "0".."C-1" for integer labels, which must then be
+    exactly 0..C-1 in the training split (C: how many distinct labels it has). Every label must name a class."""
+    names = {split: found for split, (_, _, found) in decoded.items()}
+    if names["train"] != names["test"]:
+        described = {s: ", ".join(n[:12]) + (", ..." if len(n) > 12 else "") if n else "integers" for s, n in
+                     names.items()}
+        raise UserError(f"the train and test splits have different classes (train: {described['train']}; test: "
+                        f"{described['test']}).")
+    classes = names["train"]
+    if classes is None:
+        count = len(torch.unique(decoded["train"][1]))
+        classes = tuple(str(k) for k in range(count))
+    for split, (_, labels, _) in decoded.items():
+        bad = torch.nonzero((labels < 0) | (labels >= len(classes))).flatten()
+        if len(bad):
+            row = int(bad[0])
+            why = (f"labels must be 0-{len(classes) - 1}" if names["train"] else
+                   f"a label column without class names must hold the integers 0..C-1, and the training split has "
+                   f"{len(classes)} distinct labels")
+            raise UserError(f"the {split} split has label {int(labels[row])} at row {row} ({len(bad)} rows in all); "
+                            f"{why}.")
+    return classes
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -211,29 +234,31 @@ def default_cache_dir(data_dir: str | None) -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "accelerate-cifar"
 
 
-def _read_cache(path: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
-    from safetensors.torch import load_file
+def _read_cache(path: Path) -> dict | None:
+    from safetensors import safe_open
 
     try:
-        t = load_file(path)  # images stored as (N, 32, 32, 3): safetensors keeps contiguous tensors only
-        return {s: (t[f"{s}_images"].permute(0, 3, 1, 2), t[f"{s}_labels"]) for s in SPLITS}
+        with safe_open(path, framework="pt") as f:  # images stored as (N, 32, 32, 3): contiguous tensors only
+            t = {k: f.get_tensor(k) for k in f.keys()}
+            classes = tuple(json.loads(f.metadata()["classes"]))
+        return {**{s: (t[f"{s}_images"].permute(0, 3, 1, 2), t[f"{s}_labels"]) for s in SPLITS}, "classes": classes}
     except Exception as e:  # a truncated or foreign file: decode again rather than fail
         warnings.warn(f"ignoring unreadable cache {path} ({_first_line(e)}); decoding the source again")
         return None
 
 
-def _write_cache(path: Path, data: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+def _write_cache(path: Path, data: dict) -> None:
     from safetensors.torch import save_file
 
     if not _writable_dir(path.parent):
         warnings.warn(f"cache folder {path.parent} is not writable; the next run will decode again")
         return
-    tensors = {f"{s}_{kind}": t for s, (images, labels) in data.items()
+    tensors = {f"{s}_{kind}": t for s, (images, labels) in ((s, data[s]) for s in SPLITS)
                for kind, t in (("images", images.permute(0, 2, 3, 1).contiguous()), ("labels", labels))}
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
     os.close(fd)
     try:
-        save_file(tensors, tmp)
+        save_file(tensors, tmp, metadata={"classes": json.dumps(list(data["classes"]))})
         umask = os.umask(0)  # mkstemp made the file private (0600); give it the mode any new file gets (shared data
         os.umask(umask)  # folders on clusters: other users must read it too)
         os.chmod(tmp, 0o666 & ~umask)
@@ -243,9 +268,9 @@ def _write_cache(path: Path, data: dict[str, tuple[torch.Tensor, torch.Tensor]])
             os.remove(tmp)
 
 
-def load_cifar10(data_dir: str | None, cache_dir: str | None,
-                 accelerator=None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """{'train': (images, labels), 'test': (images, labels)} for the whole splits, on the CPU.
+def load_cifar10(data_dir: str | None, cache_dir: str | None, accelerator=None) -> dict:
+    """{'train': (images, labels), 'test': (images, labels)} for the whole splits, on the CPU, with 'classes' (the
+    class names, label k names classes[k]) and 'dataset' (where it came from, and the fingerprint of its files).
 
     The local main process of each machine decodes and writes the cache while the others wait, then
     they read it. An input error found there is raised on every process, so all exit with its message
@@ -275,13 +300,17 @@ def _load(data_dir, cache_dir, log, write_cache: bool):
     path = (Path(cache_dir) if cache_dir else default_cache_dir(data_dir)) / f"cifar10-{key}.safetensors"
     data = _read_cache(path) if path.exists() else None
     if data is None:
-        log(f"decoding CIFAR-10 once into uint8 tensors; cache: {path}")
+        log(f"decoding the images once into uint8 tensors; cache: {path}")
         dsd = dsd if dsd is not None else _read_local(kind, files)
-        data = {s: decode_split(dsd[s], s) for s in SPLITS}
+        decoded = {s: decode_split(dsd[s], s) for s in SPLITS}
+        data = {s: (images, labels) for s, (images, labels, _) in decoded.items()}
         if kind == "imagefolder":  # rows come class by class: shuffle them once, with a
             data = {s: _shuffled(*pair) for s, pair in data.items()}  # fixed seed, so a prefix is class-balanced
+        data["classes"] = _classes(decoded)
         if write_cache:
             _write_cache(path, data)
+    data["dataset"] = {"source": str(data_dir) if data_dir is not None else HUB_DATASET, "kind": kind,
+                       "fingerprint": key}
     return data
 
 
@@ -448,13 +477,15 @@ class BatchTransform:
 # The scripts' loaders
 # ----------------------------------------------------------------------------------------------------
 def build_loaders(cfg, accelerator, batch_size: int):
-    """Training and test DataLoaders over whole splits held as uint8 tensors (decoded once, cached); prepare()
-    then shards them, reshuffles per epoch and moves batches to the device. cfg: a script's Config (data_dir,
-    cache_dir, train_subset, eval_subset, data_on_device). Your own data: return yours here."""
+    """Training and test DataLoaders over whole splits held as uint8 tensors (decoded once, cached), and what the
+    data is (load_cifar10's 'classes', 'dataset', and 'image_size'); prepare() then shards the loaders, reshuffles
+    per epoch and moves batches to the device. cfg: a script's Config (data_dir, cache_dir, train_subset,
+    eval_subset, data_on_device). Your own data: return yours here."""
     data = load_cifar10(cfg.data_dir, cfg.cache_dir, accelerator)
     train_split = take_prefix(data["train"], cfg.train_subset, "--train-subset")
     eval_split = take_prefix(data["test"], cfg.eval_subset, "--eval-subset")
     check_one_batch(train_split[1], batch_size, accelerator.num_processes)
     if cfg.data_on_device:  # GPU-resident: Accelerate's move to the device becomes a no-op
         train_split, eval_split = ([t.to(accelerator.device) for t in split] for split in (train_split, eval_split))
-    return make_loader(*train_split, batch_size, train=True), make_loader(*eval_split, batch_size, train=False)
+    about = {"classes": data["classes"], "dataset": data["dataset"], "image_size": int(train_split[0].shape[-1])}
+    return make_loader(*train_split, batch_size, train=True), make_loader(*eval_split, batch_size, train=False), about

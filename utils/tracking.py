@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 LOGGED_STEP_FILE = "tracker_logged_step.txt"
+MAX_PER_CLASS_KEYS = 20  # more classes: no eval/top1_<class> keys and no confusion plot (summary.json has them all)
 
 
 class Tracker:
@@ -85,13 +86,15 @@ class Tracker:
     def log_epoch(self, epoch: int, epochs: int, step: int, train_loss: float, images: int, seconds: float,
                   metrics: dict) -> None:
         """The end of an epoch (numbered from 1): one console line; to the tracker the epoch's training loss and
-        speed, peak memory, and the evaluation's metrics (eval/*, eval/top1_<class>, W&B's confusion-matrix plot)."""
+        speed, peak memory, and the evaluation's metrics (eval/*; with at most MAX_PER_CLASS_KEYS classes also
+        eval/top1_<class> and W&B's confusion-matrix plot)."""
         self.accelerator.print(f"epoch {epoch}/{epochs}  train_loss {train_loss:.4f}  eval_top1 "
                                f"{metrics['top1']:.2f}%  {images / seconds:,.0f} img/s  {seconds:.1f} s")
         scalars = {f"eval/{k}": v for k, v in metrics.items() if k not in ("class_top1", "confusion")}
-        per_class = {f"eval/top1_{c}": v for c, v in metrics["class_top1"].items()}
         classes = list(metrics["class_top1"])
-        plot = wandb_confusion_matrix(metrics["confusion"], classes) if self.wandb_run is not None else {}
+        few = len(classes) <= MAX_PER_CLASS_KEYS
+        per_class = {f"eval/top1_{c}": v for c, v in metrics["class_top1"].items()} if few else {}
+        plot = wandb_confusion_matrix(metrics["confusion"], classes) if self.wandb_run is not None and few else {}
         self.log({"train/epoch_loss": train_loss, "train/epoch_images_per_sec": images / seconds,
                   "train/epoch_seconds": seconds, "sys/peak_memory_gb": peak_memory_gb(self.accelerator.device),
                   **scalars, **per_class, "epoch": epoch, **plot}, step=step)
