@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--cache-dir", default=None, help="decoded-tensor cache, as for train_cifar.py")
     parser.add_argument("--model", default=None, help="default: the model in summary.json beside the weights")
     parser.add_argument("--eval-subset", type=int, default=None, help="default: as in summary.json (else all)")
+    parser.add_argument("--image-size", type=int, default=None, help="default: as in summary.json (else the images' "
+                        "own size)")
     parser.add_argument("--batch-size", type=int, default=500, help="images per process per batch")
     args = parser.parse_args(argv)
 
@@ -41,10 +43,11 @@ def main(argv: list[str] | None = None) -> dict:
     trained = json.loads(summary_path.read_text())["config"] if summary_path.is_file() else {}
     model_name = args.model or trained.get("model", "resnet18")
     subset = args.eval_subset if args.eval_subset is not None else trained.get("eval_subset")
+    image_size = args.image_size if args.image_size is not None else trained.get("image_size")
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    data = load_cifar10(args.data_dir, args.cache_dir, accelerator)
-    model = build_model(model_name, len(data["classes"]))
+    data = load_cifar10(args.data_dir, args.cache_dir, accelerator, image_size)
+    model = build_model(model_name, len(data["classes"]), image_size=data["test"][0].shape[-1])
     try:
         model.load_state_dict(load_file(args.weights), strict=True)
     except (RuntimeError, OSError) as e:
@@ -53,8 +56,9 @@ def main(argv: list[str] | None = None) -> dict:
     images, labels = data["test"]
     images, labels = (images[:subset], labels[:subset]) if subset else (images, labels)
     model, loader = accelerator.prepare(model, make_loader(images, labels, args.batch_size, train=False))
-    metrics = evaluate(model, loader, BatchTransform(accelerator.device, 0, augment=False, channels_last=False),
-                       accelerator, classes=data["classes"])
+    transform = BatchTransform(accelerator.device, 0, augment=False, channels_last=False, mean=data["mean"],
+                               std=data["std"])  # the training data's normalisation, as the script used it
+    metrics = evaluate(model, loader, transform, accelerator, classes=data["classes"])
     result = {k: v for k, v in metrics.items() if k != "class_top1"}
     result |= {"weights": str(args.weights), "model": model_name}
     accelerator.print(json.dumps(result))

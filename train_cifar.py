@@ -17,7 +17,7 @@ data, model, resume, the training loop, outputs. The run's surroundings (trackin
 divergence, launcher quirks) are small objects in utils/, each named where main() uses it.
 
 Your own model: change `build_model` (utils/models.py), or call yours where main() does; keep `num_classes`.
-Your own data: a parquet folder or an image folder of 32x32 images with any classes works as it is (`--data-dir`);
+Your own data: a parquet folder or an image folder, any classes, any size (`--data-dir`, `--image-size`) works as is;
 else change `build_loaders` in utils/data.py (any DataLoaders of (uint8 images N x 3 x H x W, int64 labels) batches,
 and the class names; set MEAN/STD there); augmentation, sharding and resume stay as they are.
 Smaller starting point: train_minimal.py (the same training, 180 lines, no surroundings).
@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 from utils import UserError
 from utils.checkpoint import Checkpointer, export_weights
 from utils.config import check_ranges, opt, parse
-from utils.data import BatchTransform, build_loaders
+from utils.data import BatchTransform, build_loaders, crop_padding
 from utils.evaluation import evaluate
 from utils.guard import StopGuard, check_output_dir, lock_output_dir
 from utils.launch import (
@@ -78,6 +78,8 @@ class Config:
                                "uoft-cs/cifar10")
     cache_dir: str | None = opt(None, "decoded-tensor cache; unset: <data-dir>/.decoded if writable, else "
                                 "~/.cache/accelerate-cifar")
+    image_size: int | None = opt(None, "resize every image to S x S (8-512), as decoded once; unset: the images' "
+                                 "own size, which they must then all share")
     train_subset: int | None = opt(None, "train on the first N training images only")
     eval_subset: int | None = opt(None, "evaluate on the first N test images only")
     augment: str = opt("standard", "standard: random crop (4 px zero padding) + horizontal flip; none",
@@ -141,6 +143,8 @@ class Config:
                      non_negative=["weight_decay", "warmup_epochs", "grad_clip", "progress_every"])
         if not 0 <= self.label_smoothing < 1:
             raise UserError(f"--label-smoothing must be in [0, 1) (got {self.label_smoothing}).")
+        if self.image_size is not None and not 8 <= self.image_size <= 512:
+            raise UserError(f"--image-size must be between 8 and 512 pixels (got {self.image_size}).")
 
 
 # --recipe NAME: presets for one GPU (global batch = batch_size; more GPUs: add --global-batch-size). They set
@@ -225,7 +229,8 @@ def main(cfg: Config) -> dict:
     check_wrapper(accelerator, model, cfg.bf16_grad_sync)  # DDP or FSDP really wraps it; bf16 all-reduce if asked
     params_here = sum((q.to_local() if isinstance(q, DTensor) else q).numel() for q in model.parameters())
     # Augmentation stream differs per rank (different images must get different crops), fixed by the seed.
-    transform = BatchTransform(accelerator.device, cfg.seed * 1000 + accelerator.process_index,
+    transform = BatchTransform(accelerator.device, cfg.seed * 1000 + accelerator.process_index, mean=data["mean"],
+                               std=data["std"], pad=crop_padding(data["image_size"]),
                                augment=cfg.augment == "standard", channels_last=channels_last)
 
     # --- schedule, counted in optimizer steps. Not passed to prepare(): Accelerate's prepared scheduler

@@ -30,7 +30,7 @@ from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_
 from safetensors.torch import load_file, save_file
 
 from utils import UserError, process_count_problem
-from utils.data import BatchTransform, check_one_batch, load_cifar10, make_loader, take_prefix
+from utils.data import BatchTransform, check_one_batch, crop_padding, load_cifar10, make_loader, take_prefix
 from utils.launch import run
 from utils.models import build_model
 from utils.schedule import warmup_cosine
@@ -119,7 +119,8 @@ def main(args: argparse.Namespace) -> dict:
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     assert world == 1 or isinstance(model, torch.nn.parallel.DistributedDataParallel), type(model)  # grads averaged
     transform = BatchTransform(accelerator.device, args.seed * 1000 + accelerator.process_index, augment=True,
-                               channels_last=False)  # random crop + flip on the device; its own stream per rank
+                               channels_last=False, pad=crop_padding(data["train"][0].shape[-1]), mean=data["mean"],
+                               std=data["std"])  # random crop + flip on the device; its own stream per rank
     steps_per_epoch = math.ceil(len(train_loader) / args.grad_accum)
     # Stepped once per optimizer step, by us: a prepared scheduler would step world-size times per optimizer step.
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer,

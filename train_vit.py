@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 from utils import UserError
 from utils.checkpoint import Checkpointer, export_weights
 from utils.config import check_ranges, opt, parse
-from utils.data import BatchTransform, build_loaders
+from utils.data import BatchTransform, build_loaders, crop_padding
 from utils.evaluation import evaluate
 from utils.guard import StopGuard, check_output_dir, lock_output_dir
 from utils.launch import (
@@ -72,6 +72,8 @@ class Config:
                                "uoft-cs/cifar10")
     cache_dir: str | None = opt(None, "decoded-tensor cache; unset: <data-dir>/.decoded if writable, else "
                                 "~/.cache/accelerate-cifar")
+    image_size: int | None = opt(None, "resize every image to S x S (8-512), as decoded once; unset: the images' "
+                                 "own size, which they must then all share")
     train_subset: int | None = opt(None, "train on the first N training images only")
     eval_subset: int | None = opt(None, "evaluate on the first N test images only")
     augment: str = opt("standard", "standard: random crop (4 px zero padding) + horizontal flip; none",
@@ -132,6 +134,11 @@ class Config:
                      non_negative=["weight_decay", "warmup_epochs", "grad_clip", "progress_every"])
         if not 0 <= self.label_smoothing < 1:
             raise UserError(f"--label-smoothing must be in [0, 1) (got {self.label_smoothing}).")
+        if self.image_size is not None and not 8 <= self.image_size <= 512:
+            raise UserError(f"--image-size must be between 8 and 512 pixels (got {self.image_size}).")
+        if self.image_size is not None and self.image_size % 4:
+            raise UserError(f"--image-size must be a multiple of the ViT's patch size 4 (got "
+                            f"{self.image_size}).")
 
 
 def parse_config(argv: list[str] | None = None) -> Config:
@@ -195,7 +202,7 @@ def main(cfg: Config) -> dict:
 
     # --- model: same seed on every rank -> same initial weights; blocks checkpointed before FSDP shards them ---
     set_seed(cfg.seed)
-    model = build_model(cfg.model, len(data["classes"]))
+    model = build_model(cfg.model, len(data["classes"]), image_size=data["image_size"])
     if cfg.activation_checkpointing:
         checkpoint_blocks(model)
     optimizer = build_optimizer(cfg, model, lr)
@@ -203,7 +210,8 @@ def main(cfg: Config) -> dict:
     check_wrapper(accelerator, model, cfg.bf16_grad_sync)  # DDP or FSDP really wraps it; bf16 all-reduce if asked
     params_here = sum((q.to_local() if isinstance(q, DTensor) else q).numel() for q in model.parameters())
     # Augmentation stream differs per rank (different images must get different crops), fixed by the seed.
-    transform = BatchTransform(accelerator.device, cfg.seed * 1000 + accelerator.process_index,
+    transform = BatchTransform(accelerator.device, cfg.seed * 1000 + accelerator.process_index, mean=data["mean"],
+                               std=data["std"], pad=crop_padding(data["image_size"]),
                                augment=cfg.augment == "standard", channels_last=False)
 
     # --- schedule, counted in optimizer steps; not prepared (Accelerate would step it once per process) ---

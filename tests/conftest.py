@@ -80,6 +80,20 @@ def write_image_folder(root: Path, classes, size=(32, 32), mode: str = "RGB") ->
     return root
 
 
+def write_mixed_folder(root: Path) -> Path:
+    """3 classes; per split one 20x20 grayscale, one 40x30 RGBA and one 64x64 RGB image of each class."""
+    from PIL import Image
+
+    for split in ("train", "test"):
+        for k, name in enumerate(("ant", "bee", "cow")):
+            folder = root / split / name
+            folder.mkdir(parents=True)
+            Image.new("L", (20, 20), 60 * k).save(folder / "gray.png")
+            Image.new("RGBA", (40, 30), (60 * k, 10, 200, 128)).save(folder / "alpha.png")
+            Image.new("RGB", (64, 64), (60 * k, 100, 50)).save(folder / "rgb.jpg")
+    return root
+
+
 def write_cifar_dir(root: Path, n_train: int = 256, n_test: int = 64, **kwargs) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     write_parquet(root / "train-00000-of-00001.parquet", n_train, seed=1, **kwargs)

@@ -79,16 +79,23 @@ def test_a_label_column_that_is_neither_class_names_nor_integers(tmp_path, small
     _fails_cleanly(tmp_path, ["--data-dir", str(small_data)], "the test split's label column 'label' is Value(")
 
 
-@pytest.mark.parametrize(("kwargs", "found"), [({"size": (28, 28)}, "28x28 RGB"), ({"mode": "L"}, "32x32 L")])
-def test_images_that_are_not_32x32_rgb(tmp_path, small_data, kwargs, found):
-    write_parquet(small_data / "test-00000-of-00001.parquet", 8, **kwargs)
-    _fails_cleanly(tmp_path, ["--data-dir", str(small_data)], f"test split has a {found} image at row 0")
+def test_images_of_different_sizes_without_image_size(tmp_path, small_data):
+    write_parquet(small_data / "test-00000-of-00001.parquet", 8, size=(28, 28))
+    _fails_cleanly(tmp_path, ["--data-dir", str(small_data)], "the images do not share one square size (32x32 (the "
+                   "train split's row 0), 28x28 (the test split's row 0)); pass --image-size S to resize every image "
+                   "to S x S.")
 
 
 @pytest.mark.parametrize(("flag", "value"), [("--lr", "0"), ("--batch-size", "0"), ("--epochs", "-1")])
 def test_non_positive_lr_batch_epochs(tmp_path, small_data, flag, value):
     _fails_cleanly(tmp_path, ["--data-dir", str(small_data), flag, value],
                    f"{flag} must be positive (got {float(value):g}")
+
+
+@pytest.mark.parametrize("size", ["4", "1000"])
+def test_image_size_outside_8_to_512(tmp_path, small_data, size):
+    _fails_cleanly(tmp_path, ["--data-dir", str(small_data), "--image-size", size],
+                   f"--image-size must be between 8 and 512 pixels (got {size}).")
 
 
 def test_eval_subset_larger_than_the_split(tmp_path, small_data):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from accelerate import Accelerator
-from conftest import CPU_YAML, read_summary, run_train, script_env, write_parquet
+from conftest import CPU_YAML, read_summary, run_train, script_env, write_mixed_folder, write_parquet
 from safetensors.torch import load_file
 
 import train_cifar
@@ -204,3 +204,21 @@ def test_a_hundred_class_parquet_with_image_and_fine_label_columns_trains_resnet
     assert load_file(out / "model.safetensors")["fc.weight"].shape == (100, 512)
     tags = EventAccumulator(str(out / "cifar10-accelerate")).Reload().Tags()["scalars"]
     assert "eval/top5" in tags and not [t for t in tags if t.startswith("eval/top1_")]
+
+
+def test_a_folder_of_mixed_sizes_grayscale_and_rgba_trains_end_to_end_at_image_size_48(tmp_path, cache_dir):
+    """And evaluate_checkpoint.py takes the image size from summary.json: the same top-1 from the exported weights."""
+    import evaluate_checkpoint
+
+    folder = write_mixed_folder(tmp_path / "folder")
+    out = tmp_path / "run"
+    result = run_train(["--data-dir", str(folder), "--cache-dir", str(cache_dir), "--output-dir", str(out),
+                        "--image-size", "48", "--model", "resnet18_imagenet", "--batch-size", "4", "--epochs", "2",
+                        "--no-channels-last", "--tracker", "none"], fork=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    s = read_summary(out)
+    assert (s["image_size"], s["classes"], s["dataset"]["kind"]) == (48, ["ant", "bee", "cow"], "imagefolder")
+    assert s["global_step"] == 2 * (9 // 4) and s["eval_examples"] == 9 and len(s["eval_confusion"]) == 3
+    evaluated = evaluate_checkpoint.main([str(out / "model.safetensors"), "--data-dir", str(folder), "--cache-dir",
+                                          str(cache_dir)])
+    assert evaluated["top1"] == pytest.approx(s["eval_top1"]) and evaluated["examples"] == 9

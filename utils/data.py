@@ -38,7 +38,7 @@ SPLITS = ("train", "test")
 CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 MEAN = (0.4914, 0.4822, 0.4465)  # per-channel mean of the CIFAR-10 training images, in [0, 1]
 STD = (0.2470, 0.2435, 0.2616)
-CACHE_FORMAT = 3  # bump when the cached tensors change meaning (3: the class names are stored with them)
+CACHE_FORMAT = 4  # bump when the cached tensors change meaning (4: class names, mean and std stored with them)
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
 IMAGE_COLUMNS, LABEL_COLUMNS = ("img", "image"), ("label", "labels", "fine_label")
 
@@ -146,13 +146,28 @@ def _column(ds, split: str, names: tuple[str, ...], what: str) -> str:
     return found[0]
 
 
-def decode_split(ds, split: str) -> tuple[torch.Tensor, torch.Tensor, tuple[str, ...] | None]:
-    """(N, 3, 32, 32) uint8 images (channels-last in memory), (N,) int64 labels and the class names (None for a
+def decode_split(ds, split: str, size: int | None = None) -> tuple[torch.Tensor, torch.Tensor, tuple[str, ...] | None]:
+    """(N, 3, S, S) uint8 images (channels-last in memory), (N,) int64 labels and the class names (None for a
     label column of plain integers) from a datasets.Dataset with an image column (`img` or `image`) and a label
-    column (`label`, `labels` or `fine_label`): a ClassLabel (the Hub's, an image folder's) or integers."""
+    column (`label`, `labels` or `fine_label`): a ClassLabel (the Hub's, an image folder's) or integers. Every image
+    is converted to RGB and resized to S x S (size; None: the split's own size, which all its images must share)."""
+    rows = _rows(ds, split)
+    return _decode(rows, split, size or common_size({split: rows})), rows.labels, rows.names
+
+
+class _Rows:
+    """A split's undecoded images (each a parquet row's bytes or an image folder's path), labels and class names."""
+
+    def __init__(self, sources: list, labels: np.ndarray, names: tuple[str, ...] | None):
+        self.sources, self.labels, self.names = sources, torch.from_numpy(labels.astype(np.int64)), names
+
+    def __len__(self) -> int:
+        return len(self.sources)
+
+
+def _rows(ds, split: str) -> _Rows:
     from datasets import ClassLabel
     from datasets import Image as ImageFeature
-    from PIL import Image, UnidentifiedImageError
 
     image_col = _column(ds, split, IMAGE_COLUMNS, "an image")
     label_col = _column(ds, split, LABEL_COLUMNS, "a label")
@@ -164,23 +179,94 @@ def decode_split(ds, split: str) -> tuple[torch.Tensor, torch.Tensor, tuple[str,
     # Undecoded: we decode straight into one preallocated array instead of one PIL object per row. A parquet row
     # holds the image's bytes; an image folder's row holds its path.
     table = ds.cast_column(image_col, ImageFeature(decode=False)).with_format("arrow")[:]
-    labels = table.column(label_col).to_numpy(zero_copy_only=False)
     column = table.column(image_col).combine_chunks()
-    blobs, paths = column.field("bytes").to_pylist(), column.field("path").to_pylist()
-    images = np.empty((len(blobs), 32, 32, 3), dtype=np.uint8)
-    for i, (blob, path) in enumerate(zip(blobs, paths)):
-        where = f"row {i}" if blob is not None else path
+    sources = [blob if blob is not None else path for blob, path in
+               zip(column.field("bytes").to_pylist(), column.field("path").to_pylist())]
+    return _Rows(sources, table.column(label_col).to_numpy(zero_copy_only=False), names)
+
+
+def _open(source, split: str, i: int):
+    """The PIL image of a row (lazy: only its header is read until the pixels are asked for); one line if broken."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        return Image.open(io.BytesIO(source) if isinstance(source, bytes) else source)
+    except (UnidentifiedImageError, OSError, TypeError) as e:
+        raise UserError(f"the {split} split has an undecodable image at {_where(source, i)} ({_first_line(e)}).") \
+            from None
+
+
+def _where(source, i: int) -> str:
+    return f"row {i}" if isinstance(source, bytes) else str(source)
+
+
+def common_size(splits: dict[str, _Rows]) -> int:
+    """The one square size all images share (read from their headers); else one line asking for --image-size."""
+    sizes = {}
+    for split, rows in splits.items():
+        for i, source in enumerate(rows.sources):
+            with _open(source, split, i) as im:
+                sizes.setdefault(im.size, (split, _where(source, i)))
+            if len(sizes) > 1:
+                break
+    (w, h), first = next(iter(sizes.items()))
+    if len(sizes) > 1 or w != h:
+        other = [f"{a}x{b} (the {split} split's {where})" for (a, b), (split, where) in sizes.items()]
+        raise UserError(f"the images do not share one square size ({', '.join(other)}); pass --image-size S to "
+                        f"resize every image to S x S.")
+    return w
+
+
+def _decode(rows: _Rows, split: str, size: int) -> torch.Tensor:
+    from PIL import Image
+
+    images = np.empty((len(rows), size, size, 3), dtype=np.uint8)
+    for i, source in enumerate(rows.sources):
         try:
-            with Image.open(io.BytesIO(blob) if blob is not None else path) as im:
-                if im.mode != "RGB" or im.size != (32, 32):
-                    raise UserError(
-                        f"the {split} split has a {im.size[0]}x{im.size[1]} {im.mode} image at {where}; "
-                        f"CIFAR-10 images must be 32x32 RGB."
-                    )
+            with _open(source, split, i) as im:
+                im = im.convert("RGB")  # grayscale repeated into 3 channels, RGBA's alpha dropped, palettes expanded
+                if im.size != (size, size):
+                    im = im.resize((size, size), Image.Resampling.BICUBIC)
                 images[i] = np.asarray(im)
-        except (UnidentifiedImageError, OSError, TypeError) as e:
-            raise UserError(f"the {split} split has an undecodable image at {where} ({_first_line(e)}).") from None
-    return torch.from_numpy(images).permute(0, 3, 1, 2), torch.from_numpy(labels.astype(np.int64)), names
+        except OSError as e:  # a header that reads but pixels that do not (a truncated file)
+            raise UserError(f"the {split} split has an undecodable image at {_where(source, i)} "
+                            f"({_first_line(e)}).") from None
+    return torch.from_numpy(images).permute(0, 3, 1, 2)
+
+
+def channel_stats(images: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per-channel mean and standard deviation (population) of uint8 (N, 3, S, S) images, in [0, 1]: what the
+    transform normalises with. Summed in float64, a few million pixels at a time."""
+    pixels = images.permute(0, 2, 3, 1).reshape(-1, 3)  # a view of channels-last memory
+    total, squares = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
+    for chunk in pixels.split(1 << 22):
+        chunk = chunk.double()
+        total += chunk.sum(0)
+        squares += (chunk * chunk).sum(0)
+    n = max(len(pixels), 1)
+    mean = total / n
+    std = (squares / n - mean * mean).clamp(min=0).sqrt()
+    return tuple((mean / 255).tolist()), tuple((std / 255).tolist())
+
+
+def check_memory(images: int, size: int) -> None:
+    """Stops before decoding if the uint8 tensors would not fit in the memory available now (Linux; elsewhere no
+    check). The cache write needs a second copy of each split for a moment, so twice the tensors' size counts."""
+    needed = 2 * images * 3 * size * size
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return
+    if needed > available:
+        raise UserError(f"decoding {images:,} images at {size}x{size} needs about {needed / 2**30:,.1f} GiB of memory "
+                        f"(the uint8 tensors and a copy for the cache), more than the {available / 2**30:,.1f} GiB "
+                        f"available; use a smaller --image-size or fewer images.")
+
+
+def crop_padding(size: int) -> int:
+    """The zero padding of the random crop: 4 pixels at 32 x 32, in proportion at other sizes."""
+    return max(1, round(size / 8))
 
 
 def _classes(decoded: dict[str, tuple]) -> tuple[str, ...]:
@@ -211,10 +297,11 @@ def _classes(decoded: dict[str, tuple]) -> tuple[str, ...]:
 # ----------------------------------------------------------------------------------------------------
 # Cache
 # ----------------------------------------------------------------------------------------------------
-def _fingerprint(paths: list[str | Path]) -> str:
-    """Changes when any source file is replaced, grown or touched; cheap (no hashing of the contents)."""
+def _fingerprint(paths: list[str | Path], image_size: int | None) -> str:
+    """Changes when any source file is replaced, grown or touched, or the decoding settings change; cheap (no hashing
+    of the contents)."""
     stats = [(str(Path(p).resolve()), os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in paths]
-    return hashlib.sha256(json.dumps([CACHE_FORMAT, stats]).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps([CACHE_FORMAT, stats, image_size]).encode()).hexdigest()[:16]
 
 
 def _writable_dir(path: Path) -> bool:
@@ -240,8 +327,8 @@ def _read_cache(path: Path) -> dict | None:
     try:
         with safe_open(path, framework="pt") as f:  # images stored as (N, 32, 32, 3): contiguous tensors only
             t = {k: f.get_tensor(k) for k in f.keys()}
-            classes = tuple(json.loads(f.metadata()["classes"]))
-        return {**{s: (t[f"{s}_images"].permute(0, 3, 1, 2), t[f"{s}_labels"]) for s in SPLITS}, "classes": classes}
+            about = {k: tuple(json.loads(v)) for k, v in f.metadata().items() if k in ("classes", "mean", "std")}
+        return {**{s: (t[f"{s}_images"].permute(0, 3, 1, 2), t[f"{s}_labels"]) for s in SPLITS}, **about}
     except Exception as e:  # a truncated or foreign file: decode again rather than fail
         warnings.warn(f"ignoring unreadable cache {path} ({_first_line(e)}); decoding the source again")
         return None
@@ -258,7 +345,7 @@ def _write_cache(path: Path, data: dict) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
     os.close(fd)
     try:
-        save_file(tensors, tmp, metadata={"classes": json.dumps(list(data["classes"]))})
+        save_file(tensors, tmp, metadata={k: json.dumps(list(data[k])) for k in ("classes", "mean", "std")})
         umask = os.umask(0)  # mkstemp made the file private (0600); give it the mode any new file gets (shared data
         os.umask(umask)  # folders on clusters: other users must read it too)
         os.chmod(tmp, 0o666 & ~umask)
@@ -268,45 +355,52 @@ def _write_cache(path: Path, data: dict) -> None:
             os.remove(tmp)
 
 
-def load_cifar10(data_dir: str | None, cache_dir: str | None, accelerator=None) -> dict:
+def load_cifar10(data_dir: str | None, cache_dir: str | None, accelerator=None,
+                 image_size: int | None = None) -> dict:
     """{'train': (images, labels), 'test': (images, labels)} for the whole splits, on the CPU, with 'classes' (the
-    class names, label k names classes[k]) and 'dataset' (where it came from, and the fingerprint of its files).
+    class names, label k names classes[k]), 'mean' and 'std' (per channel, of the training images, in [0, 1]) and
+    'dataset' (where it came from, and the fingerprint of its files). image_size: resize every image to that square
+    size; None: the images' own size, which they must all share.
 
     The local main process of each machine decodes and writes the cache while the others wait, then
     they read it. An input error found there is raised on every process, so all exit with its message
     (instead of the others dying in a barrier with a traceback).
     """
     if accelerator is None:  # one process, or a script without Accelerate (the benchmarks' seed copy)
-        return _load(data_dir, cache_dir, print, write_cache=True)
+        return _load(data_dir, cache_dir, print, True, image_size)
     data = error = None
     if accelerator.is_local_main_process:
         try:
-            data = _load(data_dir, cache_dir, accelerator.print, write_cache=True)
+            data = _load(data_dir, cache_dir, accelerator.print, True, image_size)
         except UserError as e:
             error = str(e)
     errors = [e for e in gather_object([error]) if e]  # also the barrier the other processes wait at
     if errors:
         raise UserError(errors[0])
-    return data if data is not None else _load(data_dir, cache_dir, accelerator.print, write_cache=False)
+    return data if data is not None else _load(data_dir, cache_dir, accelerator.print, False, image_size)
 
 
-def _load(data_dir, cache_dir, log, write_cache: bool):
+def _load(data_dir, cache_dir, log, write_cache: bool, image_size: int | None):
     if data_dir is not None:
         kind, files = find_source(data_dir)
-        key, dsd = _fingerprint([p for ps in files.values() for p in ps]), None
+        key, dsd = _fingerprint([p for ps in files.values() for p in ps], image_size), None
     else:
         kind, dsd = "hub", _read_hub()  # the Hub client's own cache makes this cheap after the first download
-        key = _fingerprint([f["filename"] for s in SPLITS for f in dsd[s].cache_files])
+        key = _fingerprint([f["filename"] for s in SPLITS for f in dsd[s].cache_files], image_size)
     path = (Path(cache_dir) if cache_dir else default_cache_dir(data_dir)) / f"cifar10-{key}.safetensors"
     data = _read_cache(path) if path.exists() else None
     if data is None:
         log(f"decoding the images once into uint8 tensors; cache: {path}")
         dsd = dsd if dsd is not None else _read_local(kind, files)
-        decoded = {s: decode_split(dsd[s], s) for s in SPLITS}
+        rows = {s: _rows(dsd[s], s) for s in SPLITS}
+        size = image_size or common_size(rows)
+        check_memory(sum(map(len, rows.values())), size)
+        decoded = {s: (_decode(r, s, size), r.labels, r.names) for s, r in rows.items()}
         data = {s: (images, labels) for s, (images, labels, _) in decoded.items()}
         if kind == "imagefolder":  # rows come class by class: shuffle them once, with a
             data = {s: _shuffled(*pair) for s, pair in data.items()}  # fixed seed, so a prefix is class-balanced
         data["classes"] = _classes(decoded)
+        data["mean"], data["std"] = channel_stats(data["train"][0])
         if write_cache:
             _write_cache(path, data)
     data["dataset"] = {"source": str(data_dir) if data_dir is not None else HUB_DATASET, "kind": kind,
@@ -384,15 +478,17 @@ def make_loader(images, labels, batch_size: int, train: bool) -> torch.utils.dat
 
 
 class BatchTransform:
-    """uint8 (B, 3, 32, 32) on the device -> normalised float batch; for training also a random crop
-    (zero padding of 4 pixels) and a horizontal flip per image, drawn from this rank's own generators.
-    Works in NHWC (channels-last) memory, which the loader delivers; --no-channels-last gets NCHW at the end."""
+    """uint8 (B, 3, S, S) on the device -> normalised float batch (per-channel mean and std in [0, 1]: the data's,
+    CIFAR-10's by default); for training also a random crop (zero padding of `pad` pixels: crop_padding(S)) and a
+    horizontal flip per image, drawn from this rank's own generators. Works in NHWC (channels-last) memory, which the
+    loader delivers; --no-channels-last gets NCHW at the end."""
 
-    def __init__(self, device: torch.device, seed: int, augment: bool, channels_last: bool, pad: int = 4):
+    def __init__(self, device: torch.device, seed: int, augment: bool, channels_last: bool, pad: int = 4,
+                 mean: tuple[float, ...] = MEAN, std: tuple[float, ...] = STD):
         self.augment, self.channels_last, self.pad = augment, channels_last, pad
         # (x - mean) / std as one fused x * scale + shift over rows of W pixels x 3 channels: with a
         # per-channel (3,) operand the innermost loop would be 3 long (5x slower on CPU than this).
-        std, mean = torch.tensor(STD, device=device) * 255, torch.tensor(MEAN, device=device) * 255
+        std, mean = torch.tensor(std, device=device) * 255, torch.tensor(mean, device=device) * 255
         self.scale, self.shift = 1 / std, -mean / std
         self.row_scale_shift = {}  # width -> (scale, shift) tiled along a row
         self.generator = torch.Generator(device=device)  # crop offsets and which images are mirrored
@@ -481,11 +577,11 @@ def build_loaders(cfg, accelerator, batch_size: int):
     data is (load_cifar10's 'classes', 'dataset', and 'image_size'); prepare() then shards the loaders, reshuffles
     per epoch and moves batches to the device. cfg: a script's Config (data_dir, cache_dir, train_subset,
     eval_subset, data_on_device). Your own data: return yours here."""
-    data = load_cifar10(cfg.data_dir, cfg.cache_dir, accelerator)
+    data = load_cifar10(cfg.data_dir, cfg.cache_dir, accelerator, cfg.image_size)
     train_split = take_prefix(data["train"], cfg.train_subset, "--train-subset")
     eval_split = take_prefix(data["test"], cfg.eval_subset, "--eval-subset")
     check_one_batch(train_split[1], batch_size, accelerator.num_processes)
     if cfg.data_on_device:  # GPU-resident: Accelerate's move to the device becomes a no-op
         train_split, eval_split = ([t.to(accelerator.device) for t in split] for split in (train_split, eval_split))
-    about = {"classes": data["classes"], "dataset": data["dataset"], "image_size": int(train_split[0].shape[-1])}
+    about = {k: data[k] for k in ("classes", "dataset", "mean", "std")} | {"image_size": int(train_split[0].shape[-1])}
     return make_loader(*train_split, batch_size, train=True), make_loader(*eval_split, batch_size, train=False), about

@@ -14,13 +14,13 @@ VITS = {"vit_micro": (2, 2, 64, 128), "vit_tiny": (12, 3, 192, 768), "vit_s": (1
         "vit_b": (12, 12, 768, 3072), "vit_l": (24, 16, 1024, 4096)}
 
 
-def build_model(name: str, num_classes: int = 10, sync_bn: bool = False) -> nn.Module:
+def build_model(name: str, num_classes: int = 10, sync_bn: bool = False, image_size: int = 32) -> nn.Module:
     """torchvision's ResNet-18; 'resnet18' swaps the ImageNet stem (7x7 stride-2 conv + max-pool, which
     shrinks 32x32 inputs to 8x8 before the first block) for a 3x3 stride-1 conv; or 'resnet9' (below).
     sync_bn turns every BatchNorm into a SyncBatchNorm (statistics over all ranks' batches; CUDA only).
-    A name in VITS: vit() below."""
+    A name in VITS: vit() below, for image_size x image_size inputs (the ResNets take any size)."""
     if name in VITS:
-        return vit(name, num_classes)
+        return vit(name, num_classes, image_size)
     model = resnet9(num_classes) if name == "resnet9" else torchvision.models.resnet18(num_classes=num_classes)
     if name == "resnet18":
         model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
