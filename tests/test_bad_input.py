@@ -6,7 +6,16 @@ import hashlib
 from pathlib import Path
 
 import pytest
-from conftest import CPU_YAML, run_train, script_env, small_tmpfs, write_cifar_dir, write_image_folder, write_parquet
+from conftest import (
+    CPU_YAML,
+    REPO,
+    run_train,
+    script_env,
+    small_tmpfs,
+    write_cifar_dir,
+    write_image_folder,
+    write_parquet,
+)
 
 
 def _digest(folder: Path) -> dict:
@@ -117,6 +126,25 @@ def test_bad_labels_under_two_ranks_stop_both_with_one_line(tmp_path, small_data
     write_parquet(small_data / "train-00000-of-00001.parquet", 20, labels=[-1] * 20)  # -1: the Hub's "no label"
     _fails_cleanly(tmp_path, ["--data-dir", str(small_data)], "has label -1 at row 0 (20 rows in all); labels must "
                    "be 0-9.", launch=["--config_file", str(CPU_YAML)])
+
+
+def test_a_user_error_on_every_rank_is_printed_even_when_rank_0_reaches_it_last(tmp_path):
+    """torchrun stops the other ranks when one exits: a rank other than 0 exiting first used to take rank 0 (the
+    one that prints) down before its line was out (seen in CI on a loaded machine: the FSDP-version-1 test)."""
+    script = tmp_path / "fails.py"
+    script.write_text(f"""import os, sys, time
+sys.path.insert(0, {str(REPO)!r})
+from utils import UserError
+from utils.launch import run
+def job():
+    if os.environ["RANK"] == "0":
+        time.sleep(2)  # rank 0 is the slower one to reach the error
+    raise UserError("the same bad input on every rank")
+sys.exit(run(job))
+""")
+    result = run_train([], launch=["--config_file", str(CPU_YAML)], script=script)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 1 and errors == ["error: the same bad input on every rank"], result.stderr[-3000:]
 
 
 def test_no_data_dir_and_no_hub_access_names_both_options(tmp_path, monkeypatch):

@@ -11,6 +11,7 @@ import gc
 import os
 import re
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -136,6 +137,8 @@ def run(job) -> int:
     except UserError as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
+        else:  # exiting first, this rank would have the launcher stop rank 0 (SIGTERM) before it printed the line;
+            time.sleep(5)  # rank 0's exit has the launcher stop this one, so the wait costs nothing in the end
         status = 2
     except RuntimeError as e:  # torch.distributed.DistBackendError is one
         why = peer_failure(str(e))
