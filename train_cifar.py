@@ -19,7 +19,7 @@ divergence, launcher quirks) are small objects in utils/, each named where main(
 Your own model: change `build_model` (utils/models.py), or call yours where main() does; keep `num_classes`.
 Your own data: a parquet folder or an image folder, any classes, any size (`--data-dir`, `--image-size`) works as is;
 else change `build_loaders` in utils/data.py (any DataLoaders of (uint8 images N x 3 x H x W, int64 labels) batches,
-and the class names; set MEAN/STD there); augmentation, sharding and resume stay as they are.
+with the class names and the per-channel mean and std); augmentation, sharding and resume stay as they are.
 Smaller starting point: train_minimal.py (the same training, 180 lines, no surroundings).
 """
 
