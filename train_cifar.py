@@ -215,7 +215,7 @@ def main(cfg: Config) -> dict:
                       f"lr {lr:g}")
 
     # --- data: Accelerate shards, shuffles per epoch and moves to device ---
-    train_loader, eval_loader, data = build_loaders(cfg, accelerator, batch_size)  # data: classes, source
+    train_loader, eval_loader, data = build_loaders(cfg, accelerator, batch_size)  # data: classes, mean, std, size
 
     # --- model: same seed on every rank -> same initial weights (DDP also broadcasts rank 0's) ---
     set_seed(cfg.seed)

@@ -97,7 +97,7 @@ def cuda_test_files() -> list[str]:
                   if re.search(r"mark\.cuda|\bDEVICES\b", p.read_text()))
 
 
-def plan(args, out: Path) -> list[Part]:
+def plan(args) -> list[Part]:
     py, work = sys.executable, Path(args.work)
     data = ["--data-dir", args.data_dir] if args.data_dir else []
     cache = ["--cache-dir", str(work / "decoded")]
@@ -139,7 +139,7 @@ def main() -> None:
     header = {"gpu": torch.cuda.get_device_name(0), "data_dir": args.data_dir,
               "versions": f"python {sys.version.split()[0]}, torch {torch.__version__}"}
     print(f"GPU check on {header['gpu']} ({header['versions']}); results in {out.resolve()}", flush=True)
-    results = run_parts(plan(args, out), out, args.budget, header)
+    results = run_parts(plan(args), out, args.budget, header)
     print((out / "summary.txt").read_text(), end="")
     sys.exit(0 if all(p["status"] == "passed" for p in results["parts"].values()) else 1)
 
