@@ -1,11 +1,12 @@
-"""Evaluate exported weights (model.safetensors / best.safetensors) on the CIFAR-10 test set.
+"""Evaluate exported weights (model.safetensors / best.safetensors) on the test set they were trained for.
 
     python evaluate_checkpoint.py runs/cifar10/best.safetensors --data-dir ../shared/data/cifar10
     accelerate launch --config_file accelerate_configs/cpu.yaml evaluate_checkpoint.py runs/cifar10/model.safetensors
 
 Loads the weights into a plain model from utils.models.build_model (strict: every key must match) and prints
-one JSON line with loss, top-1, top-5 and the number of test images. The model name and eval subset default
-to those in the summary.json beside the weights, so the numbers match what training reported.
+one JSON line with loss, top-1, top-5 and the number of test images. The model name, the data (folder or Hub
+dataset, columns, image size, held-out part) and the eval subset default to those in the summary.json beside the
+weights, so the numbers match what training reported.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from accelerate import Accelerator
 from safetensors.torch import load_file
 
 from utils import UserError
-from utils.data import BatchTransform, load_cifar10, make_loader
+from utils.data import BatchTransform, load_data, make_loader
 from utils.evaluation import evaluate
 from utils.models import build_model
 
@@ -28,7 +29,10 @@ from utils.models import build_model
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("weights", type=Path, help="a .safetensors file written by train_cifar.py")
-    parser.add_argument("--data-dir", default=None, help="parquet folder (unset: the Hub), as for train_cifar.py")
+    parser.add_argument("--data-dir", default=None, help="parquet or image folder, as for train_cifar.py; default: "
+                        "as in summary.json")
+    parser.add_argument("--dataset", default=None, help="Hub dataset, as for train_cifar.py; default: as in "
+                        "summary.json (else uoft-cs/cifar10)")
     parser.add_argument("--cache-dir", default=None, help="decoded-tensor cache, as for train_cifar.py")
     parser.add_argument("--model", default=None, help="default: the model in summary.json beside the weights")
     parser.add_argument("--eval-subset", type=int, default=None, help="default: as in summary.json (else all)")
@@ -44,9 +48,12 @@ def main(argv: list[str] | None = None) -> dict:
     model_name = args.model or trained.get("model", "resnet18")
     subset = args.eval_subset if args.eval_subset is not None else trained.get("eval_subset")
     image_size = args.image_size if args.image_size is not None else trained.get("image_size")
+    if args.data_dir is None and args.dataset is None:  # the data it was trained on, and the same held-out part
+        args.data_dir, args.dataset = trained.get("data_dir"), trained.get("dataset")
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    data = load_cifar10(args.data_dir, args.cache_dir, accelerator, image_size)
+    data = load_data(args.data_dir, args.cache_dir, accelerator, image_size, args.dataset,
+                     (trained.get("image_column"), trained.get("label_column")), trained.get("val_fraction"))
     model = build_model(model_name, len(data["classes"]), image_size=data["test"][0].shape[-1])
     try:
         model.load_state_dict(load_file(args.weights), strict=True)

@@ -74,14 +74,20 @@ class Config:
     recipe: str | None = opt(None, "preset defaults for one GPU: fast (ResNet-9, ~94%) or resnet18 (95%+); see "
                              "RECIPES; flags still win", ("fast", "resnet18"))
     # --- data: where the images come from, how many, how they are augmented, where the outputs go ---
-    data_dir: str | None = opt(None, "folder with train-*.parquet / test-*.parquet (Hub layout); unset: download "
-                               "uoft-cs/cifar10")
+    data_dir: str | None = opt(None, "local data: a folder of train-*.parquet / test-*.parquet (Hub layout) or an "
+                               "image folder (train/<class>/*.png, test/<class>/...)")
+    dataset: str | None = opt(None, "a Hub image-classification dataset, when --data-dir is unset (each machine's "
+                              "first process downloads it); unset: uoft-cs/cifar10")
+    image_column: str | None = opt(None, "the data's image column; unset: img or image")
+    label_column: str | None = opt(None, "the data's label column; unset: label, labels or fine_label")
+    val_fraction: float | None = opt(None, "evaluate on this fraction of the training images, held out (a fixed "
+                                     "shuffle); unset: the test (or validation) split, else 0.1 held out")
     cache_dir: str | None = opt(None, "decoded-tensor cache; unset: <data-dir>/.decoded if writable, else "
                                 "~/.cache/accelerate-cifar")
     image_size: int | None = opt(None, "resize every image to S x S (8-512), as decoded once; unset: the images' "
                                  "own size, which they must then all share")
     train_subset: int | None = opt(None, "train on the first N training images only")
-    eval_subset: int | None = opt(None, "evaluate on the first N test images only")
+    eval_subset: int | None = opt(None, "evaluate on the first N test (or held-out) images only")
     augment: str = opt("standard", "standard: random crop (4 px zero padding) + horizontal flip; none",
                        ("standard", "none"))
     data_on_device: bool = opt(False, "keep both splits on the GPU (uint8, 180 MB): no host-to-device copy per batch")

@@ -30,7 +30,7 @@ from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_
 from safetensors.torch import load_file, save_file
 
 from utils import UserError, process_count_problem
-from utils.data import BatchTransform, check_one_batch, crop_padding, load_cifar10, make_loader, take_prefix
+from utils.data import BatchTransform, check_one_batch, crop_padding, load_data, make_loader, take_prefix
 from utils.launch import run
 from utils.models import build_model
 from utils.schedule import warmup_cosine
@@ -103,7 +103,7 @@ def main(args: argparse.Namespace) -> dict:
                       f"{accelerator.mixed_precision}; global batch {global_batch}, lr {lr:g}")
 
     # Data: whole splits as uint8 tensors (decoded once, cached); prepare() shards them over the processes.
-    data = load_cifar10(args.data_dir, None, accelerator)  # one process per machine decodes and caches
+    data = load_data(args.data_dir, None, accelerator)  # one process per machine decodes and caches
     train_split = take_prefix(data["train"], args.train_subset, "--train-subset")
     check_one_batch(train_split[1], args.batch_size, world)  # a subset smaller than one batch would train nothing
     train_loader = make_loader(*train_split, args.batch_size, train=True)

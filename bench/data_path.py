@@ -30,7 +30,7 @@ from torchvision import transforms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import add_data_args, data_flags, header, report  # noqa: E402
-from utils.data import MEAN, STD, BatchTransform, load_cifar10, make_loader  # noqa: E402
+from utils.data import MEAN, STD, BatchTransform, load_data, make_loader  # noqa: E402
 
 
 class PilDataset(torch.utils.data.Dataset):
@@ -50,7 +50,7 @@ def measure(side: str, args) -> float:
     """Median images/s over `--passes` passes of one pipeline in this process, after one warm-up pass."""
     accelerator = Accelerator(cpu=not torch.cuda.is_available(),
                               dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=True))
-    images, labels = load_cifar10(args.data_dir, args.cache_dir, accelerator)["train"]
+    images, labels = load_data(args.data_dir, args.cache_dir, accelerator)["train"]
     if side == "ours":
         n = args.images
         loader = accelerator.prepare(make_loader(images[:n], labels[:n], args.batch_size, train=True))

@@ -211,11 +211,11 @@ def airbench(data_dir: str | None, cache_dir: str | None, work: Path) -> dict:
 
     if importlib.util.find_spec("airbench") is None:
         raise PartFailed("airbench is not installed (offline: carry its wheel, see ../shared/gpu-kit or README)")
-    from utils.data import load_cifar10
+    from utils.data import load_data
 
     folder = work / "airbench" / "cifar10"
     folder.mkdir(parents=True, exist_ok=True)
-    data = load_cifar10(data_dir, cache_dir)
+    data = load_data(data_dir, cache_dir)
     for split, name in (("train", "train.pt"), ("test", "test.pt")):  # airbench's cache format: NHWC uint8
         images, labels = data[split]
         torch.save({"images": images.permute(0, 2, 3, 1).contiguous(), "labels": labels,

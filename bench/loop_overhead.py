@@ -21,7 +21,7 @@ from accelerate import Accelerator
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train_cifar  # noqa: E402
 from bench.common import add_data_args, header, report  # noqa: E402
-from utils.data import BatchTransform, load_cifar10  # noqa: E402
+from utils.data import BatchTransform, load_data  # noqa: E402
 from utils.models import build_model  # noqa: E402
 from utils.schedule import warmup_cosine  # noqa: E402
 
@@ -70,7 +70,7 @@ def main() -> None:
                              max_steps=args.steps,
                              warmup_epochs=1 / args.steps, tracker="none", overwrite=True, log_every=10)
     assert math.ceil(n / args.batch_size) == args.steps
-    images, labels = load_cifar10(cfg.data_dir, cfg.cache_dir,
+    images, labels = load_data(cfg.data_dir, cfg.cache_dir,
                                   Accelerator(cpu=not torch.cuda.is_available()))["train"]
     ours, bare = [], []
     for _ in range(args.repeats):

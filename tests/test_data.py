@@ -17,7 +17,7 @@ from PIL import Image
 
 from utils import UserError
 from utils import data as cdata
-from utils.data import BatchTransform, default_cache_dir, load_cifar10, make_loader
+from utils.data import BatchTransform, default_cache_dir, load_data, make_loader
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,7 @@ def accelerator():
 def test_decoded_tensors_equal_pil_decoding_of_the_parquet_rows(cifar_dir, cache_dir, accelerator):
     import pyarrow.parquet as pq
 
-    data = load_cifar10(str(cifar_dir), str(cache_dir), accelerator)
+    data = load_data(str(cifar_dir), str(cache_dir), accelerator)
     train_file = sorted(cifar_dir.glob("train-*.parquet"))[0]
     table = pq.read_table(train_file).slice(0, 50)
     images, labels = data["train"]
@@ -47,44 +47,44 @@ def test_the_decoded_cache_gets_the_mode_the_umask_gives_any_new_file(tmp_path, 
         cache = tmp_path / f"cache-{umask:o}"
         old = os.umask(umask)
         try:
-            load_cifar10(str(src), str(cache), accelerator)
+            load_data(str(src), str(cache), accelerator)
         finally:
             os.umask(old)
-        (written,) = cache.glob("cifar10-*.safetensors")
+        (written,) = cache.glob("images-*.safetensors")
         assert stat.S_IMODE(written.stat().st_mode) == expected, oct(written.stat().st_mode)
 
 
 def test_second_load_reads_the_cache_and_a_changed_source_is_decoded_again(tmp_path, accelerator, monkeypatch):
     src = write_cifar_dir(tmp_path / "src", n_train=40, n_test=12)
     cache = tmp_path / "cache"
-    first = load_cifar10(str(src), str(cache), accelerator)
-    assert len(list(cache.glob("cifar10-*.safetensors"))) == 1
+    first = load_data(str(src), str(cache), accelerator)
+    assert len(list(cache.glob("images-*.safetensors"))) == 1
 
     calls = []
     real_decode = cdata._decode
     monkeypatch.setattr(cdata, "_decode", lambda rows, split, size: calls.append(split) or real_decode(rows, split,
                                                                                                         size))
-    second = load_cifar10(str(src), str(cache), accelerator)
+    second = load_data(str(src), str(cache), accelerator)
     assert calls == []  # served from the cache
     assert all(torch.equal(a, b) for s in ("train", "test") for a, b in zip(first[s], second[s]))
     assert all(d[s][0].is_contiguous(memory_format=torch.channels_last)
                for d in (first, second) for s in ("train", "test"))
 
     write_cifar_dir(src, n_train=48, n_test=12)  # replace the source files
-    third = load_cifar10(str(src), str(cache), accelerator)
+    third = load_data(str(src), str(cache), accelerator)
     assert calls == ["train", "test"]
     assert len(third["train"][1]) == 48
-    assert len(list(cache.glob("cifar10-*.safetensors"))) == 2
+    assert len(list(cache.glob("images-*.safetensors"))) == 2
 
 
 def test_truncated_cache_is_ignored_and_rewritten(tmp_path, accelerator):
     src = write_cifar_dir(tmp_path / "src", n_train=20, n_test=10)
     cache = tmp_path / "cache"
-    good = load_cifar10(str(src), str(cache), accelerator)
-    (path,) = cache.glob("cifar10-*.safetensors")
+    good = load_data(str(src), str(cache), accelerator)
+    (path,) = cache.glob("images-*.safetensors")
     path.write_bytes(path.read_bytes()[:100])
     with pytest.warns(UserWarning, match="unreadable cache"):
-        again = load_cifar10(str(src), str(cache), accelerator)
+        again = load_data(str(src), str(cache), accelerator)
     assert torch.equal(again["train"][0], good["train"][0])
     assert path.stat().st_size > 100
 
@@ -207,7 +207,7 @@ def test_the_transform_on_cuda_gives_the_cpu_outputs_for_the_same_draws():
 def test_decoding_needs_no_network(tmp_path, accelerator, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     src = write_cifar_dir(tmp_path / "src", n_train=10, n_test=10, fmt="JPEG")
-    data = load_cifar10(str(src), str(tmp_path / "cache"), accelerator)
+    data = load_data(str(src), str(tmp_path / "cache"), accelerator)
     assert data["test"][0].shape == (10, 3, 32, 32)
     assert os.listdir(tmp_path / "cache")
 
@@ -247,11 +247,11 @@ def _digests(images: torch.Tensor, labels: torch.Tensor) -> list[tuple[int, str]
 
 def test_an_image_folder_of_cifar_pngs_decodes_to_the_parquets_tensors_and_labels(cifar_dir, cache_dir, tmp_path,
                                                                                    accelerator):
-    parquet = load_cifar10(str(cifar_dir), str(cache_dir), accelerator)
+    parquet = load_data(str(cifar_dir), str(cache_dir), accelerator)
     prefix = {"train": (parquet["train"][0][:2000], parquet["train"][1][:2000]),
               "test": (parquet["test"][0][:500], parquet["test"][1][:500])}
     _export_folder(tmp_path / "folder", prefix, split_names={"test": "validation"})  # validation/ is a test split too
-    folder = load_cifar10(str(tmp_path / "folder"), str(tmp_path / "cache"), accelerator)
+    folder = load_data(str(tmp_path / "folder"), str(tmp_path / "cache"), accelerator)
     for split, (images, labels) in prefix.items():
         assert folder[split][0].shape == images.shape and folder[split][0].is_contiguous(
             memory_format=torch.channels_last)
@@ -260,14 +260,14 @@ def test_an_image_folder_of_cifar_pngs_decodes_to_the_parquets_tensors_and_label
         # class-balanced, as in the Hub's files: each class 5-20% of the first 200 images (unshuffled: 100% airplanes)
         counts = torch.bincount(folder[split][1][:200], minlength=10)
         assert counts.min() >= 10 and counts.max() <= 40, counts.tolist()
-    again = load_cifar10(str(tmp_path / "folder"), str(tmp_path / "cache"), accelerator)  # from the cache
+    again = load_data(str(tmp_path / "folder"), str(tmp_path / "cache"), accelerator)  # from the cache
     assert all(torch.equal(again[s][i], folder[s][i]) for s in ("train", "test") for i in (0, 1))
-    assert len(list((tmp_path / "cache").glob("cifar10-*.safetensors"))) == 1  # cached like a parquet source
+    assert len(list((tmp_path / "cache").glob("images-*.safetensors"))) == 1  # cached like a parquet source
 
 
 def _folder_error(tmp_path, accelerator) -> str:
     with pytest.raises(UserError) as e:
-        load_cifar10(str(tmp_path / "folder"), str(tmp_path / "cache"), accelerator)
+        load_data(str(tmp_path / "folder"), str(tmp_path / "cache"), accelerator)
     return str(e.value)
 
 
@@ -287,18 +287,20 @@ def test_image_folder_bad_input_is_named_in_one_sentence(tmp_path, accelerator):
     message = _folder_error(tmp_path, accelerator)
     assert message.startswith(f"the train split has an undecodable image at {broken} ("), message
     broken.unlink()
-    (folder / "test").rename(folder / "elsewhere")
-    assert _folder_error(tmp_path, accelerator) == f"--data-dir {folder} has train/ but neither test/ nor " \
-                                                   f"validation/ beside it."
+    (folder / "test").rename(folder / "elsewhere")  # no test split: 1 of the 10 images held out; 0.05 holds out none
+    assert load_data(str(folder), str(tmp_path / "cache"), accelerator)["test"][0].shape == (1, 3, 32, 32)
+    with pytest.raises(UserError, match=r"^--val-fraction 0\.05 of 10 training images holds out 0; both the training "
+                                        r"and the held-out part need at least one image\.$"):
+        load_data(str(folder), str(tmp_path / "cache"), accelerator, val_fraction=0.05)
 
 
 def test_an_image_folder_names_its_classes_from_its_folders(tmp_path, accelerator):
     write_image_folder(tmp_path / "folder", ("dogs", "cats", "birds"))
-    data = load_cifar10(str(tmp_path / "folder"), str(tmp_path / "cache"), accelerator)
+    data = load_data(str(tmp_path / "folder"), str(tmp_path / "cache"), accelerator)
     assert data["classes"] == ("birds", "cats", "dogs")  # the folders' names, sorted; label k is classes[k]
     by_label = {int(label): int(image[0, 0, 0]) for image, label in zip(*data["train"])}
     assert by_label == {0: 40, 1: 20, 2: 0}  # write_image_folder paints class folder k (given order) with k * 20
-    assert load_cifar10(str(tmp_path / "folder"), str(tmp_path / "cache"), accelerator)["classes"] == data["classes"]
+    assert load_data(str(tmp_path / "folder"), str(tmp_path / "cache"), accelerator)["classes"] == data["classes"]
 
 
 def test_images_of_mixed_sizes_and_modes_are_resized_to_rgb_image_size_or_stop_asking_for_it(tmp_path, accelerator):
@@ -306,7 +308,7 @@ def test_images_of_mixed_sizes_and_modes_are_resized_to_rgb_image_size_or_stop_a
     message = _folder_error(tmp_path, accelerator)
     assert message.startswith("the images do not share one square size (") and message.endswith(
         "pass --image-size S to resize every image to S x S."), message
-    data = load_cifar10(str(folder), str(tmp_path / "cache"), accelerator, image_size=24)
+    data = load_data(str(folder), str(tmp_path / "cache"), accelerator, image_size=24)
     images, labels = data["train"]
     assert images.shape == (9, 3, 24, 24) and images.is_contiguous(memory_format=torch.channels_last)
     gray = [im for im, k in zip(images, labels) if k == 1 and im[0, 0, 0] == im[1, 0, 0] == im[2, 0, 0] == 60]
@@ -321,7 +323,7 @@ def test_images_of_mixed_sizes_and_modes_are_resized_to_rgb_image_size_or_stop_a
 def test_cifar10_normalisation_from_the_data_is_the_published_constants(cifar_dir, cache_dir, accelerator):
     """The mean to 3 decimals; the standard deviation of this JPEG re-encoding of CIFAR-10 (../shared's copy) is up
     to 0.0018 lower than the lossless original's published values: JPEG smooths the pixels."""
-    data = load_cifar10(str(cifar_dir), str(cache_dir), accelerator)
+    data = load_data(str(cifar_dir), str(cache_dir), accelerator)
     if len(data["train"][1]) != 50_000:
         pytest.skip("needs the real CIFAR-10 training split")
     assert data["mean"] == pytest.approx((0.4914, 0.4822, 0.4465), abs=5e-4)
@@ -344,10 +346,11 @@ def test_integer_labels_without_class_names_make_classes_named_by_their_numbers(
     src.mkdir()
     write_parquet(src / "train-00000-of-00001.parquet", 12, labels=[2, 0, 1] * 4, class_names=None)
     write_parquet(src / "test-00000-of-00001.parquet", 3, labels=[1, 1, 0], class_names=None)
-    data = load_cifar10(str(src), str(tmp_path / "cache"), accelerator)
+    data = load_data(str(src), str(tmp_path / "cache"), accelerator)
     assert data["classes"] == ("0", "1", "2") and data["train"][1].tolist() == [2, 0, 1] * 4
-    assert data["dataset"] == {"source": str(src), "kind": "parquet", "fingerprint": data["dataset"]["fingerprint"]}
-    assert load_cifar10(str(src), str(tmp_path / "cache"), accelerator)["classes"] == ("0", "1", "2")  # cached
+    assert data["dataset"] == {"source": str(src), "kind": "parquet", "fingerprint": data["dataset"]["fingerprint"],
+                               "eval_split": "test"}
+    assert load_data(str(src), str(tmp_path / "cache"), accelerator)["classes"] == ("0", "1", "2")  # cached
 
 
 def test_image_and_label_columns_are_found_by_name_and_a_missing_one_is_named():
@@ -364,6 +367,76 @@ def test_image_and_label_columns_are_found_by_name_and_a_missing_one_is_named():
     images, labels, names = cdata.decode_split(ds, "train")
     assert torch.equal(images, torch.from_numpy(pixels).permute(0, 3, 1, 2)) and labels.tolist() == [3, 0, 9]
     assert names == cdata.CLASSES
+    renamed = ds.rename_column("fine_label", "target")
     with pytest.raises(UserError, match=r"^the test split has columns \['image', 'target'\]; expected a label column "
-                                        r"named 'label' or 'labels' or 'fine_label'\.$"):
-        cdata.decode_split(ds.rename_column("fine_label", "target"), "test")
+                                        r"named 'label' or 'labels' or 'fine_label' "
+                                        r"\(or name it with --label-column\)\.$"):
+        cdata.decode_split(renamed, "test")
+    images, labels, _ = cdata.decode_split(renamed, "test", columns=("image", "target"))  # --label-column target
+    assert torch.equal(images, torch.from_numpy(pixels).permute(0, 3, 1, 2)) and labels.tolist() == [3, 0, 9]
+    with pytest.raises(UserError, match=r"^the test split has no column 'photo' \(--image-column\); its columns: "
+                                        r"\['image', 'target'\]\.$"):
+        cdata.decode_split(renamed, "test", columns=("photo", None))
+    with pytest.raises(UserError, match=r"^the test split's column 'target' is ClassLabel\(.*\), not images\.$"):
+        cdata.decode_split(renamed, "test", columns=("target", "target"))
+
+
+# Sources without an evaluation split, and Hub datasets by name -----------------------------------------------------
+def test_a_source_without_an_evaluation_split_holds_out_a_fixed_part_of_train_and_says_so(tmp_path, accelerator,
+                                                                                          capsys):
+    src = tmp_path / "src"
+    src.mkdir()
+    write_parquet(src / "train-00000-of-00001.parquet", 40, seed=3)
+    whole = cdata.decode_split(datasets_parquet(src / "train-00000-of-00001.parquet"), "train")  # the 40, in order
+    data = load_data(str(src), str(tmp_path / "cache"), accelerator)
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "no evaluation split: evaluating on 4 of the 40 training images, held out by --val-fraction 0.1 (a fixed "
+        "shuffle: the same on every process and run); training on the other 36")
+    assert data["dataset"]["eval_split"] == "0.1 of train, held out"
+    (train_x, train_y), (held_x, held_y) = data["train"], data["test"]
+    assert len(train_y) == 36 and len(held_y) == 4 and train_x.is_contiguous(memory_format=torch.channels_last)
+    # Disjoint, together the whole split, each part in the file's order: find each image's row in the file.
+    row_of = {_digests(im[None], y[None])[0]: i for i, (im, y) in enumerate(zip(*whole[:2]))}
+    train_rows = [row_of[_digests(im[None], y[None])[0]] for im, y in zip(train_x, train_y)]
+    held_rows = [row_of[_digests(im[None], y[None])[0]] for im, y in zip(held_x, held_y)]
+    assert sorted(train_rows + held_rows) == list(range(40)) and train_rows == sorted(train_rows)
+    assert held_rows == sorted(held_rows) and held_rows != list(range(36, 40)) and held_rows != list(range(4))
+    pixels = train_x.permute(0, 2, 3, 1).reshape(-1, 3).double() / 255  # normalised with the training part only
+    assert data["mean"] == pytest.approx(tuple(pixels.mean(0).tolist()), abs=1e-9)
+    again = load_data(str(src), str(tmp_path / "other-cache"), accelerator)  # decoded afresh: another machine
+    assert all(torch.equal(again[s][i], data[s][i]) for s in ("train", "test") for i in (0, 1))
+    # An explicit fraction holds out of train even beside a test split, which then is not used.
+    write_parquet(src / "test-00000-of-00001.parquet", 8, seed=4)
+    quarter = load_data(str(src), str(tmp_path / "cache"), accelerator, val_fraction=0.25)
+    assert len(quarter["train"][1]) == 30 and len(quarter["test"][1]) == 10
+    assert "no evaluation split used: evaluating on 10 of the 40" in capsys.readouterr().out
+    assert load_data(str(src), str(tmp_path / "cache"), accelerator)["dataset"]["eval_split"] == "test"
+    with pytest.raises(UserError, match=r"^--val-fraction must be between 0 and 1 \(got 1\)\.$"):
+        load_data(str(src), str(tmp_path / "cache"), accelerator, val_fraction=1.0)
+
+
+def datasets_parquet(path):
+    import datasets
+
+    return datasets.load_dataset("parquet", data_files=str(path), split="train")
+
+
+def test_a_hub_dataset_named_by_dataset_loads_its_splits_columns_and_class_names(tmp_path, accelerator):
+    # A Hub repository's layout (data/<split>-*.parquet), loaded by name through datasets.load_dataset as --dataset
+    # NAME is; a local path stands in for the Hub id here (no network).
+    repo = tmp_path / "user" / "flowers"
+    (repo / "data").mkdir(parents=True)
+    names = ("daisy", "rose", "tulip")
+    write_parquet(repo / "data" / "train-00000-of-00001.parquet", 30, seed=5, class_names=names,
+                  columns=("image", "labels"), size=(16, 16))
+    write_parquet(repo / "data" / "validation-00000-of-00001.parquet", 9, seed=6, class_names=names,
+                  columns=("image", "labels"), size=(16, 16))
+    data = load_data(None, str(tmp_path / "cache"), accelerator, dataset=str(repo))
+    assert data["classes"] == names and data["train"][0].shape == (30, 3, 16, 16) and len(data["test"][1]) == 9
+    assert data["dataset"] == {"source": str(repo), "kind": "hub", "fingerprint": data["dataset"]["fingerprint"],
+                               "eval_split": "validation"}
+    expected = cdata.decode_split(datasets_parquet(repo / "data" / "validation-00000-of-00001.parquet"), "validation")
+    assert torch.equal(data["test"][0], expected[0]) and torch.equal(data["test"][1], expected[1])
+    with pytest.raises(UserError, match=r"^pass either --data-dir \(d\) or --dataset \(uoft-cs/cifar100\), "
+                                        r"not both\.$"):
+        load_data("d", None, accelerator, dataset="uoft-cs/cifar100")

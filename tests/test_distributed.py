@@ -25,7 +25,7 @@ from conftest import CPU_YAML, PROBE, read_summary, run_train, script_env
 from safetensors.torch import load_file
 
 import train_cifar
-from utils.data import BatchTransform, load_cifar10, make_loader
+from utils.data import BatchTransform, load_data, make_loader
 
 TRAIN_SUBSET, EVAL_SUBSET = 200, 101  # 200 = 6 batches of 32 + 8 dropped; 101 is odd: eval shards are padded
 COMMON = ["--model", "resnet18_imagenet", "--train-subset", str(TRAIN_SUBSET), "--eval-subset", str(EVAL_SUBSET),
@@ -153,7 +153,7 @@ def test_two_rank_eval_counts_each_image_once_and_equals_one_rank_eval_of_the_ex
     model = train_cifar.build_model("resnet18_imagenet")
     model.load_state_dict(load_file(run.out / "model.safetensors"), strict=True)
     accelerator = Accelerator(cpu=True)
-    images, labels = load_cifar10(str(cifar_dir), str(cache_dir), accelerator)["test"]
+    images, labels = load_data(str(cifar_dir), str(cache_dir), accelerator)["test"]
     loader = make_loader(images[:EVAL_SUBSET], labels[:EVAL_SUBSET], batch_size=32, train=False)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each launched rank

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 import train_cifar
 from utils.config import build_parser
-from utils.data import BatchTransform, load_cifar10, make_loader
+from utils.data import BatchTransform, load_data, make_loader
 
 EVAL_SUBSET = 1001  # not divisible by 2 ranks x 64: Accelerate pads the last batches, gather_for_metrics must drop it
 
@@ -57,7 +57,7 @@ def test_exported_weights_load_into_a_plain_model_and_reproduce_the_reported_top
     model = train_cifar.build_model("resnet18_imagenet")
     model.load_state_dict(state, strict=True)
     accelerator = Accelerator(cpu=True)
-    images, labels = load_cifar10(str(cifar_dir), str(cache_dir), accelerator)["test"]
+    images, labels = load_data(str(cifar_dir), str(cache_dir), accelerator)["test"]
     loader = make_loader(images[:EVAL_SUBSET], labels[:EVAL_SUBSET], batch_size=250, train=False)
     model = model.to(memory_format=torch.channels_last)  # as trained: channels_last, bf16 autocast (cpu.yaml)
     transform = BatchTransform(torch.device("cpu"), seed=0, augment=False, channels_last=True)
@@ -150,7 +150,7 @@ def test_recipe_sets_its_defaults_and_explicit_flags_still_win():
 
 def test_flip_test_time_augmentation_averages_the_logits_of_each_image_and_its_mirror(cifar_dir, cache_dir):
     accelerator = Accelerator(cpu=True)
-    images, labels = load_cifar10(str(cifar_dir), str(cache_dir))["test"]
+    images, labels = load_data(str(cifar_dir), str(cache_dir))["test"]
     images, labels = images[:64], labels[:64]
     torch.manual_seed(0)
     model = train_cifar.build_model("resnet9").eval()

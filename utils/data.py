@@ -1,7 +1,7 @@
 """CIFAR-10 as uint8 tensors: read (local parquet, an image folder or the Hub), decode once, cache, batch, augment.
 
 The pipeline, and why it never starves a GPU:
-  1. `load_cifar10` reads the parquet files (the Hub layout of uoft-cs/cifar10) or an image folder
+  1. `load_data` reads the parquet files (the Hub layout of uoft-cs/cifar10) or an image folder
      (train/<class>/*.png, test/<class>/...) with `datasets`' own builders, decodes
      every image once into an (N, 3, 32, 32) uint8 tensor stored channels-last (NHWC in memory, as the
      JPEGs decode and as the models run) and caches that as a safetensors file, keyed by the source
@@ -33,12 +33,14 @@ from accelerate.utils import gather_object
 
 from utils import UserError
 
-HUB_DATASET = "uoft-cs/cifar10"
-SPLITS = ("train", "test")
+HUB_DATASET = "uoft-cs/cifar10"  # --dataset's default
+SPLITS = ("train", "test")  # the loaded data's keys: "test" is the evaluation split, whatever its source
+EVAL_SPLITS = ("test", "validation")  # the source's evaluation split: the first of these it has
+VAL_FRACTION = 0.1  # held out of train for evaluation when the source has no evaluation split
 CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 MEAN = (0.4914, 0.4822, 0.4465)  # per-channel mean of the CIFAR-10 training images, in [0, 1]
 STD = (0.2470, 0.2435, 0.2616)
-CACHE_FORMAT = 4  # bump when the cached tensors change meaning (4: class names, mean and std stored with them)
+CACHE_FORMAT = 5  # bump when the cached tensors change meaning (4: class names, mean and std; 5: held-out splits)
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
 IMAGE_COLUMNS, LABEL_COLUMNS = ("img", "image"), ("label", "labels", "fine_label")
 
@@ -47,37 +49,37 @@ IMAGE_COLUMNS, LABEL_COLUMNS = ("img", "image"), ("label", "labels", "fine_label
 # Source: local parquet files, an image folder, or the Hub
 # ----------------------------------------------------------------------------------------------------
 def find_source(data_dir: str | Path) -> tuple[str, dict[str, list[Path]]]:
-    """What --data-dir holds: ("parquet", the train-*/test-*.parquet files at any depth, as in a Hub snapshot) or
-    ("imagefolder", the image files of train/<class>/ and of test/<class>/ or validation/<class>/)."""
+    """What --data-dir holds: ("parquet", {split: its <split>-*.parquet files at any depth, as in a Hub snapshot}) or
+    ("imagefolder", {split: the image files of <split>/<class>/}), for the splits found: train, and test or
+    validation (the first of them that is there; neither: a part of train is held out, see hold_out)."""
     root = Path(data_dir)
     if not root.is_dir():
         raise UserError(f"--data-dir {root} does not exist or is not a directory.")
-    parquet = {split: sorted(root.rglob(f"{split}-*.parquet")) for split in SPLITS}
-    if all(parquet.values()):
-        return "parquet", parquet
+    parquet = {split: sorted(root.rglob(f"{split}-*.parquet")) for split in ("train", *EVAL_SPLITS)}
+    if parquet["train"]:
+        eval_split = next((s for s in EVAL_SPLITS if parquet[s]), None)
+        return "parquet", {s: parquet[s] for s in ("train", eval_split) if s}
     if (root / "train").is_dir() and any(d.is_dir() for d in (root / "train").iterdir()):
         return "imagefolder", _image_folder_files(root)
-    missing = next(split for split, found in parquet.items() if not found)
     raise UserError(
-        f"--data-dir {root} holds no {missing}-*.parquet file and no image folder (train/<class>/*.png, "
-        f"test/<class>/...); expected the parquet layout of the Hub dataset {HUB_DATASET} or such a folder."
+        f"--data-dir {root} holds no train-*.parquet file and no image folder (train/<class>/*.png, "
+        f"test/<class>/...); expected the parquet layout of a Hub dataset such as {HUB_DATASET}, or such a folder."
     )
 
 
 def _image_folder_files(root: Path) -> dict[str, list[Path]]:
-    test = next((root / name for name in ("test", "validation") if (root / name).is_dir()), None)
-    if test is None:
-        raise UserError(f"--data-dir {root} has train/ but neither test/ nor validation/ beside it.")
+    splits = ["train"] + [s for s in EVAL_SPLITS if (root / s).is_dir()][:1]
     files, classes = {}, {}
-    for split, folder in (("train", root / "train"), ("test", test)):
+    for split in splits:
+        folder = root / split
         classes[split] = sorted(d.name for d in folder.iterdir() if d.is_dir())
         for name in classes[split]:
             if not any(f.suffix.lower() in IMAGE_SUFFIXES for f in (folder / name).iterdir()):
                 raise UserError(f"the class folder {folder / name} holds no image ({', '.join(IMAGE_SUFFIXES)}).")
         files[split] = sorted(f for f in folder.rglob("*") if f.suffix.lower() in IMAGE_SUFFIXES)
-    if classes["train"] != classes["test"]:
-        differ = sorted(set(classes["train"]) ^ set(classes["test"]))
-        raise UserError(f"--data-dir {root}: train/ and {test.name}/ have different class folders ({', '.join(differ)} "
+    if len(splits) == 2 and classes["train"] != classes[splits[1]]:
+        differ = sorted(set(classes["train"]) ^ set(classes[splits[1]]))
+        raise UserError(f"--data-dir {root}: train/ and {splits[1]}/ have different class folders ({', '.join(differ)} "
                         f"only in one of them).")
     return files
 
@@ -109,15 +111,16 @@ def _read_local(kind: str, files: dict[str, list[Path]]):
         raise UserError(f"cannot read the {kind} files in {files['train'][0].parent}: {_first_line(cause)}") from None
 
 
-def _read_hub():
+def _read_hub(name: str):
     import datasets
 
     try:
-        return datasets.load_dataset(HUB_DATASET)
+        return datasets.load_dataset(name)
     except Exception as e:
         raise UserError(
-            f"could not download {HUB_DATASET} from the Hugging Face Hub ({_first_line(e)}); either pass "
-            f"--data-dir with a local parquet copy (train-*.parquet, test-*.parquet) or run with internet access."
+            f"could not download {name} from the Hugging Face Hub ({_first_line(e)}); either pass "
+            f"--data-dir with a local copy (train-*.parquet and test-*.parquet, or an image folder) or run with "
+            f"internet access."
         ) from None
 
 
@@ -138,20 +141,29 @@ def _first_line(e: BaseException) -> str:
 # ----------------------------------------------------------------------------------------------------
 # Decode once into uint8 tensors
 # ----------------------------------------------------------------------------------------------------
-def _column(ds, split: str, names: tuple[str, ...], what: str) -> str:
+def _column(ds, split: str, names: tuple[str, ...], what: str, given: str | None) -> str:
+    """The split's image or label column: `given` (--image-column / --label-column), else the first of `names`."""
+    if given is not None:
+        if given not in ds.column_names:
+            raise UserError(f"the {split} split has no column {given!r} (--{what}-column); its columns: "
+                            f"{ds.column_names}.")
+        return given
     found = [n for n in names if n in ds.column_names]
     if not found:
-        raise UserError(f"the {split} split has columns {ds.column_names}; expected {what} column named "
-                        f"{' or '.join(repr(n) for n in names)}.")
+        raise UserError(f"the {split} split has columns {ds.column_names}; expected {'an' if what == 'image' else 'a'} "
+                        f"{what} column named "
+                        f"{' or '.join(repr(n) for n in names)} (or name it with --{what}-column).")
     return found[0]
 
 
-def decode_split(ds, split: str, size: int | None = None) -> tuple[torch.Tensor, torch.Tensor, tuple[str, ...] | None]:
+def decode_split(ds, split: str, size: int | None = None, columns: tuple[str | None, str | None] = (None, None)
+                 ) -> tuple[torch.Tensor, torch.Tensor, tuple[str, ...] | None]:
     """(N, 3, S, S) uint8 images (channels-last in memory), (N,) int64 labels and the class names (None for a
     label column of plain integers) from a datasets.Dataset with an image column (`img` or `image`) and a label
-    column (`label`, `labels` or `fine_label`): a ClassLabel (the Hub's, an image folder's) or integers. Every image
-    is converted to RGB and resized to S x S (size; None: the split's own size, which all its images must share)."""
-    rows = _rows(ds, split)
+    column (`label`, `labels` or `fine_label`): a ClassLabel (the Hub's, an image folder's) or integers. columns:
+    (image column, label column) instead of those names. Every image is converted to RGB and resized to S x S (size;
+    None: the split's own size, which all its images must share)."""
+    rows = _rows(ds, split, columns)
     return _decode(rows, split, size or common_size({split: rows})), rows.labels, rows.names
 
 
@@ -165,12 +177,14 @@ class _Rows:
         return len(self.sources)
 
 
-def _rows(ds, split: str) -> _Rows:
+def _rows(ds, split: str, columns: tuple[str | None, str | None]) -> _Rows:
     from datasets import ClassLabel
     from datasets import Image as ImageFeature
 
-    image_col = _column(ds, split, IMAGE_COLUMNS, "an image")
-    label_col = _column(ds, split, LABEL_COLUMNS, "a label")
+    image_col = _column(ds, split, IMAGE_COLUMNS, "image", columns[0])
+    label_col = _column(ds, split, LABEL_COLUMNS, "label", columns[1])
+    if not isinstance(ds.features[image_col], ImageFeature):
+        raise UserError(f"the {split} split's column {image_col!r} is {ds.features[image_col]}, not images.")
     feature = ds.features[label_col]
     names = tuple(feature.names) if isinstance(feature, ClassLabel) else None
     if names is None and not (hasattr(feature, "dtype") and feature.dtype.startswith(("int", "uint"))):
@@ -273,15 +287,15 @@ def crop_padding(size: int) -> int:
     return max(1, round(size / 8))
 
 
-def _classes(decoded: dict[str, tuple]) -> tuple[str, ...]:
+def _classes(decoded: dict[str, tuple], eval_name: str) -> tuple[str, ...]:
     """The class names both splits share: the ClassLabel's, or "0".."C-1" for integer labels, which must then be
     exactly 0..C-1 in the training split (C: how many distinct labels it has). Every label must name a class."""
     names = {split: found for split, (_, _, found) in decoded.items()}
     if names["train"] != names["test"]:
         described = {s: ", ".join(n[:12]) + (", ..." if len(n) > 12 else "") if n else "integers" for s, n in
                      names.items()}
-        raise UserError(f"the train and test splits have different classes (train: {described['train']}; test: "
-                        f"{described['test']}).")
+        raise UserError(f"the train and {eval_name} splits have different classes (train: {described['train']}; "
+                        f"{eval_name}: {described['test']}).")
     classes = names["train"]
     if classes is None:
         count = len(torch.unique(decoded["train"][1]))
@@ -301,11 +315,11 @@ def _classes(decoded: dict[str, tuple]) -> tuple[str, ...]:
 # ----------------------------------------------------------------------------------------------------
 # Cache
 # ----------------------------------------------------------------------------------------------------
-def _fingerprint(paths: list[str | Path], image_size: int | None) -> str:
+def _fingerprint(paths: list[str | Path], settings: dict) -> str:
     """Changes when any source file is replaced, grown or touched, or the decoding settings change; cheap (no hashing
     of the contents)."""
     stats = [(str(Path(p).resolve()), os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in paths]
-    return hashlib.sha256(json.dumps([CACHE_FORMAT, stats, image_size]).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps([CACHE_FORMAT, stats, settings], sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _writable_dir(path: Path) -> bool:
@@ -359,57 +373,99 @@ def _write_cache(path: Path, data: dict) -> None:
             os.remove(tmp)
 
 
-def load_cifar10(data_dir: str | None, cache_dir: str | None, accelerator=None,
-                 image_size: int | None = None) -> dict:
-    """{'train': (images, labels), 'test': (images, labels)} for the whole splits, on the CPU, with 'classes' (the
-    class names, label k names classes[k]), 'mean' and 'std' (per channel, of the training images, in [0, 1]) and
-    'dataset' (where it came from, and the fingerprint of its files). image_size: resize every image to that square
-    size; None: the images' own size, which they must all share.
+def load_data(data_dir: str | None, cache_dir: str | None, accelerator=None, image_size: int | None = None,
+              dataset: str | None = None, columns: tuple[str | None, str | None] = (None, None),
+              val_fraction: float | None = None) -> dict:
+    """{'train': (images, labels), 'test': (images, labels)} on the CPU ('test': the evaluation split), with 'classes'
+    (the class names, label k names classes[k]), 'mean' and 'std' (per channel, of the training images, in [0, 1])
+    and 'dataset' (where it came from, the fingerprint of its files, which split is evaluated on).
 
-    The local main process of each machine decodes and writes the cache while the others wait, then
-    they read it. An input error found there is raised on every process, so all exit with its message
+    The source: data_dir (parquet files or an image folder), else the Hub dataset `dataset` (default HUB_DATASET).
+    image_size: resize every image to that square size; None: the images' own size, which they must all share.
+    columns: the (image, label) column names; None: found by name. val_fraction: evaluate on that fraction of the
+    training images, held out (hold_out); None: the source's test (or validation) split, else VAL_FRACTION held out.
+
+    The local main process of each machine downloads (the Hub), decodes and writes the cache while the others wait,
+    then they read it. An input error found there is raised on every process, so all exit with its message
     (instead of the others dying in a barrier with a traceback).
     """
+    if data_dir is not None and dataset is not None:
+        raise UserError(f"pass either --data-dir ({data_dir}) or --dataset ({dataset}), not both.")
+    if val_fraction is not None and not 0 < val_fraction < 1:
+        raise UserError(f"--val-fraction must be between 0 and 1 (got {val_fraction:g}).")
+    settings = {"image_size": image_size, "columns": list(columns), "val_fraction": val_fraction}
+    source = (data_dir, dataset or HUB_DATASET)
     if accelerator is None:  # one process, or a script without Accelerate (the benchmarks' seed copy)
-        return _load(data_dir, cache_dir, print, True, image_size)
+        return _load(*source, cache_dir, print, True, settings)
     data = error = None
     if accelerator.is_local_main_process:
         try:
-            data = _load(data_dir, cache_dir, accelerator.print, True, image_size)
+            data = _load(*source, cache_dir, accelerator.print, True, settings)
         except UserError as e:
             error = str(e)
     errors = [e for e in gather_object([error]) if e]  # also the barrier the other processes wait at
     if errors:
         raise UserError(errors[0])
-    return data if data is not None else _load(data_dir, cache_dir, accelerator.print, False, image_size)
+    return data if data is not None else _load(*source, cache_dir, accelerator.print, False, settings)
 
 
-def _load(data_dir, cache_dir, log, write_cache: bool, image_size: int | None):
+def _load(data_dir, dataset: str, cache_dir, log, write_cache: bool, settings: dict):
     if data_dir is not None:
-        kind, files = find_source(data_dir)
-        key, dsd = _fingerprint([p for ps in files.values() for p in ps], image_size), None
+        kind, files, dsd = *find_source(data_dir), None
+        splits, paths = list(files), [p for ps in files.values() for p in ps]
     else:
-        kind, dsd = "hub", _read_hub()  # the Hub client's own cache makes this cheap after the first download
-        key = _fingerprint([f["filename"] for s in SPLITS for f in dsd[s].cache_files], image_size)
-    path = (Path(cache_dir) if cache_dir else default_cache_dir(data_dir)) / f"cifar10-{key}.safetensors"
+        kind, dsd = "hub", _read_hub(dataset)  # the Hub client's own cache makes this cheap after the first download
+        splits = list(dsd)
+        if "train" not in splits:
+            raise UserError(f"the Hub dataset {dataset} has no train split (its splits: {', '.join(splits)}).")
+        paths = [f["filename"] for s in dsd for f in dsd[s].cache_files]
+    source_eval = next((s for s in EVAL_SPLITS if s in splits), None)
+    fraction = settings["val_fraction"] or (None if source_eval else VAL_FRACTION)
+    eval_split = f"{fraction:g} of train, held out" if fraction else source_eval
+    key = _fingerprint(paths, {**settings, "val_fraction": fraction})
+    path = (Path(cache_dir) if cache_dir else default_cache_dir(data_dir)) / f"images-{key}.safetensors"
     data = _read_cache(path) if path.exists() else None
     if data is None:
         log(f"decoding the images once into uint8 tensors; cache: {path}")
-        dsd = dsd if dsd is not None else _read_local(kind, files)
-        rows = {s: _rows(dsd[s], s) for s in SPLITS}
-        size = image_size or common_size(rows)
+        wanted = {"train": "train"} if fraction else {"train": "train", "test": source_eval}
+        dsd = dsd if dsd is not None else _read_local(kind, {s: files[s] for s in wanted.values()})
+        rows = {role: _rows(dsd[s], s, tuple(settings["columns"])) for role, s in wanted.items()}
+        size = settings["image_size"] or common_size(rows)
         check_memory(sum(map(len, rows.values())), size)
-        decoded = {s: (_decode(r, s, size), r.labels, r.names) for s, r in rows.items()}
+        decoded = {role: (_decode(r, wanted[role], size), r.labels, r.names) for role, r in rows.items()}
+        if kind == "imagefolder":  # rows come class by class: shuffle them once, with a fixed seed, so a prefix
+            decoded = {s: (*_shuffled(images, labels), names) for s, (images, labels, names) in decoded.items()}
+        if fraction:  # (class-balanced, as in the Hub's files)
+            train, held_out = hold_out(*decoded["train"][:2], fraction)
+            decoded = {"train": (*train, decoded["train"][2]), "test": (*held_out, decoded["train"][2])}
         data = {s: (images, labels) for s, (images, labels, _) in decoded.items()}
-        if kind == "imagefolder":  # rows come class by class: shuffle them once, with a
-            data = {s: _shuffled(*pair) for s, pair in data.items()}  # fixed seed, so a prefix is class-balanced
-        data["classes"] = _classes(decoded)
+        data["classes"] = _classes(decoded, source_eval or "test")
         data["mean"], data["std"] = channel_stats(data["train"][0])
         if write_cache:
             _write_cache(path, data)
-    data["dataset"] = {"source": str(data_dir) if data_dir is not None else HUB_DATASET, "kind": kind,
-                       "fingerprint": key}
+    if fraction:
+        n, k = len(data["train"][1]), len(data["test"][1])
+        log(f"no evaluation split{' used' if source_eval else ''}: evaluating on {k:,} of the {n + k:,} training "
+            f"images, held out by --val-fraction {fraction:g} (a fixed shuffle: the same on every process and run); "
+            f"training on the other {n:,}")
+    data["dataset"] = {"source": str(data_dir) if data_dir is not None else dataset, "kind": kind,
+                       "fingerprint": key, "eval_split": eval_split}
     return data
+
+
+def hold_out(images: torch.Tensor, labels: torch.Tensor, fraction: float):
+    """((images, labels) to train on, (images, labels) held out for evaluation): round(fraction x N) images drawn by
+    a fixed permutation (seed 0, not --seed: changing the seed must not change what is evaluated on), each part in
+    the source's order."""
+    n = len(labels)
+    k = round(fraction * n)
+    if not 0 < k < n:
+        raise UserError(f"--val-fraction {fraction:g} of {n:,} training images holds out {k:,}; both the training and "
+                        f"the held-out part need at least one image.")
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(0))
+    nhwc = images.permute(0, 2, 3, 1)  # index rows of channels-last memory: the parts stay channels-last
+    return tuple((nhwc.index_select(0, idx).permute(0, 3, 1, 2), labels[idx]) for idx in (order[k:].sort().values,
+                                                                         order[:k].sort().values))
 
 
 def _shuffled(images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -578,10 +634,12 @@ class BatchTransform:
 # ----------------------------------------------------------------------------------------------------
 def build_loaders(cfg, accelerator, batch_size: int):
     """Training and test DataLoaders over whole splits held as uint8 tensors (decoded once, cached), and what the
-    data is (load_cifar10's 'classes', 'dataset', and 'image_size'); prepare() then shards the loaders, reshuffles
+    data is (load_data's 'classes', 'dataset', and 'image_size'); prepare() then shards the loaders, reshuffles
     per epoch and moves batches to the device. cfg: a script's Config (data_dir, cache_dir, train_subset,
-    eval_subset, data_on_device). Your own data: return yours here."""
-    data = load_cifar10(cfg.data_dir, cfg.cache_dir, accelerator, cfg.image_size)
+    eval_subset, data_on_device, dataset, image_column, label_column, val_fraction). Your own data: return yours
+    here."""
+    data = load_data(cfg.data_dir, cfg.cache_dir, accelerator, cfg.image_size, cfg.dataset,
+                     (cfg.image_column, cfg.label_column), cfg.val_fraction)
     train_split = take_prefix(data["train"], cfg.train_subset, "--train-subset")
     eval_split = take_prefix(data["test"], cfg.eval_subset, "--eval-subset")
     check_one_batch(train_split[1], batch_size, accelerator.num_processes)
