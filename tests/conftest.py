@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import os
@@ -18,6 +19,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
+from PIL import Image
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,7 +51,6 @@ def write_parquet(path: Path, n: int, seed: int = 0, size=(32, 32), mode: str = 
     plain int64 labels with class_names=None). Images are a class-coloured square on noise, so a model can learn
     them: class k has its own colour and place (classes k and k + 10 look alike)."""
     import datasets
-    from PIL import Image
 
     rng = np.random.default_rng(seed)
     labels = rng.integers(0, len(class_names or range(10)), n) if labels is None else np.asarray(labels)
@@ -71,8 +72,6 @@ def write_parquet(path: Path, n: int, seed: int = 0, size=(32, 32), mode: str = 
 
 def write_image_folder(root: Path, classes, size=(32, 32), mode: str = "RGB") -> Path:
     """An image folder (train/<class>/0.png, test/<class>/0.png) with one plain image per class and split."""
-    from PIL import Image
-
     for split in ("train", "test"):
         for k, name in enumerate(classes):
             (root / split / name).mkdir(parents=True, exist_ok=True)
@@ -82,8 +81,6 @@ def write_image_folder(root: Path, classes, size=(32, 32), mode: str = "RGB") ->
 
 def write_mixed_folder(root: Path) -> Path:
     """3 classes; per split one 20x20 grayscale, one 40x30 RGBA and one 64x64 RGB image of each class."""
-    from PIL import Image
-
     for split in ("train", "test"):
         for k, name in enumerate(("ant", "bee", "cow")):
             folder = root / split / name
@@ -92,6 +89,21 @@ def write_mixed_folder(root: Path) -> Path:
             Image.new("RGBA", (40, 30), (60 * k, 10, 200, 128)).save(folder / "alpha.png")
             Image.new("RGB", (64, 64), (60 * k, 100, 50)).save(folder / "rgb.jpg")
     return root
+
+
+def export_png_folder(root, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], split_names=None) -> None:
+    """CIFAR-10 images (label k: CIFAR_CLASSES[k]) as lossless PNGs in <split>/<class name>/<row>.png."""
+    for split, (images, labels) in pairs.items():
+        for row, (image, label) in enumerate(zip(images, labels.tolist())):
+            folder = root / (split_names or {}).get(split, split) / CIFAR_CLASSES[label]
+            folder.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(image.permute(1, 2, 0).numpy()).save(folder / f"{row:05d}.png")
+
+
+def digests(images: torch.Tensor, labels: torch.Tensor) -> list[tuple[int, str]]:
+    """Each (label, sha256 of the pixels), sorted: equal for the same (image, label) pairs in any order."""
+    return sorted((label, hashlib.sha256(image.permute(1, 2, 0).contiguous().numpy().tobytes()).hexdigest())
+                  for image, label in zip(images, labels.tolist()))
 
 
 def write_cifar_dir(root: Path, n_train: int = 256, n_test: int = 64, **kwargs) -> Path:

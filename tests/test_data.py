@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import io
 import os
 import stat
@@ -12,7 +11,15 @@ import pytest
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration
-from conftest import DEVICES, write_cifar_dir, write_image_folder, write_mixed_folder, write_parquet
+from conftest import (
+    DEVICES,
+    digests,
+    export_png_folder,
+    write_cifar_dir,
+    write_image_folder,
+    write_mixed_folder,
+    write_parquet,
+)
 from PIL import Image
 
 from utils import UserError
@@ -231,31 +238,17 @@ def test_a_training_split_smaller_than_one_batch_on_every_process_stops_with_one
 
 
 # Image folders (train/<class>/*.png, test/<class>/...), read through datasets' imagefolder builder ---------------
-def _export_folder(root, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], split_names=None) -> None:
-    """Each image as a lossless PNG in <split>/<class name>/<row>.png."""
-    for split, (images, labels) in pairs.items():
-        for row, (image, label) in enumerate(zip(images, labels.tolist())):
-            folder = root / (split_names or {}).get(split, split) / cdata.CLASSES[label]
-            folder.mkdir(parents=True, exist_ok=True)
-            Image.fromarray(image.permute(1, 2, 0).numpy()).save(folder / f"{row:05d}.png")
-
-
-def _digests(images: torch.Tensor, labels: torch.Tensor) -> list[tuple[int, str]]:
-    return sorted((label, hashlib.sha256(image.permute(1, 2, 0).contiguous().numpy().tobytes()).hexdigest())
-                  for image, label in zip(images, labels.tolist()))
-
-
 def test_an_image_folder_of_cifar_pngs_decodes_to_the_parquets_tensors_and_labels(cifar_dir, cache_dir, tmp_path,
                                                                                    accelerator):
     parquet = load_data(str(cifar_dir), str(cache_dir), accelerator)
     prefix = {"train": (parquet["train"][0][:2000], parquet["train"][1][:2000]),
               "test": (parquet["test"][0][:500], parquet["test"][1][:500])}
-    _export_folder(tmp_path / "folder", prefix, split_names={"test": "validation"})  # validation/ is a test split too
+    export_png_folder(tmp_path / "folder", prefix, split_names={"test": "validation"})  # validation/: a test split
     folder = load_data(str(tmp_path / "folder"), str(tmp_path / "cache"), accelerator)
     for split, (images, labels) in prefix.items():
         assert folder[split][0].shape == images.shape and folder[split][0].is_contiguous(
             memory_format=torch.channels_last)
-        assert _digests(*folder[split]) == _digests(images, labels)  # the same (image, label) pairs, bit for bit
+        assert digests(*folder[split]) == digests(images, labels)  # the same (image, label) pairs, bit for bit
         # The folder lists its files class by class; decoding shuffles them once (fixed seed), so a prefix is
         # class-balanced, as in the Hub's files: each class 5-20% of the first 200 images (unshuffled: 100% airplanes)
         counts = torch.bincount(folder[split][1][:200], minlength=10)
@@ -396,9 +389,9 @@ def test_a_source_without_an_evaluation_split_holds_out_a_fixed_part_of_train_an
     (train_x, train_y), (held_x, held_y) = data["train"], data["test"]
     assert len(train_y) == 36 and len(held_y) == 4 and train_x.is_contiguous(memory_format=torch.channels_last)
     # Disjoint, together the whole split, each part in the file's order: find each image's row in the file.
-    row_of = {_digests(im[None], y[None])[0]: i for i, (im, y) in enumerate(zip(*whole[:2]))}
-    train_rows = [row_of[_digests(im[None], y[None])[0]] for im, y in zip(train_x, train_y)]
-    held_rows = [row_of[_digests(im[None], y[None])[0]] for im, y in zip(held_x, held_y)]
+    row_of = {digests(im[None], y[None])[0]: i for i, (im, y) in enumerate(zip(*whole[:2]))}
+    train_rows = [row_of[digests(im[None], y[None])[0]] for im, y in zip(train_x, train_y)]
+    held_rows = [row_of[digests(im[None], y[None])[0]] for im, y in zip(held_x, held_y)]
     assert sorted(train_rows + held_rows) == list(range(40)) and train_rows == sorted(train_rows)
     assert held_rows == sorted(held_rows) and held_rows != list(range(36, 40)) and held_rows != list(range(4))
     pixels = train_x.permute(0, 2, 3, 1).reshape(-1, 3).double() / 255  # normalised with the training part only

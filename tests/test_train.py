@@ -10,13 +10,25 @@ import numpy as np
 import pytest
 import torch
 from accelerate import Accelerator
-from conftest import CPU_YAML, read_summary, run_train, script_env, write_mixed_folder, write_parquet
+from conftest import (
+    CPU_YAML,
+    assert_same_state,
+    digests,
+    export_png_folder,
+    read_summary,
+    run_train,
+    script_env,
+    write_mixed_folder,
+    write_parquet,
+)
 from safetensors.torch import load_file
 
 import train_cifar
 from utils.config import build_parser
 from utils.data import BatchTransform, load_data, make_loader
 
+# cpu.yaml without its bf16: emulated (5-50x slower than fp32) on CPUs without AVX512-BF16/AMX, such as AMD Zen 3.
+FP32_LAUNCH = ["--config_file", str(CPU_YAML), "--mixed_precision", "no"]
 EVAL_SUBSET = 1001  # not divisible by 2 ranks x 64: Accelerate pads the last batches, gather_for_metrics must drop it
 
 
@@ -222,3 +234,66 @@ def test_a_folder_of_mixed_sizes_grayscale_and_rgba_trains_end_to_end_at_image_s
     evaluated = evaluate_checkpoint.main([str(out / "model.safetensors"), "--data-dir", str(folder), "--cache-dir",
                                           str(cache_dir)])
     assert evaluated["top1"] == pytest.approx(s["eval_top1"]) and evaluated["examples"] == 9
+
+
+# Own data on 2 ranks: an image folder, and a Hub dataset by name without a test split ------------------------------
+def test_two_ranks_train_on_a_png_folder_of_cifar_exactly_as_on_the_same_parquet_rows(cifar_dir, cache_dir, tmp_path):
+    """The first 1,024 / 256 CIFAR-10 images as a PNG folder, and the original parquet rows (JPEG bytes) of the same
+    images in the order the folder is loaded in (shuffled class folders): the two 2-rank jobs decode, normalise,
+    train and evaluate the same, to the bit."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    accelerator = Accelerator(cpu=True)
+    cifar = load_data(str(cifar_dir), str(cache_dir), accelerator)
+    sizes = {"train": 1024, "test": 256}
+    export_png_folder(tmp_path / "folder", {s: (cifar[s][0][:n], cifar[s][1][:n]) for s, n in sizes.items()})
+    folder = load_data(str(tmp_path / "folder"), str(tmp_path / "probe-cache"), accelerator)
+    (tmp_path / "parquet").mkdir()
+    for split, n in sizes.items():
+        row_of = {digests(im[None], y[None])[0]: i for i, (im, y) in enumerate(zip(*(t[:n] for t in cifar[split])))}
+        order = [row_of[digests(im[None], y[None])[0]] for im, y in zip(*folder[split])]
+        assert sorted(order) == list(range(n)) and order != list(range(n))
+        rows = pa.concat_tables([pq.read_table(f) for f in sorted(cifar_dir.glob(f"{split}-*.parquet"))])
+        pq.write_table(rows.slice(0, n).take(order), tmp_path / "parquet" / f"{split}-00000-of-00001.parquet")
+    job = ["--model", "resnet18_imagenet", "--epochs", "1", "--batch-size", "64", "--deterministic", "--tracker",
+           "none"]
+    summaries = {}
+    for source in ("folder", "parquet"):
+        result = run_train(["--data-dir", str(tmp_path / source), "--cache-dir", str(tmp_path / f"cache-{source}"),
+                            "--output-dir", str(tmp_path / f"run-{source}"), *job], launch=FP32_LAUNCH)
+        assert result.returncode == 0, result.stderr[-3000:]
+        summaries[source] = read_summary(tmp_path / f"run-{source}")
+    a, b = summaries["folder"], summaries["parquet"]
+    assert (a["dataset"]["kind"], b["dataset"]["kind"], a["world_size"]) == ("imagefolder", "parquet", 2)
+    assert a["classes"] == b["classes"] == sorted(a["classes"]) and len(a["classes"]) == 10
+    assert a["global_step"] == b["global_step"] == 1024 // 128 and a["eval_examples"] == 256
+    for key in ("train_loss", "eval_loss", "eval_top1", "eval_top5", "eval_confusion", "eval_class_top1"):
+        assert a[key] == b[key], key
+    assert_same_state(tmp_path / "run-folder" / "model.safetensors", tmp_path / "run-parquet" / "model.safetensors")
+
+
+def test_a_hub_dataset_without_a_test_split_holds_out_the_stated_part_on_two_ranks_and_evaluates_it_again(tmp_path):
+    """--dataset NAME with named columns (a local path in the Hub's layout stands in for the id: no network here);
+    evaluate_checkpoint.py finds the same data and held-out part from summary.json alone."""
+    import evaluate_checkpoint
+
+    repo = tmp_path / "hub" / "pets"
+    (repo / "data").mkdir(parents=True)
+    write_parquet(repo / "data" / "train-00000-of-00001.parquet", 320, seed=7, class_names=("cat", "dog", "fish"),
+                  columns=("picture", "species"), size=(16, 16))
+    out, cache = tmp_path / "run", tmp_path / "cache"
+    result = run_train(["--dataset", str(repo), "--image-column", "picture", "--label-column", "species",
+                        "--cache-dir", str(cache), "--output-dir", str(out), "--model", "resnet18_imagenet",
+                        "--batch-size", "16", "--epochs", "1", "--tracker", "none"], launch=FP32_LAUNCH)
+    assert result.returncode == 0, result.stderr[-3000:]
+    stated = [line for line in result.stdout.splitlines() if line.startswith("no evaluation split")]
+    assert stated == ["no evaluation split: evaluating on 32 of the 320 training images, held out by --val-fraction "
+                      "0.1 (a fixed shuffle: the same on every process and run); training on the other 288"]
+    s = read_summary(out)
+    assert s["dataset"] == {"source": str(repo), "kind": "hub", "fingerprint": s["dataset"]["fingerprint"],
+                            "eval_split": "0.1 of train, held out"}
+    assert s["classes"] == ["cat", "dog", "fish"] and s["image_size"] == 16 and s["world_size"] == 2
+    assert s["train_images_seen"] == 288 and s["global_step"] == 288 // 32 and s["eval_examples"] == 32
+    evaluated = evaluate_checkpoint.main([str(out / "model.safetensors"), "--cache-dir", str(cache)])
+    assert evaluated["examples"] == 32 and evaluated["top1"] == pytest.approx(s["eval_top1"])  # the held-out part
