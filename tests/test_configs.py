@@ -38,7 +38,7 @@ HARDWARE = {
     "2node_16gpu.yaml": (2, 8, "MULTI_GPU", "bf16"),
     "fsdp_4gpu.yaml": (1, 4, "FSDP", "bf16"),
     "fsdp_8gpu.yaml": (1, 8, "FSDP", "bf16"),
-    "cpu.yaml": (1, 0, "MULTI_GPU", "bf16"),
+    "cpu.yaml": (1, 0, "MULTI_GPU", "no"),
     "fsdp_cpu.yaml": (1, 0, "FSDP", "no"),
 }
 WORDS = {"one": 1, "2": 2, "4": 4, "8": 8}

@@ -32,7 +32,8 @@ COMMON = ["--model", "resnet18_imagenet", "--train-subset", str(TRAIN_SUBSET), "
           "--epochs", "2", "--warmup-epochs", "0.5", "--augment", "none", "--optimizer", "sgd", "--lr", "0.1",
           "--scale-lr",
           "--deterministic", "--log-every", "1", "--tracker", "none"]
-TWO_RANKS = ["--config_file", str(CPU_YAML), "--mixed_precision", "no"]  # fp32, like the 1-process runs
+TWO_RANKS = ["--config_file", str(CPU_YAML)]  # fp32 (cpu.yaml's), like the 1-process runs
+BF16_TWO_RANKS = [*TWO_RANKS, "--mixed_precision", "bf16"]
 CONFIGS = {
     "two_ranks": (TWO_RANKS, ["--global-batch-size", "64"]),
     "one_rank_accum2": (None, ["--batch-size", "32", "--grad-accum", "2"]),
@@ -289,14 +290,17 @@ def test_weights_and_summary_are_written_by_rank_zero_only(runs):
 def test_mixed_precision_from_the_yaml_is_what_autocast_runs(runs, cifar_dir, cache_dir, tmp_path):
     out = tmp_path / "bf16"
     result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out),
-                        *COMMON, "--batch-size", "32", "--max-steps", "2"], launch=["--config_file", str(CPU_YAML)],
-                        script=PROBE)
+                        *COMMON, "--batch-size", "32", "--max-steps", "2"], launch=BF16_TWO_RANKS, script=PROBE)
     assert result.returncode == 0, result.stderr[-4000:]
     run = Run(out)
-    assert run.summary["mixed_precision"] == "bf16"
+    assert run.summary["mixed_precision"] == "bf16"  # the launcher's flag over the YAML's fp32
     assert all(set(p["fc_dtypes"]) == {"torch.bfloat16"} for p in run.probes)
-    assert "mixed_precision: bf16" in CPU_YAML.read_text()
-    assert set(runs["two_ranks"].probes[0]["fc_dtypes"]) == {"torch.float32"}  # --mixed_precision no overrides the YAML
+    assert "mixed_precision: 'no'" in CPU_YAML.read_text()
+    assert set(runs["two_ranks"].probes[0]["fc_dtypes"]) == {"torch.float32"}
+    # bf16 on a CPU that would emulate it (no AVX512-BF16/AMX flag, read here independently): one warning line
+    flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split()
+    warned = [line for line in result.stdout.splitlines() if line.startswith("warning: bf16 autocast on this CPU")]
+    assert len(warned) == (0 if {"avx512_bf16", "amx_bf16"} & set(flags) else 1), result.stdout[-2000:]
 
 
 def test_bf16_runs_all_reduce_gradients_in_bf16_unless_told_not_to(runs, cifar_dir, cache_dir, tmp_path):
@@ -307,7 +311,7 @@ def test_bf16_runs_all_reduce_gradients_in_bf16_unless_told_not_to(runs, cifar_d
         out = tmp_path / name
         result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out),
                             *COMMON, "--batch-size", "32", "--max-steps", "2", *extra],
-                           launch=["--config_file", str(CPU_YAML)], script=PROBE)
+                           launch=BF16_TWO_RANKS, script=PROBE)
         assert result.returncode == 0, result.stderr[-4000:]
         synced[name] = Run(out).probes
     synced["fp32"] = runs["two_ranks"].probes
@@ -325,7 +329,7 @@ def test_a_compiled_ddp_model_passes_the_ddp_check_and_keeps_its_bf16_all_reduce
     out = tmp_path / "compiled"
     result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out),
                         *COMMON, "--batch-size", "32", "--max-steps", "2"],
-                       launch=["--config_file", str(CPU_YAML), "--dynamo_backend", "eager"], script=PROBE)
+                       launch=[*BF16_TWO_RANKS, "--dynamo_backend", "eager"], script=PROBE)
     assert result.returncode == 0, result.stderr[-4000:]
     run = Run(out)
     assert run.summary["world_size"] == 2 and all(p["compiled"] for p in run.probes)

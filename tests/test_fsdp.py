@@ -54,7 +54,7 @@ def runs(cifar_dir, cache_dir, tmp_path_factory):
     for name, yaml in (("ddp", CPU_YAML), ("fsdp", FSDP_CPU_YAML)):
         out[name] = tmp_path_factory.mktemp(name)
         result = run_train(job_args(cifar_dir, cache_dir, out[name]), script=PROBE,
-                           launch=["--config_file", str(yaml), "--mixed_precision", "no"])  # cpu.yaml's default is bf16
+                           launch=["--config_file", str(yaml)])  # both fp32
         assert result.returncode == 0, result.stderr[-4000:]
     return out
 

@@ -42,7 +42,7 @@ FSDP = ["--config_file", str(FSDP_CPU_YAML)]
 TOLERANCE = 1e-6
 MICRO_PARAMETERS = 75_082  # vit_micro: counted by hand from its shapes, see test_vit_micro_has_the_parameters...
 RUNS = {  # name: launch flags, extra script flags
-    "ddp": (["--config_file", str(CPU_YAML), "--mixed_precision", "no"], []),
+    "ddp": (["--config_file", str(CPU_YAML)], []),
     "fsdp": ([*FSDP, "--mixed_precision", "no"], []),
     "fsdp_ac": ([*FSDP, "--mixed_precision", "no"], ["--activation-checkpointing"]),
     "fsdp_bf16": ([*FSDP, "--mixed_precision", "bf16"], []),
