@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from utils import process_count_problem
+from utils.launch import cpu_bf16_native
 
 FIXES = {  # a phrase of the error (lower case) -> the fix
     "joined": "a process is missing: every machine must run the launch command, with the same --num_machines and "
@@ -48,7 +49,7 @@ def facts(accelerator) -> dict:
             "distributed_type": accelerator.distributed_type.value, "mixed_precision": accelerator.mixed_precision,
             "device": str(accelerator.device), "backend": dist.get_backend() if dist.is_initialized() else "none",
             "torch": torch.__version__, "accelerate": accelerate.__version__,
-            "cuda": torch.version.cuda if cuda else None,
+            "cuda": torch.version.cuda if cuda else None, "cpu_bf16_native": cpu_bf16_native(),
             "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None}
 
 
@@ -83,10 +84,11 @@ def main() -> int:
         return 1
 
     problems = []
+    bf16_words = {True: "native", False: "emulated (use fp32)", None: "unknown"}
     for f in everyone:
         say(f"  rank {f['rank']} (local {f['local_rank']}) on {f['host']}: {f['device']}, {f['backend']}, "
             f"{f['distributed_type']}, mixed precision {f['mixed_precision']}, torch {f['torch']}, accelerate "
-            f"{f['accelerate']}, CUDA {f['cuda']}, NCCL {f['nccl']}")
+            f"{f['accelerate']}, CUDA {f['cuda']}, NCCL {f['nccl']}, CPU bf16 {bf16_words[f['cpu_bf16_native']]}")
     # each problem once, in rank order
     for problem in dict.fromkeys(f["count_problem"] for f in everyone if f["count_problem"]):
         ranks = [f["rank"] for f in everyone if f["count_problem"] == problem]

@@ -17,7 +17,8 @@ data, model, resume, the training loop, outputs. The run's surroundings (trackin
 divergence, launcher quirks) are small objects in utils/, each named where main() uses it.
 
 Your own model: change `build_model` (utils/models.py), or call yours where main() does; keep `num_classes`.
-Your own data: a parquet folder or an image folder, any classes, any size (`--data-dir`, `--image-size`) works as is;
+Your own data: a parquet folder, an image folder or a Hub dataset, any classes, any size (`--data-dir`, `--dataset`,
+`--image-size`; a source without a test split is evaluated on a held-out part, `--val-fraction`) works as is;
 else change `build_loaders` in utils/data.py (any DataLoaders of (uint8 images N x 3 x H x W, int64 labels) batches,
 with the class names and the per-channel mean and std); augmentation, sharding and resume stay as they are.
 Smaller starting point: train_minimal.py (the same training, 180 lines, no surroundings).

@@ -383,6 +383,33 @@ def test_second_job_in_a_busy_output_dir_stops_naming_the_first_and_a_dead_jobs_
     assert read_summary(out)["global_step"] == 7 and not (out / ".lock").exists()  # released at the end
 
 
+def test_every_form_of_a_collective_timeout_reads_as_the_dist_timeout_in_one_line():
+    """gloo's and NCCL's timeout messages carry the limit; gloo's broadcast (DDP's buffer sync at a forward) says only
+    "Application timeout caused pair closure", so the limit comes from the process group (here a 1-process gloo group
+    with a 7 s timeout, in a fresh interpreter)."""
+    code = """
+import datetime, os, torch.distributed as dist
+from utils.launch import peer_failure
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0", RANK="0", WORLD_SIZE="1")
+print(peer_failure("RuntimeError: Application timeout caused pair closure"))
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=7))
+print(peer_failure("RuntimeError: Application timeout caused pair closure"))
+print(peer_failure("[../gloo/transport/tcp/pair.cc:534] Timed out waiting 12000ms for recv operation to complete"))
+print(peer_failure("Watchdog caught collective operation timeout: WorkNCCL(OpType=ALLREDUCE, Timeout(ms)=600000)"))
+print(peer_failure("CUDA out of memory"))
+dist.destroy_process_group()
+"""
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    tail = "(it hangs, or its machine is unreachable)"
+    assert result.stdout.splitlines() == [
+        f"a peer process did not answer within --dist-timeout {tail}",  # no group yet: the limit is unknown
+        f"a peer process did not answer within --dist-timeout 7 s {tail}",
+        f"a peer process did not answer within --dist-timeout 12 s {tail}",
+        f"a peer process did not answer within --dist-timeout 600 s {tail}",
+        "None"]
+
+
 def test_hung_peer_stops_the_others_after_dist_timeout_with_one_line(cifar_dir, cache_dir, tmp_path):
     out = tmp_path / "hung"
     proc = start(job_args(cifar_dir, cache_dir, out, "--dist-timeout", "10"), TWO_RANKS)

@@ -1,11 +1,12 @@
-"""CIFAR-10 as uint8 tensors: read (local parquet, an image folder or the Hub), decode once, cache, batch, augment.
+"""Image classification data as uint8 tensors: read (local parquet, an image folder or a Hub dataset), decode once,
+cache, batch, augment. CIFAR-10 is the default; any small-image dataset works.
 
 The pipeline, and why it never starves a GPU:
-  1. `load_data` reads the parquet files (the Hub layout of uoft-cs/cifar10) or an image folder
-     (train/<class>/*.png, test/<class>/...) with `datasets`' own builders, decodes
-     every image once into an (N, 3, 32, 32) uint8 tensor stored channels-last (NHWC in memory, as the
-     JPEGs decode and as the models run) and caches that as a safetensors file, keyed by the source
-     files, so later runs load it in about a second.
+  1. `load_data` reads the parquet files (the Hub layout of uoft-cs/cifar10), an image folder (train/<class>/*.png,
+     test/<class>/...) or a Hub dataset by name with `datasets`' own builders, decodes every image once into an
+     (N, 3, S, S) uint8 tensor stored channels-last (NHWC in memory, as the JPEGs decode and as the models run) and
+     caches that as a safetensors file, keyed by the source files and the decode settings, so later runs load it in
+     about a second. A source without a test split gets a fixed held-out part of train (`hold_out`).
   2. `BatchedTensorDataset.__getitems__` returns a whole batch with one tensor index, so the DataLoader
      that `accelerator.prepare` wraps (sharding, per-epoch reshuffle, skip_first_batches,
      gather_for_metrics all stay Accelerate's) does no per-image Python work.
@@ -150,8 +151,8 @@ def _column(ds, split: str, names: tuple[str, ...], what: str, given: str | None
         return given
     found = [n for n in names if n in ds.column_names]
     if not found:
-        raise UserError(f"the {split} split has columns {ds.column_names}; expected {'an' if what == 'image' else 'a'} "
-                        f"{what} column named "
+        article = "an" if what == "image" else "a"
+        raise UserError(f"the {split} split has columns {ds.column_names}; expected {article} {what} column named "
                         f"{' or '.join(repr(n) for n in names)} (or name it with --{what}-column).")
     return found[0]
 

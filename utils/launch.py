@@ -169,13 +169,24 @@ def run(job) -> int:
 def peer_failure(message: str) -> str | None:
     """What a collective's error says about the other processes, in words; None if it is about something else."""
     waited = re.search(r"Timed out waiting (\d+)\s*ms|Timeout\(ms\)=(\d+)", message)  # gloo | NCCL's watchdog
-    if waited:
-        seconds = int(next(g for g in waited.groups() if g)) / 1000
-        return (f"a peer process did not answer within --dist-timeout {seconds:g} s (it hangs, or its machine is "
-                f"unreachable)")
+    # gloo's broadcast (DDP's buffer sync) says only "Application timeout caused pair closure": the group's own limit
+    if waited or "Application timeout caused pair closure" in message:
+        seconds = int(next(g for g in waited.groups() if g)) / 1000 if waited else _group_timeout()
+        limit = f" {seconds:g} s" if seconds is not None else ""
+        return f"a peer process did not answer within --dist-timeout{limit} (it hangs, or its machine is unreachable)"
     if re.search(r"Connection (closed|reset) by peer|Broken pipe", message, re.IGNORECASE):
         return f"a peer process died ({message.strip().splitlines()[0][-160:]})"
     return None
+
+
+def _group_timeout() -> float | None:
+    """The default process group's collective timeout in seconds, from its CPU backend's options (torch keeps it
+    nowhere public); None where that cannot be read."""
+    try:
+        backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+        return backend.options._timeout.total_seconds()
+    except Exception:
+        return None
 
 
 def release_process_group() -> None:
