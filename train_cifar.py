@@ -45,7 +45,7 @@ from tqdm.auto import tqdm
 from utils import UserError
 from utils.checkpoint import Checkpointer, export_weights
 from utils.config import check_ranges, opt, parse
-from utils.data import BatchTransform, build_loaders, crop_padding
+from utils.data import BatchTransform, build_loaders, check_source, crop_padding
 from utils.evaluation import evaluate
 from utils.guard import StopGuard, check_output_dir, lock_output_dir
 from utils.launch import (
@@ -152,6 +152,7 @@ class Config:
             raise UserError(f"--label-smoothing must be in [0, 1) (got {self.label_smoothing}).")
         if self.image_size is not None and not 8 <= self.image_size <= 512:
             raise UserError(f"--image-size must be between 8 and 512 pixels (got {self.image_size}).")
+        check_source(self.data_dir, self.dataset, self.val_fraction)
 
 
 # --recipe NAME: presets for one GPU (global batch = batch_size; more GPUs: add --global-batch-size). They set

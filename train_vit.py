@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 from utils import UserError
 from utils.checkpoint import Checkpointer, export_weights
 from utils.config import check_ranges, opt, parse
-from utils.data import BatchTransform, build_loaders, crop_padding
+from utils.data import BatchTransform, build_loaders, check_source, crop_padding
 from utils.evaluation import evaluate
 from utils.guard import StopGuard, check_output_dir, lock_output_dir
 from utils.launch import (
@@ -142,6 +142,7 @@ class Config:
             raise UserError(f"--label-smoothing must be in [0, 1) (got {self.label_smoothing}).")
         if self.image_size is not None and not 8 <= self.image_size <= 512:
             raise UserError(f"--image-size must be between 8 and 512 pixels (got {self.image_size}).")
+        check_source(self.data_dir, self.dataset, self.val_fraction)
         if self.image_size is not None and self.image_size % 4:
             raise UserError(f"--image-size must be a multiple of the ViT's patch size 4 (got "
                             f"{self.image_size}).")

@@ -107,6 +107,16 @@ def test_image_size_outside_8_to_512(tmp_path, small_data, size):
                    f"--image-size must be between 8 and 512 pixels (got {size}).")
 
 
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--dataset", "uoft-cs/cifar100"], "pass either --data-dir ({data}) or --dataset (uoft-cs/cifar100), not both."),
+    (["--val-fraction", "1.5"], "--val-fraction must be between 0 and 1 (got 1.5)."),
+    (["--label-column", "species"], "the train split has no column 'species' (--label-column); its columns: "
+                                    "['img', 'label']."),
+])
+def test_contradicting_or_missing_data_flags(tmp_path, small_data, extra, message):
+    _fails_cleanly(tmp_path, ["--data-dir", str(small_data), *extra], message.format(data=small_data))
+
+
 def test_eval_subset_larger_than_the_split(tmp_path, small_data):
     _fails_cleanly(tmp_path, ["--data-dir", str(small_data), "--eval-subset", "17"],
                    "--eval-subset 17 is larger than the split (16 images)")

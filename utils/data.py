@@ -390,10 +390,7 @@ def load_data(data_dir: str | None, cache_dir: str | None, accelerator=None, ima
     then they read it. An input error found there is raised on every process, so all exit with its message
     (instead of the others dying in a barrier with a traceback).
     """
-    if data_dir is not None and dataset is not None:
-        raise UserError(f"pass either --data-dir ({data_dir}) or --dataset ({dataset}), not both.")
-    if val_fraction is not None and not 0 < val_fraction < 1:
-        raise UserError(f"--val-fraction must be between 0 and 1 (got {val_fraction:g}).")
+    check_source(data_dir, dataset, val_fraction)
     settings = {"image_size": image_size, "columns": list(columns), "val_fraction": val_fraction}
     source = (data_dir, dataset or HUB_DATASET)
     if accelerator is None:  # one process, or a script without Accelerate (the benchmarks' seed copy)
@@ -408,6 +405,14 @@ def load_data(data_dir: str | None, cache_dir: str | None, accelerator=None, ima
     if errors:
         raise UserError(errors[0])
     return data if data is not None else _load(*source, cache_dir, accelerator.print, False, settings)
+
+
+def check_source(data_dir: str | None, dataset: str | None, val_fraction: float | None) -> None:
+    """One line for flags that contradict each other or are out of range (the scripts call it before any output)."""
+    if data_dir is not None and dataset is not None:
+        raise UserError(f"pass either --data-dir ({data_dir}) or --dataset ({dataset}), not both.")
+    if val_fraction is not None and not 0 < val_fraction < 1:
+        raise UserError(f"--val-fraction must be between 0 and 1 (got {val_fraction:g}).")
 
 
 def _load(data_dir, dataset: str, cache_dir, log, write_cache: bool, settings: dict):
