@@ -410,9 +410,11 @@ dist.destroy_process_group()
         "None"]
 
 
-def test_hung_peer_stops_the_others_after_dist_timeout_with_one_line(cifar_dir, cache_dir, tmp_path):
+def test_hung_peer_stops_the_others_after_dist_timeout_with_one_line(cifar_dir, tmp_path):
+    """A cache of its own: rank 0 first decodes all of CIFAR-10 (about 20 s) while rank 1 waits for it, longer than
+    --dist-timeout 10, which that wait must not be subject to; then rank 1 hangs and rank 0 stops after 10 s."""
     out = tmp_path / "hung"
-    proc = start(job_args(cifar_dir, cache_dir, out, "--dist-timeout", "10"), TWO_RANKS)
+    proc = start(job_args(cifar_dir, tmp_path / "cache", out, "--dist-timeout", "10"), TWO_RANKS)
     wait_for_checkpoint(out, proc, 3)
     ranks = {w.environ().get("RANK"): w for w in workers(proc)}
     ranks["1"].suspend()  # SIGSTOP: alive, holding its connections, answering nothing

@@ -26,11 +26,12 @@ import random
 import shutil
 import tempfile
 import warnings
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 import torch
-from accelerate.utils import gather_object
+import torch.distributed as dist
 
 from utils import UserError
 
@@ -38,6 +39,7 @@ HUB_DATASET = "uoft-cs/cifar10"  # --dataset's default
 SPLITS = ("train", "test")  # the loaded data's keys: "test" is the evaluation split, whatever its source
 EVAL_SPLITS = ("test", "validation")  # the source's evaluation split: the first of these it has
 VAL_FRACTION = 0.1  # held out of train for evaluation when the source has no evaluation split
+DECODE_TIMEOUT = timedelta(hours=12)  # how long the other processes wait for the decoding ones
 CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 MEAN = (0.4914, 0.4822, 0.4465)  # per-channel mean of the CIFAR-10 training images, in [0, 1]
 STD = (0.2470, 0.2435, 0.2616)
@@ -401,10 +403,23 @@ def load_data(data_dir: str | None, cache_dir: str | None, accelerator=None, ima
             data = _load(*source, cache_dir, accelerator.print, True, settings)
         except UserError as e:
             error = str(e)
-    errors = [e for e in gather_object([error]) if e]  # also the barrier the other processes wait at
+    errors = [e for e in _gather_after_decoding(error) if e]  # also the barrier the other processes wait at
     if errors:
         raise UserError(errors[0])
     return data if data is not None else _load(*source, cache_dir, accelerator.print, False, settings)
+
+
+def _gather_after_decoding(error: str | None) -> list:
+    """Every process's error (None: none), once the decoding processes are done. Decoding a large dataset can take
+    longer than --dist-timeout, the limit of the default process group's collectives, so the waiting happens in a
+    gloo group of its own whose limit is DECODE_TIMEOUT (a dead process still ends the job: the launcher sees it)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [error]
+    group = dist.new_group(backend="gloo", timeout=DECODE_TIMEOUT)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, error, group=group)
+    dist.destroy_process_group(group)
+    return gathered
 
 
 def check_source(data_dir: str | None, dataset: str | None, val_fraction: float | None) -> None:
