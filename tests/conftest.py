@@ -42,6 +42,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def cpu_bf16_native_here() -> bool | None:
+    """Whether this CPU computes bf16 natively, read from /proc/cpuinfo independently of utils.launch (None: no x86
+    flags line, as on ARM or macOS)."""
+    lines = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), None)
+    return None if flags is None else bool({"avx512_bf16", "amx_bf16"} & set(flags))
+
+
 CIFAR_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
-from conftest import REPO, read_summary, script_env
+from conftest import REPO, cpu_bf16_native_here, read_summary, script_env
 
 CONFIGS = sorted((REPO / "accelerate_configs").glob("*.yaml"))
 
@@ -117,8 +117,7 @@ def test_doctor_reports_a_healthy_two_rank_cpu_setup():
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     lines = result.stdout.splitlines()
     assert sum(line.strip().startswith("rank ") and "gloo" in line for line in lines) == 2
-    flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split()
-    bf16 = "native" if {"avx512_bf16", "amx_bf16"} & set(flags) else "emulated (use fp32)"  # read independently
+    bf16 = {True: "native", False: "emulated (use fp32)", None: "unknown"}[cpu_bf16_native_here()]
     assert sum(line.endswith(f"CPU bf16 {bf16}") for line in lines) == 2, lines
     bandwidth = next(line for line in lines if "bus bandwidth" in line)
     assert float(bandwidth.split("bus bandwidth ")[1].split(" GB/s")[0]) > 0
