@@ -53,7 +53,6 @@ from utils.launch import (
     check_wrapper,
     fsdp_plugin_from_launcher,
     make_deterministic,
-    per_process_batch,
     run,
     shard_on_cpu_too,
 )
@@ -102,10 +101,10 @@ class Config:
     sync_bn: bool = opt(False, "convert BatchNorm to SyncBatchNorm (CUDA only): batch statistics over all ranks")
     # --- optimisation: batch, learning rate and its schedule, regularisation, reproducibility ---
     epochs: int = opt(30, "passes over the training set")
-    batch_size: int = opt(128, "images per process per micro-step; global batch = batch_size x processes x "
-                          "grad_accum")
-    global_batch_size: int | None = opt(None, "fix the global batch instead: batch_size = this / (processes x "
-                                        "grad_accum), exactly")
+    batch_size: int = opt(128, "images per process per micro-step (the micro-batch); global batch = batch_size x "
+                          "processes x accumulation")
+    global_batch_size: int | None = opt(None, "fix the global batch: accumulation = this / (batch_size x processes), "
+                                        "exactly, so any process count trains the same steps; unset: from grad_accum")
     lr: float = opt(0.1, "peak learning rate, reached after warmup")
     scale_lr: bool = opt(False, f"linear scaling rule: lr x global_batch / {REFERENCE_BATCH}")
     optimizer: str = opt("sgd", "sgd (momentum 0.9, Nesterov) or adamw", ("sgd", "adamw"))
@@ -113,12 +112,14 @@ class Config:
     label_smoothing: float = opt(0.0, "cross-entropy label smoothing, in [0, 1)")
     tta_flip: bool = opt(False, "evaluate each test image and its mirror image (mean of the two logits)")
     warmup_epochs: float = opt(1.0, "linear warmup from 0 to lr, then cosine decay to 0")
-    grad_accum: int = opt(1, "micro-steps per optimizer step (no gradient all-reduce on the others)")
+    grad_accum: int | None = opt(None, "micro-steps per optimizer step (no gradient all-reduce on the others); "
+                                 "unset: 1, or from --global-batch-size")
     grad_clip: float = opt(5.0, "clip the global gradient norm to this; 0: no clipping")
     bf16_grad_sync: bool = opt(True, "DDP under bf16 mixed precision: all-reduce gradients in bf16 (half the "
                                "bytes); --no-bf16-grad-sync: in fp32")
     max_steps: int | None = opt(None, "stop after this many optimizer steps (the schedule is planned for them)")
-    seed: int = opt(0, "seeds the weights (same on every rank), data order and augmentation")
+    seed: int = opt(0, "seeds the weights (same on every rank), data order and augmentation (by sample: the same at "
+                    "any process count)")
     deterministic: bool = opt(False, "deterministic kernels; on CPU also 1 thread, so 1 process matches N launched "
                               "processes bitwise")
     # --- checkpoints: resume, how often, how many; how long to wait for a missing process ---
@@ -155,8 +156,9 @@ class Config:
         check_source(self.data_dir, self.dataset, self.val_fraction)
 
 
-# --recipe NAME: presets for one GPU (global batch = batch_size; more GPUs: add --global-batch-size). They set
-# defaults only: flags given on the command line still win. Not tuned on a GPU yet (none was available).
+# --recipe NAME: presets for one GPU (global batch = batch_size B; on N GPUs, the same steps: --batch-size B/N
+# --global-batch-size B). They set defaults only: flags given on the command line still win. Not tuned on a GPU
+# yet (none was available).
 RECIPES = {
     # Myrtle.ai's ResNet-9 schedule (lr 0.4 and weight decay 5e-4 per mean loss, batch 512), shortened by label
     # smoothing and test-time flip; the whole dataset on the GPU, augmented a batch at a time; bf16 from the YAML.
@@ -199,31 +201,30 @@ def main(cfg: Config) -> dict:
     fsdp = fsdp_plugin_from_launcher()  # None unless the launch config asks for FSDP
     accelerator = Accelerator(
         cpu=not torch.cuda.is_available(),  # without it, N launched CPU processes each train alone (no gloo group)
-        gradient_accumulation_steps=cfg.grad_accum,
         log_with=tracker.log_with,
         project_dir=cfg.output_dir,
         dynamo_backend="inductor" if cfg.compile else None,  # None: whatever the launcher configured
-        # Seedable sampler: the shuffle depends on the seed and epoch only, not on the world size.
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=True),
+        dataloader_config=DataLoaderConfiguration(non_blocking=True),  # the order: utils.data.EpochSampler
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout))],  # a dead peer fails
         fsdp_plugin=fsdp,
     )  # no mixed_precision argument on purpose: the launcher's choice must win
     shard_on_cpu_too(accelerator, fsdp)  # Accelerate alone would run DDP for an FSDP config on CPU
     check_world(accelerator, fsdp_asked=fsdp is not None, sync_bn=cfg.sync_bn)  # one line if the setup is wrong
     world = accelerator.num_processes
-    batch_size = per_process_batch(accelerator, cfg.batch_size, cfg.global_batch_size, cfg.grad_accum)
     _lock = lock_output_dir(accelerator, cfg.output_dir)  # one job per output folder, until main() returns
     checkpointer = Checkpointer(accelerator, cfg.output_dir, asdict(cfg), cfg.keep_last, cfg.checkpoint_every_steps)
     resume_from = checkpointer.resume_point(cfg.resume, cfg.overwrite)
-    global_batch = batch_size * world * cfg.grad_accum
+    # micro-batch x processes x accumulation; a resume on another process count keeps the global batch
+    plan = checkpointer.batch_plan(resume_from, cfg.batch_size, cfg.global_batch_size, cfg.grad_accum)
+    batch_size, global_batch = plan.micro, plan.global_batch
     lr = cfg.lr * global_batch / REFERENCE_BATCH if cfg.scale_lr else cfg.lr
     accelerator.print(f"config: {json.dumps(asdict(cfg))}")
     accelerator.print(f"{world} process(es), {accelerator.distributed_type.value}, mixed precision "
-                      f"{accelerator.mixed_precision}, device {accelerator.device}; global batch {global_batch}, "
-                      f"lr {lr:g}")
+                      f"{accelerator.mixed_precision}, device {accelerator.device}; global batch {global_batch} ("
+                      f"{batch_size} x {world} processes x {plan.accumulation} accumulation), lr {lr:g}")
 
-    # --- data: Accelerate shards, shuffles per epoch and moves to device ---
-    train_loader, eval_loader, data = build_loaders(cfg, accelerator, batch_size)  # data: classes, mean, std, size
+    # --- data: shuffled and augmented by (seed, epoch, sample); Accelerate shards and moves to the device ---
+    train_loader, eval_loader, data = build_loaders(cfg, accelerator, plan)  # data: classes, mean, std, size
 
     # --- model: same seed on every rank -> same initial weights (DDP also broadcasts rank 0's) ---
     set_seed(cfg.seed)
@@ -236,26 +237,26 @@ def main(cfg: Config) -> dict:
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     check_wrapper(accelerator, model, cfg.bf16_grad_sync)  # DDP or FSDP really wraps it; bf16 all-reduce if asked
     params_here = sum((q.to_local() if isinstance(q, DTensor) else q).numel() for q in model.parameters())
-    # Augmentation stream differs per rank (different images must get different crops), fixed by the seed.
-    transform = BatchTransform(accelerator.device, cfg.seed * 1000 + accelerator.process_index, mean=data["mean"],
-                               std=data["std"], pad=crop_padding(data["image_size"]),
-                               augment=cfg.augment == "standard", channels_last=channels_last)
+    # crop, flip (drawn per sample by the loader) and normalise, on the device
+    transform = BatchTransform(accelerator.device, channels_last, crop_padding(data["image_size"]), data["mean"],
+                               data["std"])
 
     # --- schedule, counted in optimizer steps. Not passed to prepare(): Accelerate's prepared scheduler
     # steps num_processes times per optimizer step, which would end the schedule world-size times early.
-    steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum)
+    steps_per_epoch = len(train_loader) // plan.accumulation  # whole global batches only (EpochSampler)
     total_steps = min(cfg.max_steps or math.inf, cfg.epochs * steps_per_epoch)
     warmup_steps = min(round(cfg.warmup_epochs * steps_per_epoch), total_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, warmup_cosine(warmup_steps, total_steps))
 
-    # --- resume: weights, optimizer, RNG of every rank (Accelerate), schedule, augmentation stream, counters ---
-    p = Progress(**checkpointer.restore(resume_from, scheduler, transform)) if resume_from else Progress()
+    # --- resume, on any process count: weights, optimizer, RNG (Accelerate), schedule, counters ---
+    p = Progress(**checkpointer.restore(resume_from, scheduler)) if resume_from else Progress()
     if cfg.overwrite and not resume_from:
         checkpointer.clear()  # only now: a bad flag or data file above stopped the job with the old run intact
     accelerator.wait_for_everyone()
     run_info = {"world_size": world, "distributed_type": accelerator.distributed_type.value,
                 "mixed_precision": accelerator.mixed_precision, "channels_last": channels_last,
-                "batch_size_per_process": batch_size, "global_batch": global_batch, "effective_lr": lr, **environment()}
+                "batch_size_per_process": batch_size, "grad_accum": plan.accumulation, "global_batch": global_batch,
+                "effective_lr": lr, **environment()}
     p.tracker_run_id = tracker.start(accelerator, {**asdict(cfg), **run_info}, p.tracker_run_id, bool(resume_from))
     guard = StopGuard(accelerator, HEALTH_CHECK_EVERY, checkpointer)  # preemption signals and a non-finite loss
 
@@ -263,15 +264,15 @@ def main(cfg: Config) -> dict:
     while p.epoch < cfg.epochs and p.global_step < total_steps:
         model.train()
         epoch_number = p.epoch + 1
-        train_loader.set_epoch(p.epoch)  # new shuffle each epoch, same on every rank
+        train_loader.set_epoch(p.epoch)  # new shuffle and augmentation each epoch, same on every rank
         skip = p.batches_in_epoch  # resuming in the middle of an epoch: the batches already trained
         batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
         bar = tqdm(batches, f"epoch {epoch_number}/{cfg.epochs}", len(train_loader), initial=skip,
                    leave=False, disable=None if accelerator.is_local_main_process else True)  # None: off without a tty
         meter = TrainMeter(accelerator.device, batch_size * world)
-        for images, labels in bar:
+        for images, labels, draws in bar:
             with accelerator.accumulate(model):  # skips the all-reduce on non-final micro-steps
-                logits = model(transform(images, train=True))  # crop, flip and normalise on the device
+                logits = model(transform(images, draws))  # crop, flip and normalise on the device
                 loss = F.cross_entropy(logits, labels, label_smoothing=cfg.label_smoothing)
                 accelerator.backward(loss)  # divides by grad_accum
                 if accelerator.sync_gradients and cfg.grad_clip > 0:
@@ -296,13 +297,13 @@ def main(cfg: Config) -> dict:
             periodic = checkpointer.due(p.global_step)
             if guard.should_stop(p.global_step, now=periodic):  # collective
                 p.trained(meter.images(), meter.seconds())
-                folder = checkpointer.save(p, model, scheduler, transform)
+                folder = checkpointer.save(p, model, scheduler)
                 accelerator.print(f"preempted ({guard.reason()}): saved {folder}; continue with --resume auto")
                 accelerator.wait_for_everyone()
                 accelerator.end_training()  # see utils.launch.release_process_group() for what follows
                 return {"preempted": True, "checkpoint": str(folder)}
             if periodic and p.batches_in_epoch < len(train_loader):  # at the epoch's end, the epoch's own save
-                checkpointer.save(p, model, scheduler, transform)
+                checkpointer.save(p, model, scheduler)
         train_loss = meter.epoch_loss(accelerator)  # syncs
         epoch_images, epoch_seconds = meter.images(), meter.seconds()
         bar.close()
@@ -314,7 +315,7 @@ def main(cfg: Config) -> dict:
         if p.is_best(metrics["top1"]):
             export_weights(accelerator, model, Path(cfg.output_dir) / "best.safetensors")
         tracker.log_epoch(epoch_number, cfg.epochs, p.global_step, train_loss, epoch_images, epoch_seconds, metrics)
-        checkpointer.save(p, model, scheduler, transform)
+        checkpointer.save(p, model, scheduler)
 
     # --- outputs: written once, by the main process; weights unwrapped (no 'module.' prefix) ---
     if metrics is None:  # resumed from a checkpoint of a finished run

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
 import os
 import sys
 import time
@@ -26,8 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
-from safetensors.torch import load_file, save_file
+from accelerate.utils import ProjectConfiguration, set_seed
 
 from utils import UserError, process_count_problem
 from utils.data import BatchTransform, check_one_batch, crop_padding, load_data, make_loader, take_prefix
@@ -68,7 +66,7 @@ def evaluate(model, loader, transform, accelerator) -> tuple[int, float]:
     model.eval()
     correct = total = 0
     for images, labels in loader:
-        predictions = model(transform(images, train=False)).argmax(dim=1)
+        predictions = model(transform(images)).argmax(dim=1)
         predictions, labels = accelerator.gather_for_metrics((predictions, labels))
         correct += (predictions == labels).sum()
         total += len(labels)
@@ -84,9 +82,6 @@ def main(args: argparse.Namespace) -> dict:
         log_with=None if args.tracker == "none" else args.tracker,
         # Checkpoints go to <output-dir>/checkpoints/checkpoint_<i>, the newest 2 kept.
         project_config=ProjectConfiguration(args.output_dir, automatic_checkpoint_naming=True, total_limit=2),
-        # PITFALL (no set_epoch): the seedable sampler reshuffles every epoch (train_loader.set_epoch below), the
-        # same order on every rank, each rank taking its own slice; it depends on the seed, not the world size.
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
     )  # no mixed_precision here: the launcher's (YAML or --mixed_precision) is what runs
     problem = process_count_problem(accelerator.num_processes)  # N launched processes that would each train alone
     if problem:
@@ -105,8 +100,12 @@ def main(args: argparse.Namespace) -> dict:
     # Data: whole splits as uint8 tensors (decoded once, cached); prepare() shards them over the processes.
     data = load_data(args.data_dir, None, accelerator)  # one process per machine decodes and caches
     train_split = take_prefix(data["train"], args.train_subset, "--train-subset")
-    check_one_batch(train_split[1], args.batch_size, world)  # a subset smaller than one batch would train nothing
-    train_loader = make_loader(*train_split, args.batch_size, train=True)
+    check_one_batch(train_split[1], args.batch_size, world, args.grad_accum)  # fewer would train nothing
+    # PITFALL (no set_epoch): the sampler reshuffles every epoch (train_loader.set_epoch below) from the seed, the
+    # same order on every rank, each rank taking its own slice. Each batch brings its crops and flips, keyed by
+    # (seed, epoch, image): different images get different crops, the same image the same one at any world size.
+    train_loader = make_loader(*train_split, args.batch_size, train=True, seed=args.seed, augment=True,
+                               pad=crop_padding(train_split[0].shape[-1]), global_batch=global_batch)
     eval_loader = make_loader(*take_prefix(data["test"], args.eval_subset, "--eval-subset"), args.batch_size,
                               train=False)
 
@@ -118,10 +117,9 @@ def main(args: argparse.Namespace) -> dict:
     # so every rank evaluates and saves the same ones; SyncBatchNorm would also pool batch statistics (CUDA only).
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     assert world == 1 or isinstance(model, torch.nn.parallel.DistributedDataParallel), type(model)  # grads averaged
-    transform = BatchTransform(accelerator.device, args.seed * 1000 + accelerator.process_index, augment=True,
-                               channels_last=False, pad=crop_padding(data["train"][0].shape[-1]), mean=data["mean"],
-                               std=data["std"])  # random crop + flip on the device; its own stream per rank
-    steps_per_epoch = math.ceil(len(train_loader) / args.grad_accum)
+    transform = BatchTransform(accelerator.device, channels_last=False, pad=crop_padding(train_split[0].shape[-1]),
+                               mean=data["mean"], std=data["std"])  # the batch's crops + flips, then normalise
+    steps_per_epoch = len(train_loader) // args.grad_accum
     # Stepped once per optimizer step, by us: a prepared scheduler would step world-size times per optimizer step.
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer,
                                                   warmup_cosine(steps_per_epoch, args.epochs * steps_per_epoch))
@@ -130,8 +128,6 @@ def main(args: argparse.Namespace) -> dict:
     start_epoch = 0
     if done:  # --resume
         accelerator.load_state(done[-1])  # model, optimizer, scheduler, every rank's RNG
-        # Accelerate saves registered objects from the main process only; the augmentation stream is per rank.
-        transform.load_state_dict(load_file(done[-1] / f"augment_rank{accelerator.process_index}.safetensors"))
         start_epoch = accelerator.project_configuration.iteration = int(done[-1].name.split("_")[1]) + 1
         accelerator.print(f"resumed from {done[-1]}: epoch {start_epoch + 1}")
     config = {**vars(args), "model": "resnet18", "world_size": world, "global_batch": global_batch, "effective_lr": lr}
@@ -142,9 +138,9 @@ def main(args: argparse.Namespace) -> dict:
         model.train()
         train_loader.set_epoch(epoch)  # PITFALL (no set_epoch): a new shuffle each epoch
         loss_sum, batches, started = torch.zeros((), device=accelerator.device), 0, time.time()
-        for images, labels in train_loader:
+        for images, labels, draws in train_loader:
             with accelerator.accumulate(model):  # PITFALL (all-reduce at every micro-step): only at the last one
-                loss = F.cross_entropy(model(transform(images, train=True)), labels)
+                loss = F.cross_entropy(model(transform(images, draws)), labels)
                 accelerator.backward(loss)  # scales by 1/grad_accum; DDP averages the gradients over ranks
                 optimizer.step()  # a no-op on non-final micro-steps
                 optimizer.zero_grad(set_to_none=True)
@@ -161,8 +157,7 @@ def main(args: argparse.Namespace) -> dict:
                          "train/epoch_images_per_sec": images / seconds, "epoch": epoch + 1},
                         step=(epoch + 1) * steps_per_epoch)  # the keys train_cifar.py uses: compare_runs.py reads both
         # PITFALL (saving from every rank): save_state writes the shared state from the main process, each rank's RNG
-        location = accelerator.save_state()  # from that rank; then our per-rank augmentation stream
-        save_file(transform.state_dict(), Path(location) / f"augment_rank{accelerator.process_index}.safetensors")
+        accelerator.save_state()  # from that rank
 
     if start_epoch >= args.epochs:  # resumed a finished run (a requeued job): nothing to train, evaluate once
         examples, top1 = evaluate(model, eval_loader, transform, accelerator)

@@ -2,13 +2,16 @@
 
 A checkpoint is a folder `<root>/step-00000123/` written as
   1. `accelerator.save_state(<root>/.tmp-step-00000123)`: model, optimizer, grad scaler, RNG of every rank;
-  2. one `rank<R>.safetensors` per rank for state Accelerate does not know (our augmentation generators);
-  3. `trainer_state.json` (counters, config, tracker run id, scheduler) with a manifest: size and sha256
-     of every other file in the folder;
-  4. one atomic rename to the final name.
+  2. `trainer_state.json` (counters, config, batch plan, tracker run id, scheduler) with a manifest: size and
+     sha256 of every other file in the folder;
+  3. one atomic rename to the final name.
 A crash at any point leaves either no new checkpoint or a `.tmp-` folder that resume never trusts. At resume
 the manifest is checked, so a checkpoint truncated or corrupted later is skipped with a warning and the
 previous one is used. Nothing here deletes a checkpoint it could not verify.
+
+A checkpoint resumes on any process count: the weights and optimizer state are whole under DDP and resharded by
+torch.distributed.checkpoint under FSDP2, the augmentation is keyed by the sample (utils.data.augment_draws), the
+position in the epoch is converted through global samples and the global batch is kept (utils.launch.batch_plan).
 
 Written by hand because Accelerate's save_state/load_state (which this uses for the contents) has no notion
 of completeness, and its custom-object checkpointing pickles (`weights_only=False`), which we avoid.
@@ -30,14 +33,15 @@ from pathlib import Path
 import torch
 from accelerate.utils import gather_object
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch.distributed.checkpoint.api import CheckpointException
 
 from utils import UserError
 from utils.guard import free_space_warning
-from utils.launch import share_bn_statistics
+from utils.launch import BatchPlan, batch_plan, share_bn_statistics
 
 STATE_FILE = "trainer_state.json"
+FORMAT = 2  # 2: sample-keyed augmentation and a batch plan, resumable on another process count (1: per-rank streams)
 NAME = re.compile(r"step-(\d{8})")
 
 
@@ -116,7 +120,7 @@ def _write_error(error: BaseException) -> BaseException:
     return error
 
 
-def save(accelerator, root: Path, step: int, state: dict, rank_tensors: dict[str, torch.Tensor]) -> Path:
+def save(accelerator, root: Path, step: int, state: dict) -> Path:
     """Writes checkpoint `step` (every process must call this); returns its final folder. A failed write (a full
     disk, a quota, an I/O error) on any rank raises the same UserError on every rank, after the partial folder
     is removed: earlier checkpoints are untouched."""
@@ -130,7 +134,6 @@ def save(accelerator, root: Path, step: int, state: dict, rank_tensors: dict[str
     error = None
     try:  # every rank writes its part (its shards under FSDP, its RNG states)
         accelerator.save_state(str(tmp))
-        save_file(rank_tensors, tmp / f"rank{accelerator.process_index}.safetensors")
     except WRITE_ERRORS as e:
         error = _write_error(e)
     _raise_if_any_failed(accelerator, error, tmp, root, remove=tmp)
@@ -200,18 +203,19 @@ def _describe(error: BaseException, target: Path) -> str:
     return f"could not write {target} ({text})"
 
 
-def load(accelerator, folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Restores what save() wrote into the prepared objects; returns (trainer state, this rank's tensors)."""
+def load(accelerator, folder: Path) -> dict:
+    """Restores what save() wrote into the prepared objects (on this run's process count; Accelerate's RNG states
+    of processes the saving run did not have are left as seeded); returns the trainer state."""
     folder = Path(folder)
     state = read_state(folder)
-    if state["world_size"] != accelerator.num_processes:
-        raise UserError(f"checkpoint {folder} was written by {state['world_size']} processes; this run has "
-                        f"{accelerator.num_processes} (exact resume needs the same number).")
+    if state.get("format") != FORMAT:
+        raise UserError(f"checkpoint {folder} was written by an earlier version of this template (per-process "
+                        f"augmentation streams) and cannot be continued exactly; start over with --overwrite.")
     try:
         accelerator.load_state(str(folder))
     except RuntimeError as e:  # e.g. size mismatch: weights of another model
         raise UserError(f"checkpoint {folder} does not fit this model: {str(e).strip().splitlines()[0]}") from None
-    return state, load_file(folder / f"rank{accelerator.process_index}.safetensors")
+    return state
 
 
 def rotate(root: Path, keep_last: int, keep: set[str]) -> None:
@@ -224,7 +228,7 @@ def rotate(root: Path, keep_last: int, keep: set[str]) -> None:
 class Checkpointer:
     """A training script's checkpoint policy: where (<output-dir>/checkpoints), when (`due(step)`: every N optimizer
     steps; the script also saves at each epoch's end), what (`save(progress, ...)`: Accelerate's registered objects,
-    the counters, config, scheduler and each rank's augmentation stream) and how many (the newest `keep_last`, plus
+    the counters, config, batch plan and scheduler) and how many (the newest `keep_last`, plus
     the best). `last` is the newest checkpoint written or resumed from."""
 
     def __init__(self, accelerator, output_dir: str, config: dict, keep_last: int, every_steps: int | None = None):
@@ -232,6 +236,7 @@ class Checkpointer:
         self.root = Path(output_dir) / "checkpoints"
         self.keep_last, self.every_steps = keep_last, every_steps
         self.last: Path | None = None
+        self.plan: BatchPlan | None = None  # set by batch_plan(), saved with every checkpoint
 
     def resume_point(self, resume: str | None, overwrite: bool) -> Path | None:
         """The checkpoint to continue from (--resume auto or a folder), None to start fresh; refuses to start over
@@ -261,18 +266,32 @@ class Checkpointer:
         self.last = path
         return path
 
-    def restore(self, folder: Path, scheduler, transform) -> dict:
-        """Loads `folder` into the prepared objects, the scheduler and the augmentation stream; returns the saved
-        progress counters. Warns about config values that differ from the run that saved it."""
-        saved, rank_state = load(self.accelerator, folder)
+    def batch_plan(self, folder: Path | None, batch_size: int, global_batch_size: int | None,
+                   grad_accum: int | None) -> BatchPlan:
+        """This run's utils.launch.batch_plan, given the plan of the checkpoint it resumes (`folder`, or None)."""
+        saved = read_state(folder).get("batch") if folder else None
+        self.plan = batch_plan(self.accelerator, batch_size, global_batch_size, grad_accum, saved)
+        return self.plan
+
+    def restore(self, folder: Path, scheduler) -> dict:
+        """Loads `folder` into the prepared objects and the scheduler; returns the saved progress counters, the
+        position in the epoch converted to this run's micro-batches (through global samples: the same images come
+        next on any process count). Warns about config values that differ from the run that saved it."""
+        saved = load(self.accelerator, folder)
         changed = [k for k, v in self._compared(self.config).items() if saved["config"].get(k) != v]
         if changed:
             self.accelerator.print(f"warning: resuming with a changed config: {', '.join(changed)}")
         scheduler.load_state_dict(saved["scheduler"])
-        transform.load_state_dict(rank_state)
-        progress = saved["progress"]
-        self.accelerator.print(f"resumed from {folder}: epoch {progress['epoch'] + 1} after "
-                               f"{progress['batches_in_epoch']} of its batches, step {progress['global_step']}")
+        progress, was, now = saved["progress"], saved["batch"], self.plan
+        samples = progress["batches_in_epoch"] * was["micro"] * was["processes"]
+        batches, rest = divmod(samples, now.micro * now.processes)
+        if rest:
+            raise UserError(f"checkpoint {folder} stopped {samples} images into its epoch, not a whole number of "
+                            f"micro-batches of {now.micro} on {now.processes} processes; resume with --batch-size "
+                            f"{was['micro']}.")
+        progress["batches_in_epoch"] = batches
+        self.accelerator.print(f"resumed from {folder}: epoch {progress['epoch'] + 1} after {samples} of its images, "
+                               f"step {progress['global_step']}")
         return progress
 
     def clear(self) -> None:
@@ -284,12 +303,13 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return bool(self.every_steps) and step % self.every_steps == 0
 
-    def save(self, progress, model, scheduler, transform) -> Path:
+    def save(self, progress, model, scheduler) -> Path:
         """Collective: checkpoint at progress.global_step, then drop the old ones (keeping progress.best_checkpoint)."""
         share_bn_statistics(self.accelerator, model)  # FSDP would save one arbitrary rank's
-        state = {"progress": asdict(progress), "config": self.config, "world_size": self.accelerator.num_processes,
+        state = {"format": FORMAT, "progress": asdict(progress), "config": self.config,
+                 "world_size": self.accelerator.num_processes, "batch": asdict(self.plan),
                  "scheduler": scheduler.state_dict()}
-        self.last = save(self.accelerator, self.root, progress.global_step, state, transform.state_dict())
+        self.last = save(self.accelerator, self.root, progress.global_step, state)
         if self.accelerator.is_main_process:
             rotate(self.root, self.keep_last, keep={progress.best_checkpoint})
         return self.last

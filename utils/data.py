@@ -10,9 +10,10 @@ The pipeline, and why it never starves a GPU:
   2. `BatchedTensorDataset.__getitems__` returns a whole batch with one tensor index, so the DataLoader
      that `accelerator.prepare` wraps (sharding, per-epoch reshuffle, skip_first_batches,
      gather_for_metrics all stay Accelerate's) does no per-image Python work.
-  3. `BatchTransform` crops, flips and normalises the whole uint8 batch on the training device,
-     after the (4x smaller than float) transfer, with a random stream per rank. In NHWC a row of an
-     image is one contiguous run of 96 bytes, so a crop is a copy of 32 rows, not of 3072 pixels.
+  3. `BatchTransform` crops, flips and normalises the whole uint8 batch on the training device, after the (4x
+     smaller than float) transfer, with crops and flips keyed by (seed, epoch, sample index) (`augment_draws`),
+     so the same at any process count. In NHWC a row of an image is one contiguous run of 96 bytes, so a crop is
+     a copy of 32 rows, not of 3072 pixels.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import hashlib
 import io
 import json
 import os
-import random
 import shutil
 import tempfile
 import warnings
@@ -494,11 +494,12 @@ def _shuffled(images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor,
     return images.permute(0, 2, 3, 1)[order].permute(0, 3, 1, 2), labels[order]  # stays channels-last in memory
 
 
-def check_one_batch(labels: torch.Tensor, batch_size: int, processes: int) -> None:
-    """Training drops the last partial batch: a split smaller than one batch on every process would train nothing."""
-    if len(labels) < batch_size * processes:
-        raise UserError(f"{len(labels)} training images do not fill one batch of {batch_size} on each of {processes} "
-                        f"processes.")
+def check_one_batch(labels: torch.Tensor, batch_size: int, processes: int, accumulation: int = 1) -> None:
+    """Training keeps whole global batches only: a split smaller than one would train nothing."""
+    if len(labels) < batch_size * processes * accumulation:
+        raise UserError(f"{len(labels)} training images do not fill one global batch of "
+                        f"{batch_size * processes * accumulation} ({batch_size} on each of {processes} processes x "
+                        f"{accumulation} accumulation steps).")
 
 
 def take_prefix(pair: tuple[torch.Tensor, torch.Tensor], n: int | None, flag: str):
@@ -512,14 +513,45 @@ def take_prefix(pair: tuple[torch.Tensor, torch.Tensor], n: int | None, flag: st
 # ----------------------------------------------------------------------------------------------------
 # Batched dataset and on-device augmentation
 # ----------------------------------------------------------------------------------------------------
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser on uint64 arrays (wrapping arithmetic): a counter-based hash, so the draw for key k is
+    computed from k alone, in any order, by any process."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _stream(seed: int, epoch: int, purpose: int) -> np.ndarray:
+    """A (1,) uint64 key of (seed, epoch, purpose): 0 the epoch's shuffle, 1 its augmentation."""
+    return _splitmix64(np.array([(seed % 2**32) << 32 | (epoch % 2**30) << 2 | purpose], dtype=np.uint64))
+
+
+def augment_draws(seed: int, epoch: int, indices, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The crop and flip of each training sample in `indices`, a function of (seed, epoch, sample index) only: an
+    image is augmented the same way whichever process draws it at whatever process count. Returns (the positions
+    in the batch of the images to mirror, each image's crop offset: an index into the (2 pad + 1)^2 (dy, dx)).
+    On the host, beside the sampler's indices (128 hashes in numpy: 40 us on the 2-core CPU), because how many
+    images are mirrored sets the shapes of the transform's kernels: drawn on a GPU, that count would cost a device
+    sync per batch."""
+    h = _splitmix64(np.asarray(indices, dtype=np.uint64) ^ _stream(seed, epoch, 1))
+    mirrored = np.flatnonzero(h >> np.uint64(63))  # the top bit: a fair coin
+    crop = (h & np.uint64(0xFFFFFFFF)) % np.uint64((2 * pad + 1) ** 2)  # the low 32 bits: uniform to 2e-8
+    return torch.from_numpy(mirrored.astype(np.int64)), torch.from_numpy(crop.astype(np.int64))
+
+
 class BatchedTensorDataset(torch.utils.data.Dataset):
     """Images and labels as two tensors. The DataLoader calls `__getitems__` once per batch with the
-    sampler's indices, so a batch costs one tensor index instead of `batch_size` Python calls."""
+    sampler's indices, so a batch costs one tensor index instead of `batch_size` Python calls.
+    A training set (`augment_seed` given) returns (images, labels, draws): each sample's crop and flip for the
+    current `epoch` (set by `EpochSampler`), from `augment_draws`; draws is None when `augment` is off."""
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor):
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, augment_seed: int | None = None,
+                 augment: bool = True, pad: int = 4):
         assert len(images) == len(labels)
         # NHWC rows: a batch is then one row copy per image, and arrives in the layout the transform reads.
         self.images, self.labels = images.contiguous(memory_format=torch.channels_last), labels
+        self.augment_seed, self.augment, self.pad, self.epoch = augment_seed, augment, pad, 0
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -537,7 +569,34 @@ class BatchedTensorDataset(torch.utils.data.Dataset):
         # copy from pageable memory is staged before the call returns, so the host array may go away at once).
         idx = torch.from_numpy(np.asarray(indices, dtype=np.int64)).to(self.labels.device, non_blocking=True)
         nhwc = self.images.permute(0, 2, 3, 1).index_select(0, idx)
-        return nhwc.permute(0, 3, 1, 2), self.labels.index_select(0, idx)
+        batch = nhwc.permute(0, 3, 1, 2), self.labels.index_select(0, idx)
+        if self.augment_seed is None:
+            return batch
+        draws = augment_draws(self.augment_seed, self.epoch, indices, self.pad) if self.augment else None
+        return (*batch, draws)
+
+
+class EpochSampler(torch.utils.data.Sampler):
+    """The training order: a permutation of the samples per epoch, a function of (seed, epoch) only, cut to whole
+    optimizer steps of `step_images` (the global batch). Accelerate's prepare() splits its micro-batches over the
+    processes (micro-batch k to process k mod P), so optimizer step s takes the same micro-batches at any process
+    count P with P x accumulation fixed.
+    Written by hand because Accelerate's seedable sampler keeps the whole epoch and its shards then drop a tail that
+    depends on P (a last, partial optimizer step of other micro-batches), and it cannot tell the dataset the epoch
+    that keys the augmentation. Has no `generator` attribute on purpose: Accelerate then leaves the RNG alone."""
+
+    def __init__(self, dataset: BatchedTensorDataset, seed: int, step_images: int):
+        self.dataset, self.seed, self.step_images, self.epoch = dataset, seed, step_images, 0
+
+    def set_epoch(self, epoch: int) -> None:  # called by the prepared loader's set_epoch and at each iteration
+        self.epoch = self.dataset.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.dataset) // self.step_images * self.step_images
+
+    def __iter__(self):
+        order = torch.Generator().manual_seed(int(_stream(self.seed, self.epoch, 0)[0]))
+        return iter(torch.randperm(len(self.dataset), generator=order)[:len(self)].tolist())
 
 
 def keep_batch(batch):
@@ -545,13 +604,17 @@ def keep_batch(batch):
     return batch
 
 
-def make_loader(images, labels, batch_size: int, train: bool) -> torch.utils.data.DataLoader:
-    """A plain DataLoader for `accelerator.prepare`. Training drops the last partial batch (every
-    optimizer step sees `batch_size` images per process); evaluation keeps every image."""
+def make_loader(images, labels, batch_size: int, train: bool, seed: int = 0, augment: bool = False, pad: int = 4,
+                global_batch: int | None = None) -> torch.utils.data.DataLoader:
+    """A plain DataLoader for `accelerator.prepare`. Training: `EpochSampler` (reshuffled per epoch from the seed,
+    whole global batches only; global_batch unset: batch_size) and batches (images, labels, draws); evaluation keeps
+    every image in order, as (images, labels)."""
+    dataset = BatchedTensorDataset(images, labels, seed if train else None, augment, pad)
+    sampler = EpochSampler(dataset, seed, global_batch or batch_size) if train else None
     return torch.utils.data.DataLoader(
-        BatchedTensorDataset(images, labels),
+        dataset,
         batch_size=batch_size,
-        shuffle=train,
+        sampler=sampler,
         drop_last=train,
         collate_fn=keep_batch,
         pin_memory=torch.cuda.is_available() and images.device.type == "cpu",  # asynchronous host-to-GPU copies
@@ -560,37 +623,23 @@ def make_loader(images, labels, batch_size: int, train: bool) -> torch.utils.dat
 
 class BatchTransform:
     """uint8 (B, 3, S, S) on the device -> normalised float batch (per-channel mean and std in [0, 1]: the data's,
-    CIFAR-10's by default); for training also a random crop (zero padding of `pad` pixels: crop_padding(S)) and a
-    horizontal flip per image, drawn from this rank's own generators. Works in NHWC (channels-last) memory, which the
-    loader delivers; --no-channels-last gets NCHW at the end."""
+    CIFAR-10's by default); given a training batch's draws (`augment_draws`), first a crop of each image (zero padding
+    of `pad` pixels: crop_padding(S)) and its horizontal flip. Works in NHWC (channels-last) memory, which the
+    loader delivers; --no-channels-last gets NCHW at the end. Holds no random state: the draws come with the batch."""
 
-    def __init__(self, device: torch.device, seed: int, augment: bool, channels_last: bool, pad: int = 4,
-                 mean: tuple[float, ...] = MEAN, std: tuple[float, ...] = STD):
-        self.augment, self.channels_last, self.pad = augment, channels_last, pad
+    def __init__(self, device: torch.device, channels_last: bool, pad: int = 4, mean: tuple[float, ...] = MEAN,
+                 std: tuple[float, ...] = STD):
+        self.channels_last, self.pad = channels_last, pad
         # (x - mean) / std as one fused x * scale + shift over rows of W pixels x 3 channels: with a
         # per-channel (3,) operand the innermost loop would be 3 long (5x slower on CPU than this).
         std, mean = torch.tensor(std, device=device) * 255, torch.tensor(mean, device=device) * 255
         self.scale, self.shift = 1 / std, -mean / std
         self.row_scale_shift = {}  # width -> (scale, shift) tiled along a row
-        self.generator = torch.Generator(device=device)  # crop offsets and which images are mirrored
-        self.generator.manual_seed(seed)
-        # How MANY images are mirrored is drawn on the host, so a GPU never waits for a number to come back:
-        # Python's generator (B fair bits in 0.1 us; a torch one takes 3.5 us), a stream of its own.
-        self.count_rng = random.Random(seed ^ 0x5DEECE66D)
         self.canvas = None  # (2B, H + 2 pad, W + 2 pad, 3) uint8 with a zero border, kept between batches
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        _, mt_state, _ = self.count_rng.getstate()  # (version, 625 ints below 2**32, gauss cache: unused here)
-        return {"augment_rng": self.generator.get_state(),
-                "mirror_count_rng": torch.tensor(mt_state, dtype=torch.int64)}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.generator.set_state(state["augment_rng"])
-        self.count_rng.setstate((random.Random.VERSION, tuple(state["mirror_count_rng"].tolist()), None))
-
-    def __call__(self, images: torch.Tensor, train: bool) -> torch.Tensor:
-        if train and self.augment:
-            images = self.crop_and_flip(images)
+    def __call__(self, images: torch.Tensor, draws: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        if draws is not None:
+            images = self.crop_and_flip(images, draws)
         n, c, h, w = images.shape
         rows = images.permute(0, 2, 3, 1).reshape(n * h, w * c)  # a view for channels-last input
         if w not in self.row_scale_shift:
@@ -599,28 +648,17 @@ class BatchTransform:
         x = torch.addcmul(shift, rows, scale).view(n, h, w, c).permute(0, 3, 1, 2)  # float, channels-last
         return x if self.channels_last else x.contiguous()
 
-    def draw(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next batch's randomness, on the generator's device: which images are mirrored (a Binomial(n, 1/2)
-        count, then a uniform subset) and each image's crop offset, an index into the (2 pad + 1)^2 (dy, dx)."""
-        g = self.generator
-        m = self.count_rng.getrandbits(n).bit_count()  # Binomial(n, 1/2)
-        mirrored = torch.randperm(n, generator=g, device=g.device)[:m]
-        crop = torch.randint(0, (2 * self.pad + 1) ** 2, (n,), generator=g, device=g.device)  # (dy, dx) uniform
-        return mirrored, crop
-
-    def crop_and_flip(self, images: torch.Tensor, draws: tuple[torch.Tensor, torch.Tensor] | None = None
-                      ) -> torch.Tensor:
-        """Each image: a crop at a uniform offset of its zero-padded self, mirrored with probability 1/2.
+    def crop_and_flip(self, images: torch.Tensor, draws: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Each image: its crop at the drawn offset of its zero-padded self, mirrored if drawn so.
 
         Written with plain tensor ops because torchvision's v2 transforms draw one crop for the whole batch.
         1. The batch goes into the interior of a canvas whose zero border is written once. The images to
-           mirror (a Binomial(B, 1/2) count, then a uniform subset: the same law as one coin per image)
-           go mirrored into the canvas' second half: mirroring is the expensive step in NHWC (3-byte
+           mirror go mirrored into the canvas' second half: mirroring is the expensive step in NHWC (3-byte
            pixels), so only those images pay for it.
         2. ONE index_select of B x H row windows (each W x 3 contiguous bytes of the canvas) crops all images.
         The result is a view of a buffer that the next call overwrites (`__call__` reads it at once): fresh
         buffers per batch cost page faults on CPU (reusing this one and the mirror's took P2 from 48x to 52x).
-        draws: (mirrored, crop) from `draw()` instead of new ones (the GPU check applies a CPU draw on CUDA).
+        draws: (mirrored, crop) from `augment_draws`, on the images' device.
         """
         n, c, h, w = images.shape
         p, dev = self.pad, images.device
@@ -628,7 +666,7 @@ class BatchTransform:
             self._make_canvas(n, c, h, w, dev, images.dtype)
         nhwc = images.permute(0, 2, 3, 1)
         self.interior[:n].copy_(nhwc)
-        mirrored, crop = draws if draws is not None else self.draw(n)
+        mirrored, crop = draws
         m = len(mirrored)
         self.interior[n:n + m].copy_(torch.index_select(nhwc, 0, mirrored, out=self.scratch[:m]).flip(2))
         start = self.image_start[:n].index_copy(0, mirrored, self.image_start[n:n + m])  # where image i now is
@@ -653,18 +691,22 @@ class BatchTransform:
 # ----------------------------------------------------------------------------------------------------
 # The scripts' loaders
 # ----------------------------------------------------------------------------------------------------
-def build_loaders(cfg, accelerator, batch_size: int):
+def build_loaders(cfg, accelerator, plan):
     """Training and test DataLoaders over whole splits held as uint8 tensors (decoded once, cached), and what the
-    data is (load_data's 'classes', 'dataset', and 'image_size'); prepare() then shards the loaders, reshuffles
-    per epoch and moves batches to the device. cfg: a script's Config (data_dir, cache_dir, train_subset,
-    eval_subset, data_on_device, dataset, image_column, label_column, val_fraction). Your own data: return yours
-    here."""
+    data is (load_data's 'classes', 'dataset', and 'image_size'); prepare() then shards the loaders and moves
+    batches to the device. The training order and augmentation are keyed by --seed, the epoch and the sample, and
+    every epoch is whole optimizer steps of the plan's global batch (utils.launch.BatchPlan). cfg: a script's Config
+    (data_dir, cache_dir, train_subset, eval_subset, data_on_device, dataset, image_column, label_column,
+    val_fraction, seed, augment). Your own data: return yours here."""
     data = load_data(cfg.data_dir, cfg.cache_dir, accelerator, cfg.image_size, cfg.dataset,
                      (cfg.image_column, cfg.label_column), cfg.val_fraction)
     train_split = take_prefix(data["train"], cfg.train_subset, "--train-subset")
     eval_split = take_prefix(data["test"], cfg.eval_subset, "--eval-subset")
-    check_one_batch(train_split[1], batch_size, accelerator.num_processes)
+    check_one_batch(train_split[1], plan.micro, accelerator.num_processes, plan.accumulation)
     if cfg.data_on_device:  # GPU-resident: Accelerate's move to the device becomes a no-op
         train_split, eval_split = ([t.to(accelerator.device) for t in split] for split in (train_split, eval_split))
-    about = {k: data[k] for k in ("classes", "dataset", "mean", "std")} | {"image_size": int(train_split[0].shape[-1])}
-    return make_loader(*train_split, batch_size, train=True), make_loader(*eval_split, batch_size, train=False), about
+    size = int(train_split[0].shape[-1])
+    about = {k: data[k] for k in ("classes", "dataset", "mean", "std")} | {"image_size": size}
+    train = make_loader(*train_split, plan.micro, train=True, seed=cfg.seed, augment=cfg.augment == "standard",
+                        pad=crop_padding(size), global_batch=plan.global_batch)
+    return train, make_loader(*eval_split, plan.micro, train=False), about

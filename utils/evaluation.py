@@ -14,8 +14,8 @@ from utils.launch import share_bn_statistics
 def evaluate(model, loader, transform, accelerator, tta_flip: bool = False, classes=CLASSES) -> dict:
     """Every rank evaluates its shard; gather_for_metrics drops the padding Accelerate adds to make shards even,
     so each test image counts exactly once. All ranks use rank 0's BatchNorm statistics, the exported ones: DDP
-    copied them at the first forward (broadcast_buffers=True); FSDP needs the copy. `transform(images,
-    train=False)` turns a loader batch into the model's input; tta_flip averages the logits of each image and its
+    copied them at the first forward (broadcast_buffers=True); FSDP needs the copy. `transform(images)`
+    turns a loader batch into the model's input; tta_flip averages the logits of each image and its
     mirror image."""
     share_bn_statistics(accelerator, model)
     model.eval()
@@ -23,7 +23,7 @@ def evaluate(model, loader, transform, accelerator, tta_flip: bool = False, clas
     loss_sum, top1, top5 = (torch.zeros((), device=dev, dtype=torch.float64) for _ in range(3))
     confusion = torch.zeros(k * k, device=dev, dtype=torch.long)  # row: true class, column: predicted
     for images, labels in loader:
-        inputs = transform(images, train=False)
+        inputs = transform(images)
         logits = (model(inputs) + model(inputs.flip(3))) / 2 if tta_flip else model(inputs)
         logits, labels = accelerator.gather_for_metrics((logits.float(), labels))
         loss_sum += F.cross_entropy(logits, labels, reduction="sum")

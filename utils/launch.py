@@ -12,6 +12,7 @@ import os
 import re
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -101,15 +102,47 @@ def cpu_bf16_native(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
     return None if flags is None else bool({"avx512_bf16", "amx_bf16"} & set(flags))
 
 
-def per_process_batch(accelerator, batch_size: int, global_batch_size: int | None, grad_accum: int) -> int:
-    """--batch-size, or --global-batch-size split exactly over processes x accumulation steps."""
-    if global_batch_size is None:
-        return batch_size
-    per_process, rest = divmod(global_batch_size, accelerator.num_processes * grad_accum)
-    if rest or per_process == 0:
-        raise UserError(f"--global-batch-size {global_batch_size} does not divide into {accelerator.num_processes} "
-                        f"processes x {grad_accum} accumulation steps.")
-    return per_process
+@dataclass(frozen=True)
+class BatchPlan:
+    """How each optimizer step's global batch is made: `micro` images per process per micro-step, `accumulation`
+    micro-steps, on `processes` processes."""
+    micro: int
+    processes: int
+    accumulation: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro * self.processes * self.accumulation
+
+
+def batch_plan(accelerator, batch_size: int, global_batch_size: int | None, grad_accum: int | None,
+               saved: dict | None = None) -> BatchPlan:
+    """--batch-size images per process per micro-step, and either --grad-accum micro-steps per optimizer step (1 if
+    unset) or a fixed --global-batch-size G, which the accumulation then absorbs: G / (batch_size x processes),
+    exactly. With G and the batch size fixed, every optimizer step trains the same micro-batches at any process
+    count (utils.data.EpochSampler). `saved`: the plan of the checkpoint being resumed; on another process count its
+    global batch is kept (unless G is given) and what changed is printed. Sets the Accelerator's accumulation."""
+    processes = accelerator.num_processes
+    if grad_accum is not None and global_batch_size is not None:
+        raise UserError("--grad-accum and --global-batch-size both set the accumulation steps: give one of them.")
+    moved = saved is not None and saved["processes"] != processes
+    fixed, what = global_batch_size, "--global-batch-size"
+    if fixed is None and moved:
+        fixed, what = saved["micro"] * saved["processes"] * saved["accumulation"], "the checkpoint's global batch"
+    if fixed is None:
+        plan = BatchPlan(batch_size, processes, grad_accum or 1)
+    else:
+        accumulation, rest = divmod(fixed, batch_size * processes)
+        if rest or accumulation == 0:
+            raise UserError(f"{what} {fixed} is not a whole number of micro-batches of --batch-size {batch_size} on "
+                            f"each of {processes} processes: it must be a multiple of {batch_size * processes}.")
+        plan = BatchPlan(batch_size, processes, accumulation)
+    if moved:
+        accelerator.print(f"resuming on {processes} process(es), the checkpoint's run had {saved['processes']}: "
+                          f"accumulation {saved['accumulation']} -> {plan.accumulation} micro-batches of "
+                          f"{batch_size} per step, global batch {plan.global_batch}")
+    accelerator.gradient_accumulation_steps = plan.accumulation
+    return plan
 
 
 def check_wrapper(accelerator, model, bf16_grad_sync: bool) -> None:
