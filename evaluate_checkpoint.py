@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> dict:
     images, labels = data["test"]
     images, labels = (images[:subset], labels[:subset]) if subset else (images, labels)
     model, loader = accelerator.prepare(model, make_loader(images, labels, args.batch_size, train=False))
-    transform = BatchTransform(accelerator.device, 0, augment=False, channels_last=False, mean=data["mean"],
+    transform = BatchTransform(accelerator.device, channels_last=False, mean=data["mean"],
                                std=data["std"])  # the training data's normalisation, as the script used it
     metrics = evaluate(model, loader, transform, accelerator, classes=data["classes"])
     result = {k: v for k, v in metrics.items() if k != "class_top1"}

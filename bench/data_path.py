@@ -49,26 +49,26 @@ class PilDataset(torch.utils.data.Dataset):
 def measure(side: str, args) -> float:
     """Median images/s over `--passes` passes of one pipeline in this process, after one warm-up pass."""
     accelerator = Accelerator(cpu=not torch.cuda.is_available(),
-                              dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=True))
+                              dataloader_config=DataLoaderConfiguration(non_blocking=True))
     images, labels = load_data(args.data_dir, args.cache_dir, accelerator)["train"]
     if side == "ours":
         n = args.images
-        loader = accelerator.prepare(make_loader(images[:n], labels[:n], args.batch_size, train=True))
-        # channels-last, as train_cifar.py's default
-        transform = BatchTransform(accelerator.device, 0, augment=True, channels_last=True)
-        step = lambda x: transform(x, train=True)  # noqa: E731
+        # each batch with its crops and flips (drawn by sample, as train_cifar.py's); channels-last, its default
+        loader = accelerator.prepare(make_loader(images[:n], labels[:n], args.batch_size, train=True, augment=True))
+        transform = BatchTransform(accelerator.device, channels_last=True)
+        step = lambda batch: transform(batch[0], batch[2])  # noqa: E731
     else:
         seed_tf = transforms.Compose([transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip(),
                                       transforms.ToTensor(), transforms.Normalize(MEAN, STD)])
         n = args.seed_images
         loader = torch.utils.data.DataLoader(PilDataset(images[:n], labels[:n], seed_tf),
                                              batch_size=args.batch_size, shuffle=True, drop_last=True)
-        step = lambda x: x.to(accelerator.device, non_blocking=True)  # noqa: E731
+        step = lambda batch: batch[0].to(accelerator.device, non_blocking=True)  # noqa: E731
 
     def rate() -> float:
         n, start = 0, time.perf_counter()
-        for x, _ in loader:
-            n += len(step(x))
+        for batch in loader:
+            n += len(step(batch))
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         return n / (time.perf_counter() - start)

@@ -21,7 +21,7 @@ from accelerate import Accelerator
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train_cifar  # noqa: E402
 from bench.common import add_data_args, header, report  # noqa: E402
-from utils.data import BatchTransform, load_data  # noqa: E402
+from utils.data import BatchTransform, augment_draws, load_data  # noqa: E402
 from utils.models import build_model  # noqa: E402
 from utils.schedule import warmup_cosine  # noqa: E402
 
@@ -36,15 +36,17 @@ def bare_loop(cfg: train_cifar.Config, images: torch.Tensor, labels: torch.Tenso
         model = model.to(memory_format=torch.channels_last)
     optimizer = train_cifar.build_optimizer(cfg, model, cfg.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(1, cfg.max_steps))
-    transform = BatchTransform(dev, 0, augment=True, channels_last=cfg.channels_last)
-    order = torch.randperm(len(labels), device=dev)
+    transform = BatchTransform(dev, channels_last=cfg.channels_last)
+    order = torch.randperm(len(labels))  # on the host, as the sampler's
     model.train()
     start = time.perf_counter()
     for step in range(cfg.max_steps):
-        idx = order[step * cfg.batch_size:(step + 1) * cfg.batch_size]
+        host_idx = order[step * cfg.batch_size:(step + 1) * cfg.batch_size]
+        draws = tuple(d.to(dev, non_blocking=True) for d in augment_draws(cfg.seed, 0, host_idx.numpy(), 4))
+        idx = host_idx.to(dev, non_blocking=True)
         # index_select on the NHWC view, as train_cifar.py's dataset does (images[idx] is ~300x slower for uint8)
         batch = images.permute(0, 2, 3, 1).index_select(0, idx).permute(0, 3, 1, 2)
-        loss = F.cross_entropy(model(transform(batch, train=True)), labels.index_select(0, idx))
+        loss = F.cross_entropy(model(transform(batch, draws)), labels.index_select(0, idx))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()

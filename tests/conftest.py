@@ -22,6 +22,8 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
+from utils.models import build_model
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED_CIFAR = REPO.parent / "shared" / "data" / "cifar10"
 CPU_YAML = REPO / "accelerate_configs" / "cpu.yaml"
@@ -262,11 +264,23 @@ def assert_same_state(a: Path, b: Path) -> None:
     assert not differ, f"{len(differ)} tensors differ, e.g. {differ[:3]}"
 
 
-# The checkpoint/resume job (tests/test_checkpoint.py, tests/test_fsdp.py): 512 images, global batch 64 -> 8 optimizer
-# steps per epoch, 2 epochs, a checkpoint every 3 steps, NCHW (the layout evaluate_checkpoint.py and FSDP2 use).
+# The checkpoint/resume job (tests/test_checkpoint.py, tests/test_fsdp.py): 512 images, micro-batch 32, global batch
+# 64 (2 processes x 1 or 1 process x 2 accumulation steps) -> 8 optimizer steps per epoch, 2 epochs, a checkpoint every
+# 3 steps, NCHW (the layout evaluate_checkpoint.py and FSDP2 use).
 CHECKPOINT_JOB = ["--model", "resnet18_imagenet", "--train-subset", "512", "--eval-subset", "100",
-                  "--global-batch-size", "64", "--epochs", "2", "--checkpoint-every-steps", "3", "--deterministic",
-                  "--tracker", "none", "--lr", "0.05", "--no-channels-last"]
+                  "--batch-size", "32", "--global-batch-size", "64", "--epochs", "2", "--checkpoint-every-steps", "3",
+                  "--deterministic", "--tracker", "none", "--lr", "0.05", "--no-channels-last"]
+
+
+def assert_same_parameters(a: Path, b: Path, atol: float = 0.0) -> None:
+    """The trainable parameters of two runs' exported weights are bitwise equal, or within atol (not BatchNorm's
+    running statistics: under DDP they are rank 0's, from its micro-batches only, so they differ between process
+    counts by design)."""
+    sa, sb = load_file(Path(a) / "model.safetensors"), load_file(Path(b) / "model.safetensors")
+    model = json.loads((Path(a) / "summary.json").read_text())["model"]
+    names = [n for n, _ in build_model(model).named_parameters()]
+    differ = [n for n in names if not torch.allclose(sa[n], sb[n], rtol=0, atol=atol)]
+    assert not differ, f"{len(differ)} of {len(names)} parameters differ, e.g. {differ[:3]}"
 
 
 def job_args(cifar_dir, cache_dir, out, *extra) -> list[str]:
@@ -274,13 +288,14 @@ def job_args(cifar_dir, cache_dir, out, *extra) -> list[str]:
 
 
 TRACKED_JOB = ["--model", "resnet18_imagenet", "--train-subset", "256", "--eval-subset", "64",
-               "--global-batch-size", "32", "--epochs", "2", "--log-every", "2", "--tracker", "wandb"]
+               "--batch-size", "16", "--global-batch-size", "32", "--epochs", "2", "--log-every", "2", "--tracker",
+               "wandb"]
 
 
 @pytest.fixture(scope="session")
 def tracked_runs(cifar_dir, cache_dir, tmp_path_factory) -> dict[str, Path]:
-    """Three offline W&B runs (resnet18_imagenet, 256 training / 64 test images, global batch 32 -> 8 steps per epoch,
-    2 epochs, log every 2 steps):
+    """Three offline W&B runs (resnet18_imagenet, 256 training / 64 test images, micro-batch 16, global batch 32 -> 8
+    steps per epoch, 2 epochs, log every 2 steps):
       a0  1 process, lr 0.05, seed 0, --group A
       a1  1 process, lr 0.05, seed 1, group A from $WANDB_RUN_GROUP (W&B's own variables keep working)
       b   2 processes (cpu.yaml), lr 0.2, --group B, --run-name b-run, --tags x,y, --progress-every 0

@@ -13,7 +13,7 @@ changes no behaviour, it only records, per rank, into <output-dir>/probe-rank<R>
   eval_param_digest   sha256 of the parameters when each evaluation is called (DDP: equal on all ranks; FSDP2: the
                shards)
   eval_forward_digest sha256 of the BatchNorm buffers at the first forward of each evaluation (what it uses)
-  aug_seed     initial seed of the rank's augmentation generator
+  draws        per training batch: [epoch, sample indices, positions mirrored, crop offsets] as the loader drew them
   param_types  class names of the prepared model's parameters (DTensor under FSDP2)
   local_numel  parameter elements this rank stores (its shards under FSDP2)
   fsdp_units   class names of the modules FSDP2 wrapped (each gathers its parameters as one unit)
@@ -57,7 +57,7 @@ from utils.launch import run  # noqa: E402
 
 rec = {"batches": [], "allreduce_at": [], "synced_in_bf16": [], "comm_hook": None, "compiled": None, "fc_dtypes": [],
        "init_digest": None, "eval_buffer_digest": [], "eval_param_digest": [], "eval_forward_digest": [],
-       "aug_seed": None, "param_types": [], "local_numel": 0, "fsdp_units": [], "logs": [], "writes": [],
+       "draws": [], "param_types": [], "local_numel": 0, "fsdp_units": [], "logs": [], "writes": [],
        "eval_outputs": [], "dataset_devices": [], "norm_types": []}
 datasets_seen: list[int] = []
 forwards = {"train": 0, "eval_started": False}
@@ -79,7 +79,10 @@ def getitems(self, indices):
         datasets_seen.append(id(self))
         rec["dataset_devices"].append(self.images.device.type)
     rec["batches"].append([datasets_seen.index(id(self)), [int(i) for i in indices]])
-    return real_getitems(self, indices)
+    batch = real_getitems(self, indices)
+    if len(batch) == 3 and batch[2] is not None:  # a training batch, augmented
+        rec["draws"].append([self.epoch, [int(i) for i in indices], batch[2][0].tolist(), batch[2][1].tolist()])
+    return batch
 
 
 real_prepare = Accelerator.prepare
@@ -160,14 +163,6 @@ def gather_for_metrics(self, data, *args, **kwargs):
     return out
 
 
-real_transform_init = cdata.BatchTransform.__init__
-
-
-def transform_init(self, *args, **kwargs):
-    real_transform_init(self, *args, **kwargs)
-    rec["aug_seed"] = self.generator.initial_seed()
-
-
 real_init = Accelerator.__init__
 
 
@@ -214,7 +209,6 @@ cdata.BatchedTensorDataset.__getitems__ = getitems
 Accelerator.prepare = prepare
 torch.nn.parallel.DistributedDataParallel.register_comm_hook = register_comm_hook
 train_cifar.evaluate = evaluate
-cdata.BatchTransform.__init__ = transform_init
 Accelerator.log = log
 Accelerator.gather_for_metrics = gather_for_metrics
 Accelerator.__init__ = init

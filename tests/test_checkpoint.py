@@ -1,9 +1,10 @@
 """Checkpoints, exact resume and faults, on 2 gloo ranks: kill -9, SIGTERM/SIGUSR1, corrupt checkpoints,
 a dead peer, a NaN loss; and bad resume input.
 
-The 2-rank job (cpu.yaml): 512 images, global batch 64 -> 8 optimizer steps per epoch, 2 epochs, a checkpoint
-every 3 steps (3, 6, 9, 12, 15) and at each epoch end (8, 16); augmentation on, so resume must restore every
-rank's augmentation stream too; fp32 on CPU, so "exact" means bitwise.
+The 2-rank job (cpu.yaml): 512 images, micro-batch 32, global batch 64 -> 8 optimizer steps per epoch, 2 epochs, a
+checkpoint every 3 steps (3, 6, 9, 12, 15) and at each epoch end (8, 16); augmentation on (keyed by sample, so the
+same on any process count); fp32 on CPU, so "exact" means bitwise. A kill -9 resumes on the other process count:
+2 -> 1 process (2 accumulation steps) and 1 -> 2, each ending on the uninterrupted 2-rank job's parameters.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from conftest import (
     CPU_YAML,
     PROBE,
     REPO,
+    assert_same_parameters,
     assert_same_state,
     read_summary,
     run_train,
@@ -38,6 +40,7 @@ from conftest import (
 import compare_runs
 
 TWO_RANKS = ["--config_file", str(CPU_YAML)]  # fp32 (cpu.yaml's): exact means bitwise
+ONE_PROCESS = ["--num_processes", "1"]
 
 
 def job_args(cifar_dir, cache_dir, out, *extra):
@@ -61,36 +64,67 @@ def test_checkpoints_are_rotated_keeping_the_last_two_and_the_best(reference):
     state = json.loads((reference / "checkpoints" / "step-00000015" / "trainer_state.json").read_text())
     assert state["progress"]["epoch"] == 1 and state["progress"]["batches_in_epoch"] == 7  # mid-epoch position
     assert state["config"]["model"] == "resnet18_imagenet" and state["world_size"] == 2
-    assert {"model.safetensors", "optimizer.bin", "random_states_0.pkl", "random_states_1.pkl",
-            "rank0.safetensors", "rank1.safetensors"} <= set(state["files"])
+    assert state["batch"] == {"micro": 32, "processes": 2, "accumulation": 1} and state["format"] == 2
+    assert {"model.safetensors", "optimizer.bin", "random_states_0.pkl", "random_states_1.pkl"} <= set(state["files"])
+    assert not any("rank" in name for name in state["files"])  # no per-rank augmentation stream any more
 
 
-def test_kill_9_mid_epoch_then_resume_auto_matches_the_uninterrupted_run(reference, cifar_dir, cache_dir, tmp_path):
-    out = tmp_path / "killed"
-    proc = start(job_args(cifar_dir, cache_dir, out, "--log-every", "1"), TWO_RANKS, script=PROBE)
-    wait_for_checkpoint(out, proc, 3)
+def _kill_after_checkpoint(out: Path, proc: subprocess.Popen, step: int) -> None:
+    """Waits for checkpoint `step` and for the job to log past it (as a real job would before it dies), then kills
+    every process of the job (the workers run in sessions of their own), as a node loss would."""
+    wait_for_checkpoint(out, proc, step)
     logs = out / "probe-logs-rank0.jsonl"
-    while not logs.is_file() or len(logs.read_text().splitlines()) < 4:
-        time.sleep(0.01)  # let it log past the checkpoint, as a real job would before it dies
+    while not logs.is_file() or len(logs.read_text().splitlines()) < step + 1:
+        time.sleep(0.01)
     job = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
     for process in job:
-        process.kill()  # the workers run in sessions of their own: kill every process of the job, as a node loss would
+        process.kill()
     proc.wait()
     psutil.wait_procs(job, timeout=10)
     assert not (out / "summary.json").exists()
+
+
+def test_kill_9_mid_epoch_on_two_processes_then_resume_on_one_matches_the_uninterrupted_run(reference, cifar_dir,
+                                                                                            cache_dir, tmp_path):
+    out = tmp_path / "killed"
+    proc = start(job_args(cifar_dir, cache_dir, out, "--log-every", "1"), TWO_RANKS, script=PROBE)
+    _kill_after_checkpoint(out, proc, 3)
     first_life = [step for step, _ in map(json.loads, (out / "probe-logs-rank0.jsonl").read_text().splitlines())]
-    result = run_train(job_args(cifar_dir, cache_dir, out, "--log-every", "1", "--resume", "auto"), launch=TWO_RANKS,
-                       script=PROBE)
+    result = run_train(job_args(cifar_dir, cache_dir, out, "--log-every", "1", "--resume", "auto"),
+                       launch=ONE_PROCESS, script=PROBE)
     assert result.returncode == 0, result.stderr[-4000:]
     s = read_summary(out)
     resumed_at = int(Path(s["resumed_from"]).name[5:])
     assert resumed_at % 8 != 0, "the kill should land mid-epoch (8 steps per epoch)"
+    assert ("resuming on 1 process(es), the checkpoint's run had 2: accumulation 1 -> 2 micro-batches of 32 per "
+            "step, global batch 64") in result.stdout
+    epoch, images = resumed_at // 8 + 1, resumed_at % 8 * 64  # the position, in this run's terms
+    assert f"epoch {epoch} after {images} of its images, step {resumed_at}" in result.stdout
+    assert s["world_size"] == 1 and s["grad_accum"] == 2 and s["global_batch"] == 64
     logs = [json.loads(line) for line in (out / "probe-logs-rank0.jsonl").read_text().splitlines()]
     assert max(first_life) > resumed_at  # the first life logged steps it did not checkpoint ...
     assert [step for step, values in logs if "train/loss" in values] == list(range(1, 17))  # ... logged once each
     assert [step for step, _ in logs] == sorted(step for step, _ in logs)  # the tracker's step never goes back
-    assert s["global_step"] == 16
-    assert_same_state(out / "model.safetensors", reference / "model.safetensors")  # parameters and BN buffers
+    assert s["global_step"] == 16 and s["train_images_seen"] == 16 * 64
+    assert_same_parameters(out, reference)  # BatchNorm's running statistics: 1 process saw every micro-batch
+
+
+def test_kill_9_mid_epoch_on_one_process_then_resume_on_two_matches_the_uninterrupted_run(reference, cifar_dir,
+                                                                                            cache_dir, tmp_path):
+    out = tmp_path / "killed"
+    proc = start(job_args(cifar_dir, cache_dir, out, "--log-every", "1"), ONE_PROCESS, script=PROBE)
+    _kill_after_checkpoint(out, proc, 3)
+    result = run_train(job_args(cifar_dir, cache_dir, out, "--log-every", "1", "--resume", "auto"), launch=TWO_RANKS,
+                       script=PROBE)
+    assert result.returncode == 0, result.stderr[-4000:]
+    s = read_summary(out)
+    assert int(Path(s["resumed_from"]).name[5:]) % 8 != 0
+    assert "resuming on 2 process(es), the checkpoint's run had 1: accumulation 2 -> 1" in result.stdout
+    assert s["world_size"] == 2 and s["grad_accum"] == 1 and s["global_step"] == 16
+    assert_same_parameters(out, reference)
+    # the new rank 1 had no RNG file and no micro-step count of its own: it still synced at the same micro-steps
+    probes = [json.loads((out / f"probe-rank{r}.json").read_text()) for r in (0, 1)]
+    assert probes[0]["allreduce_at"] == probes[1]["allreduce_at"] and probes[0]["allreduce_at"]
 
 
 @pytest.mark.parametrize("how", ["SIGTERM to the launcher", "SIGUSR1 to every rank"])

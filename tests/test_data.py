@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration
 from conftest import (
     DEVICES,
     digests,
@@ -24,12 +23,12 @@ from PIL import Image
 
 from utils import UserError
 from utils import data as cdata
-from utils.data import BatchTransform, default_cache_dir, load_data, make_loader
+from utils.data import BatchTransform, augment_draws, default_cache_dir, load_data, make_loader
 
 
 @pytest.fixture(scope="module")
 def accelerator():
-    return Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    return Accelerator(cpu=True)
 
 
 def test_decoded_tensors_equal_pil_decoding_of_the_parquet_rows(cifar_dir, cache_dir, accelerator):
@@ -121,12 +120,17 @@ def test_prepared_loader_yields_whole_uint8_batches_covering_the_epoch(accelerat
     for epoch in range(2):
         train.set_epoch(epoch)
         batches = list(train)
-        assert len(batches) == 10 and all(x.shape == (10, 3, 32, 32) and x.dtype == torch.uint8 for x, _ in batches)
-        order = torch.cat([x[:, 0, 0, 0] for x, _ in batches]).tolist()
-        assert all(torch.equal(y, x[:, 0, 0, 0].long() % 10) for x, y in batches)  # labels stay with images
-        assert len(set(order)) == 100  # no repeats; the last 3 of 103 are dropped (drop_last)
+        assert len(batches) == 10 and all(x.shape == (10, 3, 32, 32) and x.dtype == torch.uint8 for x, _, _ in batches)
+        assert all(draws is None for _, _, draws in batches)  # augment off: no draws
+        order = torch.cat([x[:, 0, 0, 0] for x, _, _ in batches]).tolist()
+        assert all(torch.equal(y, x[:, 0, 0, 0].long() % 10) for x, y, _ in batches)  # labels stay with images
+        assert len(set(order)) == 100  # no repeats; the last 3 of 103 are dropped (whole batches only)
         seen.append(order)
     assert seen[0] != seen[1]  # reshuffled per epoch
+    # a global batch of 30 (e.g. 10 x 3 accumulation steps): only whole ones, 90 images, the same permutation's prefix
+    steps = accelerator.prepare(make_loader(images, labels, batch_size=10, train=True, global_batch=30))
+    steps.set_epoch(1)
+    assert torch.cat([x[:, 0, 0, 0] for x, _, _ in steps]).tolist() == seen[1][:90]
     evaluation = accelerator.prepare(make_loader(images, labels, batch_size=10, train=False))
     assert torch.cat([x[:, 0, 0, 0] for x, _ in evaluation]).tolist() == list(range(103))
     pixels = torch.randint(0, 256, (103, 3, 32, 32), dtype=torch.uint8)  # NCHW in; batches come out channels-last
@@ -136,24 +140,30 @@ def test_prepared_loader_yields_whole_uint8_batches_covering_the_epoch(accelerat
 
 
 def _all_crops(image: torch.Tensor, pad: int = 4) -> list[torch.Tensor]:
+    """Index y * 9 + x: the crop at offset (y, x) of the zero-padded image; 81 + that: its mirror image."""
     padded = torch.nn.functional.pad(image, (pad, pad, pad, pad))
     crops = [padded[:, y:y + 32, x:x + 32] for y in range(2 * pad + 1) for x in range(2 * pad + 1)]
     return crops + [c.flip(-1) for c in crops]
 
 
+def _on(device, draws):
+    return tuple(d.to(device) for d in draws)
+
+
 @pytest.mark.parametrize("device", DEVICES)
-def test_crop_and_flip_gives_a_padded_crop_or_its_mirror_for_every_image(device):
+def test_crop_and_flip_gives_each_image_exactly_its_drawn_crop_or_that_crops_mirror(device):
     gen = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (64, 3, 32, 32), dtype=torch.uint8, generator=gen)
-    transform = BatchTransform(torch.device(device), seed=1, augment=True, channels_last=False)
-    out = transform.crop_and_flip(images.to(device)).cpu()
-    matches = []
-    for src, got in zip(images, out):
-        hits = [i for i, c in enumerate(_all_crops(src)) if torch.equal(c, got)]
-        assert hits, "output is not a 4-pixel-padded crop (or its mirror) of its input"
-        matches.append(hits[0])
-    assert len(set(matches)) > 20  # offsets vary across the batch
-    assert any(m >= 81 for m in matches) and any(m < 81 for m in matches)  # both flipped and not
+    transform = BatchTransform(torch.device(device), channels_last=False)
+    mirrored, crop = augment_draws(seed=1, epoch=0, indices=range(100, 164), pad=4)
+    out = transform.crop_and_flip(images.to(device), _on(device, (mirrored, crop))).cpu()
+    for i, (src, got) in enumerate(zip(images, out, strict=True)):
+        hits = [k for k, c in enumerate(_all_crops(src)) if torch.equal(c, got)]
+        dy, dx = divmod(int(crop[i]), 9)
+        # mirroring the padded image, then cropping at (dy, dx), is the mirror of the crop at (dy, 8 - dx)
+        want = 81 + dy * 9 + (8 - dx) if i in mirrored else dy * 9 + dx
+        assert hits == [want], (i, hits, want)
+    assert 10 < len(mirrored) < 54 and len(set(crop.tolist())) > 20  # both kinds, and offsets vary in the batch
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -164,8 +174,10 @@ def test_each_image_is_mirrored_with_probability_half_and_shifted_uniformly(devi
     image = torch.stack([r.view(32, 1).expand(32, 32), r.view(1, 32).expand(32, 32),
                          torch.zeros(32, 32, dtype=torch.uint8)])
     batch = image.expand(64, 3, 32, 32).to(device)
-    transform = BatchTransform(torch.device(device), seed=3, augment=True, channels_last=True)
-    outs = [transform.crop_and_flip(batch).to("cpu", copy=True) for _ in range(50)]  # each call reuses its buffer
+    transform = BatchTransform(torch.device(device), channels_last=True)
+    # 50 batches of 64 consecutive sample indices, as the draws of one epoch of 3,200 images (seed 3, epoch 2)
+    outs = [transform.crop_and_flip(batch, _on(device, augment_draws(3, 2, range(64 * k, 64 * k + 64), 4)))
+            .to("cpu", copy=True) for k in range(50)]  # each call reuses its buffer
     outs = torch.stack(outs).long()  # (50, 64, 3, 32, 32)
     mirrored = outs[:, :, 1, 16, 17] < outs[:, :, 1, 16, 16]
     dy = outs[:, :, 0, 16, 16] - 13  # row 16 of the crop = padded row 16 + dy = image row 12 + dy
@@ -178,37 +190,44 @@ def test_each_image_is_mirrored_with_probability_half_and_shifted_uniformly(devi
         assert len(counts) == 9 and counts.min() > 250 and counts.max() < 460  # uniform over 0..8: 356 each
 
 
-def test_normalised_output_and_per_seed_random_streams():
+def test_normalised_output_and_draws_keyed_by_seed_epoch_and_index_whatever_batch_they_come_in():
     images = torch.randint(0, 256, (32, 3, 32, 32), dtype=torch.uint8)
-    make = lambda seed, aug=True: BatchTransform(torch.device("cpu"), seed, augment=aug, channels_last=True)  # noqa: E731
-    plain = make(0, aug=False)(images, train=True)
+    transform = BatchTransform(torch.device("cpu"), channels_last=True)
+    plain = transform(images)
     mean = torch.tensor(cdata.MEAN).view(1, 3, 1, 1) * 255
     std = torch.tensor(cdata.STD).view(1, 3, 1, 1) * 255
     assert torch.allclose(plain, (images.float() - mean) / std, rtol=0, atol=1e-6)  # x * (1/std) - mean/std, rounded
     assert plain.is_contiguous(memory_format=torch.channels_last)
-    assert torch.equal(make(0)(images, train=False), plain)  # evaluation never augments
-    assert torch.equal(make(5)(images, train=True), make(5)(images, train=True))  # same seed, same stream
-    assert not torch.equal(make(5)(images, train=True), make(6)(images, train=True))  # ranks differ
+
+    def by_index(seed, epoch, indices):
+        mirrored, crop = augment_draws(seed, epoch, indices, pad=4)
+        return {i: (k in mirrored, int(crop[k])) for k, i in enumerate(indices)}
+
+    alone = by_index(5, 0, list(range(40)))
+    assert by_index(5, 0, [39, 7, 20]) == {i: alone[i] for i in (39, 7, 20)}  # another batch, order or rank: same
+    assert sum(by_index(6, 0, list(range(40)))[i] != alone[i] for i in alone) > 30  # another seed: other draws
+    assert sum(by_index(5, 1, list(range(40)))[i] != alone[i] for i in alone) > 30  # another epoch: other draws
+    augmented = transform(images, augment_draws(5, 0, range(32), 4))
+    assert not torch.equal(augmented, plain) and augmented.shape == plain.shape
 
 
 @pytest.mark.cuda
 def test_the_transform_on_cuda_gives_the_cpu_outputs_for_the_same_draws():
-    """Same images, same random draws (made on the CPU): CUDA's crops are the CPU's byte for byte, through every op
-    the transform runs there (index_select on the unfold view with out=, index_copy, flip, non-contiguous copies),
-    and the normalised floats agree to rounding. Batches of two sizes, so the canvas is rebuilt once."""
+    """Same images, same draws: CUDA's crops are the CPU's byte for byte, through every op the transform runs there
+    (index_select on the unfold view with out=, index_copy, flip, non-contiguous copies), and the normalised floats
+    agree to rounding. Batches of two sizes, so the canvas is rebuilt once."""
     gen = torch.Generator().manual_seed(0)
-    cpu = BatchTransform(torch.device("cpu"), seed=4, augment=True, channels_last=True)
-    cuda = BatchTransform(torch.device("cuda"), seed=4, augment=True, channels_last=True)
+    cpu = BatchTransform(torch.device("cpu"), channels_last=True)
+    cuda = BatchTransform(torch.device("cuda"), channels_last=True)
     for n in (128, 128, 37):
         images = torch.randint(0, 256, (n, 3, 32, 32), dtype=torch.uint8, generator=gen)
         images = images.contiguous(memory_format=torch.channels_last)  # as the loader delivers them
-        draws = BatchTransform(torch.device("cpu"), seed=n, augment=True, channels_last=True).draw(n)
+        draws = augment_draws(4, n, range(n), 4)
         on_cpu = cpu.crop_and_flip(images, draws).clone()
-        on_cuda = cuda.crop_and_flip(images.cuda(non_blocking=True), tuple(d.cuda() for d in draws))
+        on_cuda = cuda.crop_and_flip(images.cuda(non_blocking=True), _on("cuda", draws))
         assert torch.equal(on_cuda.cpu(), on_cpu)
         assert 0 < len(draws[0]) < n  # some mirrored, some not
-        assert torch.allclose(cuda(on_cuda, train=False).cpu(), cpu(on_cpu, train=False), rtol=0, atol=1e-5)
-    assert cuda.generator.device.type == "cuda" and cuda.draw(8)[1].device.type == "cuda"
+        assert torch.allclose(cuda(on_cuda).cpu(), cpu(on_cpu), rtol=0, atol=1e-5)
 
 
 def test_decoding_needs_no_network(tmp_path, accelerator, monkeypatch):
@@ -219,22 +238,12 @@ def test_decoding_needs_no_network(tmp_path, accelerator, monkeypatch):
     assert os.listdir(tmp_path / "cache")
 
 
-def test_transform_state_dict_continues_the_same_augmentation_stream():
-    images = torch.randint(0, 256, (16, 3, 32, 32), dtype=torch.uint8)
-    first = BatchTransform(torch.device("cpu"), seed=7, augment=True, channels_last=True)
-    first(images, train=True)
-    state = first.state_dict()  # what a checkpoint stores, per rank
-    later = [first(images, train=True) for _ in range(3)]
-    resumed = BatchTransform(torch.device("cpu"), seed=99, augment=True, channels_last=True)
-    resumed.load_state_dict(state)
-    assert all(torch.equal(a, resumed(images, train=True)) for a in later)
-
-
-def test_a_training_split_smaller_than_one_batch_on_every_process_stops_with_one_sentence():
-    cdata.check_one_batch(torch.zeros(64), batch_size=32, processes=2)  # exactly one batch each: fine
+def test_a_training_split_smaller_than_one_global_batch_stops_with_one_sentence():
+    cdata.check_one_batch(torch.zeros(128), batch_size=32, processes=2, accumulation=2)  # exactly one: fine
     with pytest.raises(UserError) as e:
-        cdata.check_one_batch(torch.zeros(63), batch_size=32, processes=2)
-    assert str(e.value) == "63 training images do not fill one batch of 32 on each of 2 processes."
+        cdata.check_one_batch(torch.zeros(127), batch_size=32, processes=2, accumulation=2)
+    assert str(e.value) == ("127 training images do not fill one global batch of 128 (32 on each of 2 processes x 2 "
+                            "accumulation steps).")
 
 
 # Image folders (train/<class>/*.png, test/<class>/...), read through datasets' imagefolder builder ---------------

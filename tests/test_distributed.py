@@ -3,11 +3,11 @@
 The runs go through tests/probe_train.py, which calls the real train_cifar.main() and records what every
 rank did (batches fetched, all-reduces, autocast dtypes, initial weights, logged LR, files written).
 
-Configurations (same seed, SGD, --augment none, fp32, --deterministic, the first 200 training images):
-  two_ranks        2 ranks, --global-batch-size 64  (32 per rank), 2 epochs     \\ same micro-batches in the same
-  one_rank_accum2  1 rank,  --batch-size 32 --grad-accum 2, 2 epochs            / order: equal parameters, bitwise
-  two_ranks_accum2 2 ranks, --global-batch-size 128 --grad-accum 2, 1 epoch     \\ same micro-batches, other sum
-  one_rank_accum4  1 rank,  --batch-size 32 --grad-accum 4, 1 epoch             / order: equal to float rounding
+Configurations (same seed, SGD, standard augmentation, fp32, --deterministic, the first 200 training images):
+  two_ranks        2 ranks, --batch-size 32 --global-batch-size 64, 2 epochs  \\ the same flags: same micro-batches,
+  one_rank_accum2  1 rank,  --batch-size 32 --global-batch-size 64, 2 epochs  / same crops: equal parameters, bitwise
+  two_ranks_accum2 2 ranks, --batch-size 32 --grad-accum 2, 1 epoch           \\ same micro-batches, other sum
+  one_rank_accum4  1 rank,  --batch-size 32 --grad-accum 4, 1 epoch           / order: equal to float rounding
 """
 
 from __future__ import annotations
@@ -27,19 +27,18 @@ from safetensors.torch import load_file
 import train_cifar
 from utils.data import BatchTransform, load_data, make_loader
 
-TRAIN_SUBSET, EVAL_SUBSET = 200, 101  # 200 = 6 batches of 32 + 8 dropped; 101 is odd: eval shards are padded
+TRAIN_SUBSET, EVAL_SUBSET = 200, 101  # 200 = 3 global batches of 64 + 8 dropped; 101 is odd: eval shards are padded
 COMMON = ["--model", "resnet18_imagenet", "--train-subset", str(TRAIN_SUBSET), "--eval-subset", str(EVAL_SUBSET),
-          "--epochs", "2", "--warmup-epochs", "0.5", "--augment", "none", "--optimizer", "sgd", "--lr", "0.1",
+          "--epochs", "2", "--warmup-epochs", "0.5", "--optimizer", "sgd", "--lr", "0.1",
           "--scale-lr",
           "--deterministic", "--log-every", "1", "--tracker", "none"]
 TWO_RANKS = ["--config_file", str(CPU_YAML)]  # fp32 (cpu.yaml's), like the 1-process runs
 BF16_TWO_RANKS = [*TWO_RANKS, "--mixed_precision", "bf16"]
 CONFIGS = {
-    "two_ranks": (TWO_RANKS, ["--global-batch-size", "64"]),
-    "one_rank_accum2": (None, ["--batch-size", "32", "--grad-accum", "2"]),
+    "two_ranks": (TWO_RANKS, ["--batch-size", "32", "--global-batch-size", "64"]),
+    "one_rank_accum2": (None, ["--batch-size", "32", "--global-batch-size", "64"]),
     # lr 0.01: at 0.1 the second step amplified the first step's rounding differences to 3% of some updates
-    "two_ranks_accum2": (TWO_RANKS, ["--global-batch-size", "128", "--grad-accum", "2", "--epochs", "1", "--lr",
-                                     "0.01"]),
+    "two_ranks_accum2": (TWO_RANKS, ["--batch-size", "32", "--grad-accum", "2", "--epochs", "1", "--lr", "0.01"]),
     "one_rank_accum4": (None, ["--batch-size", "32", "--grad-accum", "4", "--epochs", "1", "--lr", "0.01"]),
 }
 
@@ -112,9 +111,10 @@ def test_two_ranks_with_accumulation_match_one_rank_with_double_accumulation(run
     # all-reduce, against ((g0+g1)+g2)+g3 in one process. Float addition is not associative, so this pair agrees to
     # rounding, not bitwise.
     # How far depends on the CPU's kernels: conv1's weight gradient sums 400k terms that largely cancel, and after
-    # these 2 steps it differed by 1.2e-7 on one CI machine and by 1.2e-4 (6e-4 of its own update) on an AVX-512/AMX
-    # one; every other parameter within 1.4e-4 of its update. So each parameter is held to 1% of its own update:
-    # a lost micro-batch or a sum instead of a mean changes the update by 25% or more.
+    # 2 steps (this pair's count before epochs were cut to whole global batches) it differed by 1.2e-7 on one CI
+    # machine and by 1.2e-4 (6e-4 of its own update) on an AVX-512/AMX one; every other parameter within 1.4e-4 of
+    # its update. So each parameter is held to 1% of its own update: a lost micro-batch or a sum instead of a mean
+    # changes the update by 25% or more.
     pa, pb = _compare(runs["two_ranks_accum2"], runs["one_rank_accum4"])
     torch.manual_seed(0)  # the runs' --seed 0: their initial weights, from which each update is measured
     start = dict(train_cifar.build_model("resnet18_imagenet").named_parameters())
@@ -131,7 +131,7 @@ def test_ranks_see_disjoint_shards_that_cover_the_training_set_each_epoch(runs):
         seen = [sorted(i for b in epochs[r][e] for i in b) for r in (0, 1)]
         assert not set(seen[0]) & set(seen[1])
         union = set(seen[0]) | set(seen[1])
-        assert len(union) == len(seen[0]) + len(seen[1]) == TRAIN_SUBSET // 64 * 64  # drop_last drops 8
+        assert len(union) == len(seen[0]) + len(seen[1]) == TRAIN_SUBSET // 64 * 64  # whole global batches: 8 left
         assert union <= set(range(TRAIN_SUBSET))
 
 
@@ -139,7 +139,8 @@ def test_data_order_changes_every_epoch_and_is_the_same_for_the_same_seed_at_any
     two = runs["two_ranks"].global_order()
     assert two[0] != two[1]  # reshuffled (set_epoch)
     assert two == runs["one_rank_accum2"].global_order()  # 2 ranks x 32 == 1 rank x 32 x 2 micro-steps
-    assert runs["two_ranks_accum2"].global_order() == runs["one_rank_accum4"].global_order() == two[:1]
+    # the same permutation, cut to one global batch of 128 (4 micro-batches)
+    assert runs["two_ranks_accum2"].global_order() == runs["one_rank_accum4"].global_order() == [two[0][:4]]
 
 
 # 3. Exact evaluation -------------------------------------------------------------------------------
@@ -159,7 +160,7 @@ def test_two_rank_eval_counts_each_image_once_and_equals_one_rank_eval_of_the_ex
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each launched rank
     try:
-        metrics = train_cifar.evaluate(model, loader, BatchTransform(torch.device("cpu"), 0, False, False), accelerator)
+        metrics = train_cifar.evaluate(model, loader, BatchTransform(torch.device("cpu"), False), accelerator)
     finally:
         torch.set_num_threads(threads)
     assert metrics["examples"] == EVAL_SUBSET
@@ -205,11 +206,45 @@ def test_every_rank_evaluates_with_the_exported_batchnorm_statistics(runs):
     assert probes[1]["eval_forward_digest"][-1] == exported
 
 
-# 4. Initial weights and augmentation streams ---------------------------------------------------------
-def test_every_rank_builds_the_same_initial_weights_and_its_own_augmentation_stream(runs):
+# 4. Initial weights and augmentation ------------------------------------------------------------------
+def _splitmix64(x: int) -> int:  # SplitMix64's finaliser (Steele, Lea, Flood 2014), on Python ints
+    m = 2**64 - 1
+    x = (x + 0x9E3779B97F4A7C15) & m
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & m
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & m
+    return x ^ (x >> 31)
+
+
+def expected_draw(seed: int, epoch: int, index: int) -> tuple[bool, int]:
+    """(mirrored, crop offset in 0..80) of one training image: the README's key, computed one image at a time."""
+    h = _splitmix64(index ^ _splitmix64(seed << 32 | epoch << 2 | 1))
+    return bool(h >> 63), (h & 0xFFFFFFFF) % 81
+
+
+def draws_by_sample(run: Run) -> dict[tuple[int, int], tuple[bool, int]]:
+    """(epoch, sample index) -> (mirrored, crop) as every rank's loader handed it to the transform."""
+    seen = {}
+    for probe in run.probes:
+        for epoch, indices, mirrored, crops in probe["draws"]:
+            for position, (index, crop) in enumerate(zip(indices, crops, strict=True)):
+                assert (epoch, index) not in seen  # each image once per epoch
+                seen[epoch, index] = (position in mirrored, crop)
+    return seen
+
+
+def test_each_image_is_augmented_by_seed_epoch_and_index_alone_the_same_on_any_rank_and_world_size(runs):
+    two, one = draws_by_sample(runs["two_ranks"]), draws_by_sample(runs["one_rank_accum2"])
+    assert len(two) == 2 * 192 and two == one  # 2 epochs of 3 global batches; every image got the same crop and flip
+    assert all(draw == expected_draw(0, epoch, index) for (epoch, index), draw in two.items())
+    assert draws_by_sample(runs["two_ranks_accum2"]) == draws_by_sample(runs["one_rank_accum4"])
+    both = [i for i in range(TRAIN_SUBSET) if (0, i) in two and (1, i) in two]
+    assert sum(two[0, i] != two[1, i] for i in both) > 0.9 * len(both)  # a new draw each epoch (1/162 repeat)
+    assert 0.4 < np.mean([m for m, _ in two.values()]) < 0.6
+
+
+def test_every_rank_builds_the_same_initial_weights(runs):
     probes = runs["two_ranks"].probes
     assert probes[0]["init_digest"] == probes[1]["init_digest"]  # before DDP's broadcast could hide a difference
-    assert probes[0]["aug_seed"] != probes[1]["aug_seed"]
     other_seed = runs["one_rank_accum2"].probes[0]
     assert other_seed["init_digest"] == probes[0]["init_digest"]  # and the same at any world size
 
@@ -348,13 +383,19 @@ def test_fsdp_asked_for_but_not_set_up_stops(cifar_dir, cache_dir, tmp_path):
     assert len(errors) == 1 and "asks for FSDP but Accelerate set up NO" in errors[0], result.stderr[-3000:]
 
 
-def test_global_batch_that_does_not_divide_stops(cifar_dir, cache_dir, tmp_path):
+@pytest.mark.parametrize("flags, message", [
+    (["--batch-size", "32", "--global-batch-size", "100"], "--global-batch-size 100 is not a whole number of "
+     "micro-batches of --batch-size 32 on each of 2 processes: it must be a multiple of 64."),
+    (["--global-batch-size", "128", "--grad-accum", "2"], "--grad-accum and --global-batch-size both set the "
+     "accumulation steps: give one of them."),
+])
+def test_a_global_batch_that_is_not_whole_micro_batches_stops_with_one_line(cifar_dir, cache_dir, tmp_path, flags,
+                                                                            message):
     result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir",
-                        str(tmp_path / "o"),
-                        "--tracker", "none", "--global-batch-size", "100", "--grad-accum", "3"], launch=TWO_RANKS)
+                        str(tmp_path / "o"), "--tracker", "none", *flags], launch=TWO_RANKS)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode != 0
-    assert errors == ["error: --global-batch-size 100 does not divide into 2 processes x 3 accumulation steps."]
+    assert errors == [f"error: {message}"]
 
 
 def test_world_size_that_differs_from_the_launchers_stops(cifar_dir, cache_dir, tmp_path):

@@ -1,5 +1,5 @@
 """FSDP2 for real on 2 CPU gloo ranks (accelerate_configs/fsdp_cpu.yaml): sharded parameters, the same training
-as DDP, sharded checkpoints that resume exactly, and full exported weights.
+as DDP, sharded checkpoints that resume exactly (on another process count too), and full exported weights.
 
 The job (both wrappers, through tests/probe_train.py): 512 images, global batch 64 -> 8 optimizer steps per
 epoch, 2 epochs, a checkpoint every 3 steps, SGD at lr 0.01, augmentation on, fp32, --deterministic, train/loss
@@ -27,7 +27,7 @@ from conftest import (
     FSDP_CPU_YAML,
     PROBE,
     REPO,
-    assert_same_state,
+    assert_same_parameters,
     read_summary,
     run_train,
     start,
@@ -108,8 +108,10 @@ def test_fsdp_exported_weights_load_into_a_plain_model(runs):
     assert sum(state[k].numel() for k in names) == read_summary(runs["fsdp"])["parameters"]
 
 
-def test_fsdp_checkpoints_are_sharded_per_rank_and_resume_exactly_after_preemption(runs, cifar_dir, cache_dir,
-                                                                                   tmp_path):
+def test_fsdp_checkpoints_are_sharded_per_rank_and_a_preempted_job_resumes_on_one_process_exactly(
+        runs, cifar_dir, cache_dir, tmp_path):
+    """torch.distributed.checkpoint reshards on load: the 2 ranks' shards of the weights and the optimizer state load
+    into one FSDP process, which takes 2 accumulation steps per optimizer step and ends on the 2-rank weights."""
     state = json.loads((runs["fsdp"] / "checkpoints" / "step-00000016" / "trainer_state.json").read_text())
     shards = sorted(name for name in state["files"] if name.endswith(".distcp"))
     assert len(shards) == 4, state["files"].keys()  # model and optimizer, one file per rank each
@@ -122,11 +124,14 @@ def test_fsdp_checkpoints_are_sharded_per_rank_and_resume_exactly_after_preempti
     _, stderr = proc.communicate(timeout=120)
     assert not (out / "summary.json").exists(), "the job should have stopped early"
     assert any(int(p.name[5:]) > 3 for p in (out / "checkpoints").glob("step-*")), stderr[-3000:]  # saved on the signal
-    result = run_train(job_args(cifar_dir, cache_dir, out, "--resume", "auto"), launch=FSDP)
+    result = run_train(job_args(cifar_dir, cache_dir, out, "--resume", "auto"), launch=[*FSDP, "--num_processes", "1"])
     assert result.returncode == 0, result.stderr[-4000:]
+    assert "resuming on 1 process(es), the checkpoint's run had 2: accumulation 1 -> 2" in result.stdout
     s = read_summary(out)
-    assert s["resumed_from"] and s["global_step"] == 16 and s["distributed_type"] == "FSDP"
-    assert_same_state(out / "model.safetensors", runs["fsdp"] / "model.safetensors")  # bitwise: parameters and buffers
+    assert s["resumed_from"] and s["global_step"] == 16 and s["distributed_type"] == "FSDP" and s["world_size"] == 1
+    # Bitwise on this CPU; TOLERANCE as for FSDP vs DDP (a kernel may round differently on memory laid out otherwise).
+    # BatchNorm's running statistics are rank 0's there, from every micro-batch here: not compared.
+    assert_same_parameters(out, runs["fsdp"], atol=TOLERANCE)
 
 
 def test_finished_jobs_free_their_process_group_before_interpreter_exit(runs):

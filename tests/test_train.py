@@ -71,8 +71,7 @@ def test_exported_weights_load_into_a_plain_model_and_reproduce_the_reported_top
     images, labels = data["test"]
     loader = make_loader(images[:EVAL_SUBSET], labels[:EVAL_SUBSET], batch_size=250, train=False)
     model = model.to(memory_format=torch.channels_last)  # as trained: channels_last, fp32 (cpu.yaml)
-    transform = BatchTransform(torch.device("cpu"), seed=0, augment=False, channels_last=True, mean=data["mean"],
-                               std=data["std"])
+    transform = BatchTransform(torch.device("cpu"), channels_last=True, mean=data["mean"], std=data["std"])
     metrics = train_cifar.evaluate(model, loader, transform, accelerator)
     reported = read_summary(out)
     assert metrics["examples"] == EVAL_SUBSET
@@ -166,11 +165,11 @@ def test_flip_test_time_augmentation_averages_the_logits_of_each_image_and_its_m
     torch.manual_seed(0)
     model = train_cifar.build_model("resnet9").eval()
     model[-1].factor = 50.0  # confident logits, so an image and its mirror give clearly different ones
-    transform = BatchTransform(torch.device("cpu"), 0, augment=False, channels_last=False)
+    transform = BatchTransform(torch.device("cpu"), channels_last=False)
     loader = accelerator.prepare(make_loader(images, labels, 32, train=False))
     plain, flipped = (train_cifar.evaluate(model, loader, transform, accelerator, tta_flip=t) for t in (False, True))
     with torch.no_grad():
-        x = transform(images, train=False)
+        x = transform(images)
         logits = (model(x) + model(x.flip(3))) / 2
     assert flipped["loss"] == pytest.approx(torch.nn.functional.cross_entropy(logits, labels).item(), rel=1e-5)
     assert flipped["top1"] == pytest.approx(100.0 * (logits.argmax(1) == labels).float().mean().item())

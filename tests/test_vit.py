@@ -35,9 +35,9 @@ from utils.models import build_model
 
 VIT = REPO / "train_vit.py"
 RECORD = REPO / "tests" / "record_losses.py"
-JOB = ["--model", "vit_micro", "--train-subset", "256", "--eval-subset", "128", "--global-batch-size", "64",
-       "--epochs", "2", "--lr", "2e-3", "--warmup-epochs", "0.5", "--grad-clip", "0", "--checkpoint-every-steps", "2",
-       "--deterministic", "--tracker", "none"]
+JOB = ["--model", "vit_micro", "--train-subset", "256", "--eval-subset", "128", "--batch-size", "32",
+       "--global-batch-size", "64", "--epochs", "2", "--lr", "2e-3", "--warmup-epochs", "0.5", "--grad-clip", "0",
+       "--checkpoint-every-steps", "2", "--deterministic", "--tracker", "none"]
 FSDP = ["--config_file", str(FSDP_CPU_YAML)]
 TOLERANCE = 1e-6
 MICRO_PARAMETERS = 75_082  # vit_micro: counted by hand from its shapes, see test_vit_micro_has_the_parameters...

@@ -290,6 +290,9 @@ class Checkpointer:
                             f"micro-batches of {now.micro} on {now.processes} processes; resume with --batch-size "
                             f"{was['micro']}.")
         progress["batches_in_epoch"] = batches
+        # Accelerate's micro-step counter (sync when it reaches a multiple of the accumulation) comes from the saving
+        # run's rank files (none for a new rank); it counts the epoch's micro-batches: the converted position.
+        self.accelerator.step = batches
         self.accelerator.print(f"resumed from {folder}: epoch {progress['epoch'] + 1} after {samples} of its images, "
                                f"step {progress['global_step']}")
         return progress
