@@ -105,7 +105,7 @@ def test_kill_9_mid_epoch_on_two_processes_then_resume_on_one_matches_the_uninte
     assert max(first_life) > resumed_at  # the first life logged steps it did not checkpoint ...
     assert [step for step, values in logs if "train/loss" in values] == list(range(1, 17))  # ... logged once each
     assert [step for step, _ in logs] == sorted(step for step, _ in logs)  # the tracker's step never goes back
-    assert s["global_step"] == 16 and s["train_images_seen"] == 16 * 64
+    assert s["global_step"] == 16
     assert_same_parameters(out, reference)  # BatchNorm's running statistics: 1 process saw every micro-batch
 
 
@@ -297,6 +297,24 @@ def test_bad_resume_input_stops_with_one_line_and_deletes_nothing(small_run, ext
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], result.stderr[-3000:]
     assert _tree(out) == before
+
+
+def test_a_checkpoint_from_before_sample_keyed_augmentation_is_refused_in_one_line_and_kept(small_run, tmp_path):
+    data, out = small_run
+    old = tmp_path / "old"
+    shutil.copytree(out, old)
+    for state_file in (old / "checkpoints").glob("step-*/trainer_state.json"):  # as the per-rank-stream format wrote
+        state = json.loads(state_file.read_text())
+        del state["format"], state["batch"]
+        state_file.write_text(json.dumps(state))
+    before = _tree(old)
+    result = run_train(["--data-dir", str(data), "--output-dir", str(old), "--model", "resnet18_imagenet",
+                        "--batch-size", "16", "--epochs", "1", "--tracker", "none", "--cache-dir",
+                        str(data.parent / "cache"), "--resume", "auto"], fork=True)
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "was written by an earlier version of this template" in errors[0], errors
+    assert _tree(old) == before
 
 
 def test_overwrite_deletes_the_earlier_runs_checkpoints_and_starts_fresh(small_run, tmp_path):

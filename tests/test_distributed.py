@@ -267,11 +267,11 @@ def test_lr_follows_the_linear_scaling_rule_and_the_schedule_counts_optimizer_st
     # of 128, so 64 gets 0.05. 200 images in batches of 64 (or 32 x 2 micro-steps) = 3 optimizer steps per epoch,
     # 6 in 2 epochs, warmup 0.5 epoch = round(1.5) = 2 steps; the LR logged after step k is the one for step k + 1:
     # linear (k + 1) / 2 up to 1, then 0.05 * (1 + cos(pi * (k - 2) / 4)) / 2 down to 0 at step 6. The 128 runs:
-    # 3 micro-batches of 32 per rank (or 6 in one process) = 2 steps in 1 epoch at --lr 0.01, warmup 1 step: 0.01,
-    # then 0.
+    # one whole global batch of 128 in 200 images (4 micro-batches of 32; the other 72 make no whole step) = 1 step
+    # at --lr 0.01 with no warmup (round(0.5) = 0 steps); logged after it: the end of the schedule, 0.
     c = math.cos
     expected = {64: [0.05, 0.05, 0.025 * (1 + c(math.pi / 4)), 0.025, 0.025 * (1 + c(3 * math.pi / 4)), 0.0],
-                128: [0.01, 0.0]}
+                128: [0.0]}
     for name, global_batch in [("two_ranks", 64), ("one_rank_accum2", 64), ("two_ranks_accum2", 128),
                                ("one_rank_accum4", 128)]:
         run = runs[name]
