@@ -6,6 +6,9 @@
     accelerate launch --config_file accelerate_configs/1gpu.yaml train_cifar.py --recipe fast  # 1 GPU, ResNet-9
     accelerate launch --multi_gpu --num_processes 8 --mixed_precision bf16 train_cifar.py  # 8 GPUs, DDP
     accelerate launch --config_file accelerate_configs/fsdp_4gpu.yaml train_cifar.py     # 4 GPUs, FSDP2
+    # the same optimizer steps on 8 GPUs and on 1 (accumulation 8 there); a checkpoint resumes on either:
+    accelerate launch --multi_gpu --num_processes 8 train_cifar.py --batch-size 64 --global-batch-size 512
+    python train_cifar.py --batch-size 64 --global-batch-size 512
     # 2 nodes x 8 GPUs: run on each node, with --machine_rank 0 on the head and 1 on the other:
     accelerate launch --multi_gpu --num_machines 2 --num_processes 16 --machine_rank 0 \
         --main_process_ip HEAD_IP --main_process_port 29500 train_cifar.py
