@@ -306,7 +306,7 @@ def main(cfg: Config) -> dict:
                 accelerator.end_training()  # see utils.launch.release_process_group() for what follows
                 return {"preempted": True, "checkpoint": str(folder)}
             if periodic and p.batches_in_epoch < len(train_loader):  # at the epoch's end, the epoch's own save
-                checkpointer.save(p, model, scheduler)
+                checkpointer.save(p.with_epoch_so_far(meter.images(), meter.seconds()), model, scheduler)
         train_loss = meter.epoch_loss(accelerator)  # syncs
         epoch_images, epoch_seconds = meter.images(), meter.seconds()
         bar.close()

@@ -105,7 +105,7 @@ def test_kill_9_mid_epoch_on_two_processes_then_resume_on_one_matches_the_uninte
     assert max(first_life) > resumed_at  # the first life logged steps it did not checkpoint ...
     assert [step for step, values in logs if "train/loss" in values] == list(range(1, 17))  # ... logged once each
     assert [step for step, _ in logs] == sorted(step for step, _ in logs)  # the tracker's step never goes back
-    assert s["global_step"] == 16
+    assert s["global_step"] == 16 and s["train_images_seen"] == 16 * 64  # the first life's images counted too
     assert_same_parameters(out, reference)  # BatchNorm's running statistics: 1 process saw every micro-batch
 
 

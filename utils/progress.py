@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass
@@ -26,6 +26,11 @@ class Progress:
     def trained(self, images: int, seconds: float) -> None:
         self.images_seen += images
         self.train_seconds += seconds
+
+    def with_epoch_so_far(self, images: int, seconds: float) -> Progress:
+        """A copy that also counts the current epoch's images and time so far: what a mid-epoch checkpoint stores,
+        so a job resumed from it reports every image it trained (this object counts them at the epoch's end)."""
+        return replace(self, images_seen=self.images_seen + images, train_seconds=self.train_seconds + seconds)
 
     def end_epoch(self, batches_per_epoch: int) -> None:
         """Moves to the next epoch if this one is complete (not after a --max-steps stop in its middle)."""
