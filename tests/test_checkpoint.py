@@ -122,7 +122,7 @@ def test_kill_9_mid_epoch_on_one_process_then_resume_on_two_matches_the_uninterr
     assert "resuming on 2 process(es), the checkpoint's run had 1: accumulation 2 -> 1" in result.stdout
     assert s["world_size"] == 2 and s["grad_accum"] == 1 and s["global_step"] == 16
     assert_same_parameters(out, reference)
-    # the new rank 1 had no RNG file and no micro-step count of its own: it still synced at the same micro-steps
+    # the new rank 1 (no RNG file of its own in the checkpoint) all-reduced at the same micro-steps as rank 0
     probes = [json.loads((out / f"probe-rank{r}.json").read_text()) for r in (0, 1)]
     assert probes[0]["allreduce_at"] == probes[1]["allreduce_at"] and probes[0]["allreduce_at"]
 
