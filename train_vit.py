@@ -218,7 +218,8 @@ def main(cfg: Config) -> dict:
     check_wrapper(accelerator, model, cfg.bf16_grad_sync)  # DDP or FSDP really wraps it; bf16 all-reduce if asked
     params_here = sum((q.to_local() if isinstance(q, DTensor) else q).numel() for q in model.parameters())
     # crop, flip (drawn per sample by the loader) and normalise, on the device
-    transform = BatchTransform(accelerator.device, False, crop_padding(data["image_size"]), data["mean"], data["std"])
+    transform = BatchTransform(accelerator.device, channels_last=False, pad=crop_padding(data["image_size"]),
+                               mean=data["mean"], std=data["std"])
 
     # --- schedule, counted in optimizer steps; not prepared (Accelerate would step it once per process) ---
     steps_per_epoch = len(train_loader) // plan.accumulation  # whole global batches only (EpochSampler)
