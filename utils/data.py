@@ -531,10 +531,10 @@ def augment_draws(seed: int, epoch: int, indices, pad: int) -> tuple[torch.Tenso
     """The crop and flip of each training sample in `indices`, a function of (seed, epoch, sample index) only: an
     image is augmented the same way whichever process draws it at whatever process count. Returns (the positions
     in the batch of the images to mirror, each image's crop offset: an index into the (2 pad + 1)^2 (dy, dx)).
-    On the host, beside the sampler's indices (128 hashes in numpy: 40 us on the 2-core CPU), because how many
-    images are mirrored sets the shapes of the transform's kernels: drawn on a GPU, that count would cost a device
-    sync per batch."""
-    h = _splitmix64(np.asarray(indices, dtype=np.uint64) ^ _stream(seed, epoch, 1))
+    On the host, beside the sampler's indices (128 hashes in numpy: about 50 us on the 2-core CPU), because how
+    many images are mirrored sets the shapes of the transform's kernels: drawn on a GPU, that count would cost a
+    device sync per batch."""
+    h = _splitmix64(np.asarray(indices).astype(np.uint64) ^ _stream(seed, epoch, 1))
     mirrored = np.flatnonzero(h >> np.uint64(63))  # the top bit: a fair coin
     crop = (h & np.uint64(0xFFFFFFFF)) % np.uint64((2 * pad + 1) ** 2)  # the low 32 bits: uniform to 2e-8
     return torch.from_numpy(mirrored.astype(np.int64)), torch.from_numpy(crop.astype(np.int64))
@@ -567,12 +567,13 @@ class BatchedTensorDataset(torch.utils.data.Dataset):
         # - the indices through numpy: 3 us; torch.as_tensor(list) 14 us.
         # non_blocking: with the data on a GPU a blocking copy would wait for all queued GPU work every batch (a
         # copy from pageable memory is staged before the call returns, so the host array may go away at once).
-        idx = torch.from_numpy(np.asarray(indices, dtype=np.int64)).to(self.labels.device, non_blocking=True)
+        host = np.asarray(indices, dtype=np.int64)  # once, for the batch and its draws
+        idx = torch.from_numpy(host).to(self.labels.device, non_blocking=True)
         nhwc = self.images.permute(0, 2, 3, 1).index_select(0, idx)
         batch = nhwc.permute(0, 3, 1, 2), self.labels.index_select(0, idx)
         if self.augment_seed is None:
             return batch
-        draws = augment_draws(self.augment_seed, self.epoch, indices, self.pad) if self.augment else None
+        draws = augment_draws(self.augment_seed, self.epoch, host, self.pad) if self.augment else None
         return (*batch, draws)
 
 
