@@ -12,7 +12,7 @@ activations stop fitting one device. FSDP2 shards each transformer block over th
 state and gathers one block at a time); under `--mixed_precision bf16` it gathers bf16 copies of the fp32 shards and
 reduces gradients in fp32. `--activation-checkpointing` keeps only each block's input and recomputes the rest in
 backward. Same YAMLs as train_cifar.py: this script tells FSDP to shard ViT blocks (EncoderBlock) instead of the
-YAML's ResNet BasicBlock. For a model that fits, DDP is simpler and faster (README, "FSDP").
+YAML's ResNet BasicBlock. For a model that fits, DDP is simpler and faster (docs/launching.md, "FSDP2").
 
 Same structure as train_cifar.py (its docstring explains it); the differences: a ViT (utils/models.vit), AdamW without
 weight decay on biases, norms, the class token and position embeddings, FSDP2 bf16 parameters, activation

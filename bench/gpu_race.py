@@ -210,7 +210,7 @@ def airbench(data_dir: str | None, cache_dir: str | None, work: Path) -> dict:
     import torch
 
     if importlib.util.find_spec("airbench") is None:
-        raise PartFailed("airbench is not installed (offline: carry its wheel, see ../shared/gpu-kit or README)")
+        raise PartFailed("airbench is not installed (offline: carry its wheel, see docs/gpu-check.md)")
     from utils.data import load_data
 
     folder = work / "airbench" / "cifar10"

@@ -39,6 +39,8 @@ def _fails_cleanly(tmp_path: Path, args: list[str], message: str, launch=None, e
     assert len(errors) == 1 and message in errors[0], result.stderr[-3000:]
     ours = [line for line in result.stderr.splitlines() if "Traceback" in line and (launch is None or "[rank" in line)]
     assert not ours, result.stderr[-3000:]
+    if launch is not None:  # the launcher's failure report names the line as its root cause, not "enable traceback"
+        assert f"traceback : {errors[0]}" in result.stderr, result.stderr[-3000:]
     after = _digest(tmp_path)
     assert {k: v for k, v in after.items() if not k.startswith("cache/")} == \
            {k: v for k, v in before.items() if not k.startswith("cache/")}

@@ -10,6 +10,7 @@ same on any process count); fp32 on CPU, so "exact" means bitwise. A kill -9 res
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import signal
 import subprocess
@@ -20,6 +21,7 @@ from pathlib import Path
 import conftest
 import psutil
 import pytest
+from accelerate.commands.launch import launch_command_parser
 from conftest import (
     CHECKPOINT_JOB,
     CPU_YAML,
@@ -36,6 +38,7 @@ from conftest import (
     workers,
     write_cifar_dir,
 )
+from test_docs import doc_commands
 
 import compare_runs
 
@@ -127,6 +130,43 @@ def test_kill_9_mid_epoch_on_one_process_then_resume_on_two_matches_the_uninterr
     assert probes[0]["allreduce_at"] == probes[1]["allreduce_at"] and probes[0]["allreduce_at"]
 
 
+# docs/reproducibility.md's replay commands, scaled to a CPU job: 2 gloo processes for 8 GPUs, a global batch of 128
+# for 512 (2 x 64, accumulation 1; one process accumulates 2), a checkpoint every 2 steps for 500 and the step-2
+# checkpoint (mid-epoch 1 of 4 steps) for step 1000. Every other word runs as printed, --keep-last included.
+REPLAY_SCALED = {"--num_processes 8": "--num_processes 2", "--global-batch-size 512": "--global-batch-size 128",
+                 "--checkpoint-every-steps 500": "--checkpoint-every-steps 2", "step-00001000": "step-00000002"}
+
+
+def test_the_replay_commands_run_as_printed_and_end_with_the_same_weights(cifar_dir, cache_dir, tmp_path):
+    commands = [c for _, c in doc_commands(REPO / "docs" / "reproducibility.md") if "--global-batch-size 512" in c]
+    assert len(commands) == 3 and all(any(k in c for c in commands) for k in REPLAY_SCALED), commands
+    small = ["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--model", "resnet18_imagenet",
+             "--train-subset", "512", "--eval-subset", "100", "--epochs", "2", "--deterministic", "--tracker", "none"]
+    env = script_env(HF_HOME=str(tmp_path / "hf"))  # no user's default accelerate config for the flag-only launch
+    outputs = []
+    for command in commands:
+        for printed, scaled in REPLAY_SCALED.items():
+            command = command.replace(printed, scaled)
+        words = shlex.split(command.replace("runs/", f"{tmp_path}/runs/"))
+        if words[:2] == ["accelerate", "launch"]:
+            script = launch_command_parser().parse_args(words[2:])
+            launcher = words[2:words.index(script.training_script)]
+            result = run_train([*script.training_script_args, *small], launch=launcher, env=env)
+        else:
+            assert words[:2] == ["python", "train_cifar.py"], command
+            result = run_train([*words[2:], *small], env=env)
+        assert result.returncode == 0, f"{command}\n{result.stderr[-3000:]}"
+        outputs.append((Path(words[words.index("--output-dir") + 1]), result.stdout))
+    (original, _), (replay, _), (continued, said) = outputs
+    runs = [read_summary(out) for out, _ in outputs]
+    assert [(s["world_size"], s["grad_accum"], s["global_batch"], s["global_step"]) for s in runs] == [
+        (2, 1, 128, 8), (1, 2, 128, 8), (1, 2, 128, 8)]
+    assert runs[2]["resumed_from"].endswith("step-00000002")
+    assert "resuming on 1 process(es), the checkpoint's run had 2: accumulation 1 -> 2" in said
+    assert_same_parameters(replay, original)
+    assert_same_parameters(continued, original)
+
+
 @pytest.mark.parametrize("how", ["SIGTERM to the launcher", "SIGUSR1 to every rank"])
 def test_preemption_signal_checkpoints_at_the_next_step_and_resume_is_exact(reference, cifar_dir, cache_dir, tmp_path,
                                                                             how):
@@ -141,7 +181,7 @@ def test_preemption_signal_checkpoints_at_the_next_step_and_resume_is_exact(refe
             worker.send_signal(signal.SIGUSR1)
     _, stderr = proc.communicate(timeout=60)
     assert time.time() - sent < 30, "the job must stop within seconds"
-    if how.startswith("SIGUSR1"):  # the processes saved their state and stopped: a success (README)
+    if how.startswith("SIGUSR1"):  # the processes saved their state and stopped: a success (docs/checkpoints.md)
         assert proc.returncode == 0, stderr[-3000:]
     else:  # torchrun itself, signalled, exits 1 (its SignalException) after its processes saved
         assert proc.returncode == 1 and "SignalException" in stderr, stderr[-3000:]

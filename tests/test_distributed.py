@@ -216,7 +216,7 @@ def _splitmix64(x: int) -> int:  # SplitMix64's finaliser (Steele, Lea, Flood 20
 
 
 def expected_draw(seed: int, epoch: int, index: int) -> tuple[bool, int]:
-    """(mirrored, crop offset in 0..80) of one training image: the README's key, computed one image at a time."""
+    """(mirrored, crop offset in 0..80) of one training image: docs/data.md's key, one image at a time."""
     h = _splitmix64(index ^ _splitmix64(seed << 32 | epoch << 2 | 1))
     return bool(h >> 63), (h & 0xFFFFFFFF) % 81
 

@@ -1,6 +1,6 @@
 """A dataclass is the command line: each field becomes a flag (`lr` -> `--lr`) with its help text, type, default and
 choices; `--flag/--no-flag` for booleans. A comment line `# --- name: purpose ---` in the class body starts a group
-of flags in --help, as in the README's table. Written by hand (a few lines of argparse) so that a script's Config
+of flags in --help, as in docs/flags.md. Written by hand (a few lines of argparse) so that a script's Config
 stays a plain dataclass, printed at start, sent to the tracker and written to summary.json."""
 
 from __future__ import annotations

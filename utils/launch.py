@@ -8,6 +8,7 @@ prepare(). End: `sys.exit(run(lambda: main(parse_config())))` turns a UserError 
 from __future__ import annotations
 
 import gc
+import json
 import os
 import re
 import sys
@@ -183,6 +184,7 @@ def run(job) -> int:
         job()
         status = 0
     except UserError as e:
+        report_to_launcher(f"error: {e}")
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         else:  # exiting first, this rank would have the launcher stop rank 0 (SIGTERM) before it printed the line;
@@ -192,11 +194,27 @@ def run(job) -> int:
         why = peer_failure(str(e))
         if why is None:
             raise
-        print(f"error: {why}; this process (rank {rank}) stopped. Continue with --resume auto: it takes the newest "
-              f"complete checkpoint (one being written is never used).", file=sys.stderr, flush=True)
+        line = (f"error: {why}; this process (rank {rank}) stopped. Continue with --resume auto: it takes the newest "
+                f"complete checkpoint (one being written is never used).")
+        report_to_launcher(line)
+        print(line, file=sys.stderr, flush=True)
         status = 1
     release_process_group()  # the job's frames (and the traceback's) are gone by now
     return status
+
+
+def report_to_launcher(line: str) -> None:
+    """torchrun's failure report (the launcher's `ChildFailedError`) shows each failed process's error file as its
+    message; without one it says "To enable traceback see ...". Our one line goes there instead, so the report's
+    "Root Cause" repeats it. Written by hand: torch's ErrorHandler.record_exception would put the Python traceback
+    there; a plain string message is the other form torch's reader accepts."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")  # set by torchrun for each worker; absent under plain python
+    if path:
+        try:
+            with open(path, "w") as f:
+                json.dump({"message": line, "timestamp": int(time.time())}, f)
+        except OSError:
+            pass  # the report then says what it says without us: the line is on stderr anyway
 
 
 def peer_failure(message: str) -> str | None:

@@ -1,0 +1,367 @@
+"""The docs cannot rot silently: every flag a docs table names exists in that script's parser with the stated
+default, every command in a code block parses (Accelerate's own launcher parser for the launcher's part, the
+script's own parser for the rest), every test a doc cites exists, every relative link and anchor resolves, and the
+README stays a front page. Unit checks: no training runs here (the replay commands run in test_checkpoint.py)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import re
+import runpy
+import shlex
+import sys
+from pathlib import Path
+from unittest import mock
+
+import pytest
+from accelerate.commands.launch import launch_command_parser
+from conftest import REPO
+
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+SCRIPT = re.compile(r"\b(train_cifar|train_vit|train_minimal)\.py\b")
+REPO_PATH = re.compile(r"`((?:tests|utils|bench|slurm|accelerate_configs|notebooks|docs|\.ci)/[\w./-]+)`")
+MADE_AT_RUN_TIME = (".gpu-kit/", "runs/", "OUT/")  # paths a command in the docs creates before it uses them
+
+
+def rel(path: Path) -> str:
+    return str(path.relative_to(REPO))
+
+
+def fenced(text: str, languages: tuple[str, ...]) -> list[tuple[int, str]]:
+    """(line number, content) of every code block in one of `languages`."""
+    blocks, lines = [], text.splitlines()
+    i = 0
+    while i < len(lines):
+        opening = re.match(r"^```(\w*)\s*$", lines[i])
+        if opening:
+            j = next(k for k in range(i + 1, len(lines)) if lines[k].startswith("```"))
+            if opening[1] in languages:
+                blocks.append((i + 2, "\n".join(lines[i + 1:j])))
+            i = j
+        i += 1
+    return blocks
+
+
+def prose(text: str) -> str:
+    """The text outside code blocks (each block's lines blanked, so line numbers stay)."""
+    return re.sub(r"^```.*?^```", lambda m: "\n" * m[0].count("\n"), text, flags=re.S | re.M)
+
+
+INLINE_COMMAND = re.compile(r"`((?:accelerate launch|python3?|sbatch|bash|pip install) [^`]+)`")
+
+
+def doc_commands(path: Path) -> list[tuple[int, str]]:
+    """(line, command) for each logical line of the file's bash blocks (continuations joined, comment lines out),
+    and each inline code span outside them that starts like a command (`accelerate launch ...` in a table)."""
+    found = [(i + 1, m) for i, line in enumerate(prose(path.read_text()).splitlines())
+             for m in INLINE_COMMAND.findall(line)]
+    for start, block in fenced(path.read_text(), ("bash",)):
+        logical, first = "", None
+        for offset, line in enumerate(block.splitlines()):
+            if first is None:
+                first = start + offset
+            logical += line.rstrip("\\").rstrip() + " " if line.endswith("\\") else line
+            if not line.endswith("\\"):
+                if logical.strip() and not logical.lstrip().startswith("#"):
+                    found.append((first, logical.strip()))
+                logical, first = "", None
+    return found
+
+
+class _Parsed(BaseException):  # not an Exception: the scripts' own error handling must not catch it
+    def __init__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace):
+        super().__init__()
+        self.parser, self.namespace = parser, namespace
+
+
+_PARSE_ARGS = argparse.ArgumentParser.parse_args
+
+
+def parse_only(script: Path, argv: list[str]) -> tuple[argparse.ArgumentParser | None, object]:
+    """Runs `python script argv` until its first `parse_args` has parsed, then stops it there: (parser, namespace),
+    or (None, the parser's last error line) when the command line is rejected, or (None, 'help') after --help."""
+    def stop(self, args=None, namespace=None):
+        raise _Parsed(self, _PARSE_ARGS(self, args, namespace))
+
+    err = io.StringIO()
+    with mock.patch.object(argparse.ArgumentParser, "parse_args", stop), \
+            mock.patch.object(sys, "argv", [str(script), *argv]), \
+            contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path(str(script), run_name="__main__")
+        except _Parsed as parsed:
+            return parsed.parser, parsed.namespace
+        except SystemExit as e:
+            return None, "help" if e.code == 0 else (err.getvalue().strip().splitlines() or ["exit"])[-1]
+    return None, "the script never parsed a command line"
+
+
+def check_script(script: str, argv: list[str]) -> str | None:
+    path = REPO / script
+    if not path.is_file():
+        return f"{script} does not exist"
+    parser, result = parse_only(path, argv)
+    return None if parser is not None or result == "help" else f"{script} rejects {shlex.join(argv)}: {result}"
+
+
+def shell_words(command: str) -> list[list[str]]:
+    """The simple commands of one line: split at && ; | and the words of a for loop's body, variables set to 1."""
+    words = shlex.split(re.sub(r"\$\{?\w+\}?", "1", command), comments=True)
+    commands, current = [], []
+    for word in words:
+        if word in ("&&", "||", ";", "|"):
+            commands.append(current)
+            current = []
+        elif word.endswith(";"):
+            current.append(word[:-1])
+            commands.append(current)
+            current = []
+        else:
+            current.append(word)
+    commands.append(current)
+    out = []
+    for c in commands:
+        while c and c[0] in ("do", "then"):
+            c = c[1:]
+        if c and c[0] not in ("for", "done", "fi", "cd", "export"):
+            out.append(c)
+    return out
+
+
+def check_path(path: str) -> str | None:
+    if path.startswith(MADE_AT_RUN_TIME) or (path.startswith("../") and not (REPO / path.split("/")[1]).exists()):
+        return None
+    return None if (REPO / path).exists() else f"{path} does not exist"
+
+
+def check_command(words: list[str]) -> str | None:
+    """None if the command parses; else what is wrong. Commands of other tools (wandb, git, ...) pass unchecked."""
+    env = {}
+    while words and re.match(r"^[A-Z_][A-Z0-9_]*=", words[0]):
+        name, value = words.pop(0).split("=", 1)
+        env[name] = value
+    if not words:
+        return None
+    tool, rest = words[0], words[1:]
+    if tool in ("python", "python3"):
+        if rest[:1] == ["-m"]:
+            return next((check_path(w) for w in rest[2:] if w.startswith("tests/") and check_path(w)), None)
+        return check_script(rest[0], rest[1:])
+    if tool == "accelerate" and rest[:1] == ["launch"]:
+        error = io.StringIO()
+        with contextlib.redirect_stderr(error):
+            try:
+                launch = launch_command_parser().parse_args(rest[1:])
+            except SystemExit:
+                return f"accelerate launch rejects it: {error.getvalue().strip().splitlines()[-1]}"
+        if launch.config_file and check_path(launch.config_file):
+            return check_path(launch.config_file)
+        return check_script(launch.training_script, launch.training_script_args)
+    if tool == "sbatch":
+        batch = next((i for i, w in enumerate(rest) if w.endswith(".sbatch")), None)
+        if batch is None:
+            return "sbatch without a batch script"
+        return check_path(rest[batch]) or check_script(env.get("SCRIPT", "train_cifar.py"), rest[batch + 1:])
+    if tool == "bash":
+        if rest[0] == "bench/gpu_check.sh":
+            return check_script("bench/gpu_check.py", rest[1:])
+        return check_path(rest[0])
+    if tool == "pip":
+        return next((check_path(rest[i + 1]) for i, w in enumerate(rest) if w == "-r" and check_path(rest[i + 1])),
+                    None)
+    return None
+
+
+def flag_tables(path: Path):
+    """(line, script, flags, default cell) for each row of a table headed `flag | default | ...`; the script is the
+    one the nearest heading above names."""
+    script, lines = None, path.read_text().splitlines()
+    in_code = False
+    for i, line in enumerate(lines):
+        if line.startswith("```"):
+            in_code = not in_code
+        if in_code:
+            continue
+        if line.startswith("#"):
+            named = SCRIPT.search(line)
+            script = named[0] if named else script if line.startswith("###") else None
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and cells[:2] == ["flag", "default"] and lines[i + 1].startswith("|---"):
+            row = i + 2
+            while row < len(lines) and lines[row].startswith("|"):
+                body = [c.strip() for c in lines[row].strip().strip("|").split("|")]
+                yield row + 1, script, re.findall(r"`(--[\w-]+)`", body[0]), body[1]
+                row += 1
+
+
+def expected_default(cell: str):
+    """The value a docs table's default cell states: unset/all -> None, off/on -> bool, `x` -> 'x', else a number."""
+    word = cell.split()[0] if cell.split() else ""
+    if word in ("unset", "all"):
+        return None
+    if word in ("off", "on"):
+        return word == "on"
+    quoted = re.match(r"`([^`]*)`", cell)
+    return quoted[1] if quoted else float(word.replace(",", ""))
+
+
+def same_default(actual, stated) -> bool:
+    if stated is None or isinstance(stated, bool):
+        return actual is stated
+    if isinstance(stated, str):
+        return str(actual) == stated
+    return not isinstance(actual, bool) and isinstance(actual, int | float) and float(actual) == stated
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    found, seen = set(), {}
+    for line in prose(path.read_text()).splitlines():
+        heading = re.match(r"^#+\s+(.*)$", line)
+        if heading:
+            base = slug(heading[1])
+            found.add(base if base not in seen else f"{base}-{seen[base]}")
+            seen[base] = seen.get(base, 0) + 1
+    return found
+
+
+def defined_tests() -> set[str]:
+    return {m for f in (REPO / "tests").glob("*.py") for m in re.findall(r"^\s*def (test_\w+)", f.read_text(), re.M)}
+
+
+# ----------------------------------------------------------------------------------------------------
+# The checks
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("doc", DOCS, ids=rel)
+def test_every_flag_a_docs_table_names_exists_with_the_stated_default(doc):
+    parsers, problems, rows = {}, [], 0
+    for line, script, flags, cell in flag_tables(doc):
+        if script is None:
+            problems.append(f"line {line}: a flag table under a heading that names no script")
+            continue
+        if script not in parsers:
+            parsers[script] = parse_only(REPO / script, [])
+        parser, defaults = parsers[script]
+        for flag in flags:
+            rows += 1
+            action = parser._option_string_actions.get(flag)
+            if action is None:
+                problems.append(f"line {line}: {script} has no {flag}")
+            elif not same_default(getattr(defaults, action.dest), expected_default(cell)):
+                problems.append(f"line {line}: {script} {flag} defaults to {getattr(defaults, action.dest)!r}, "
+                                f"the table says {cell!r}")
+    assert not problems, "\n".join(problems)
+    if doc.name in ("README.md", "flags.md"):
+        assert rows >= 10, f"{rel(doc)}: {rows} flags found in its tables: the table format changed?"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=rel)
+def test_every_command_in_a_code_block_parses(doc):
+    problems = [f"line {line}: {why}\n    {command}" for line, command in doc_commands(doc)
+                for words in shell_words(command) if (why := check_command(list(words)))]
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=rel)
+def test_every_python_block_compiles(doc):
+    for line, block in fenced(doc.read_text(), ("python",)):
+        compile(block, f"{rel(doc)}:{line}", "exec")
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=rel)
+def test_every_test_a_doc_cites_exists_and_every_repository_path_too(doc):
+    text, known = doc.read_text(), defined_tests()
+    cited = set(re.findall(r"(?<![\w/])(test_\w+)(?![\w.])", text))
+    assert not cited - known, f"{rel(doc)} cites tests that do not exist: {sorted(cited - known)}"
+    missing = sorted({p for p in REPO_PATH.findall(text) if check_path(p.rstrip("."))})
+    assert not missing, f"{rel(doc)} names files that do not exist: {missing}"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=rel)
+def test_every_relative_link_and_anchor_resolves(doc):
+    problems = []
+    for target in re.findall(r"!?\[[^\]]*\]\(([^)\s]+)\)", prose(doc.read_text())):
+        if re.match(r"^[a-z]+:", target):
+            continue
+        file, _, anchor = target.partition("#")
+        where = (doc.parent / file).resolve() if file else doc
+        if not where.exists():
+            problems.append(f"{target}: no such file")
+        elif anchor and where.suffix == ".md" and anchor not in anchors(where):
+            problems.append(f"{target}: {where.name} has no heading #{anchor}")
+    assert not problems, f"{rel(doc)}: " + "; ".join(problems)
+
+
+def test_the_flags_page_lists_every_option_of_train_cifar_and_train_minimal():
+    listed = {}
+    for _, script, flags, _ in flag_tables(REPO / "docs" / "flags.md"):
+        listed.setdefault(script, set()).update(flags)
+    for script in ("train_cifar.py", "train_minimal.py"):
+        parser, _ = parse_only(REPO / script, [])
+        options = {a.option_strings[0] for a in parser._actions if a.option_strings and a.dest != "help"}
+        assert options <= listed[script], f"docs/flags.md lacks {script}'s {sorted(options - listed[script])}"
+
+
+def test_every_docs_page_is_linked_from_the_readme():
+    readme = (REPO / "README.md").read_text()
+    unlinked = [rel(d) for d in DOCS[1:] if f"({rel(d)})" not in readme]
+    assert not unlinked, f"docs pages the README does not link: {unlinked}"
+
+
+def test_the_readme_is_a_front_page_of_at_most_200_lines_and_2000_words():
+    text = (REPO / "README.md").read_text()
+    lines, words = len(text.splitlines()), len(prose(text).split())
+    assert lines <= 200 and words <= 2000, f"README.md: {lines} lines, {words} words outside code"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=rel)
+def test_the_docs_say_what_is_not_what_was(doc):
+    history = re.compile(r"\b(until 20\d\d|used to|as shipped (?:until|then)|no longer|previously|"
+                         r"went from|before the change)\b", re.I)
+    found = [m[0] for m in history.finditer(prose(doc.read_text()))]
+    assert not found, f"{rel(doc)}: history in the docs: {found}"
+
+
+# ----------------------------------------------------------------------------------------------------
+# The checkers themselves: each must catch what it is for
+# ----------------------------------------------------------------------------------------------------
+def test_the_checkers_catch_a_renamed_flag_a_wrong_default_a_bad_command_a_missing_test_and_a_broken_link(tmp_path):
+    doc = tmp_path / "page.md"
+    doc.write_text("# Flags of train_cifar.py\n\n| flag | default | meaning |\n|---|---|---|\n"
+                   "| `--learning-rate` | 0.1 | renamed |\n| `--epochs` | 31 | wrong default |\n"
+                   "| `--lr` | 0.1 | right |\n")
+    problems = []
+    for _, script, flags, cell in flag_tables(doc):
+        parser, defaults = parse_only(REPO / script, [])
+        for flag in flags:
+            action = parser._option_string_actions.get(flag)
+            problems.append(flag if action is None or not same_default(getattr(defaults, action.dest),
+                                                                         expected_default(cell)) else None)
+    assert problems == ["--learning-rate", "--epochs", None]
+
+    assert check_command(["python", "train_cifar.py", "--epochs", "2"]) is None
+    assert "--mixed_precision" in check_command(["accelerate", "launch", "--config_file",
+                                                 "accelerate_configs/cpu.yaml", "train_cifar.py",
+                                                 "--mixed_precision", "bf16"])
+    assert check_command(["accelerate", "launch", "--config_file", "accelerate_configs/cpu.yaml",
+                          "--mixed_precision", "bf16", "train_cifar.py"]) is None
+    assert "invalid int" in check_command(["accelerate", "launch", "--machine_rank", "R", "train_cifar.py"])
+    assert "does not exist" in check_command(["accelerate", "launch", "--config_file", "accelerate_configs/9.yaml",
+                                              "train_cifar.py"])
+    assert "rejects" in check_command(["python", "compare_runs.py"])  # its runs argument is required
+    assert "rejects" in check_command(["sbatch", "slurm/train_1node.sbatch", "--epoch-count", "3"])
+    assert check_command(["SCRIPT=train_vit.py", "sbatch", "slurm/train_1node.sbatch", "--model", "vit_b"]) is None
+    assert "rejects" in check_command(["sbatch", "slurm/train_1node.sbatch", "--model", "vit_b"])
+
+    assert "test_two_ranks_match_one_rank_weights" in defined_tests()
+    assert "test_a_test_nobody_wrote" not in defined_tests()
+
+    (tmp_path / "other.md").write_text("# Some Heading: with `code`\n")
+    assert anchors(tmp_path / "other.md") == {"some-heading-with-code"}
+    assert slug("FSDP2: what it does and when it pays") == "fsdp2-what-it-does-and-when-it-pays"
