@@ -21,7 +21,8 @@ from accelerate import Accelerator
 from safetensors.torch import load_file
 
 from utils import UserError
-from utils.data import BatchTransform, load_data, make_loader
+from utils.batches import BatchTransform, make_loader
+from utils.decode import load_data
 from utils.evaluation import evaluate
 from utils.models import build_model
 

@@ -22,14 +22,13 @@ divergence, launcher quirks) are small objects in utils/, each named where main(
 Your own model: change `build_model` (utils/models.py), or call yours where main() does; keep `num_classes`.
 Your own data: a parquet folder, an image folder or a Hub dataset, any classes, any size (`--data-dir`, `--dataset`,
 `--image-size`; a source without a test split is evaluated on a held-out part, `--val-fraction`) works as is;
-else change `build_loaders` in utils/data.py (any DataLoaders of (uint8 images N x 3 x H x W, int64 labels) batches,
+else change `build_loaders` in utils/batches.py (any DataLoaders of (uint8 images N x 3 x H x W, int64 labels) batches,
 with the class names and the per-channel mean and std); augmentation, sharding and resume stay as they are.
 Smaller starting point: train_minimal.py (the same training, 180 lines, no surroundings).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
@@ -46,12 +45,14 @@ from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
 from utils import UserError
+from utils.batches import BatchTransform, build_loaders, crop_padding
 from utils.checkpoint import Checkpointer, export_weights
 from utils.config import check_ranges, opt, parse
-from utils.data import BatchTransform, build_loaders, check_source, crop_padding
+from utils.config_groups import CheckpointConfig, DataConfig, LoggingConfig
 from utils.evaluation import evaluate
 from utils.guard import StopGuard, check_output_dir, lock_output_dir
 from utils.launch import (
+    check_fsdp_blocks,
     check_world,
     check_wrapper,
     fsdp_plugin_from_launcher,
@@ -72,29 +73,10 @@ HEALTH_CHECK_EVERY = 10  # optimizer steps between the (collective) checks for p
 # Config: every hyperparameter and path, in one place
 # ====================================================================================================
 @dataclass
-class Config:
+class Config(LoggingConfig, CheckpointConfig, DataConfig):  # the data, checkpoints and logging flags: utils/
     # --- recipe: presets of the other flags ---
     recipe: str | None = opt(None, "preset defaults for one GPU: fast (ResNet-9, ~94%) or resnet18 (95%+); see "
                              "RECIPES; flags still win", ("fast", "resnet18"))
-    # --- data: where the images come from, how many, how they are augmented, where the outputs go ---
-    data_dir: str | None = opt(None, "local data: a folder of train-*.parquet / test-*.parquet (Hub layout) or an "
-                               "image folder (train/<class>/*.png, test/<class>/...)")
-    dataset: str | None = opt(None, "a Hub image-classification dataset, when --data-dir is unset (each machine's "
-                              "first process downloads it); unset: uoft-cs/cifar10")
-    image_column: str | None = opt(None, "the data's image column; unset: img or image")
-    label_column: str | None = opt(None, "the data's label column; unset: label, labels or fine_label")
-    val_fraction: float | None = opt(None, "evaluate on this fraction of the training images, held out (a fixed "
-                                     "shuffle); unset: the test (or validation) split, else 0.1 held out")
-    cache_dir: str | None = opt(None, "decoded-tensor cache; unset: <data-dir>/.decoded if writable, else "
-                                "~/.cache/accelerate-cifar")
-    image_size: int | None = opt(None, "resize every image to S x S (8-512), as decoded once; unset: the images' "
-                                 "own size, which they must then all share")
-    train_subset: int | None = opt(None, "train on the first N training images only")
-    eval_subset: int | None = opt(None, "evaluate on the first N test (or held-out) images only")
-    augment: str = opt("standard", "standard: random crop (4 px zero padding) + horizontal flip; none",
-                       ("standard", "none"))
-    data_on_device: bool = opt(False, "keep both splits on the GPU (uint8, 180 MB): no host-to-device copy per batch")
-    output_dir: str = opt("runs/cifar10", "summary.json, model.safetensors and tracker files go here")
     # --- model: the network and how it runs ---
     model: str = opt("resnet18", "resnet18: CIFAR stem (3x3 stride-1 conv, no max-pool); resnet18_imagenet: "
                      "torchvision's as-is; resnet9: Myrtle.ai's fast CIFAR net", MODELS)
@@ -125,38 +107,13 @@ class Config:
                     "any process count)")
     deterministic: bool = opt(False, "deterministic kernels; on CPU also 1 thread, so 1 process matches N launched "
                               "processes bitwise")
-    # --- checkpoints: resume, how often, how many; how long to wait for a missing process ---
-    resume: str | None = opt(None, "auto: continue from the newest sound checkpoint in <output-dir>/checkpoints "
-                             "(fresh if none); or a checkpoint folder")
-    checkpoint_every_steps: int | None = opt(None, "also checkpoint every N optimizer steps (always at the end of "
-                                             "each epoch)")
-    keep_last: int = opt(2, "checkpoints kept, besides the best one")
-    overwrite: bool = opt(False, "start fresh in an output dir holding an earlier run's checkpoints, deleting them")
-    dist_timeout: int = opt(600, "seconds a collective waits for a missing process before the job fails")
-    # --- logging: the tracker, the run's name and group, how often it hears from the run ---
-    tracker: str = opt("wandb" if importlib.util.find_spec("wandb") else "none",
-                       "wandb (the default when installed; offline by itself without credentials), tensorboard "
-                       "(<output-dir>/<project>/) or none", ("wandb", "tensorboard", "none"))
-    wandb_project: str | None = opt(None, "W&B project (TensorBoard: the folder name); unset: $WANDB_PROJECT, else "
-                                    "cifar10-accelerate")
-    run_name: str | None = opt(None, "W&B run name; unset: $WANDB_NAME, else W&B picks one")
-    group: str | None = opt(None, "W&B group, e.g. one per setting run with several seeds (compare_runs.py "
-                            "--by-group)")
-    tags: str | None = opt(None, "comma-separated W&B tags (or $WANDB_TAGS)")
-    log_every: int = opt(50, "optimizer steps between train/loss, train/lr and train/images_per_sec logs")
-    progress_every: float = opt(60.0, "without a terminal (SLURM logs): seconds between console progress lines (step, "
-                                "loss, img/s, ETA), printed at log steps; 0: at every log step")
 
-    def validate(self) -> None:
-        check_ranges(self, positive=["epochs", "batch_size", "global_batch_size", "lr", "grad_accum", "log_every",
-                                     "train_subset", "eval_subset", "max_steps", "checkpoint_every_steps", "keep_last",
-                                     "dist_timeout"],
-                     non_negative=["weight_decay", "warmup_epochs", "grad_clip", "progress_every"])
+    def validate(self) -> None:  # this script's fields; then each inherited group checks its own
+        check_ranges(self, positive=["epochs", "batch_size", "global_batch_size", "lr", "grad_accum", "max_steps"],
+                     non_negative=["weight_decay", "warmup_epochs", "grad_clip"])
         if not 0 <= self.label_smoothing < 1:
             raise UserError(f"--label-smoothing must be in [0, 1) (got {self.label_smoothing}).")
-        if self.image_size is not None and not 8 <= self.image_size <= 512:
-            raise UserError(f"--image-size must be between 8 and 512 pixels (got {self.image_size}).")
-        check_source(self.data_dir, self.dataset, self.val_fraction)
+        super().validate()
 
 
 # --recipe NAME: presets for one GPU (global batch = batch_size B; on N GPUs, the same steps: --batch-size B/N
@@ -178,7 +135,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
 
 
 # ====================================================================================================
-# Optimizer (the model: utils/models.py; the data: utils/data.build_loaders)
+# Optimizer (the model: utils/models.py; the data: utils/batches.build_loaders)
 # ====================================================================================================
 def build_optimizer(cfg: Config, model: torch.nn.Module, lr: float, fused: bool = True) -> torch.optim.Optimizer:
     # fused: one kernel for the whole update, on CPU and CUDA (torch's default is a per-tensor loop on CPU,
@@ -199,15 +156,14 @@ def main(cfg: Config) -> dict:
     check_output_dir(cfg.output_dir)
     if cfg.deterministic:
         make_deterministic()
-    tracker = Tracker(cfg.tracker, cfg.output_dir, cfg.log_every, cfg.wandb_project, cfg.run_name, cfg.group, cfg.tags,
-                      cfg.progress_every)
+    tracker = Tracker(cfg, cfg.output_dir)  # the logging flags
     fsdp = fsdp_plugin_from_launcher()  # None unless the launch config asks for FSDP
     accelerator = Accelerator(
         cpu=not torch.cuda.is_available(),  # without it, N launched CPU processes each train alone (no gloo group)
         log_with=tracker.log_with,
         project_dir=cfg.output_dir,
         dynamo_backend="inductor" if cfg.compile else None,  # None: whatever the launcher configured
-        dataloader_config=DataLoaderConfiguration(non_blocking=True),  # the order: utils.data.EpochSampler
+        dataloader_config=DataLoaderConfiguration(non_blocking=True),  # the order: utils.batches.EpochSampler
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout))],  # a dead peer fails
         fsdp_plugin=fsdp,
     )  # no mixed_precision argument on purpose: the launcher's choice must win
@@ -215,7 +171,7 @@ def main(cfg: Config) -> dict:
     check_world(accelerator, fsdp_asked=fsdp is not None, sync_bn=cfg.sync_bn)  # one line if the setup is wrong
     world = accelerator.num_processes
     _lock = lock_output_dir(accelerator, cfg.output_dir)  # one job per output folder, until main() returns
-    checkpointer = Checkpointer(accelerator, cfg.output_dir, asdict(cfg), cfg.keep_last, cfg.checkpoint_every_steps)
+    checkpointer = Checkpointer(accelerator, cfg)  # the checkpoint flags; saves the whole config
     resume_from = checkpointer.resume_point(cfg.resume, cfg.overwrite)
     # micro-batch x processes x accumulation; a resume on another process count keeps the global batch
     plan = checkpointer.batch_plan(resume_from, cfg.batch_size, cfg.global_batch_size, cfg.grad_accum)
@@ -237,12 +193,13 @@ def main(cfg: Config) -> dict:
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     optimizer = build_optimizer(cfg, model, lr, fused=not sharded)
+    check_fsdp_blocks(fsdp, model)  # the block class FSDP shards is in the model (a copier's own model)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     check_wrapper(accelerator, model, cfg.bf16_grad_sync)  # DDP or FSDP really wraps it; bf16 all-reduce if asked
     params_here = sum((q.to_local() if isinstance(q, DTensor) else q).numel() for q in model.parameters())
     # crop, flip (drawn per sample by the loader) and normalise, on the device
-    transform = BatchTransform(accelerator.device, channels_last, crop_padding(data["image_size"]), data["mean"],
-                               data["std"])
+    transform = BatchTransform(accelerator.device, channels_last=channels_last, pad=crop_padding(data["image_size"]),
+                               mean=data["mean"], std=data["std"])
 
     # --- schedule, counted in optimizer steps. Not passed to prepare(): Accelerate's prepared scheduler
     # steps num_processes times per optimizer step, which would end the schedule world-size times early.
@@ -273,9 +230,9 @@ def main(cfg: Config) -> dict:
         bar = tqdm(batches, f"epoch {epoch_number}/{cfg.epochs}", len(train_loader), initial=skip,
                    leave=False, disable=None if accelerator.is_local_main_process else True)  # None: off without a tty
         meter = TrainMeter(accelerator.device, batch_size * world)
-        for images, labels, draws in bar:
+        for images, labels, *draws in bar:  # draws: each image's crop and flip; none from an (images, labels) loader
             with accelerator.accumulate(model):  # skips the all-reduce on non-final micro-steps
-                logits = model(transform(images, draws))  # crop, flip and normalise on the device
+                logits = model(transform(images, *draws))  # crop, flip and normalise on the device
                 loss = F.cross_entropy(logits, labels, label_smoothing=cfg.label_smoothing)
                 accelerator.backward(loss)  # divides by grad_accum
                 if accelerator.sync_gradients and cfg.grad_clip > 0:
@@ -314,7 +271,7 @@ def main(cfg: Config) -> dict:
         p.end_epoch(len(train_loader))
 
         guard.check()  # raises on a non-finite loss, before anything is saved
-        metrics = evaluate(model, eval_loader, transform, accelerator, cfg.tta_flip, data["classes"])
+        metrics = evaluate(model, eval_loader, transform, accelerator, tta_flip=cfg.tta_flip, classes=data["classes"])
         if p.is_best(metrics["top1"]):
             export_weights(accelerator, model, Path(cfg.output_dir) / "best.safetensors")
         tracker.log_epoch(epoch_number, cfg.epochs, p.global_step, train_loss, epoch_images, epoch_seconds, metrics)
@@ -322,7 +279,7 @@ def main(cfg: Config) -> dict:
 
     # --- outputs: written once, by the main process; weights unwrapped (no 'module.' prefix) ---
     if metrics is None:  # resumed from a checkpoint of a finished run
-        metrics = evaluate(model, eval_loader, transform, accelerator, cfg.tta_flip, data["classes"])
+        metrics = evaluate(model, eval_loader, transform, accelerator, tta_flip=cfg.tta_flip, classes=data["classes"])
     export_weights(accelerator, model, Path(cfg.output_dir) / "model.safetensors")
     summary = {**run_info, "model": cfg.model, "wrapper": type(model).__name__, "dataset": data["dataset"],
                "classes": list(data["classes"]), "image_size": data["image_size"],

@@ -21,7 +21,6 @@ checkpointing, no BatchNorm (no channels-last, no SyncBN).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
@@ -38,12 +37,14 @@ from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
 from utils import UserError
+from utils.batches import BatchTransform, build_loaders, crop_padding
 from utils.checkpoint import Checkpointer, export_weights
 from utils.config import check_ranges, opt, parse
-from utils.data import BatchTransform, build_loaders, check_source, crop_padding
+from utils.config_groups import CheckpointConfig, DataConfig, LoggingConfig
 from utils.evaluation import evaluate
 from utils.guard import StopGuard, check_output_dir, lock_output_dir
 from utils.launch import (
+    check_fsdp_blocks,
     check_world,
     check_wrapper,
     fsdp_plugin_from_launcher,
@@ -65,26 +66,9 @@ BLOCK = "EncoderBlock"  # the class FSDP shards one by one: torchvision's ViT bl
 # Config: every hyperparameter and path, in one place
 # ====================================================================================================
 @dataclass
-class Config:
-    # --- data: where the images come from, how many, how they are augmented, where the outputs go ---
-    data_dir: str | None = opt(None, "local data: a folder of train-*.parquet / test-*.parquet (Hub layout) or an "
-                               "image folder (train/<class>/*.png, test/<class>/...)")
-    dataset: str | None = opt(None, "a Hub image-classification dataset, when --data-dir is unset (each machine's "
-                              "first process downloads it); unset: uoft-cs/cifar10")
-    image_column: str | None = opt(None, "the data's image column; unset: img or image")
-    label_column: str | None = opt(None, "the data's label column; unset: label, labels or fine_label")
-    val_fraction: float | None = opt(None, "evaluate on this fraction of the training images, held out (a fixed "
-                                     "shuffle); unset: the test (or validation) split, else 0.1 held out")
-    cache_dir: str | None = opt(None, "decoded-tensor cache; unset: <data-dir>/.decoded if writable, else "
-                                "~/.cache/accelerate-cifar")
-    image_size: int | None = opt(None, "resize every image to S x S (8-512), as decoded once; unset: the images' "
-                                 "own size, which they must then all share")
-    train_subset: int | None = opt(None, "train on the first N training images only")
-    eval_subset: int | None = opt(None, "evaluate on the first N test (or held-out) images only")
-    augment: str = opt("standard", "standard: random crop (4 px zero padding) + horizontal flip; none",
-                       ("standard", "none"))
-    data_on_device: bool = opt(False, "keep both splits on the GPU (uint8, 180 MB): no host-to-device copy per batch")
-    output_dir: str = opt("runs/cifar10-vit", "summary.json, model.safetensors and tracker files go here")
+class Config(LoggingConfig, CheckpointConfig, DataConfig):  # the data, checkpoints and logging flags: utils/
+    output_dir: str = opt("runs/cifar10-vit", "summary.json, model.safetensors, checkpoints and tracker files go "
+                          "here")  # the checkpoints group's field, with this script's default
     # --- model: the network and how it runs ---
     model: str = opt("vit_s", "ViT size, patch 4 at 32 px: vit_micro (75K parameters, tests), vit_tiny (5.4M), vit_s "
                      "(21M), vit_b (85M), vit_l (302M)", tuple(VITS))
@@ -113,37 +97,12 @@ class Config:
                     "any process count)")
     deterministic: bool = opt(False, "deterministic kernels; on CPU also 1 thread, so 1 process matches N launched "
                               "processes bitwise")
-    # --- checkpoints: resume, how often, how many; how long to wait for a missing process ---
-    resume: str | None = opt(None, "auto: continue from the newest sound checkpoint in <output-dir>/checkpoints "
-                             "(fresh if none); or a checkpoint folder")
-    checkpoint_every_steps: int | None = opt(None, "also checkpoint every N optimizer steps (always at the end of "
-                                             "each epoch)")
-    keep_last: int = opt(2, "checkpoints kept, besides the best one")
-    overwrite: bool = opt(False, "start fresh in an output dir holding an earlier run's checkpoints, deleting them")
-    dist_timeout: int = opt(600, "seconds a collective waits for a missing process before the job fails")
-    # --- logging: the tracker, the run's name and group, how often it hears from the run ---
-    tracker: str = opt("wandb" if importlib.util.find_spec("wandb") else "none",
-                       "wandb (the default when installed; offline by itself without credentials), tensorboard "
-                       "(<output-dir>/<project>/) or none", ("wandb", "tensorboard", "none"))
-    wandb_project: str | None = opt(None, "W&B project (TensorBoard: the folder name); unset: $WANDB_PROJECT, else "
-                                    "cifar10-accelerate")
-    run_name: str | None = opt(None, "W&B run name; unset: $WANDB_NAME, else W&B picks one")
-    group: str | None = opt(None, "W&B group, e.g. one per setting run with several seeds")
-    tags: str | None = opt(None, "comma-separated W&B tags (or $WANDB_TAGS)")
-    log_every: int = opt(50, "optimizer steps between train/loss, train/lr and train/images_per_sec logs")
-    progress_every: float = opt(60.0, "without a terminal (SLURM logs): seconds between console progress lines, "
-                                "printed at log steps; 0: at every log step")
-
-    def validate(self) -> None:
-        check_ranges(self, positive=["epochs", "batch_size", "global_batch_size", "lr", "grad_accum", "log_every",
-                                     "train_subset", "eval_subset", "max_steps", "checkpoint_every_steps", "keep_last",
-                                     "dist_timeout"],
-                     non_negative=["weight_decay", "warmup_epochs", "grad_clip", "progress_every"])
+    def validate(self) -> None:  # this script's fields; then each inherited group checks its own
+        check_ranges(self, positive=["epochs", "batch_size", "global_batch_size", "lr", "grad_accum", "max_steps"],
+                     non_negative=["weight_decay", "warmup_epochs", "grad_clip"])
         if not 0 <= self.label_smoothing < 1:
             raise UserError(f"--label-smoothing must be in [0, 1) (got {self.label_smoothing}).")
-        if self.image_size is not None and not 8 <= self.image_size <= 512:
-            raise UserError(f"--image-size must be between 8 and 512 pixels (got {self.image_size}).")
-        check_source(self.data_dir, self.dataset, self.val_fraction)
+        super().validate()
         if self.image_size is not None and self.image_size % 4:
             raise UserError(f"--image-size must be a multiple of the ViT's patch size 4 (got "
                             f"{self.image_size}).")
@@ -154,7 +113,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
 
 
 # ====================================================================================================
-# Optimizer (the model: utils/models.vit; the data: utils/data.build_loaders)
+# Optimizer (the model: utils/models.vit; the data: utils/batches.build_loaders)
 # ====================================================================================================
 def build_optimizer(cfg: Config, model: torch.nn.Module, lr: float) -> torch.optim.AdamW:
     """AdamW with weight decay on the weight matrices only: decaying biases, LayerNorm scales, the class token and
@@ -178,15 +137,14 @@ def main(cfg: Config) -> dict:
     check_output_dir(cfg.output_dir)
     if cfg.deterministic:
         make_deterministic()
-    tracker = Tracker(cfg.tracker, cfg.output_dir, cfg.log_every, cfg.wandb_project, cfg.run_name, cfg.group, cfg.tags,
-                      cfg.progress_every)
+    tracker = Tracker(cfg, cfg.output_dir)  # the logging flags
     fsdp = fsdp_plugin_from_launcher(blocks=[BLOCK], bf16_params=True)  # None unless the launch config asks for FSDP
     accelerator = Accelerator(
         cpu=not torch.cuda.is_available(),  # without it, N launched CPU processes each train alone (no gloo group)
         log_with=tracker.log_with,
         project_dir=cfg.output_dir,
         dynamo_backend="inductor" if cfg.compile else None,  # None: whatever the launcher configured
-        dataloader_config=DataLoaderConfiguration(non_blocking=True),  # the order: utils.data.EpochSampler
+        dataloader_config=DataLoaderConfiguration(non_blocking=True),  # the order: utils.batches.EpochSampler
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout))],
         fsdp_plugin=fsdp,
     )  # no mixed_precision argument on purpose: the launcher's choice must win
@@ -194,7 +152,7 @@ def main(cfg: Config) -> dict:
     check_world(accelerator, fsdp_asked=fsdp is not None)  # one line if the setup is wrong
     world = accelerator.num_processes
     _lock = lock_output_dir(accelerator, cfg.output_dir)  # one job per output folder, until main() returns
-    checkpointer = Checkpointer(accelerator, cfg.output_dir, asdict(cfg), cfg.keep_last, cfg.checkpoint_every_steps)
+    checkpointer = Checkpointer(accelerator, cfg)  # the checkpoint flags; saves the whole config
     resume_from = checkpointer.resume_point(cfg.resume, cfg.overwrite)
     # micro-batch x processes x accumulation; a resume on another process count keeps the global batch
     plan = checkpointer.batch_plan(resume_from, cfg.batch_size, cfg.global_batch_size, cfg.grad_accum)
@@ -214,6 +172,7 @@ def main(cfg: Config) -> dict:
     if cfg.activation_checkpointing:
         checkpoint_blocks(model)
     optimizer = build_optimizer(cfg, model, lr)
+    check_fsdp_blocks(fsdp, model)  # the block class FSDP shards is in the model (a copier's own model)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     check_wrapper(accelerator, model, cfg.bf16_grad_sync)  # DDP or FSDP really wraps it; bf16 all-reduce if asked
     params_here = sum((q.to_local() if isinstance(q, DTensor) else q).numel() for q in model.parameters())
@@ -249,9 +208,9 @@ def main(cfg: Config) -> dict:
         bar = tqdm(batches, f"epoch {epoch_number}/{cfg.epochs}", len(train_loader), initial=skip,
                    leave=False, disable=None if accelerator.is_local_main_process else True)  # None: off without a tty
         meter = TrainMeter(accelerator.device, batch_size * world)
-        for images, labels, draws in bar:
+        for images, labels, *draws in bar:  # draws: each image's crop and flip; none from an (images, labels) loader
             with accelerator.accumulate(model):  # skips the gradient sync on non-final micro-steps
-                logits = model(transform(images, draws))  # crop, flip and normalise on the device
+                logits = model(transform(images, *draws))  # crop, flip and normalise on the device
                 loss = F.cross_entropy(logits, labels, label_smoothing=cfg.label_smoothing)
                 accelerator.backward(loss)  # divides by grad_accum
                 if accelerator.sync_gradients and cfg.grad_clip > 0:

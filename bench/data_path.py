@@ -30,7 +30,8 @@ from torchvision import transforms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import add_data_args, data_flags, header, report  # noqa: E402
-from utils.data import MEAN, STD, BatchTransform, load_data, make_loader  # noqa: E402
+from utils.batches import MEAN, STD, BatchTransform, make_loader  # noqa: E402
+from utils.decode import load_data  # noqa: E402
 
 
 class PilDataset(torch.utils.data.Dataset):

@@ -21,7 +21,8 @@ from accelerate import Accelerator
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train_cifar  # noqa: E402
 from bench.common import add_data_args, header, report  # noqa: E402
-from utils.data import BatchTransform, augment_draws, load_data  # noqa: E402
+from utils.batches import BatchTransform, augment_draws  # noqa: E402
+from utils.decode import load_data  # noqa: E402
 from utils.models import build_model  # noqa: E402
 from utils.schedule import warmup_cosine  # noqa: E402
 

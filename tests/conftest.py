@@ -35,7 +35,15 @@ GPU_YAML = REPO / "accelerate_configs" / "1gpu.yaml"
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
+# Fixtures that run training jobs (real processes): a test that uses one is `slow`, as is every test marked so by hand
+# (it starts a job itself). `python -m pytest -m "not slow"` is the quick subset for the edit-test loop.
+JOB_FIXTURES = {"reference", "small_run", "ddp_jobs", "fsdp_jobs", "vit_jobs", "tracked_runs", "two_rank_run"}
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if JOB_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (bench/gpu_check.sh runs these there)")

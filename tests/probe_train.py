@@ -52,7 +52,7 @@ from torch.distributed.fsdp import FSDPModule  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 import train_cifar  # noqa: E402
-from utils import data as cdata  # noqa: E402
+from utils import batches  # noqa: E402
 from utils.launch import run  # noqa: E402
 
 rec = {"batches": [], "allreduce_at": [], "synced_in_bf16": [], "comm_hook": None, "compiled": None, "fc_dtypes": [],
@@ -71,7 +71,7 @@ def digest(tensors) -> str:
     return h.hexdigest()
 
 
-real_getitems = cdata.BatchedTensorDataset.__getitems__
+real_getitems = batches.BatchedTensorDataset.__getitems__
 
 
 def getitems(self, indices):
@@ -143,13 +143,13 @@ def register_comm_hook(self, state, hook):
 real_evaluate = train_cifar.evaluate
 
 
-def evaluate(model, loader, transform, accelerator, *args):
+def evaluate(model, loader, transform, accelerator, *args, **kwargs):
     inner = accelerator.unwrap_model(model, keep_torch_compile=False)
     rec["eval_buffer_digest"].append(digest(inner.buffers()))
     rec["eval_param_digest"].append(digest(inner.parameters()))
     forwards["eval_started"] = True
     rec["eval_outputs"].append({"logits": [], "labels": []})
-    return real_evaluate(model, loader, transform, accelerator, *args)
+    return real_evaluate(model, loader, transform, accelerator, *args, **kwargs)
 
 
 real_gather_for_metrics = Accelerator.gather_for_metrics
@@ -205,7 +205,7 @@ def audit(event, args):
             rec["writes"].append(args[0])
 
 
-cdata.BatchedTensorDataset.__getitems__ = getitems
+batches.BatchedTensorDataset.__getitems__ = getitems
 Accelerator.prepare = prepare
 torch.nn.parallel.DistributedDataParallel.register_comm_hook = register_comm_hook
 train_cifar.evaluate = evaluate

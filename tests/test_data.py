@@ -21,9 +21,9 @@ from conftest import (
 )
 from PIL import Image
 
-from utils import UserError
-from utils import data as cdata
-from utils.data import BatchTransform, augment_draws, default_cache_dir, load_data, make_loader
+from utils import UserError, batches, decode
+from utils.batches import BatchTransform, augment_draws, make_loader
+from utils.decode import default_cache_dir, load_data
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +67,8 @@ def test_second_load_reads_the_cache_and_a_changed_source_is_decoded_again(tmp_p
     assert len(list(cache.glob("images-*.safetensors"))) == 1
 
     calls = []
-    real_decode = cdata._decode
-    monkeypatch.setattr(cdata, "_decode", lambda rows, split, size: calls.append(split) or real_decode(rows, split,
+    real_decode = decode._decode
+    monkeypatch.setattr(decode, "_decode", lambda rows, split, size: calls.append(split) or real_decode(rows, split,
                                                                                                         size))
     second = load_data(str(src), str(cache), accelerator)
     assert calls == []  # served from the cache
@@ -194,8 +194,8 @@ def test_normalised_output_and_draws_keyed_by_seed_epoch_and_index_whatever_batc
     images = torch.randint(0, 256, (32, 3, 32, 32), dtype=torch.uint8)
     transform = BatchTransform(torch.device("cpu"), channels_last=True)
     plain = transform(images)
-    mean = torch.tensor(cdata.MEAN).view(1, 3, 1, 1) * 255
-    std = torch.tensor(cdata.STD).view(1, 3, 1, 1) * 255
+    mean = torch.tensor(batches.MEAN).view(1, 3, 1, 1) * 255
+    std = torch.tensor(batches.STD).view(1, 3, 1, 1) * 255
     assert torch.allclose(plain, (images.float() - mean) / std, rtol=0, atol=1e-6)  # x * (1/std) - mean/std, rounded
     assert plain.is_contiguous(memory_format=torch.channels_last)
 
@@ -239,9 +239,9 @@ def test_decoding_needs_no_network(tmp_path, accelerator, monkeypatch):
 
 
 def test_a_training_split_smaller_than_one_global_batch_stops_with_one_sentence():
-    cdata.check_one_batch(torch.zeros(128), batch_size=32, processes=2, accumulation=2)  # exactly one: fine
+    batches.check_one_batch(torch.zeros(128), batch_size=32, processes=2, accumulation=2)  # exactly one: fine
     with pytest.raises(UserError) as e:
-        cdata.check_one_batch(torch.zeros(127), batch_size=32, processes=2, accumulation=2)
+        batches.check_one_batch(torch.zeros(127), batch_size=32, processes=2, accumulation=2)
     assert str(e.value) == ("127 training images do not fill one global batch of 128 (32 on each of 2 processes x 2 "
                             "accumulation steps).")
 
@@ -275,10 +275,10 @@ def _folder_error(tmp_path, accelerator) -> str:
 
 def test_image_folder_bad_input_is_named_in_one_sentence(tmp_path, accelerator):
     folder = tmp_path / "folder"
-    write_image_folder(folder, cdata.CLASSES)
+    write_image_folder(folder, decode.CLASSES)
     (folder / "train" / "zebra").mkdir()
     assert _folder_error(tmp_path, accelerator) == f"the class folder {folder / 'train' / 'zebra'} holds no image " \
-                                                   f"({', '.join(cdata.IMAGE_SUFFIXES)})."
+                                                   f"({', '.join(decode.IMAGE_SUFFIXES)})."
     Image.new("RGB", (32, 32)).save(folder / "train" / "zebra" / "0.png")
     assert _folder_error(tmp_path, accelerator) == f"--data-dir {folder}: train/ and test/ have different class " \
                                                    f"folders (zebra only in one of them)."
@@ -334,13 +334,13 @@ def test_cifar10_normalisation_from_the_data_is_the_published_constants(cifar_di
 
 
 def test_decoding_more_than_the_available_memory_stops_before_it_starts(monkeypatch):
-    assert cdata.available_memory() > 2**28  # this machine's, read from the kernel
-    monkeypatch.setattr(cdata, "available_memory", lambda: 24 * 2**30)
+    assert decode.available_memory() > 2**28  # this machine's, read from the kernel
+    monkeypatch.setattr(decode, "available_memory", lambda: 24 * 2**30)
     with pytest.raises(UserError, match=r"^decoding 60,000 images at 512x512 needs about 87\.9 GiB of memory .* more "
                                         r"than the 24\.0 GiB available; use a smaller --image-size or fewer images\.$"):
-        cdata.check_memory(60_000, 512)
-    cdata.check_memory(60_000, 256)  # 22 GiB: fits
-    assert [cdata.crop_padding(s) for s in (8, 32, 48, 96)] == [1, 4, 6, 12]
+        decode.check_memory(60_000, 512)
+    decode.check_memory(60_000, 256)  # 22 GiB: fits
+    assert [batches.crop_padding(s) for s in (8, 32, 48, 96)] == [1, 4, 6, 12]
 
 
 def test_integer_labels_without_class_names_make_classes_named_by_their_numbers(tmp_path, accelerator):
@@ -364,23 +364,23 @@ def test_image_and_label_columns_are_found_by_name_and_a_missing_one_is_named():
         buf = io.BytesIO()
         Image.fromarray(arr).save(buf, format="PNG")
         pngs.append({"bytes": buf.getvalue(), "path": None})
-    features = datasets.Features({"image": datasets.Image(), "fine_label": datasets.ClassLabel(names=cdata.CLASSES)})
+    features = datasets.Features({"image": datasets.Image(), "fine_label": datasets.ClassLabel(names=decode.CLASSES)})
     ds = datasets.Dataset.from_dict({"image": pngs, "fine_label": [3, 0, 9]}, features=features)
-    images, labels, names = cdata.decode_split(ds, "train")
+    images, labels, names = decode.decode_split(ds, "train")
     assert torch.equal(images, torch.from_numpy(pixels).permute(0, 3, 1, 2)) and labels.tolist() == [3, 0, 9]
-    assert names == cdata.CLASSES
+    assert names == decode.CLASSES
     renamed = ds.rename_column("fine_label", "target")
     with pytest.raises(UserError, match=r"^the test split has columns \['image', 'target'\]; expected a label column "
                                         r"named 'label' or 'labels' or 'fine_label' "
                                         r"\(or name it with --label-column\)\.$"):
-        cdata.decode_split(renamed, "test")
-    images, labels, _ = cdata.decode_split(renamed, "test", columns=("image", "target"))  # --label-column target
+        decode.decode_split(renamed, "test")
+    images, labels, _ = decode.decode_split(renamed, "test", columns=("image", "target"))  # --label-column target
     assert torch.equal(images, torch.from_numpy(pixels).permute(0, 3, 1, 2)) and labels.tolist() == [3, 0, 9]
     with pytest.raises(UserError, match=r"^the test split has no column 'photo' \(--image-column\); its columns: "
                                         r"\['image', 'target'\]\.$"):
-        cdata.decode_split(renamed, "test", columns=("photo", None))
+        decode.decode_split(renamed, "test", columns=("photo", None))
     with pytest.raises(UserError, match=r"^the test split's column 'target' is ClassLabel\(.*\), not images\.$"):
-        cdata.decode_split(renamed, "test", columns=("target", "target"))
+        decode.decode_split(renamed, "test", columns=("target", "target"))
 
 
 # Sources without an evaluation split, and Hub datasets by name -----------------------------------------------------
@@ -389,7 +389,7 @@ def test_a_source_without_an_evaluation_split_holds_out_a_fixed_part_of_train_an
     src = tmp_path / "src"
     src.mkdir()
     write_parquet(src / "train-00000-of-00001.parquet", 40, seed=3)
-    whole = cdata.decode_split(datasets_parquet(src / "train-00000-of-00001.parquet"), "train")  # the 40, in order
+    whole = decode.decode_split(datasets_parquet(src / "train-00000-of-00001.parquet"), "train")  # the 40, in order
     data = load_data(str(src), str(tmp_path / "cache"), accelerator)
     assert capsys.readouterr().out.splitlines()[-1] == (
         "no evaluation split: evaluating on 4 of the 40 training images, held out by --val-fraction 0.1 (a fixed "
@@ -437,7 +437,7 @@ def test_a_hub_dataset_named_by_dataset_loads_its_splits_columns_and_class_names
     assert data["classes"] == names and data["train"][0].shape == (30, 3, 16, 16) and len(data["test"][1]) == 9
     assert data["dataset"] == {"source": str(repo), "kind": "hub", "fingerprint": data["dataset"]["fingerprint"],
                                "eval_split": "validation"}
-    expected = cdata.decode_split(datasets_parquet(repo / "data" / "validation-00000-of-00001.parquet"), "validation")
+    expected = decode.decode_split(datasets_parquet(repo / "data" / "validation-00000-of-00001.parquet"), "validation")
     assert torch.equal(data["test"][0], expected[0]) and torch.equal(data["test"][1], expected[1])
     with pytest.raises(UserError, match=r"^pass either --data-dir \(d\) or --dataset \(uoft-cs/cifar100\), "
                                         r"not both\.$"):

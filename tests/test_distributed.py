@@ -25,7 +25,8 @@ from conftest import CPU_YAML, PROBE, cpu_bf16_native_here, read_summary, run_tr
 from safetensors.torch import load_file
 
 import train_cifar
-from utils.data import BatchTransform, load_data, make_loader
+from utils.batches import BatchTransform, make_loader
+from utils.decode import load_data
 
 TRAIN_SUBSET, EVAL_SUBSET = 200, 101  # 200 = 3 global batches of 64 + 8 dropped; 101 is odd: eval shards are padded
 COMMON = ["--model", "resnet18_imagenet", "--train-subset", str(TRAIN_SUBSET), "--eval-subset", str(EVAL_SUBSET),
@@ -78,7 +79,7 @@ class Run:
 
 
 @pytest.fixture(scope="module")
-def runs(cifar_dir, cache_dir, tmp_path_factory) -> dict[str, Run]:
+def ddp_jobs(cifar_dir, cache_dir, tmp_path_factory) -> dict[str, Run]:
     done = {}
     for name, (launch, extra) in CONFIGS.items():
         out = tmp_path_factory.mktemp(name)
@@ -100,13 +101,13 @@ def _compare(many: Run, one: Run) -> tuple[dict, dict]:
     return pa, pb
 
 
-def test_two_ranks_match_one_rank_weights(runs):
-    pa, pb = _compare(runs["two_ranks"], runs["one_rank_accum2"])
+def test_two_ranks_match_one_rank_weights(ddp_jobs):
+    pa, pb = _compare(ddp_jobs["two_ranks"], ddp_jobs["one_rank_accum2"])
     unequal = [n for n in pa if not torch.equal(pa[n], pb[n])]
     assert not unequal, f"{len(unequal)} parameters differ, e.g. {unequal[:3]}"
 
 
-def test_two_ranks_with_accumulation_match_one_rank_with_double_accumulation(runs):
+def test_two_ranks_with_accumulation_match_one_rank_with_double_accumulation(ddp_jobs):
     # Same micro-batches, but the gradient sum runs in another order: per rank (g0+g2), (g1+g3), then the
     # all-reduce, against ((g0+g1)+g2)+g3 in one process. Float addition is not associative, so this pair agrees to
     # rounding, not bitwise.
@@ -115,7 +116,7 @@ def test_two_ranks_with_accumulation_match_one_rank_with_double_accumulation(run
     # machine and by 1.2e-4 (6e-4 of its own update) on an AVX-512/AMX one; every other parameter within 1.4e-4 of
     # its update. So each parameter is held to 1% of its own update: a lost micro-batch or a sum instead of a mean
     # changes the update by 25% or more.
-    pa, pb = _compare(runs["two_ranks_accum2"], runs["one_rank_accum4"])
+    pa, pb = _compare(ddp_jobs["two_ranks_accum2"], ddp_jobs["one_rank_accum4"])
     torch.manual_seed(0)  # the runs' --seed 0: their initial weights, from which each update is measured
     start = dict(train_cifar.build_model("resnet18_imagenet").named_parameters())
     worst = {n: ((pa[n] - pb[n]).abs().max() / (pb[n] - start[n].detach()).abs().max()).item() for n in pa}
@@ -123,8 +124,8 @@ def test_two_ranks_with_accumulation_match_one_rank_with_double_accumulation(run
 
 
 # 2. Sharding ---------------------------------------------------------------------------------------
-def test_ranks_see_disjoint_shards_that_cover_the_training_set_each_epoch(runs):
-    run = runs["two_ranks"]
+def test_ranks_see_disjoint_shards_that_cover_the_training_set_each_epoch(ddp_jobs):
+    run = ddp_jobs["two_ranks"]
     epochs = [run.train_epochs(r) for r in (0, 1)]
     assert len(epochs[0]) == len(epochs[1]) == 2
     for e in range(2):
@@ -135,18 +136,18 @@ def test_ranks_see_disjoint_shards_that_cover_the_training_set_each_epoch(runs):
         assert union <= set(range(TRAIN_SUBSET))
 
 
-def test_data_order_changes_every_epoch_and_is_the_same_for_the_same_seed_at_any_world_size(runs):
-    two = runs["two_ranks"].global_order()
+def test_data_order_changes_every_epoch_and_is_the_same_for_the_same_seed_at_any_world_size(ddp_jobs):
+    two = ddp_jobs["two_ranks"].global_order()
     assert two[0] != two[1]  # reshuffled (set_epoch)
-    assert two == runs["one_rank_accum2"].global_order()  # 2 ranks x 32 == 1 rank x 32 x 2 micro-steps
+    assert two == ddp_jobs["one_rank_accum2"].global_order()  # 2 ranks x 32 == 1 rank x 32 x 2 micro-steps
     # the same permutation, cut to one global batch of 128 (4 micro-batches)
-    assert runs["two_ranks_accum2"].global_order() == runs["one_rank_accum4"].global_order() == [two[0][:4]]
+    assert ddp_jobs["two_ranks_accum2"].global_order() == ddp_jobs["one_rank_accum4"].global_order() == [two[0][:4]]
 
 
 # 3. Exact evaluation -------------------------------------------------------------------------------
-def test_two_rank_eval_counts_each_image_once_and_equals_one_rank_eval_of_the_exported_weights(runs, cifar_dir,
+def test_two_rank_eval_counts_each_image_once_and_equals_one_rank_eval_of_the_exported_weights(ddp_jobs, cifar_dir,
                                                                                                cache_dir):
-    run = runs["two_ranks"]
+    run = ddp_jobs["two_ranks"]
     assert run.summary["eval_examples"] == EVAL_SUBSET
     fetched = [set(i for d, b in p["batches"] if d == 1 for i in b) for p in run.probes]
     assert fetched[0] | fetched[1] == set(range(EVAL_SUBSET))
@@ -168,10 +169,10 @@ def test_two_rank_eval_counts_each_image_once_and_equals_one_rank_eval_of_the_ex
     assert metrics["class_top1"] == run.summary["eval_class_top1"]
 
 
-def test_reported_metrics_match_an_independent_computation_from_the_gathered_logits(runs):
+def test_reported_metrics_match_an_independent_computation_from_the_gathered_logits(ddp_jobs):
     """top-1, top-5, loss, per-class accuracy and the confusion matrix (row = true class, column = predicted),
     recomputed with numpy from the logits and labels the last evaluation gathered (the probe records them)."""
-    run = runs["two_ranks"]
+    run = ddp_jobs["two_ranks"]
     gathered = run.probes[0]["eval_outputs"][-1]
     logits, labels = np.array(gathered["logits"], dtype=np.float64), np.array(gathered["labels"])
     assert logits.shape == (EVAL_SUBSET, 10) and run.probes[1]["eval_outputs"][-1] == gathered  # all ranks see all
@@ -192,8 +193,8 @@ def test_reported_metrics_match_an_independent_computation_from_the_gathered_log
     assert list(s["eval_class_top1"].values()) == pytest.approx(per_class)
 
 
-def test_every_rank_evaluates_with_the_exported_batchnorm_statistics(runs):
-    run = runs["two_ranks"]
+def test_every_rank_evaluates_with_the_exported_batchnorm_statistics(ddp_jobs):
+    run = ddp_jobs["two_ranks"]
     probes = run.probes
     # As training leaves them, the ranks' running statistics differ (each normalised its own batches) ...
     assert probes[0]["eval_buffer_digest"][-1] != probes[1]["eval_buffer_digest"][-1]
@@ -232,37 +233,37 @@ def draws_by_sample(run: Run) -> dict[tuple[int, int], tuple[bool, int]]:
     return seen
 
 
-def test_each_image_is_augmented_by_seed_epoch_and_index_alone_the_same_on_any_rank_and_world_size(runs):
-    two, one = draws_by_sample(runs["two_ranks"]), draws_by_sample(runs["one_rank_accum2"])
+def test_each_image_is_augmented_by_seed_epoch_and_index_alone_the_same_on_any_rank_and_world_size(ddp_jobs):
+    two, one = draws_by_sample(ddp_jobs["two_ranks"]), draws_by_sample(ddp_jobs["one_rank_accum2"])
     assert len(two) == 2 * 192 and two == one  # 2 epochs of 3 global batches; every image got the same crop and flip
     assert all(draw == expected_draw(0, epoch, index) for (epoch, index), draw in two.items())
-    assert draws_by_sample(runs["two_ranks_accum2"]) == draws_by_sample(runs["one_rank_accum4"])
+    assert draws_by_sample(ddp_jobs["two_ranks_accum2"]) == draws_by_sample(ddp_jobs["one_rank_accum4"])
     both = [i for i in range(TRAIN_SUBSET) if (0, i) in two and (1, i) in two]
     assert sum(two[0, i] != two[1, i] for i in both) > 0.9 * len(both)  # a new draw each epoch (1/162 repeat)
     assert 0.4 < np.mean([m for m, _ in two.values()]) < 0.6
 
 
-def test_every_rank_builds_the_same_initial_weights(runs):
-    probes = runs["two_ranks"].probes
+def test_every_rank_builds_the_same_initial_weights(ddp_jobs):
+    probes = ddp_jobs["two_ranks"].probes
     assert probes[0]["init_digest"] == probes[1]["init_digest"]  # before DDP's broadcast could hide a difference
-    other_seed = runs["one_rank_accum2"].probes[0]
+    other_seed = ddp_jobs["one_rank_accum2"].probes[0]
     assert other_seed["init_digest"] == probes[0]["init_digest"]  # and the same at any world size
 
 
 # 5. Gradient accumulation ----------------------------------------------------------------------------
-def test_accumulation_all_reduces_only_on_the_final_micro_step(runs):
-    accum = runs["two_ranks_accum2"]
+def test_accumulation_all_reduces_only_on_the_final_micro_step(ddp_jobs):
+    accum = ddp_jobs["two_ranks_accum2"]
     micro = len(accum.train_epochs(0)[0])  # micro-batches per rank in the epoch: 3
     final = [k for k in range(1, micro + 1) if k % 2 == 0 or k == micro]  # 2, and 3 (the epoch's end syncs)
     for probe in accum.probes:  # forwards done when each gradient bucket was all-reduced
         assert sorted(set(probe["allreduce_at"])) == final, probe["allreduce_at"]
     assert len(final) == accum.summary["global_step"]
-    plain = runs["two_ranks"]
+    plain = ddp_jobs["two_ranks"]
     assert sorted(set(plain.probes[0]["allreduce_at"])) == list(range(1, plain.summary["global_step"] + 1))
 
 
 # 8 (and 5). Learning rate ----------------------------------------------------------------------------
-def test_lr_follows_the_linear_scaling_rule_and_the_schedule_counts_optimizer_steps(runs):
+def test_lr_follows_the_linear_scaling_rule_and_the_schedule_counts_optimizer_steps(ddp_jobs):
     # Worked out by hand (not with the script's REFERENCE_BATCH or warmup_cosine): --lr 0.1 is for a global batch
     # of 128, so 64 gets 0.05. 200 images in batches of 64 (or 32 x 2 micro-steps) = 3 optimizer steps per epoch,
     # 6 in 2 epochs, warmup 0.5 epoch = round(1.5) = 2 steps; the LR logged after step k is the one for step k + 1:
@@ -274,13 +275,13 @@ def test_lr_follows_the_linear_scaling_rule_and_the_schedule_counts_optimizer_st
                 128: [0.0]}
     for name, global_batch in [("two_ranks", 64), ("one_rank_accum2", 64), ("two_ranks_accum2", 128),
                                ("one_rank_accum4", 128)]:
-        run = runs[name]
+        run = ddp_jobs[name]
         assert run.summary["effective_lr"] == pytest.approx({64: 0.05, 128: 0.01}[global_batch])
         logged = run.logged("train/lr")
         assert [s for s, _ in logged] == list(range(1, len(expected[global_batch]) + 1)) and \
             run.summary["global_step"] == len(expected[global_batch])
         assert [v for _, v in logged] == pytest.approx(expected[global_batch], abs=1e-12), (name, logged)
-    assert runs["two_ranks"].logged("train/lr") == runs["one_rank_accum2"].logged("train/lr")
+    assert ddp_jobs["two_ranks"].logged("train/lr") == ddp_jobs["one_rank_accum2"].logged("train/lr")
 
 
 # 6. SyncBatchNorm ----------------------------------------------------------------------------------
@@ -306,12 +307,12 @@ def test_sync_bn_running_statistics_agree_across_two_gpus(cifar_dir, cache_dir, 
 
 
 # 7. Save once --------------------------------------------------------------------------------------
-def test_weights_and_summary_are_written_by_rank_zero_only(runs):
+def test_weights_and_summary_are_written_by_rank_zero_only(ddp_jobs):
     """Watched by the kernel's per-process I/O accounting: safetensors writes from Rust and torch.save from C++,
     which no Python hook on open() sees. Rank 1 writes only its own checkpoint pieces (RNG states, augmentation
     generators: a few KB per checkpoint); one copy of the weights alone is 45 MB. (On a tmpfs the kernel counts
     no storage writes, and the check of rank 0 fails: the test needs a disk-backed temporary folder.)"""
-    run = runs["two_ranks"]
+    run = ddp_jobs["two_ranks"]
     written = [{Path(p).name for p in probe["writes"] if Path(p) != run.out} for probe in run.probes]
     assert {"model.safetensors", "summary.json"} <= written[0]
     assert written[1] == set()
@@ -322,7 +323,7 @@ def test_weights_and_summary_are_written_by_rank_zero_only(runs):
 
 
 # 9. Mixed precision from the YAML --------------------------------------------------------------------
-def test_mixed_precision_from_the_yaml_is_what_autocast_runs(runs, cifar_dir, cache_dir, tmp_path):
+def test_mixed_precision_from_the_yaml_is_what_autocast_runs(ddp_jobs, cifar_dir, cache_dir, tmp_path):
     out = tmp_path / "bf16"
     result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out),
                         *COMMON, "--batch-size", "32", "--max-steps", "2"], launch=BF16_TWO_RANKS, script=PROBE)
@@ -331,13 +332,13 @@ def test_mixed_precision_from_the_yaml_is_what_autocast_runs(runs, cifar_dir, ca
     assert run.summary["mixed_precision"] == "bf16"  # the launcher's flag over the YAML's fp32
     assert all(set(p["fc_dtypes"]) == {"torch.bfloat16"} for p in run.probes)
     assert "mixed_precision: 'no'" in CPU_YAML.read_text()
-    assert set(runs["two_ranks"].probes[0]["fc_dtypes"]) == {"torch.float32"}
+    assert set(ddp_jobs["two_ranks"].probes[0]["fc_dtypes"]) == {"torch.float32"}
     # bf16 on a CPU that would emulate it (no AVX512-BF16/AMX flag, read here independently): one warning line
     warned = [line for line in result.stdout.splitlines() if line.startswith("warning: bf16 autocast on this CPU")]
     assert len(warned) == (1 if cpu_bf16_native_here() is False else 0), result.stdout[-2000:]
 
 
-def test_bf16_runs_all_reduce_gradients_in_bf16_unless_told_not_to(runs, cifar_dir, cache_dir, tmp_path):
+def test_bf16_runs_all_reduce_gradients_in_bf16_unless_told_not_to(ddp_jobs, cifar_dir, cache_dir, tmp_path):
     """Under bf16 autocast DDP sends gradients as bf16 (half the bytes): every averaged gradient is then a bf16
     number. fp32 runs, and bf16 runs with --no-bf16-grad-sync, all-reduce in fp32."""
     synced = {}
@@ -348,7 +349,7 @@ def test_bf16_runs_all_reduce_gradients_in_bf16_unless_told_not_to(runs, cifar_d
                            launch=BF16_TWO_RANKS, script=PROBE)
         assert result.returncode == 0, result.stderr[-4000:]
         synced[name] = Run(out).probes
-    synced["fp32"] = runs["two_ranks"].probes
+    synced["fp32"] = ddp_jobs["two_ranks"].probes
     assert [p["comm_hook"] for p in synced["bf16"]] == ["bf16_compress_hook"] * 2
     assert all(p["synced_in_bf16"] and all(p["synced_in_bf16"]) for p in synced["bf16"])
     for name in ("bf16_fp32_sync", "fp32"):

@@ -16,13 +16,9 @@ from PIL import Image
 
 import compare_runs
 from utils import UserError
-from utils.data import CLASSES
-
-
-@pytest.fixture
-def runs(tracked_runs) -> dict[str, Path]:
-    """a0, a1, b: see conftest.tracked_runs."""
-    return tracked_runs
+from utils.config_groups import LoggingConfig
+from utils.decode import CLASSES
+from utils.tracking import LOGGED_STEP_FILE, Tracker
 
 
 def compare(*args) -> subprocess.CompletedProcess:
@@ -30,15 +26,15 @@ def compare(*args) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
-def test_a_two_rank_job_makes_exactly_one_wandb_run(runs):
-    folders = list((runs["b"] / "wandb").glob("offline-run-*"))
+def test_a_two_rank_job_makes_exactly_one_wandb_run(tracked_runs):
+    folders = list((tracked_runs["b"] / "wandb").glob("offline-run-*"))
     assert len(folders) == 1 and len(list(folders[0].glob("run-*.wandb"))) == 1
     assert not (REPO / "wandb").exists(), "no process may log to a W&B folder of its own"
 
 
-def test_wandb_run_holds_config_run_facts_step_and_epoch_metrics_and_the_summary(runs):
-    [run] = compare_runs.load(str(runs["b"]))
-    s = read_summary(runs["b"])
+def test_wandb_run_holds_config_run_facts_step_and_epoch_metrics_and_the_summary(tracked_runs):
+    [run] = compare_runs.load(str(tracked_runs["b"]))
+    s = read_summary(tracked_runs["b"])
     assert (run.name, run.group) == ("b-run", "B")
     assert run.config["lr"] == 0.2 and run.config["world_size"] == 2 and run.config["distributed_type"] == "MULTI_CPU"
     assert run.config["mixed_precision"] == "no" and run.config["versions"]["torch"] and "git_commit" in run.config
@@ -54,7 +50,7 @@ def test_wandb_run_holds_config_run_facts_step_and_epoch_metrics_and_the_summary
         assert row["eval/confusion_matrix_table/nrows"] == 100  # (true, predicted, count) for 10 x 10 classes
         assert row["sys/peak_memory_gb"] > 0.1
     assert epochs[-1]["eval/top1"] == s["eval_top1"]
-    table = json.loads((next((runs["b"] / "wandb").glob("offline-run-*")) / "files" /
+    table = json.loads((next((tracked_runs["b"] / "wandb").glob("offline-run-*")) / "files" /
                         epochs[-1]["eval/confusion_matrix_table/path"]).read_text())
     assert {(a, p): n for a, p, n in table["data"]} == {
         (CLASSES[t], CLASSES[q]): n for t, row in enumerate(s["eval_confusion"]) for q, n in enumerate(row)}
@@ -64,13 +60,13 @@ def test_wandb_run_holds_config_run_facts_step_and_epoch_metrics_and_the_summary
     assert sum(map(sum, s["eval_confusion"])) == 64
 
 
-def test_without_a_terminal_progress_lines_show_the_logged_loss_and_the_time_left(runs):
+def test_without_a_terminal_progress_lines_show_the_logged_loss_and_the_time_left(tracked_runs):
     # b: --progress-every 0, so a line at every log step; a0: the default 60 s, so only the first log step's line
-    [run] = compare_runs.load(str(runs["b"]))
+    [run] = compare_runs.load(str(tracked_runs["b"]))
     logged = {row["_step"]: row for row in run.history if "train/loss" in row}
     pattern = (r"^step (\d+)/16 \(epoch ([12])/2\)  loss ([\d.]+)  lr ([\d.e-]+)  ([\d,]+) img/s  "
                r"ETA (\d+)h(\d\d)m(\d\d)s$")
-    lines = [re.match(pattern, line) for line in (runs["b"] / "stdout.txt").read_text().splitlines()]
+    lines = [re.match(pattern, line) for line in (tracked_runs["b"] / "stdout.txt").read_text().splitlines()]
     lines = [m for m in lines if m]
     assert [int(m[1]) for m in lines] == [2, 4, 6, 8, 10, 12, 14, 16]
     for m in lines:
@@ -81,17 +77,17 @@ def test_without_a_terminal_progress_lines_show_the_logged_loss_and_the_time_lef
         eta = int(m[6]) * 3600 + int(m[7]) * 60 + int(m[8])
         # (16 - step) steps of 32 images at the logged speed
         assert eta == pytest.approx((16 - step) * 32 / logged[step]["train/images_per_sec"], abs=1)
-    first = [line for line in (runs["a0"] / "stdout.txt").read_text().splitlines() if line.startswith("step ")]
+    first = [line for line in (tracked_runs["a0"] / "stdout.txt").read_text().splitlines() if line.startswith("step ")]
     assert len(first) == 1 and first[0].startswith("step 2/16 (epoch 1/2)")
 
 
-def test_compare_runs_prints_each_runs_real_final_top1_and_writes_plots(runs, tmp_path):
-    result = compare(runs["a0"], runs["b"], "--plots", tmp_path / "plots")
+def test_compare_runs_prints_each_runs_real_final_top1_and_writes_plots(tracked_runs, tmp_path):
+    result = compare(tracked_runs["a0"], tracked_runs["b"], "--plots", tmp_path / "plots")
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     for name in ("a0", "b"):
-        s = read_summary(runs[name])
-        row = next(line for line in lines if f"({_run_id(runs[name])})" in line)
+        s = read_summary(tracked_runs[name])
+        row = next(line for line in lines if f"({_run_id(tracked_runs[name])})" in line)
         assert f"{s['eval_top1']:.2f}" in row.split() and f"{s['best_eval_top1']:.2f}" in row.split()
     differ = lines[lines.index("config keys that differ:") + 1:]
     keys = [line.split()[0] for line in differ if line.strip() and not line.startswith("also different")]
@@ -127,24 +123,25 @@ def _run_id(out: Path) -> str:
     return next((out / "wandb").glob("offline-run-*")).name.split("-")[-1]
 
 
-def test_compare_runs_by_group_gives_mean_and_std_over_seeds(runs, tmp_path):
-    result = compare(runs["a0"], runs["a1"], runs["b"], "--by-group", "--plots", tmp_path / "plots")
+def test_compare_runs_by_group_gives_mean_and_std_over_seeds(tracked_runs, tmp_path):
+    a0, a1, b = (tracked_runs[name] for name in ("a0", "a1", "b"))
+    result = compare(a0, a1, b, "--by-group", "--plots", tmp_path / "plots")
     assert result.returncode == 0, result.stderr[-3000:]
-    finals = [read_summary(runs[name])["eval_top1"] for name in ("a0", "a1")]
+    finals = [read_summary(tracked_runs[name])["eval_top1"] for name in ("a0", "a1")]
     row = next(line for line in result.stdout.splitlines() if line.startswith("A "))
     assert row.split()[1] == "2"
     assert f"{statistics.fmean(finals):.2f} +/- {statistics.stdev(finals):.2f}" in row
     assert next(line for line in result.stdout.splitlines() if line.startswith("B ")).split()[1] == "1"
 
 
-def test_reader_refuses_files_it_cannot_read_with_one_line(runs, tmp_path):
+def test_reader_refuses_files_it_cannot_read_with_one_line(tracked_runs, tmp_path):
     bad = tmp_path / "not-a-run"
     bad.mkdir()
     (bad / "run-x.wandb").write_bytes(b"garbage" * 10)
     result = compare(bad, "--plots", tmp_path / "p")
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
     assert result.stderr.startswith(f"error: {bad / 'run-x.wandb'} is not a W&B run file")
-    real = next((runs["a0"] / "wandb").glob("offline-run-*/run-*.wandb")).read_bytes()
+    real = next((tracked_runs["a0"] / "wandb").glob("offline-run-*/run-*.wandb")).read_bytes()
     flipped = bytearray(real)
     flipped[len(real) // 2] ^= 0xFF
     (bad / "run-x.wandb").write_bytes(bytes(flipped))
@@ -152,8 +149,8 @@ def test_reader_refuses_files_it_cannot_read_with_one_line(runs, tmp_path):
         compare_runs.load_local(bad)
 
 
-def test_reader_keeps_the_records_before_a_cut_off_end(runs, tmp_path):
-    source = next((runs["a0"] / "wandb").glob("offline-run-*"))
+def test_reader_keeps_the_records_before_a_cut_off_end(tracked_runs, tmp_path):
+    source = next((tracked_runs["a0"] / "wandb").glob("offline-run-*"))
     whole = compare_runs.load_local(source)
     cut = tmp_path / "offline-run-cut"
     cut.mkdir()
@@ -214,3 +211,18 @@ def test_wandb_dir_is_honoured_and_compare_runs_still_finds_the_run(cifar_dir, c
     [run] = compare_runs.load(str(out))
     assert run.summary["eval_top1"] == read_summary(out)["eval_top1"]
     assert [row["_step"] for row in run.history if "train/loss" in row] == [2, 4, 6, 8]  # --log-every 2, 8 steps
+
+
+def test_a_job_killed_while_noting_its_last_logged_step_leaves_the_previous_number(tmp_path, monkeypatch):
+    tracker = Tracker(LoggingConfig(tracker="none"), str(tmp_path))
+    tracker._note_logged(7)
+    real_write = Path.write_text
+
+    def killed_half_way(self, text, *args, **kwargs):  # the file opened (truncated), then the process dies
+        real_write(self, "", *args, **kwargs)
+        raise SystemExit("killed")
+
+    monkeypatch.setattr(Path, "write_text", killed_half_way)
+    with pytest.raises(SystemExit):
+        tracker._note_logged(8)
+    assert (tmp_path / LOGGED_STEP_FILE).read_text() == "7"  # what a resumed job reads: a whole number

@@ -24,8 +24,9 @@ from conftest import (
 from safetensors.torch import load_file
 
 import train_cifar
+from utils.batches import BatchTransform, make_loader
 from utils.config import build_parser
-from utils.data import BatchTransform, load_data, make_loader
+from utils.decode import load_data
 
 EVAL_SUBSET = 1001  # not divisible by 2 ranks x 64: Accelerate pads the last batches, gather_for_metrics must drop it
 

@@ -50,7 +50,7 @@ RUNS = {  # name: launch flags, extra script flags
 
 
 @pytest.fixture(scope="module")
-def runs(cifar_dir, cache_dir, tmp_path_factory):
+def vit_jobs(cifar_dir, cache_dir, tmp_path_factory):
     out = {}
     for name, (launch, extra) in RUNS.items():
         out[name] = tmp_path_factory.mktemp(name)
@@ -81,57 +81,57 @@ def test_vit_micro_has_the_parameters_its_shapes_give():
     assert expected == MICRO_PARAMETERS == sum(p.numel() for p in build_model("vit_micro").parameters())
 
 
-def test_fsdp_shards_each_vit_block_and_each_rank_holds_about_half(runs):
+def test_fsdp_shards_each_vit_block_and_each_rank_holds_about_half(vit_jobs):
     for rank in (0, 1):
-        rec = record(runs["fsdp"], rank)
+        rec = record(vit_jobs["fsdp"], rank)
         assert rec["param_types"] == ["DTensor"]
         assert rec["fsdp_units"].count("FSDPEncoderBlock") == 2, rec["fsdp_units"]  # the script's block, not the YAML's
         assert rec["fsdp_units"][0] == "FSDPVisionTransformer"  # the root: embeddings, final norm and head
-    held = [record(runs["fsdp"], rank)["local_numel"] for rank in (0, 1)]
+    held = [record(vit_jobs["fsdp"], rank)["local_numel"] for rank in (0, 1)]
     assert sum(held) == MICRO_PARAMETERS and max(held) < 0.55 * MICRO_PARAMETERS, held
-    ddp = record(runs["ddp"])
+    ddp = record(vit_jobs["ddp"])
     assert ddp["local_numel"] == MICRO_PARAMETERS and ddp["param_types"] == ["Parameter"]
-    s = read_summary(runs["fsdp"])
+    s = read_summary(vit_jobs["fsdp"])
     assert s["distributed_type"] == "FSDP" and s["wrapper"] == "FSDPVisionTransformer"
     assert s["parameters"] == MICRO_PARAMETERS and s["parameters_on_main_process"] == held[0]
 
 
-def test_fsdp_losses_at_every_step_and_final_weights_equal_ddp(runs):
-    ddp, fsdp = losses(runs["ddp"]), losses(runs["fsdp"])
+def test_fsdp_losses_at_every_step_and_final_weights_equal_ddp(vit_jobs):
+    ddp, fsdp = losses(vit_jobs["ddp"]), losses(vit_jobs["fsdp"])
     assert len(ddp) == len(fsdp) == 8 and len(set(ddp)) == 8  # 8 steps, and the loss moves
     assert max(abs(a - b) for a, b in zip(ddp, fsdp)) <= TOLERANCE, (ddp, fsdp)
-    assert max_weight_difference(runs["ddp"], runs["fsdp"]) <= TOLERANCE
-    assert read_summary(runs["ddp"])["distributed_type"] == "MULTI_CPU"
+    assert max_weight_difference(vit_jobs["ddp"], vit_jobs["fsdp"]) <= TOLERANCE
+    assert read_summary(vit_jobs["ddp"])["distributed_type"] == "MULTI_CPU"
 
 
-def test_activation_checkpointing_recomputes_each_block_and_changes_no_loss_and_no_weight(runs):
+def test_activation_checkpointing_recomputes_each_block_and_changes_no_loss_and_no_weight(vit_jobs):
     # vit_micro's matmuls per forward: 2 blocks x (attention in, attention out, 2 MLP) + the head = 9; over 8 steps
     # 72, and checkpointing runs each block's 4 again in backward: 8 x 8 more.
-    assert record(runs["fsdp"])["linear_calls"] == 8 * 9
-    assert record(runs["fsdp_ac"])["linear_calls"] == 8 * 9 + 8 * 8
-    plain, checkpointed = losses(runs["fsdp"]), losses(runs["fsdp_ac"])
+    assert record(vit_jobs["fsdp"])["linear_calls"] == 8 * 9
+    assert record(vit_jobs["fsdp_ac"])["linear_calls"] == 8 * 9 + 8 * 8
+    plain, checkpointed = losses(vit_jobs["fsdp"]), losses(vit_jobs["fsdp_ac"])
     assert len(checkpointed) == 8 and max(abs(a - b) for a, b in zip(plain, checkpointed)) <= TOLERANCE
-    assert max_weight_difference(runs["fsdp"], runs["fsdp_ac"]) <= TOLERANCE
-    assert read_summary(runs["fsdp_ac"])["config"]["activation_checkpointing"] is True
+    assert max_weight_difference(vit_jobs["fsdp"], vit_jobs["fsdp_ac"]) <= TOLERANCE
+    assert read_summary(vit_jobs["fsdp_ac"])["config"]["activation_checkpointing"] is True
 
 
-def test_bf16_policy_computes_with_bf16_weights_and_keeps_fp32_master_shards(runs):
+def test_bf16_policy_computes_with_bf16_weights_and_keeps_fp32_master_shards(vit_jobs):
     for rank in (0, 1):
-        rec = record(runs["fsdp_bf16"], rank)
+        rec = record(vit_jobs["fsdp_bf16"], rank)
         assert rec["linear_weight_dtypes"] == ["torch.bfloat16"], rec  # every training matmul ran on gathered bf16
         assert rec["optimizer_dtypes"] == ["torch.float32"], rec  # AdamW updates the fp32 shards
-    assert record(runs["fsdp"])["linear_weight_dtypes"] == ["torch.float32"]  # the same probe sees fp32 without it
-    exported = load_file(runs["fsdp_bf16"] / "model.safetensors")
+    assert record(vit_jobs["fsdp"])["linear_weight_dtypes"] == ["torch.float32"]  # the same probe sees fp32 without it
+    exported = load_file(vit_jobs["fsdp_bf16"] / "model.safetensors")
     assert {t.dtype for t in exported.values()} == {torch.float32}  # what is saved: the master weights
-    s = read_summary(runs["fsdp_bf16"])
+    s = read_summary(vit_jobs["fsdp_bf16"])
     assert s["mixed_precision"] == "bf16" and s["fsdp_param_dtype"] == "bfloat16"
-    assert read_summary(runs["fsdp"])["fsdp_param_dtype"] == "float32"
-    fp32, bf16 = losses(runs["fsdp"]), losses(runs["fsdp_bf16"])
+    assert read_summary(vit_jobs["fsdp"])["fsdp_param_dtype"] == "float32"
+    fp32, bf16 = losses(vit_jobs["fsdp"]), losses(vit_jobs["fsdp_bf16"])
     assert fp32 != bf16 and max(abs(a - b) for a, b in zip(fp32, bf16)) < 0.05  # bf16 rounding, the same training
 
 
 def test_preempted_fsdp_vit_resumes_from_its_shards_and_exports_a_plain_vit_with_the_reported_top1(
-        runs, cifar_dir, cache_dir, tmp_path):
+        vit_jobs, cifar_dir, cache_dir, tmp_path):
     out = tmp_path / "preempted"
     args = job_args(cifar_dir, cache_dir, out, *JOB)
     proc = start(args, [*FSDP, "--mixed_precision", "no"], script=VIT)
@@ -146,7 +146,7 @@ def test_preempted_fsdp_vit_resumes_from_its_shards_and_exports_a_plain_vit_with
     assert result.returncode == 0, result.stderr[-4000:]
     s = read_summary(out)
     assert s["resumed_from"] and s["global_step"] == 8
-    assert_same_state(out / "model.safetensors", runs["fsdp"] / "model.safetensors")  # as if never stopped
+    assert_same_state(out / "model.safetensors", vit_jobs["fsdp"] / "model.safetensors")  # as if never stopped
 
     model = build_model("vit_micro")
     model.load_state_dict(load_file(out / "model.safetensors"), strict=True)  # a plain ViT, every key

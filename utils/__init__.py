@@ -1,4 +1,5 @@
-"""What the training scripts share: the CIFAR-10 data path (utils.data), the models (utils.models), checkpoints
+"""What the training scripts share: the data (utils.decode: read and decode once; utils.batches: order,
+augmentation, loaders), the Config groups (utils.config_groups), the models (utils.models), checkpoints
 (utils.checkpoint), tracking and the summary (utils.tracking), guards around a run (utils.guard), how processes
 start and end (utils.launch), the user-error type and the process-count check (the scripts and doctor.py)."""
 

@@ -10,7 +10,7 @@ the manifest is checked, so a checkpoint truncated or corrupted later is skipped
 previous one is used. Nothing here deletes a checkpoint it could not verify.
 
 A checkpoint resumes on any process count: the weights and optimizer state are whole under DDP and resharded by
-torch.distributed.checkpoint under FSDP2, the augmentation is keyed by the sample (utils.data.augment_draws), the
+torch.distributed.checkpoint under FSDP2, the augmentation is keyed by the sample (utils.batches.augment_draws), the
 position in the epoch is converted through global samples and the global batch is kept (utils.launch.batch_plan).
 
 Written by hand because Accelerate's save_state/load_state (which this uses for the contents) has no notion
@@ -29,6 +29,7 @@ import time
 import warnings
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from accelerate.utils import gather_object
@@ -39,6 +40,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from utils import UserError
 from utils.guard import free_space_warning
 from utils.launch import BatchPlan, batch_plan, share_bn_statistics
+
+if TYPE_CHECKING:
+    from utils.config_groups import CheckpointConfig
 
 STATE_FILE = "trainer_state.json"
 FORMAT = 2  # 2: sample-keyed augmentation and a batch plan, resumable on another process count (1: per-rank streams)
@@ -231,10 +235,12 @@ class Checkpointer:
     the counters, config, batch plan and scheduler) and how many (the newest `keep_last`, plus
     the best). `last` is the newest checkpoint written or resumed from."""
 
-    def __init__(self, accelerator, output_dir: str, config: dict, keep_last: int, every_steps: int | None = None):
-        self.accelerator, self.config = accelerator, config
-        self.root = Path(output_dir) / "checkpoints"
-        self.keep_last, self.every_steps = keep_last, every_steps
+    def __init__(self, accelerator, cfg: CheckpointConfig):
+        """cfg: the script's Config; its checkpoint flags set the policy, and the whole of it goes into every
+        checkpoint (to compare with on resume)."""
+        self.accelerator, self.config = accelerator, asdict(cfg)
+        self.root = Path(cfg.output_dir) / "checkpoints"
+        self.keep_last, self.every_steps = cfg.keep_last, cfg.checkpoint_every_steps
         self.last: Path | None = None
         self.plan: BatchPlan | None = None  # set by batch_plan(), saved with every checkpoint
 

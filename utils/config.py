@@ -22,30 +22,37 @@ def opt(default, help: str, choices: tuple | None = None):
     return field(default=default, metadata={"help": help, "choices": choices})
 
 
+HELP_ORDER = ("recipe", "data", "model", "optimisation", "checkpoints", "logging")  # --help's groups; others after
+
+
 def groups(config_class) -> dict[str, tuple[str, str]]:
-    """field name -> (group title, purpose), from the `# --- title: purpose ---` lines of the class body."""
-    try:
-        source = inspect.getsource(config_class)
-    except (OSError, TypeError):  # no source file (e.g. a frozen application): one flat list
-        return {}
-    names, found, current = {f.name for f in fields(config_class)}, {}, None
-    for line in source.splitlines():
-        heading, declared = GROUP_LINE.match(line), FIELD_LINE.match(line)
-        if heading:
-            current = (heading[1], heading[2] or "")
-        elif declared and declared[1] in names and current:
-            found[declared[1]] = current
+    """field name -> (group title, purpose), from the `# --- title: purpose ---` lines of the class bodies: the
+    Config's and those of the groups it inherits (utils/config_groups.py). A field redefined in a subclass (another
+    default) stays in the group of the class that first declared it."""
+    names, found = {f.name for f in fields(config_class)}, {}
+    for cls in reversed(config_class.__mro__):
+        try:
+            source = inspect.getsource(cls) if cls.__dataclass_fields__ else ""
+        except (AttributeError, OSError, TypeError):  # not a dataclass, or no source file: no groups from it
+            continue
+        current = None
+        for line in source.splitlines():
+            heading, declared = GROUP_LINE.match(line), FIELD_LINE.match(line)
+            if heading:
+                current = (heading[1], heading[2] or "")
+            elif declared and declared[1] in names and current and declared[1] not in found:
+                found[declared[1]] = current
     return found
 
 
 def build_parser(config_class, description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description, usage="%(prog)s [-h] [--flag VALUE ...]")
-    sections, where = {}, groups(config_class)
-    hints = typing.get_type_hints(config_class)
+    where, hints = groups(config_class), typing.get_type_hints(config_class)
+    titles = list(dict.fromkeys(where[f.name] for f in fields(config_class) if f.name in where))
+    titles.sort(key=lambda t: HELP_ORDER.index(t[0]) if t[0] in HELP_ORDER else len(HELP_ORDER))  # stable
+    sections = {title: parser.add_argument_group(*title) for title in titles}
     for f in fields(config_class):
         title = where.get(f.name)
-        if title is not None and title not in sections:
-            sections[title] = parser.add_argument_group(*title)
         target = sections[title] if title is not None else parser
         flag, kind = "--" + f.name.replace("_", "-"), hints[f.name]
         if kind is bool:

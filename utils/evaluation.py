@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from utils.data import CLASSES
+from utils.decode import CLASSES
 from utils.launch import share_bn_statistics
 
 

@@ -76,6 +76,19 @@ def shard_on_cpu_too(accelerator, plugin: FullyShardedDataParallelPlugin | None)
     accelerator.state.fsdp_plugin = plugin
 
 
+def check_fsdp_blocks(plugin: FullyShardedDataParallelPlugin | None, model: torch.nn.Module) -> None:
+    """Under FSDP, the block classes to shard (the launch config's fsdp_transformer_layer_cls_to_wrap, or the
+    script's `blocks`) must be in the model: Accelerate's own error for a missing one is a traceback on every rank
+    ("Could not find the transformer layer class BasicBlock in the model"), which a copier's own model meets first."""
+    names = (plugin.transformer_cls_names_to_wrap or []) if plugin is not None else []
+    present = {type(m).__name__ for m in model.modules()}
+    missing = [name for name in names if name not in present]
+    if missing:
+        raise UserError(f"the FSDP launch config shards blocks of class {', '.join(missing)}, which this model does "
+                        f"not have: name your model's block class in the YAML's fsdp_transformer_layer_cls_to_wrap, "
+                        f"or in the script's fsdp_plugin_from_launcher(blocks=[...]) call (docs/customizing.md).")
+
+
 def check_world(accelerator, fsdp_asked: bool, sync_bn: bool = False) -> None:
     """Stops on the launches that otherwise train silently with the wrong setup: processes that each train alone,
     machines launched with different counts, an FSDP config that became DDP; and on SyncBatchNorm without CUDA."""
@@ -121,7 +134,7 @@ def batch_plan(accelerator, batch_size: int, global_batch_size: int | None, grad
     """--batch-size images per process per micro-step, and either --grad-accum micro-steps per optimizer step (1 if
     unset) or a fixed --global-batch-size G, which the accumulation then absorbs: G / (batch_size x processes),
     exactly. With G and the batch size fixed, every optimizer step trains the same micro-batches at any process
-    count (utils.data.EpochSampler). `saved`: the plan of the checkpoint being resumed; on another process count its
+    count (utils.batches.EpochSampler). `saved`: the plan of the checkpoint being resumed; on another process count its
     global batch is kept (unless G is given) and what changed is printed. Sets the Accelerator's accumulation."""
     processes = accelerator.num_processes
     if grad_accum is not None and global_batch_size is not None:

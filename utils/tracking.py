@@ -15,32 +15,34 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from utils.config_groups import LoggingConfig
 
 LOGGED_STEP_FILE = "tracker_logged_step.txt"
 MAX_PER_CLASS_KEYS = 20  # more classes: no eval/top1_<class> keys and no confusion plot (summary.json has them all)
 
 
 class Tracker:
-    """One run's tracker (wandb, tensorboard or none). Build it before the Accelerator (pass `log_with`), then
-    `start()` once the run's config is known."""
+    """One run's tracker (wandb, tensorboard or none), from the logging flags (utils.config_groups.LoggingConfig).
+    Build it before the Accelerator (pass `log_with`), then `start()` once the run's config is known."""
 
-    def __init__(self, kind: str, output_dir: str, log_every: int, project: str | None = None,
-                 run_name: str | None = None, group: str | None = None, tags: str | None = None,
-                 progress_every: float = 60.0):
-        self.kind, self.output_dir, self.log_every = kind, Path(output_dir), log_every
+    def __init__(self, cfg: LoggingConfig, output_dir: str):
+        self.kind, self.output_dir, self.log_every = cfg.tracker, Path(output_dir), cfg.log_every
         # Without a terminal (SLURM logs, CI) tqdm's bar is off: print a progress line instead, at a log step at least
         # progress_every seconds after the previous line (with a terminal the bar shows loss, speed and ETA).
-        self.progress_every, self.last_line = progress_every, None
+        self.progress_every, self.last_line = cfg.progress_every, None
         self.console = not sys.stderr.isatty()
-        self.log_with = None if kind == "none" else kind
-        self.project = project or os.environ.get("WANDB_PROJECT", "cifar10-accelerate")
+        self.log_with = None if self.kind == "none" else self.kind
+        self.project = cfg.wandb_project or os.environ.get("WANDB_PROJECT", "cifar10-accelerate")
         self.wandb_args = {"dir": os.environ.get("WANDB_DIR") or output_dir,  # scratch space on clusters, if set
-                           "name": run_name, "group": group,  # None: W&B's own default / WANDB_*
-                           "tags": tags.split(",") if tags else None}
+                           "name": cfg.run_name, "group": cfg.group,  # None: W&B's own default / WANDB_*
+                           "tags": cfg.tags.split(",") if cfg.tags else None}
         self.accelerator, self.wandb_run, self.already_logged = None, None, 0
-        if kind == "wandb":
+        if self.kind == "wandb":
             wandb_offline_without_credentials()
 
     def start(self, accelerator, config: dict, run_id: str | None, resumed: bool) -> str | None:
@@ -61,6 +63,13 @@ class Tracker:
         self.already_logged = int(logged.read_text()) if resumed and logged.is_file() else 0
         return run_id
 
+    def _note_logged(self, step: int) -> None:
+        """The last logged step, for a resumed job. Written to a temporary file and renamed over the old one: a job
+        killed mid-write (kill -9 lands anywhere) leaves the old number or the new one, never an empty file."""
+        tmp = self.output_dir / f".{LOGGED_STEP_FILE}.tmp"
+        tmp.write_text(str(step))
+        os.replace(tmp, self.output_dir / LOGGED_STEP_FILE)
+
     def should_log(self, step: int) -> bool:
         return step % self.log_every == 0
 
@@ -68,7 +77,7 @@ class Tracker:
         if step > self.already_logged:
             self.accelerator.log(values, step=step)
             if self.accelerator.is_main_process:
-                (self.output_dir / LOGGED_STEP_FILE).write_text(str(step))
+                self._note_logged(step)
 
     def log_train(self, step: int, total_steps: int, epoch: int, epochs: int, loss: float, lr: float,
                   images_per_sec: float, global_batch: int) -> None:

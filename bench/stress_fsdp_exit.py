@@ -1,8 +1,8 @@
 """Stress check for a clean exit of finished FSDP2 jobs: runs the FSDP job of tests/test_fsdp.py's fixture
 (fsdp_cpu.yaml, 2 gloo ranks, fp32, through tests/probe_train.py) N times in a row and counts exit statuses.
-Not part of the default suite (its name does not start with test_): about 20 s a job on 2 cores.
+Not part of the test suite: about 20 s a job on 2 cores.
 
-    python tests/stress_fsdp_exit.py --runs 30 [--data-dir ../shared/data/cifar10] [--keep-going]
+    python bench/stress_fsdp_exit.py --runs 30 [--data-dir ../shared/data/cifar10] [--keep-going]
 
 Prints one line per job and a final `exit statuses: {0: 30}`; exits 1 when any job failed, after writing the
 failed jobs' stderr to <work-dir>/run-<i>.stderr.
@@ -18,7 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from conftest import CHECKPOINT_JOB, FSDP_CPU_YAML, PROBE, REPO, SHARED_CIFAR, job_args, script_env
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "tests")]
+from conftest import CHECKPOINT_JOB, FSDP_CPU_YAML, PROBE, REPO, SHARED_CIFAR, job_args, script_env  # noqa: E402
 
 
 def main() -> int:

@@ -1,0 +1,248 @@
+"""From decoded tensors to the model's input, one batch at a time, the same at any process count:
+  1. `EpochSampler` orders each epoch by (seed, epoch) alone, cut to whole global batches;
+  2. `BatchedTensorDataset.__getitems__` returns a whole batch with one tensor index, so the DataLoader that
+     `accelerator.prepare` wraps (sharding, skip_first_batches, gather_for_metrics all stay Accelerate's) does no
+     per-image Python work, with each image's crop and flip drawn from (seed, epoch, index) (`augment_draws`);
+  3. `BatchTransform` crops, flips and normalises the whole uint8 batch on the training device, after the (4x
+     smaller than float) transfer. In NHWC a row of an image is one contiguous run of bytes, so a crop is a copy of
+     S rows, not of S x S pixels.
+`build_loaders` puts them together for the scripts (the data itself: utils/decode.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from utils import UserError
+from utils.decode import load_data
+
+MEAN = (0.4914, 0.4822, 0.4465)  # per-channel mean of the CIFAR-10 training images, in [0, 1]
+STD = (0.2470, 0.2435, 0.2616)
+
+
+def crop_padding(size: int) -> int:
+    """The zero padding of the random crop: 4 pixels at 32 x 32, in proportion at other sizes."""
+    return max(1, round(size / 8))
+
+
+def check_one_batch(labels: torch.Tensor, batch_size: int, processes: int, accumulation: int = 1) -> None:
+    """Training keeps whole global batches only: a split smaller than one would train nothing."""
+    if len(labels) < batch_size * processes * accumulation:
+        raise UserError(f"{len(labels)} training images do not fill one global batch of "
+                        f"{batch_size * processes * accumulation} ({batch_size} on each of {processes} processes x "
+                        f"{accumulation} accumulation steps).")
+
+
+def take_prefix(pair: tuple[torch.Tensor, torch.Tensor], n: int | None, flag: str):
+    """The first n (images, labels) of a split (all with n None); a prefix is class-balanced (rows are shuffled)."""
+    images, labels = pair
+    if n is not None and n > len(labels):
+        raise UserError(f"{flag} {n} is larger than the split ({len(labels)} images).")
+    return (images[:n], labels[:n]) if n is not None else pair
+
+
+# ----------------------------------------------------------------------------------------------------
+# Batched dataset and on-device augmentation
+# ----------------------------------------------------------------------------------------------------
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser on uint64 arrays (wrapping arithmetic): a counter-based hash, so the draw for key k is
+    computed from k alone, in any order, by any process."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _stream(seed: int, epoch: int, purpose: int) -> np.ndarray:
+    """A (1,) uint64 key of (seed, epoch, purpose): 0 the epoch's shuffle, 1 its augmentation."""
+    return _splitmix64(np.array([(seed % 2**32) << 32 | (epoch % 2**30) << 2 | purpose], dtype=np.uint64))
+
+
+def augment_draws(seed: int, epoch: int, indices, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The crop and flip of each training sample in `indices`, a function of (seed, epoch, sample index) only: an
+    image is augmented the same way whichever process draws it at whatever process count. Returns (the positions
+    in the batch of the images to mirror, each image's crop offset: an index into the (2 pad + 1)^2 (dy, dx)).
+    On the host, beside the sampler's indices (128 hashes in numpy: about 50 us on the 2-core CPU), because how
+    many images are mirrored sets the shapes of the transform's kernels: drawn on a GPU, that count would cost a
+    device sync per batch."""
+    h = _splitmix64(np.asarray(indices).astype(np.uint64) ^ _stream(seed, epoch, 1))
+    mirrored = np.flatnonzero(h >> np.uint64(63))  # the top bit: a fair coin
+    crop = (h & np.uint64(0xFFFFFFFF)) % np.uint64((2 * pad + 1) ** 2)  # the low 32 bits: uniform to 2e-8
+    return torch.from_numpy(mirrored.astype(np.int64)), torch.from_numpy(crop.astype(np.int64))
+
+
+class BatchedTensorDataset(torch.utils.data.Dataset):
+    """Images and labels as two tensors. The DataLoader calls `__getitems__` once per batch with the
+    sampler's indices, so a batch costs one tensor index instead of `batch_size` Python calls.
+    A training set (`augment_seed` given) returns (images, labels, draws): each sample's crop and flip for the
+    current `epoch` (set by `EpochSampler`), from `augment_draws`; draws is None when `augment` is off."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, augment_seed: int | None = None,
+                 augment: bool = True, pad: int = 4):
+        assert len(images) == len(labels)
+        # NHWC rows: a batch is then one row copy per image, and arrives in the layout the transform reads.
+        self.images, self.labels = images.contiguous(memory_format=torch.channels_last), labels
+        self.augment_seed, self.augment, self.pad, self.epoch = augment_seed, augment, pad, 0
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        return self.images[i], self.labels[i]
+
+    def __getitems__(self, indices: list[int]):
+        # Measured on the 2-core CPU, 128 uint8 images:
+        # - index_select copies whole rows: 8 us; advanced indexing (images[idx]) goes element by element: 2.3 ms.
+        # - on the (N, 32, 32, 3) view the batch stays NHWC; on the channels-last 4-D tensor itself index_select
+        #   returns NCHW (a transposing copy, 8x slower).
+        # - the indices through numpy: 3 us; torch.as_tensor(list) 14 us.
+        # non_blocking: with the data on a GPU a blocking copy would wait for all queued GPU work every batch (a
+        # copy from pageable memory is staged before the call returns, so the host array may go away at once).
+        host = np.asarray(indices, dtype=np.int64)  # once, for the batch and its draws
+        idx = torch.from_numpy(host).to(self.labels.device, non_blocking=True)
+        nhwc = self.images.permute(0, 2, 3, 1).index_select(0, idx)
+        batch = nhwc.permute(0, 3, 1, 2), self.labels.index_select(0, idx)
+        if self.augment_seed is None:
+            return batch
+        draws = augment_draws(self.augment_seed, self.epoch, host, self.pad) if self.augment else None
+        return (*batch, draws)
+
+
+class EpochSampler(torch.utils.data.Sampler):
+    """The training order: a permutation of the samples per epoch, a function of (seed, epoch) only, cut to whole
+    optimizer steps of `step_images` (the global batch). Accelerate's prepare() splits its micro-batches over the
+    processes (micro-batch k to process k mod P), so optimizer step s takes the same micro-batches at any process
+    count P with P x accumulation fixed.
+    Written by hand because Accelerate's seedable sampler keeps the whole epoch and its shards then drop a tail that
+    depends on P (a last, partial optimizer step of other micro-batches), and it cannot tell the dataset the epoch
+    that keys the augmentation. Has no `generator` attribute on purpose: Accelerate then leaves the RNG alone."""
+
+    def __init__(self, dataset: BatchedTensorDataset, seed: int, step_images: int):
+        self.dataset, self.seed, self.step_images, self.epoch = dataset, seed, step_images, 0
+
+    def set_epoch(self, epoch: int) -> None:  # called by the prepared loader's set_epoch and at each iteration
+        self.epoch = self.dataset.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.dataset) // self.step_images * self.step_images
+
+    def __iter__(self):
+        order = torch.Generator().manual_seed(int(_stream(self.seed, self.epoch, 0)[0]))
+        return iter(torch.randperm(len(self.dataset), generator=order)[:len(self)].tolist())
+
+
+def keep_batch(batch):
+    """collate_fn for BatchedTensorDataset: `__getitems__` already returned the collated batch."""
+    return batch
+
+
+def make_loader(images, labels, batch_size: int, train: bool, seed: int = 0, augment: bool = False, pad: int = 4,
+                global_batch: int | None = None) -> torch.utils.data.DataLoader:
+    """A plain DataLoader for `accelerator.prepare`. Training: `EpochSampler` (reshuffled per epoch from the seed,
+    whole global batches only; global_batch unset: batch_size) and batches (images, labels, draws); evaluation keeps
+    every image in order, as (images, labels)."""
+    dataset = BatchedTensorDataset(images, labels, seed if train else None, augment, pad)
+    sampler = EpochSampler(dataset, seed, global_batch or batch_size) if train else None
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        drop_last=train,
+        collate_fn=keep_batch,
+        pin_memory=torch.cuda.is_available() and images.device.type == "cpu",  # asynchronous host-to-GPU copies
+    )
+
+
+class BatchTransform:
+    """uint8 (B, 3, S, S) on the device -> normalised float batch (per-channel mean and std in [0, 1]: the data's,
+    CIFAR-10's by default); given a training batch's draws (`augment_draws`), first a crop of each image (zero padding
+    of `pad` pixels: crop_padding(S)) and its horizontal flip. Works in NHWC (channels-last) memory, which the
+    loader delivers; --no-channels-last gets NCHW at the end. Holds no random state: the draws come with the batch."""
+
+    def __init__(self, device: torch.device, channels_last: bool, pad: int = 4, mean: tuple[float, ...] = MEAN,
+                 std: tuple[float, ...] = STD):
+        self.channels_last, self.pad = channels_last, pad
+        # (x - mean) / std as one fused x * scale + shift over rows of W pixels x 3 channels: with a
+        # per-channel (3,) operand the innermost loop would be 3 long (5x slower on CPU than this).
+        std, mean = torch.tensor(std, device=device) * 255, torch.tensor(mean, device=device) * 255
+        self.scale, self.shift = 1 / std, -mean / std
+        self.row_scale_shift = {}  # width -> (scale, shift) tiled along a row
+        self.canvas = None  # (2B, H + 2 pad, W + 2 pad, 3) uint8 with a zero border, kept between batches
+
+    def __call__(self, images: torch.Tensor, draws: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        if images.dtype != torch.uint8:  # float images would be divided by 255 x std: training on near-zero inputs
+            raise UserError(f"the loader gave {str(images.dtype).removeprefix('torch.')} images; the transform takes "
+                            f"uint8 images (0-255), as utils/batches.py's loaders give them (docs/customizing.md).")
+        if draws is not None:
+            images = self.crop_and_flip(images, draws)
+        n, c, h, w = images.shape
+        rows = images.permute(0, 2, 3, 1).reshape(n * h, w * c)  # a view for channels-last input
+        if w not in self.row_scale_shift:
+            self.row_scale_shift[w] = self.scale.repeat(w), self.shift.repeat(w)
+        scale, shift = self.row_scale_shift[w]
+        x = torch.addcmul(shift, rows, scale).view(n, h, w, c).permute(0, 3, 1, 2)  # float, channels-last
+        return x if self.channels_last else x.contiguous()
+
+    def crop_and_flip(self, images: torch.Tensor, draws: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Each image: its crop at the drawn offset of its zero-padded self, mirrored if drawn so.
+
+        Written with plain tensor ops because torchvision's v2 transforms draw one crop for the whole batch.
+        1. The batch goes into the interior of a canvas whose zero border is written once. The images to
+           mirror go mirrored into the canvas' second half: mirroring is the expensive step in NHWC (3-byte
+           pixels), so only those images pay for it.
+        2. ONE index_select of B x H row windows (each W x 3 contiguous bytes of the canvas) crops all images.
+        The result is a view of a buffer that the next call overwrites (`__call__` reads it at once): fresh
+        buffers per batch cost page faults on CPU (reusing this one and the mirror's took P2 from 48x to 52x).
+        draws: (mirrored, crop) from `augment_draws`, on the images' device.
+        """
+        n, c, h, w = images.shape
+        p, dev = self.pad, images.device
+        if self.canvas is None or self.canvas.shape != (2 * n, h + 2 * p, w + 2 * p, c) or self.canvas.device != dev:
+            self._make_canvas(n, c, h, w, dev, images.dtype)
+        nhwc = images.permute(0, 2, 3, 1)
+        self.interior[:n].copy_(nhwc)
+        mirrored, crop = draws
+        m = len(mirrored)
+        self.interior[n:n + m].copy_(torch.index_select(nhwc, 0, mirrored, out=self.scratch[:m]).flip(2))
+        start = self.image_start[:n].index_copy(0, mirrored, self.image_start[n:n + m])  # where image i now is
+        rows = self.crop_rows.index_select(0, crop).add_(start.view(n, 1))  # (n, h): first byte of each cropped row
+        crops = torch.index_select(self.windows, 0, rows.view(-1), out=self.crops)
+        return crops.view(n, h, w, c).permute(0, 3, 1, 2)
+
+    def _make_canvas(self, n: int, c: int, h: int, w: int, dev: torch.device, dtype: torch.dtype) -> None:
+        p = self.pad
+        H, W = h + 2 * p, w + 2 * p
+        self.canvas = torch.zeros(2 * n, H, W, c, dtype=dtype, device=dev)
+        self.interior = self.canvas[:, p:p + h, p:p + w]
+        self.windows = self.canvas.view(-1).unfold(0, w * c, 1)  # a view: window k = bytes k .. k + w*c - 1
+        self.scratch = torch.empty(n, h, w, c, dtype=dtype, device=dev)
+        self.crops = torch.empty(n * h, w * c, dtype=dtype, device=dev)
+        self.image_start = torch.arange(2 * n, device=dev) * (H * W * c)  # flat offsets in the canvas, in bytes
+        shifts = torch.arange(2 * p + 1, device=dev)
+        crop_offset = (shifts.view(-1, 1) * (W * c) + shifts.view(1, -1) * c).view(-1, 1)  # every (dy, dx)
+        self.crop_rows = crop_offset + torch.arange(h, device=dev) * (W * c)  # ((2p+1)^2, h): where each row starts
+
+
+# ----------------------------------------------------------------------------------------------------
+# The scripts' loaders
+# ----------------------------------------------------------------------------------------------------
+def build_loaders(cfg, accelerator, plan):
+    """Training and test DataLoaders over whole splits held as uint8 tensors (decoded once, cached), and what the
+    data is (load_data's 'classes', 'dataset', and 'image_size'); prepare() then shards the loaders and moves
+    batches to the device. The training order and augmentation are keyed by --seed, the epoch and the sample, and
+    every epoch is whole optimizer steps of the plan's global batch (utils.launch.BatchPlan). cfg: a script's Config
+    (data_dir, cache_dir, train_subset, eval_subset, data_on_device, dataset, image_column, label_column,
+    val_fraction, seed, augment). Your own data: return yours here."""
+    data = load_data(cfg.data_dir, cfg.cache_dir, accelerator, cfg.image_size, cfg.dataset,
+                     (cfg.image_column, cfg.label_column), cfg.val_fraction)
+    train_split = take_prefix(data["train"], cfg.train_subset, "--train-subset")
+    eval_split = take_prefix(data["test"], cfg.eval_subset, "--eval-subset")
+    check_one_batch(train_split[1], plan.micro, accelerator.num_processes, plan.accumulation)
+    if cfg.data_on_device:  # GPU-resident: Accelerate's move to the device becomes a no-op
+        train_split, eval_split = ([t.to(accelerator.device) for t in split] for split in (train_split, eval_split))
+    size = int(train_split[0].shape[-1])
+    about = {k: data[k] for k in ("classes", "dataset", "mean", "std")} | {"image_size": size}
+    train = make_loader(*train_split, plan.micro, train=True, seed=cfg.seed, augment=cfg.augment == "standard",
+                        pad=crop_padding(size), global_batch=plan.global_batch)
+    return train, make_loader(*eval_split, plan.micro, train=False), about

@@ -1,0 +1,87 @@
+"""The Config groups both templates share, defined once: data, checkpoints, logging. A script's `Config` inherits
+them (`class Config(LoggingConfig, CheckpointConfig, DataConfig)`), so its command line stays flat (`--data-dir`,
+not `--data.data-dir`), `--help` keeps the groups, and `asdict(cfg)` stays one flat dict for the tracker and
+summary.json. The model and optimisation fields, which copiers edit, stay in the script. Each group checks its own
+fields in `validate()` and then hands on to the next group (cooperative `super().validate()`)."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+from utils import UserError
+from utils.config import check_ranges, opt
+from utils.decode import check_source
+
+
+@dataclass
+class Group:
+    def validate(self) -> None:
+        """The end of the chain: each group checks its fields, then calls super().validate()."""
+
+
+@dataclass
+class DataConfig(Group):
+    # --- data: where the images come from, how many, how they are augmented ---
+    data_dir: str | None = opt(None, "local data: a folder of train-*.parquet / test-*.parquet (Hub layout) or an "
+                               "image folder (train/<class>/*.png, test/<class>/...)")
+    dataset: str | None = opt(None, "a Hub image-classification dataset, when --data-dir is unset (each machine's "
+                              "first process downloads it); unset: uoft-cs/cifar10")
+    image_column: str | None = opt(None, "the data's image column; unset: img or image")
+    label_column: str | None = opt(None, "the data's label column; unset: label, labels or fine_label")
+    val_fraction: float | None = opt(None, "evaluate on this fraction of the training images, held out (a fixed "
+                                     "shuffle); unset: the test (or validation) split, else 0.1 held out")
+    cache_dir: str | None = opt(None, "decoded-tensor cache; unset: <data-dir>/.decoded if writable, else "
+                                "~/.cache/accelerate-cifar")
+    image_size: int | None = opt(None, "resize every image to S x S (8-512), as decoded once; unset: the images' "
+                                 "own size, which they must then all share")
+    train_subset: int | None = opt(None, "train on the first N training images only")
+    eval_subset: int | None = opt(None, "evaluate on the first N test (or held-out) images only")
+    augment: str = opt("standard", "standard: random crop (4 px zero padding) + horizontal flip; none",
+                       ("standard", "none"))
+    data_on_device: bool = opt(False, "keep both splits on the GPU (uint8, 180 MB): no host-to-device copy per batch")
+
+    def validate(self) -> None:
+        check_ranges(self, positive=["train_subset", "eval_subset"], non_negative=[])
+        if self.image_size is not None and not 8 <= self.image_size <= 512:
+            raise UserError(f"--image-size must be between 8 and 512 pixels (got {self.image_size}).")
+        check_source(self.data_dir, self.dataset, self.val_fraction)
+        super().validate()
+
+
+@dataclass
+class CheckpointConfig(Group):
+    # --- checkpoints: where the outputs go; resume, how often, how many; how long to wait for a missing process ---
+    output_dir: str = opt("runs/cifar10", "summary.json, model.safetensors, checkpoints and tracker files go here")
+    resume: str | None = opt(None, "auto: continue from the newest sound checkpoint in <output-dir>/checkpoints "
+                             "(fresh if none); or a checkpoint folder")
+    checkpoint_every_steps: int | None = opt(None, "also checkpoint every N optimizer steps (always at the end of "
+                                             "each epoch)")
+    keep_last: int = opt(2, "checkpoints kept, besides the best one")
+    overwrite: bool = opt(False, "start fresh in an output dir holding an earlier run's checkpoints, deleting them")
+    dist_timeout: int = opt(600, "seconds a collective waits for a missing process before the job fails")
+
+    def validate(self) -> None:
+        check_ranges(self, positive=["checkpoint_every_steps", "keep_last", "dist_timeout"], non_negative=[])
+        super().validate()
+
+
+@dataclass
+class LoggingConfig(Group):
+    # --- logging: the tracker, the run's name and group, how often it hears from the run ---
+    tracker: str = opt("wandb" if importlib.util.find_spec("wandb") else "none",
+                       "wandb (the default when installed; offline by itself without credentials), tensorboard "
+                       "(<output-dir>/<project>/) or none", ("wandb", "tensorboard", "none"))
+    wandb_project: str | None = opt(None, "W&B project (TensorBoard: the folder name); unset: $WANDB_PROJECT, else "
+                                    "cifar10-accelerate")
+    run_name: str | None = opt(None, "W&B run name; unset: $WANDB_NAME, else W&B picks one")
+    group: str | None = opt(None, "W&B group, e.g. one per setting run with several seeds (compare_runs.py "
+                            "--by-group)")
+    tags: str | None = opt(None, "comma-separated W&B tags (or $WANDB_TAGS)")
+    log_every: int = opt(50, "optimizer steps between train/loss, train/lr and train/images_per_sec logs")
+    progress_every: float = opt(60.0, "without a terminal (SLURM logs): seconds between console progress lines (step, "
+                                "loss, img/s, ETA), printed at log steps; 0: at every log step")
+
+    def validate(self) -> None:
+        check_ranges(self, positive=["log_every"], non_negative=["progress_every"])
+        super().validate()
