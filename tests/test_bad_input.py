@@ -134,12 +134,14 @@ def test_output_dir_that_cannot_be_written(tmp_path, small_data):
     assert blocker.read_text() == "not a folder"
 
 
+@pytest.mark.slow
 def test_bad_labels_under_two_ranks_stop_both_with_one_line(tmp_path, small_data):
     write_parquet(small_data / "train-00000-of-00001.parquet", 20, labels=[-1] * 20)  # -1: the Hub's "no label"
     _fails_cleanly(tmp_path, ["--data-dir", str(small_data)], "has label -1 at row 0 (20 rows in all); labels must "
                    "be 0-9.", launch=["--config_file", str(CPU_YAML)])
 
 
+@pytest.mark.slow
 def test_a_user_error_on_every_rank_is_printed_even_when_rank_0_reaches_it_last(tmp_path):
     """torchrun stops the other ranks when one exits: a rank other than 0 exiting first used to take rank 0 (the
     one that prints) down before its line was out (seen in CI on a loaded machine: the FSDP-version-1 test)."""

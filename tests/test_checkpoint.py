@@ -137,6 +137,7 @@ REPLAY_SCALED = {"--num_processes 8": "--num_processes 2", "--global-batch-size 
                  "--checkpoint-every-steps 500": "--checkpoint-every-steps 2", "step-00001000": "step-00000002"}
 
 
+@pytest.mark.slow
 def test_the_replay_commands_run_as_printed_and_end_with_the_same_weights(cifar_dir, cache_dir, tmp_path):
     commands = [c for _, c in doc_commands(REPO / "docs" / "reproducibility.md") if "--global-batch-size 512" in c]
     assert len(commands) == 3 and all(any(k in c for c in commands) for k in REPLAY_SCALED), commands
@@ -262,6 +263,7 @@ def test_rotation_keeps_the_best_checkpoint_when_it_is_older_than_the_last_ones(
                                                           "step-00000006"]
 
 
+@pytest.mark.slow
 def test_dead_peer_fails_the_job_instead_of_hanging(cifar_dir, cache_dir, tmp_path):
     out = tmp_path / "dead_peer"
     proc = start(job_args(cifar_dir, cache_dir, out, "--dist-timeout", "30"), TWO_RANKS)
@@ -276,6 +278,7 @@ def test_dead_peer_fails_the_job_instead_of_hanging(cifar_dir, cache_dir, tmp_pa
     assert len(errors) == 1 and "a peer process died" in errors[0] and "(rank 0)" in errors[0], stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_nan_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(cifar_dir, cache_dir, tmp_path):
     out = tmp_path / "nan"
     result = run_train(job_args(cifar_dir, cache_dir, out), launch=TWO_RANKS, script=PROBE,
@@ -446,6 +449,7 @@ def test_full_disk_while_exporting_weights_keeps_the_previous_file_whole(small_d
     assert previous.read_bytes() == before and sorted(p.name for p in small_disk.iterdir()) == ["best.safetensors"]
 
 
+@pytest.mark.slow
 def test_second_job_in_a_busy_output_dir_stops_naming_the_first_and_a_dead_jobs_lock_is_taken_over(
         cifar_dir, cache_dir, tmp_path):
     import socket
@@ -475,6 +479,7 @@ def test_second_job_in_a_busy_output_dir_stops_naming_the_first_and_a_dead_jobs_
     assert read_summary(out)["global_step"] == 7 and not (out / ".lock").exists()  # released at the end
 
 
+@pytest.mark.slow
 def test_every_form_of_a_collective_timeout_reads_as_the_dist_timeout_in_one_line():
     """gloo's and NCCL's timeout messages carry the limit; gloo's broadcast (DDP's buffer sync at a forward) says only
     "Application timeout caused pair closure", so the limit comes from the process group (here a 1-process gloo group
@@ -502,6 +507,7 @@ dist.destroy_process_group()
         "None"]
 
 
+@pytest.mark.slow
 def test_hung_peer_stops_the_others_after_dist_timeout_with_one_line(cifar_dir, tmp_path):
     """A cache of its own: rank 0 first decodes all of CIFAR-10 (about 20 s) while rank 1 waits for it, longer than
     --dist-timeout 10, which that wait must not be subject to; then rank 1 hangs and rank 0 stops after 10 s."""

@@ -84,6 +84,7 @@ def launch_two_machines(script: Path, args: list[str], num_processes=(2, 2), tim
     return [(p.wait(timeout), *p.communicate()) for p in launchers]
 
 
+@pytest.mark.slow
 def test_two_machines_on_loopback_train_together_from_the_multinode_config(cifar_dir, cache_dir, tmp_path):
     out = tmp_path / "two_nodes"
     results = launch_two_machines(REPO / "train_cifar.py", [
@@ -96,6 +97,7 @@ def test_two_machines_on_loopback_train_together_from_the_multinode_config(cifar
     assert s["global_step"] == 256 // 64 and s["eval_examples"] == 50
 
 
+@pytest.mark.slow
 def test_machines_launched_with_different_process_counts_stop_training(cifar_dir, cache_dir, tmp_path):
     # 2 processes in all on one machine's command, 4 on the other's: torchrun forms a world of 1 + 2 = 3.
     results = launch_two_machines(REPO / "train_cifar.py",
@@ -109,6 +111,7 @@ def test_machines_launched_with_different_process_counts_stop_training(cifar_dir
     assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
 
 
+@pytest.mark.slow
 def test_doctor_reports_a_healthy_two_rank_cpu_setup():
     result = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                              str(REPO / "accelerate_configs" / "cpu.yaml"),
@@ -124,6 +127,7 @@ def test_doctor_reports_a_healthy_two_rank_cpu_setup():
     assert lines[-1] == "doctor: OK (2 processes, MULTI_CPU)"
 
 
+@pytest.mark.slow
 def test_doctor_diagnoses_machines_launched_with_different_process_counts():
     results = launch_two_machines(REPO / "doctor.py", ["--timeout", "30", "--size-mb", "1"], num_processes=(2, 4))
     assert results[0][0] == 1, results[0][2][-3000:]
@@ -146,6 +150,7 @@ def _doctor_alone(port: int, timeout: float, rank: int = 0):
     return result, time.time() - started
 
 
+@pytest.mark.slow
 def test_doctor_diagnoses_a_missing_process_within_its_timeout():
     result, seconds = _doctor_alone(_free_port(), timeout=5)
     assert result.returncode == 1
@@ -156,6 +161,7 @@ def test_doctor_diagnoses_a_missing_process_within_its_timeout():
     assert lines[1].startswith("  fix: a process is missing: every machine must run the launch command")
 
 
+@pytest.mark.slow
 def test_doctor_diagnoses_a_busy_port():
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -166,6 +172,7 @@ def test_doctor_diagnoses_a_busy_port():
     assert lines and lines[-1].startswith("  fix: the port is busy"), result.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_doctor_diagnoses_an_unreachable_head_node():
     result, seconds = _doctor_alone(_free_port(), timeout=5, rank=1)  # nothing listens at the head's address
     assert result.returncode == 1 and seconds < 5 + 30

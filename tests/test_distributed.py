@@ -357,6 +357,7 @@ def test_bf16_runs_all_reduce_gradients_in_bf16_unless_told_not_to(ddp_jobs, cif
         assert all(p["synced_in_bf16"] and not any(p["synced_in_bf16"]) for p in synced[name])
 
 
+@pytest.mark.slow
 def test_a_compiled_ddp_model_passes_the_ddp_check_and_keeps_its_bf16_all_reduce(cifar_dir, cache_dir, tmp_path):
     """With a dynamo backend Accelerate compiles the DDP wrapper last; the script must look inside it (it asserted
     on the compiled wrapper's type before, which stopped every multi-GPU --compile run). The eager backend runs
@@ -390,6 +391,7 @@ def test_fsdp_asked_for_but_not_set_up_stops(cifar_dir, cache_dir, tmp_path):
     (["--global-batch-size", "128", "--grad-accum", "2"], "--grad-accum and --global-batch-size both set the "
      "accumulation steps: give one of them."),
 ])
+@pytest.mark.slow
 def test_a_global_batch_that_is_not_whole_micro_batches_stops_with_one_line(cifar_dir, cache_dir, tmp_path, flags,
                                                                             message):
     result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir",
@@ -399,6 +401,7 @@ def test_a_global_batch_that_is_not_whole_micro_batches_stops_with_one_line(cifa
     assert errors == [f"error: {message}"]
 
 
+@pytest.mark.slow
 def test_world_size_that_differs_from_the_launchers_stops(cifar_dir, cache_dir, tmp_path):
     # Two launched CPU processes whose Accelerator lacks cpu=True do not form a group: each would train
     # alone on all the data. The probe recreates that mistake; the script's guard must stop both.

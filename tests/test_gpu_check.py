@@ -33,6 +33,7 @@ def test_gpu_check_without_an_output_folder_prints_its_usage_and_exits_2():
                                                      "required: out"
 
 
+@pytest.mark.slow
 def test_gpu_check_without_cuda_stops_at_once_with_one_line_and_writes_nothing(tmp_path):
     result = gpu_check(tmp_path / "out", "--work", tmp_path / "work")
     assert result.returncode == 1
@@ -43,6 +44,7 @@ def test_gpu_check_without_cuda_stops_at_once_with_one_line_and_writes_nothing(t
     assert race.returncode == 1 and race.stderr.strip() == "bench/gpu_race.py needs a CUDA GPU."
 
 
+@pytest.mark.slow
 def test_a_failed_or_hung_part_leaves_the_others_results_and_a_spent_budget_skips_the_rest(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
@@ -79,6 +81,7 @@ def test_a_failed_or_hung_part_leaves_the_others_results_and_a_spent_budget_skip
     assert len(list(out.iterdir())) <= 8  # the device tool brings back 8 files at most
 
 
+@pytest.mark.slow
 def test_the_cuda_test_files_collect_without_wandb_or_notebook_packages():
     """The GPU machine lacks wandb and nbclient: the files gpu_check hands to pytest must not need them."""
     files = cuda_test_files()

@@ -34,6 +34,7 @@ def run_recorded(script: str, out: Path, args: list[str], env: dict) -> tuple[li
     return losses, read_summary(out)
 
 
+@pytest.mark.slow
 def test_minimal_script_trains_exactly_like_train_cifar_and_resumes_exactly(cifar_dir, cache_dir, tmp_path):
     # The minimal script has no --cache-dir: with a read-only data folder it caches under $XDG_CACHE_HOME, pointed
     # here at the session's cache so the data is decoded once.
@@ -97,6 +98,7 @@ def test_minimal_script_refuses_to_start_over_an_earlier_run(cifar_dir, tmp_path
     assert (out / "checkpoints" / "checkpoint_0" / "model.safetensors").read_bytes() == b"earlier"
 
 
+@pytest.mark.slow
 def test_minimal_script_refuses_an_fsdp_launch_config_instead_of_running_ddp_silently(cifar_dir, tmp_path):
     result = run_train(["--data-dir", str(cifar_dir), *JOB, "--output-dir", str(tmp_path / "out")],
                        launch=["--config_file", str(REPO / "accelerate_configs" / "fsdp_cpu.yaml")],

@@ -41,6 +41,7 @@ def test_notebook_is_committed_without_outputs(path):
             assert cell.outputs == [] and cell.execution_count is None, f"{path.name}: strip outputs before committing"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["train_cifar.py", "train_minimal.py", "train_vit.py"])
 def test_launch_from_notebook_trains_each_script_with_two_processes_and_shows_the_result(
         script, cifar_dir, cache_dir, tmp_path, monkeypatch):

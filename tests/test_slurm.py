@@ -46,6 +46,7 @@ def test_slurm_scripts_parse(script):
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script, model", [("train_minimal.py", "resnet18"), ("train_vit.py", "vit_micro")])
 def test_launch_logic_starts_two_fake_nodes_as_one_world_of_two_for_the_script_named_in_script(
         script, model, fake_slurm, cifar_dir, cache_dir, tmp_path):
@@ -73,6 +74,7 @@ def test_launch_logic_starts_two_fake_nodes_as_one_world_of_two_for_the_script_n
     assert (out / "checkpoints" / checkpoint).is_dir()
 
 
+@pytest.mark.slow
 def test_sbatch_script_checkpoints_and_requeues_on_the_preemption_signal(fake_slurm, cifar_dir, cache_dir, tmp_path):
     out = tmp_path / "preempted"
     env = {**fake_slurm, "SLURM_NNODES": "1", "SLURM_NODEID": "0", "SLURM_GPUS_ON_NODE": "2"}

@@ -139,6 +139,7 @@ def run_copy(script: Path, cifar_dir, cache_dir, out: Path, launch=None):
     return run_train(job_args(cifar_dir, cache_dir, out, *SMALL_JOB), launch=launch, env=env, script=script)
 
 
+@pytest.mark.slow
 def test_a_copy_with_its_own_model_trains_under_ddp_and_stops_under_fsdp_naming_the_block_setting(
         cifar_dir, cache_dir, tmp_path):
     script = copy_of_train_cifar(tmp_path, OWN_MODEL)
@@ -153,6 +154,7 @@ def test_a_copy_with_its_own_model_trains_under_ddp_and_stops_under_fsdp_naming_
     assert "Could not find the transformer layer class" not in result.stderr  # Accelerate's traceback never comes
 
 
+@pytest.mark.slow
 def test_a_copy_with_a_loader_of_images_and_labels_trains_without_augmentation(cifar_dir, cache_dir, tmp_path):
     script = copy_of_train_cifar(tmp_path, own_loader("uint8"))
     result = run_copy(script, cifar_dir, cache_dir, tmp_path / "out")
@@ -161,6 +163,7 @@ def test_a_copy_with_a_loader_of_images_and_labels_trains_without_augmentation(c
     assert s["global_step"] == 256 // 32 and s["train_images_seen"] == 256 and s["eval_examples"] == 64
 
 
+@pytest.mark.slow
 def test_a_copy_whose_loader_gives_float_images_stops_with_one_line_naming_uint8(cifar_dir, cache_dir, tmp_path):
     script = copy_of_train_cifar(tmp_path, own_loader("float32"))
     result = run_copy(script, cifar_dir, cache_dir, tmp_path / "out")

@@ -161,6 +161,7 @@ def test_reader_keeps_the_records_before_a_cut_off_end(tracked_runs, tmp_path):
     assert part.history == whole.history[: len(part.history)]
 
 
+@pytest.mark.slow
 def test_tensorboard_tracker_logs_the_same_metrics_and_the_gpu_race_reads_them_without_wandb(cifar_dir, cache_dir,
                                                                                              tmp_path):
     """bench/gpu_race.py reads a finished run without W&B (the GPU machine has none): from its TensorBoard files and
@@ -198,6 +199,7 @@ def test_run_comparison_refuses_an_argument_that_is_neither_folder_nor_wandb_pat
     assert result.stderr.strip() == f"error: {missing} is neither a folder nor a W&B run path (entity/project/run_id)."
 
 
+@pytest.mark.slow
 def test_wandb_dir_is_honoured_and_compare_runs_still_finds_the_run(cifar_dir, cache_dir, tmp_path):
     """Cluster users point $WANDB_DIR at scratch space: the run goes there, the output folder lists it."""
     out, scratch = tmp_path / "out", tmp_path / "scratch"

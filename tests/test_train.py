@@ -82,6 +82,7 @@ def test_exported_weights_load_into_a_plain_model_and_reproduce_the_reported_top
     assert metrics["loss"] == pytest.approx(reported["eval_loss"], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_one_process_bf16_from_the_launcher_with_accumulation_and_offline_wandb(cifar_dir, cache_dir, tmp_path):
     out = tmp_path / "run"
     env = script_env(ACCELERATE_MIXED_PRECISION="bf16", HOME=str(tmp_path))  # no W&B credentials in this HOME
@@ -136,6 +137,7 @@ def test_schedule_warms_up_linearly_then_decays_to_zero_by_the_last_step():
     assert math.isclose(train_cifar.warmup_cosine(0, 5)(0), 1.0)
 
 
+@pytest.mark.slow
 def test_compiled_model_trains_and_exports_weights_without_the_orig_mod_prefix(cifar_dir, cache_dir, tmp_path):
     # resnet9: the fast recipe's model, and 25% less inductor compile time than resnet18_imagenet's (32 s against
     # 42 s with a cold compile cache on 2 CPU cores)
@@ -177,6 +179,7 @@ def test_flip_test_time_augmentation_averages_the_logits_of_each_image_and_its_m
     assert abs(plain["loss"] - flipped["loss"]) > 100 * 1e-5 * flipped["loss"]  # the mirror really was evaluated
 
 
+@pytest.mark.slow
 def test_fast_recipe_trains_resnet9_with_the_data_on_the_device(cifar_dir, cache_dir, tmp_path):
     """The GPU recipe's code path on CPU (where 'on the device' is the host and compile is switched off to save
     time)."""
@@ -191,6 +194,7 @@ def test_fast_recipe_trains_resnet9_with_the_data_on_the_device(cifar_dir, cache
     assert s["eval_top1"] > 20, s["eval_top1"]  # chance is 10% (+- 1.9 points on 250 images); 30.0% measured here
 
 
+@pytest.mark.slow
 def test_a_hundred_class_parquet_with_image_and_fine_label_columns_trains_resnet18_for_its_classes(tmp_path, cache_dir):
     """The classes come from the data: the model's head, the metrics, the confusion matrix and summary.json. With
     more than 20 classes the tracker gets no per-class keys (summary.json keeps them all)."""
@@ -217,6 +221,7 @@ def test_a_hundred_class_parquet_with_image_and_fine_label_columns_trains_resnet
     assert "eval/top5" in tags and not [t for t in tags if t.startswith("eval/top1_")]
 
 
+@pytest.mark.slow
 def test_a_folder_of_mixed_sizes_grayscale_and_rgba_trains_end_to_end_at_image_size_48(tmp_path, cache_dir):
     """And evaluate_checkpoint.py takes the image size from summary.json: the same top-1 from the exported weights."""
     import evaluate_checkpoint
@@ -236,6 +241,7 @@ def test_a_folder_of_mixed_sizes_grayscale_and_rgba_trains_end_to_end_at_image_s
 
 
 # Own data on 2 ranks: an image folder, and a Hub dataset by name without a test split ------------------------------
+@pytest.mark.slow
 def test_two_ranks_train_on_a_png_folder_of_cifar_exactly_as_on_the_same_parquet_rows(cifar_dir, cache_dir, tmp_path):
     """The first 512 / 128 CIFAR-10 images as a PNG folder, and the original parquet rows (JPEG bytes) of the same
     images in the order the folder is loaded in (shuffled class folders): the two 2-rank jobs decode, normalise,
@@ -273,6 +279,7 @@ def test_two_ranks_train_on_a_png_folder_of_cifar_exactly_as_on_the_same_parquet
     assert_same_state(tmp_path / "run-folder" / "model.safetensors", tmp_path / "run-parquet" / "model.safetensors")
 
 
+@pytest.mark.slow
 def test_a_hub_dataset_without_a_test_split_holds_out_the_stated_part_on_two_ranks_and_evaluates_it_again(tmp_path):
     """--dataset NAME with named columns (a local path in the Hub's layout stands in for the id: no network here);
     evaluate_checkpoint.py finds the same data and held-out part from summary.json alone."""
