@@ -61,7 +61,6 @@ from utils.launch import (
     shard_on_cpu_too,
 )
 from utils.models import MODELS, build_model
-from utils.progress import Progress
 from utils.schedule import warmup_cosine
 from utils.tracking import Tracker, TrainMeter, environment, peak_memory_gb
 
@@ -175,12 +174,11 @@ def main(cfg: Config) -> dict:
     resume_from = checkpointer.resume_point(cfg.resume, cfg.overwrite)
     # micro-batch x processes x accumulation; a resume on another process count keeps the global batch
     plan = checkpointer.batch_plan(resume_from, cfg.batch_size, cfg.global_batch_size, cfg.grad_accum)
-    batch_size, global_batch = plan.micro, plan.global_batch
-    lr = cfg.lr * global_batch / REFERENCE_BATCH if cfg.scale_lr else cfg.lr
+    lr = cfg.lr * plan.global_batch / REFERENCE_BATCH if cfg.scale_lr else cfg.lr
     accelerator.print(f"config: {json.dumps(asdict(cfg))}")
     accelerator.print(f"{world} process(es), {accelerator.distributed_type.value}, mixed precision "
-                      f"{accelerator.mixed_precision}, device {accelerator.device}; global batch {global_batch} ("
-                      f"{batch_size} x {world} processes x {plan.accumulation} accumulation), lr {lr:g}")
+                      f"{accelerator.mixed_precision}, device {accelerator.device}; global batch {plan.global_batch} ("
+                      f"{plan.micro} x {world} processes x {plan.accumulation} accumulation), lr {lr:g}")
 
     # --- data: shuffled and augmented by (seed, epoch, sample); Accelerate shards and moves to the device ---
     train_loader, eval_loader, data = build_loaders(cfg, accelerator, plan)  # data: classes, mean, std, size
@@ -196,7 +194,6 @@ def main(cfg: Config) -> dict:
     check_fsdp_blocks(fsdp, model)  # the block class FSDP shards is in the model (a copier's own model)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     check_wrapper(accelerator, model, cfg.bf16_grad_sync)  # DDP or FSDP really wraps it; bf16 all-reduce if asked
-    params_here = sum((q.to_local() if isinstance(q, DTensor) else q).numel() for q in model.parameters())
     # crop, flip (drawn per sample by the loader) and normalise, on the device
     transform = BatchTransform(accelerator.device, channels_last=channels_last, pad=crop_padding(data["image_size"]),
                                mean=data["mean"], std=data["std"])
@@ -209,14 +206,17 @@ def main(cfg: Config) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, warmup_cosine(warmup_steps, total_steps))
 
     # --- resume, on any process count: weights, optimizer, RNG (Accelerate), schedule, counters ---
-    p = Progress(**checkpointer.restore(resume_from, scheduler)) if resume_from else Progress()
-    if cfg.overwrite and not resume_from:
-        checkpointer.clear()  # only now: a bad flag or data file above stopped the job with the old run intact
+    p = checkpointer.start(resume_from, scheduler)  # fresh: --overwrite clears the old run only now
     accelerator.wait_for_everyone()
     run_info = {"world_size": world, "distributed_type": accelerator.distributed_type.value,
-                "mixed_precision": accelerator.mixed_precision, "channels_last": channels_last,
-                "batch_size_per_process": batch_size, "grad_accum": plan.accumulation, "global_batch": global_batch,
-                "effective_lr": lr, **environment()}
+                "mixed_precision": accelerator.mixed_precision,
+                "batch_size_per_process": plan.micro, "grad_accum": plan.accumulation,
+                "global_batch": plan.global_batch, "total_steps": total_steps, "effective_lr": lr,
+                "wrapper": type(model).__name__,
+                "parameters": sum(q.numel() for q in model.parameters()),  # DTensors count in full
+                "parameters_on_main_process": sum((q.to_local() if isinstance(q, DTensor) else q).numel()
+                                                  for q in model.parameters()), **environment()}
+    run_info["channels_last"] = channels_last  # as run: off under FSDP2
     p.tracker_run_id = tracker.start(accelerator, {**asdict(cfg), **run_info}, p.tracker_run_id, bool(resume_from))
     guard = StopGuard(accelerator, HEALTH_CHECK_EVERY, checkpointer)  # preemption signals and a non-finite loss
 
@@ -229,7 +229,7 @@ def main(cfg: Config) -> dict:
         batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
         bar = tqdm(batches, f"epoch {epoch_number}/{cfg.epochs}", len(train_loader), initial=skip,
                    leave=False, disable=None if accelerator.is_local_main_process else True)  # None: off without a tty
-        meter = TrainMeter(accelerator.device, batch_size * world)
+        meter = TrainMeter(accelerator.device, plan.micro * world)
         for images, labels, *draws in bar:  # draws: each image's crop and flip; none from an (images, labels) loader
             with accelerator.accumulate(model):  # skips the all-reduce on non-final micro-steps
                 logits = model(transform(images, *draws))  # crop, flip and normalise on the device
@@ -247,23 +247,13 @@ def main(cfg: Config) -> dict:
             if not optimizer.step_was_skipped:  # fp16 overflow steps leave the schedule where it was
                 scheduler.step()
             p.took_step()
-            if tracker.should_log(p.global_step):
-                window_loss, speed = meter.window(accelerator)  # syncs
-                tracker.log_train(p.global_step, total_steps, epoch_number, cfg.epochs, window_loss,
-                                  scheduler.get_last_lr()[0], speed, global_batch)
-                bar.set_postfix(loss=f"{window_loss:.3f}", img_s=f"{speed:,.0f}")
+            tracker.after_step(p, meter, scheduler.get_last_lr()[0], bar)  # every --log-every steps: syncs and logs
             if p.global_step >= total_steps:
                 break
-            periodic = checkpointer.due(p.global_step)
-            if guard.should_stop(p.global_step, now=periodic):  # collective
-                p.trained(meter.images(), meter.seconds())
-                folder = checkpointer.save(p, model, scheduler)
-                accelerator.print(f"preempted ({guard.reason()}): saved {folder}; continue with --resume auto")
-                accelerator.wait_for_everyone()
-                accelerator.end_training()  # see utils.launch.release_process_group() for what follows
-                return {"preempted": True, "checkpoint": str(folder)}
-            if periodic and p.batches_in_epoch < len(train_loader):  # at the epoch's end, the epoch's own save
-                checkpointer.save(p.with_epoch_so_far(meter.images(), meter.seconds()), model, scheduler)
+            if checkpointer.after_step(p, meter, guard, model, scheduler, len(train_loader)):
+                break  # preempted: saved where every rank stopped
+        if guard.preempted:
+            break
         train_loss = meter.epoch_loss(accelerator)  # syncs
         epoch_images, epoch_seconds = meter.images(), meter.seconds()
         bar.close()
@@ -274,21 +264,26 @@ def main(cfg: Config) -> dict:
         metrics = evaluate(model, eval_loader, transform, accelerator, tta_flip=cfg.tta_flip, classes=data["classes"])
         if p.is_best(metrics["top1"]):
             export_weights(accelerator, model, Path(cfg.output_dir) / "best.safetensors")
-        tracker.log_epoch(epoch_number, cfg.epochs, p.global_step, train_loss, epoch_images, epoch_seconds, metrics)
+        tracker.log_epoch(epoch_number, p.global_step, train_loss, epoch_images, epoch_seconds, metrics)
         checkpointer.save(p, model, scheduler)
 
-    # --- outputs: written once, by the main process; weights unwrapped (no 'module.' prefix) ---
-    if metrics is None:  # resumed from a checkpoint of a finished run
-        metrics = evaluate(model, eval_loader, transform, accelerator, tta_flip=cfg.tta_flip, classes=data["classes"])
-    export_weights(accelerator, model, Path(cfg.output_dir) / "model.safetensors")
-    summary = {**run_info, "model": cfg.model, "wrapper": type(model).__name__, "dataset": data["dataset"],
-               "classes": list(data["classes"]), "image_size": data["image_size"],
-               "parameters": sum(q.numel() for q in model.parameters()),  # DTensors count in full
-               "parameters_on_main_process": params_here, **p.summary(), "train_loss": train_loss,
-               **{f"eval_{k}": v for k, v in metrics.items()}, "peak_memory_gb": peak_memory_gb(accelerator.device),
-               "last_checkpoint": str(checkpointer.last), "resumed_from": str(resume_from) if resume_from else None,
-               "wall_seconds": time.time() - started, "config": asdict(cfg)}
-    tracker.finish(summary)  # summary.json, and the W&B run's summary
+    # --- the end, one path. Preempted: the checkpoint just saved is where to continue. Finished: the outputs,
+    # written once by the main process; weights unwrapped (no 'module.' prefix)
+    if guard.preempted:
+        accelerator.print(f"preempted ({guard.reason()}): saved {checkpointer.last}; continue with --resume auto")
+        summary = {"preempted": True, "checkpoint": str(checkpointer.last)}
+    else:
+        if metrics is None:  # resumed from a checkpoint of a finished run
+            metrics = evaluate(model, eval_loader, transform, accelerator, tta_flip=cfg.tta_flip,
+                               classes=data["classes"])
+        export_weights(accelerator, model, Path(cfg.output_dir) / "model.safetensors")
+        summary = {**run_info, "model": cfg.model, "dataset": data["dataset"], "classes": list(data["classes"]),
+                   "image_size": data["image_size"], **p.summary(), "train_loss": train_loss,
+                   **{f"eval_{k}": v for k, v in metrics.items()},
+                   "peak_memory_gb": peak_memory_gb(accelerator.device), "last_checkpoint": str(checkpointer.last),
+                   "resumed_from": str(resume_from) if resume_from else None,
+                   "wall_seconds": time.time() - started, "config": asdict(cfg)}
+        tracker.finish(summary)  # summary.json, and the W&B run's summary
     accelerator.wait_for_everyone()
     accelerator.end_training()  # trackers, process group; utils.launch.run() frees the rest once main() returns
     return summary

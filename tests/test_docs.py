@@ -55,8 +55,8 @@ INLINE_COMMAND = re.compile(r"`((?:accelerate launch|python3?|sbatch|bash|pip in
 def doc_commands(path: Path) -> list[tuple[int, str]]:
     """(line, command) for each logical line of the file's bash blocks (continuations joined, comment lines out),
     and each inline code span outside them that starts like a command (`accelerate launch ...` in a table)."""
-    found = [(i + 1, m) for i, line in enumerate(prose(path.read_text()).splitlines())
-             for m in INLINE_COMMAND.findall(line)]
+    text = prose(path.read_text())
+    found = [(text.count("\n", 0, m.start()) + 1, " ".join(m[1].split())) for m in INLINE_COMMAND.finditer(text)]
     for start, block in fenced(path.read_text(), ("bash",)):
         logical, first = "", None
         for offset, line in enumerate(block.splitlines()):

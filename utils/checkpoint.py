@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from utils import UserError
 from utils.guard import free_space_warning
 from utils.launch import BatchPlan, batch_plan, share_bn_statistics
+from utils.progress import Progress
 
 if TYPE_CHECKING:
     from utils.config_groups import CheckpointConfig
@@ -303,6 +304,16 @@ class Checkpointer:
                                f"step {progress['global_step']}")
         return progress
 
+    def start(self, folder: Path | None, scheduler) -> Progress:
+        """Where the run starts: the progress of checkpoint `folder`, restored with all it holds (`restore`), or a
+        fresh Progress. --overwrite deletes the earlier run's checkpoints only here, once every check that could
+        stop the job (flags, data, the launch) has passed with the old run intact."""
+        if folder:
+            return Progress(**self.restore(folder, scheduler))
+        if self.config["overwrite"]:
+            self.clear()
+        return Progress()
+
     def clear(self) -> None:
         """--overwrite: deletes the earlier run's checkpoints (collective)."""
         if self.accelerator.is_main_process:
@@ -311,6 +322,18 @@ class Checkpointer:
 
     def due(self, step: int) -> bool:
         return bool(self.every_steps) and step % self.every_steps == 0
+
+    def after_step(self, progress, meter, guard, model, scheduler, batches_per_epoch: int) -> bool:
+        """The loop's call after every optimizer step. Saves a mid-epoch checkpoint every --checkpoint-every-steps
+        steps (the epoch's end saves its own, after evaluation), and asks the guard whether to stop: collectively
+        every few steps and at each periodic checkpoint, so every rank stops at the same step. A job that stops
+        (a preemption signal on any rank) saves where it is first. True: stop now."""
+        due = self.due(progress.global_step)
+        stop = guard.should_stop(progress.global_step, now=due)  # raises on a non-finite loss, before any save
+        if stop or (due and progress.batches_in_epoch < batches_per_epoch):
+            # the epoch's images so far are counted, so a job resumed from here reports every image it trained
+            self.save(progress.with_epoch_so_far(meter.images(), meter.seconds()), model, scheduler)
+        return stop
 
     def save(self, progress, model, scheduler) -> Path:
         """Collective: checkpoint at progress.global_step, then drop the old ones (keeping progress.best_checkpoint)."""

@@ -39,13 +39,16 @@ class StopGuard:
         for sig in (signal.SIGTERM, signal.SIGUSR1):  # hold the process group, which must go before interpreter exit)
             signal.signal(sig, lambda signum, frame: signals.append(signum))
         self.first_bad_step = torch.full((), -1, dtype=torch.long, device=accelerator.device)
+        self.preempted = False  # set by should_stop(): the loop then ends, and the script saves no outputs
 
     def observe(self, loss: torch.Tensor, step: int) -> None:
         bad = (self.first_bad_step < 0) & ~torch.isfinite(loss.detach())
         self.first_bad_step = torch.where(bad, step, self.first_bad_step)
 
     def should_stop(self, step: int, now: bool = False) -> bool:
-        return (step % self.every == 0 or now) and self.check()
+        """Collective every `every` steps (or `now`); True once any rank got a preemption signal (`preempted`)."""
+        self.preempted = (step % self.every == 0 or now) and self.check()
+        return self.preempted
 
     def check(self) -> bool:
         signalled = torch.tensor(len(self.signals), device=self.accelerator.device)

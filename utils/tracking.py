@@ -46,8 +46,11 @@ class Tracker:
             wandb_offline_without_credentials()
 
     def start(self, accelerator, config: dict, run_id: str | None, resumed: bool) -> str | None:
-        """Starts (or, with the `run_id` of a resumed job, continues) the run; returns its id for the checkpoints."""
+        """Starts (or, with the `run_id` of a resumed job, continues) the run; returns its id for the checkpoints.
+        `config`: the run's flags and facts, including epochs, total_steps and global_batch (for the console)."""
         self.accelerator = accelerator
+        self.epochs, self.total_steps = config["epochs"], config["total_steps"]
+        self.global_batch = config["global_batch"]
         if self.kind == "tensorboard":  # its hparams take numbers, strings and booleans only
             config = {k: v if isinstance(v, int | float | str | bool) else json.dumps(v) for k, v in config.items()}
         same_run = {"id": run_id, "resume": "allow"} if run_id else {}
@@ -70,8 +73,14 @@ class Tracker:
         tmp.write_text(str(step))
         os.replace(tmp, self.output_dir / LOGGED_STEP_FILE)
 
-    def should_log(self, step: int) -> bool:
-        return step % self.log_every == 0
+    def after_step(self, progress, meter, lr: float, bar) -> None:
+        """The loop's call after every optimizer step: every --log-every steps, the window's mean loss over all
+        processes (a sync) and speed to the tracker and the progress bar."""
+        if progress.global_step % self.log_every:
+            return
+        loss, speed = meter.window(self.accelerator)
+        self.log_train(progress.global_step, progress.epoch + 1, loss, lr, speed)
+        bar.set_postfix(loss=f"{loss:.3f}", img_s=f"{speed:,.0f}")
 
     def log(self, values: dict, step: int) -> None:
         if step > self.already_logged:
@@ -79,25 +88,24 @@ class Tracker:
             if self.accelerator.is_main_process:
                 self._note_logged(step)
 
-    def log_train(self, step: int, total_steps: int, epoch: int, epochs: int, loss: float, lr: float,
-                  images_per_sec: float, global_batch: int) -> None:
+    def log_train(self, step: int, epoch: int, loss: float, lr: float, images_per_sec: float) -> None:
         """A log step's training numbers to the tracker and, without a terminal, now and then to the console."""
         self.log({"train/loss": loss, "train/lr": lr, "epoch": epoch, "train/images_per_sec": images_per_sec}, step)
         now = time.time()
         if not self.console or (self.last_line is not None and now - self.last_line < self.progress_every):
             return
         self.last_line = now
-        eta = round((total_steps - step) * global_batch / max(images_per_sec, 1e-9))  # training left, not evaluation
+        eta = round((self.total_steps - step) * self.global_batch / max(images_per_sec, 1e-9))  # training, not eval
         hours, minutes, seconds = eta // 3600, eta % 3600 // 60, eta % 60
-        self.accelerator.print(f"step {step}/{total_steps} (epoch {epoch}/{epochs})  loss {loss:.4f}  lr {lr:.4g}  "
+        self.accelerator.print(f"step {step}/{self.total_steps} (epoch {epoch}/{self.epochs})  loss {loss:.4f}  "
+                               f"lr {lr:.4g}  "
                                f"{images_per_sec:,.0f} img/s  ETA {hours}h{minutes:02d}m{seconds:02d}s")
 
-    def log_epoch(self, epoch: int, epochs: int, step: int, train_loss: float, images: int, seconds: float,
-                  metrics: dict) -> None:
+    def log_epoch(self, epoch: int, step: int, train_loss: float, images: int, seconds: float, metrics: dict) -> None:
         """The end of an epoch (numbered from 1): one console line; to the tracker the epoch's training loss and
         speed, peak memory, and the evaluation's metrics (eval/*; with at most MAX_PER_CLASS_KEYS classes also
         eval/top1_<class> and W&B's confusion-matrix plot)."""
-        self.accelerator.print(f"epoch {epoch}/{epochs}  train_loss {train_loss:.4f}  eval_top1 "
+        self.accelerator.print(f"epoch {epoch}/{self.epochs}  train_loss {train_loss:.4f}  eval_top1 "
                                f"{metrics['top1']:.2f}%  {images / seconds:,.0f} img/s  {seconds:.1f} s")
         scalars = {f"eval/{k}": v for k, v in metrics.items() if k not in ("class_top1", "confusion")}
         classes = list(metrics["class_top1"])
