@@ -41,7 +41,6 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
-from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
 from utils import UserError
@@ -62,7 +61,7 @@ from utils.launch import (
 )
 from utils.models import MODELS, build_model
 from utils.schedule import warmup_cosine
-from utils.tracking import Tracker, TrainMeter, environment, peak_memory_gb
+from utils.tracking import Tracker, TrainMeter, peak_memory_gb, run_facts
 
 REFERENCE_BATCH = 128  # --scale-lr: lr is given for this global batch and scaled linearly from it
 HEALTH_CHECK_EVERY = 10  # optimizer steps between the (collective) checks for preemption signals and NaN loss
@@ -208,15 +207,7 @@ def main(cfg: Config) -> dict:
     # --- resume, on any process count: weights, optimizer, RNG (Accelerate), schedule, counters ---
     p = checkpointer.start(resume_from, scheduler)  # fresh: --overwrite clears the old run only now
     accelerator.wait_for_everyone()
-    run_info = {"world_size": world, "distributed_type": accelerator.distributed_type.value,
-                "mixed_precision": accelerator.mixed_precision,
-                "batch_size_per_process": plan.micro, "grad_accum": plan.accumulation,
-                "global_batch": plan.global_batch, "total_steps": total_steps, "effective_lr": lr,
-                "wrapper": type(model).__name__,
-                "parameters": sum(q.numel() for q in model.parameters()),  # DTensors count in full
-                "parameters_on_main_process": sum((q.to_local() if isinstance(q, DTensor) else q).numel()
-                                                  for q in model.parameters()), **environment()}
-    run_info["channels_last"] = channels_last  # as run: off under FSDP2
+    run_info = {**run_facts(accelerator, model, plan, total_steps, lr), "channels_last": channels_last}
     p.tracker_run_id = tracker.start(accelerator, {**asdict(cfg), **run_info}, p.tracker_run_id, bool(resume_from))
     guard = StopGuard(accelerator, HEALTH_CHECK_EVERY, checkpointer)  # preemption signals and a non-finite loss
 
@@ -257,8 +248,7 @@ def main(cfg: Config) -> dict:
         train_loss = meter.epoch_loss(accelerator)  # syncs
         epoch_images, epoch_seconds = meter.images(), meter.seconds()
         bar.close()
-        p.trained(epoch_images, epoch_seconds)
-        p.end_epoch(len(train_loader))
+        p.end_epoch(epoch_images, epoch_seconds, len(train_loader))
 
         guard.check()  # raises on a non-finite loss, before anything is saved
         metrics = evaluate(model, eval_loader, transform, accelerator, tta_flip=cfg.tta_flip, classes=data["classes"])

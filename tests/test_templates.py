@@ -44,8 +44,8 @@ ALLOWED = [
      ["transform = BatchTransform(accelerator.device, channels_last=False, pad=crop_padding(data['image_size']), "
       "mean=data['mean'], std=data['std'])"],
      "the ViT's patch embedding takes NCHW"),
-    (["run_info['channels_last'] = channels_last"],
-     ["run_info['fsdp_param_dtype'] = _param_dtype(fsdp)"],
+    (["run_info = {**run_facts(accelerator, model, plan, total_steps, lr), 'channels_last': channels_last}"],
+     ["run_info = {**run_facts(accelerator, model, plan, total_steps, lr), 'fsdp_param_dtype': _param_dtype(fsdp)}"],
      "each run records its own layout fact: channels-last for the ResNet, FSDP's parameter dtype for the ViT"),
     (["metrics = evaluate(model, eval_loader, transform, accelerator, tta_flip=cfg.tta_flip, classes=data['classes'])"],
      ["metrics = evaluate(model, eval_loader, transform, accelerator, tta_flip=False, classes=data['classes'])"],

@@ -32,8 +32,10 @@ class Progress:
         so a job resumed from it reports every image it trained (this object counts them at the epoch's end)."""
         return replace(self, images_seen=self.images_seen + images, train_seconds=self.train_seconds + seconds)
 
-    def end_epoch(self, batches_per_epoch: int) -> None:
-        """Moves to the next epoch if this one is complete (not after a --max-steps stop in its middle)."""
+    def end_epoch(self, images: int, seconds: float, batches_per_epoch: int) -> None:
+        """Counts the epoch's training images and time; moves to the next epoch if this one is complete (not after a
+        --max-steps stop in its middle)."""
+        self.trained(images, seconds)
         if self.batches_in_epoch == batches_per_epoch:
             self.epoch += 1
             self.batches_in_epoch = 0

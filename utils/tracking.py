@@ -190,6 +190,21 @@ def wandb_confusion_matrix(confusion: list[list[int]], classes: list[str]) -> di
         y_true=[t for t, _ in pairs], preds=[q for _, q in pairs], class_names=list(classes))}
 
 
+def run_facts(accelerator, model, plan, total_steps: int, lr: float) -> dict:
+    """What the run is, for the tracker's config and summary.json: processes, precision, the batch plan, the planned
+    optimizer steps, the learning rate as scaled, the wrapper and parameter counts, library versions, commit."""
+    from torch.distributed.tensor import DTensor
+
+    return {"world_size": accelerator.num_processes, "distributed_type": accelerator.distributed_type.value,
+            "mixed_precision": accelerator.mixed_precision, "batch_size_per_process": plan.micro,
+            "grad_accum": plan.accumulation, "global_batch": plan.global_batch, "total_steps": total_steps,
+            "effective_lr": lr, "wrapper": type(model).__name__,
+            "parameters": sum(q.numel() for q in model.parameters()),  # DTensors count in full
+            "parameters_on_main_process": sum((q.to_local() if isinstance(q, DTensor) else q).numel()
+                                              for q in model.parameters()),  # FSDP2: this process's shards
+            **environment()}
+
+
 def environment() -> dict:
     """Library versions and the code's git commit, for the tracker's config and summary.json."""
     import accelerate
