@@ -15,16 +15,17 @@
 
 The launcher (YAML or flags) decides processes, machines and mixed precision; this script never overrides them.
 Everything else is in `Config` below: each field is a flag (`lr` -> `--lr`), printed at start, sent to the tracker
-and written to summary.json. Read top to bottom: config, optimizer and schedule, evaluation, then main(): setup,
-data, model, resume, the training loop, outputs. The run's surroundings (tracking, checkpoints, preemption and
+and written to summary.json (its data, checkpoints and logging groups: utils/config_groups.py, shared with
+train_vit.py). Read top to bottom: config, recipes, optimizer, then main(): setup, data, model, schedule, resume,
+the training loop, the end. The run's surroundings (tracking, checkpoints, preemption and
 divergence, launcher quirks) are small objects in utils/, each named where main() uses it.
 
 Your own model: change `build_model` (utils/models.py), or call yours where main() does; keep `num_classes`.
 Your own data: a parquet folder, an image folder or a Hub dataset, any classes, any size (`--data-dir`, `--dataset`,
 `--image-size`; a source without a test split is evaluated on a held-out part, `--val-fraction`) works as is;
-else change `build_loaders` in utils/batches.py (any DataLoaders of (uint8 images N x 3 x H x W, int64 labels) batches,
-with the class names and the per-channel mean and std); augmentation, sharding and resume stay as they are.
-Smaller starting point: train_minimal.py (the same training, 180 lines, no surroundings).
+else change `build_loaders` in utils/batches.py (DataLoaders of (uint8 images N x 3 x H x W, int64 labels) batches,
+with the class names and the per-channel mean and std: docs/customizing.md); sharding and resume stay as they are.
+Smaller starting point: train_minimal.py (the same training, under 200 lines, no surroundings).
 """
 
 from __future__ import annotations
