@@ -361,6 +361,9 @@ def _write_cache(path: Path, data: dict) -> None:
             os.remove(tmp)
 
 
+# ----------------------------------------------------------------------------------------------------
+# The entry point: read, decode and cache once per machine, the others read the cache; the held-out split
+# ----------------------------------------------------------------------------------------------------
 def load_data(data_dir: str | None, cache_dir: str | None, accelerator=None, image_size: int | None = None,
               dataset: str | None = None, columns: tuple[str | None, str | None] = (None, None),
               val_fraction: float | None = None) -> dict:
