@@ -171,7 +171,7 @@ def main(cfg: Config) -> dict:
     world = accelerator.num_processes
     _lock = lock_output_dir(accelerator, cfg.output_dir)  # one job per output folder, until main() returns
     checkpointer = Checkpointer(accelerator, cfg)  # the checkpoint flags; saves the whole config
-    resume_from = checkpointer.resume_point(cfg.resume, cfg.overwrite)
+    resume_from = checkpointer.resume_point()
     # micro-batch x processes x accumulation; a resume on another process count keeps the global batch
     plan = checkpointer.batch_plan(resume_from, cfg.batch_size, cfg.global_batch_size, cfg.grad_accum)
     lr = cfg.lr * plan.global_batch / REFERENCE_BATCH if cfg.scale_lr else cfg.lr

@@ -245,12 +245,13 @@ class Checkpointer:
         self.last: Path | None = None
         self.plan: BatchPlan | None = None  # set by batch_plan(), saved with every checkpoint
 
-    def resume_point(self, resume: str | None, overwrite: bool) -> Path | None:
+    def resume_point(self) -> Path | None:
         """The checkpoint to continue from (--resume auto or a folder), None to start fresh; refuses to start over
-        another run's checkpoints unless `overwrite`."""
+        another run's checkpoints unless --overwrite."""
+        resume = self.config["resume"]
         if resume is None:
             earlier = finished(self.root)
-            if earlier and not overwrite:
+            if earlier and not self.config["overwrite"]:
                 theirs = read_state(earlier[-1]).get("config", {})
                 differ = [k for k, v in self._compared(self.config).items() if theirs.get(k, v) != v]
                 other = f" with another config ({', '.join(differ)})" if differ else ""

@@ -98,8 +98,7 @@ class Tracker:
         eta = round((self.total_steps - step) * self.global_batch / max(images_per_sec, 1e-9))  # training, not eval
         hours, minutes, seconds = eta // 3600, eta % 3600 // 60, eta % 60
         self.accelerator.print(f"step {step}/{self.total_steps} (epoch {epoch}/{self.epochs})  loss {loss:.4f}  "
-                               f"lr {lr:.4g}  "
-                               f"{images_per_sec:,.0f} img/s  ETA {hours}h{minutes:02d}m{seconds:02d}s")
+                               f"lr {lr:.4g}  {images_per_sec:,.0f} img/s  ETA {hours}h{minutes:02d}m{seconds:02d}s")
 
     def log_epoch(self, epoch: int, step: int, train_loss: float, images: int, seconds: float, metrics: dict) -> None:
         """The end of an epoch (numbered from 1): one console line; to the tracker the epoch's training loss and
