@@ -30,7 +30,6 @@ Smaller starting point: train_minimal.py (the same training, under 200 lines, no
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
@@ -57,6 +56,7 @@ from utils.launch import (
     check_wrapper,
     fsdp_plugin_from_launcher,
     make_deterministic,
+    print_setup,
     run,
     shard_on_cpu_too,
 )
@@ -168,17 +168,13 @@ def main(cfg: Config) -> dict:
     )  # no mixed_precision argument on purpose: the launcher's choice must win
     shard_on_cpu_too(accelerator, fsdp)  # Accelerate alone would run DDP for an FSDP config on CPU
     check_world(accelerator, fsdp_asked=fsdp is not None, sync_bn=cfg.sync_bn)  # one line if the setup is wrong
-    world = accelerator.num_processes
     _lock = lock_output_dir(accelerator, cfg.output_dir)  # one job per output folder, until main() returns
     checkpointer = Checkpointer(accelerator, cfg)  # the checkpoint flags; saves the whole config
     resume_from = checkpointer.resume_point()
     # micro-batch x processes x accumulation; a resume on another process count keeps the global batch
     plan = checkpointer.batch_plan(resume_from, cfg.batch_size, cfg.global_batch_size, cfg.grad_accum)
     lr = cfg.lr * plan.global_batch / REFERENCE_BATCH if cfg.scale_lr else cfg.lr
-    accelerator.print(f"config: {json.dumps(asdict(cfg))}")
-    accelerator.print(f"{world} process(es), {accelerator.distributed_type.value}, mixed precision "
-                      f"{accelerator.mixed_precision}, device {accelerator.device}; global batch {plan.global_batch} ("
-                      f"{plan.micro} x {world} processes x {plan.accumulation} accumulation), lr {lr:g}")
+    print_setup(accelerator, cfg, plan, lr)  # the config, then the processes, precision, device and batch
 
     # --- data: shuffled and augmented by (seed, epoch, sample); Accelerate shards and moves to the device ---
     train_loader, eval_loader, data = build_loaders(cfg, accelerator, plan)  # data: classes, mean, std, size
@@ -186,15 +182,13 @@ def main(cfg: Config) -> dict:
     # --- model: same seed on every rank -> same initial weights (DDP also broadcasts rank 0's) ---
     set_seed(cfg.seed)
     model = build_model(cfg.model, len(data["classes"]), sync_bn=cfg.sync_bn)  # SyncBN before prepare(), as DDP needs
-    sharded = fsdp is not None
-    channels_last = cfg.channels_last and not sharded  # FSDP2 shards contiguous parameters only: NCHW under FSDP
+    channels_last = cfg.channels_last and fsdp is None  # FSDP2 shards contiguous parameters only: NCHW under FSDP
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
-    optimizer = build_optimizer(cfg, model, lr, fused=not sharded)
+    optimizer = build_optimizer(cfg, model, lr, fused=fsdp is None)
     check_fsdp_blocks(fsdp, model)  # the block class FSDP shards is in the model (a copier's own model)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     check_wrapper(accelerator, model, cfg.bf16_grad_sync)  # DDP or FSDP really wraps it; bf16 all-reduce if asked
-    # crop, flip (drawn per sample by the loader) and normalise, on the device
     transform = BatchTransform(accelerator.device, channels_last=channels_last, pad=crop_padding(data["image_size"]),
                                mean=data["mean"], std=data["std"])
 
@@ -221,7 +215,7 @@ def main(cfg: Config) -> dict:
         batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
         bar = tqdm(batches, f"epoch {epoch_number}/{cfg.epochs}", len(train_loader), initial=skip,
                    leave=False, disable=None if accelerator.is_local_main_process else True)  # None: off without a tty
-        meter = TrainMeter(accelerator.device, plan.micro * world)
+        meter = TrainMeter(accelerator.device, plan.micro * plan.processes)
         for images, labels, *draws in bar:  # draws: each image's crop and flip; none from an (images, labels) loader
             with accelerator.accumulate(model):  # skips the all-reduce on non-final micro-steps
                 logits = model(transform(images, *draws))  # crop, flip and normalise on the device
@@ -246,8 +240,7 @@ def main(cfg: Config) -> dict:
                 break  # preempted: saved where every rank stopped
         if guard.preempted:
             break
-        train_loss = meter.epoch_loss(accelerator)  # syncs
-        epoch_images, epoch_seconds = meter.images(), meter.seconds()
+        train_loss, epoch_images, epoch_seconds = meter.end_epoch(accelerator)  # syncs
         bar.close()
         p.end_epoch(epoch_images, epoch_seconds, len(train_loader))
 
@@ -270,9 +263,8 @@ def main(cfg: Config) -> dict:
         export_weights(accelerator, model, Path(cfg.output_dir) / "model.safetensors")
         summary = {**run_info, "model": cfg.model, "dataset": data["dataset"], "classes": list(data["classes"]),
                    "image_size": data["image_size"], **p.summary(), "train_loss": train_loss,
-                   **{f"eval_{k}": v for k, v in metrics.items()},
-                   "peak_memory_gb": peak_memory_gb(accelerator.device), "last_checkpoint": str(checkpointer.last),
-                   "resumed_from": str(resume_from) if resume_from else None,
+                   **{f"eval_{k}": v for k, v in metrics.items()}, "peak_memory_gb": peak_memory_gb(accelerator.device),
+                   "last_checkpoint": str(checkpointer.last), "resumed_from": str(resume_from) if resume_from else None,
                    "wall_seconds": time.time() - started, "config": asdict(cfg)}
         tracker.finish(summary)  # summary.json, and the W&B run's summary
     accelerator.wait_for_everyone()

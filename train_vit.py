@@ -21,7 +21,6 @@ checkpointing, no BatchNorm (no channels-last, no SyncBN).
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
@@ -48,6 +47,7 @@ from utils.launch import (
     check_wrapper,
     fsdp_plugin_from_launcher,
     make_deterministic,
+    print_setup,
     run,
     shard_on_cpu_too,
 )
@@ -148,17 +148,13 @@ def main(cfg: Config) -> dict:
     )  # no mixed_precision argument on purpose: the launcher's choice must win
     shard_on_cpu_too(accelerator, fsdp)  # Accelerate alone would run DDP for an FSDP config on CPU
     check_world(accelerator, fsdp_asked=fsdp is not None)  # one line if the setup is wrong
-    world = accelerator.num_processes
     _lock = lock_output_dir(accelerator, cfg.output_dir)  # one job per output folder, until main() returns
     checkpointer = Checkpointer(accelerator, cfg)  # the checkpoint flags; saves the whole config
     resume_from = checkpointer.resume_point()
     # micro-batch x processes x accumulation; a resume on another process count keeps the global batch
     plan = checkpointer.batch_plan(resume_from, cfg.batch_size, cfg.global_batch_size, cfg.grad_accum)
     lr = cfg.lr * plan.global_batch / REFERENCE_BATCH if cfg.scale_lr else cfg.lr
-    accelerator.print(f"config: {json.dumps(asdict(cfg))}")
-    accelerator.print(f"{world} process(es), {accelerator.distributed_type.value}, mixed precision "
-                      f"{accelerator.mixed_precision}, device {accelerator.device}; global batch {plan.global_batch} ("
-                      f"{plan.micro} x {world} processes x {plan.accumulation} accumulation), lr {lr:g}")
+    print_setup(accelerator, cfg, plan, lr)  # the config, then the processes, precision, device and batch
 
     # --- data: shuffled and augmented by (seed, epoch, sample); Accelerate shards and moves to the device ---
     train_loader, eval_loader, data = build_loaders(cfg, accelerator, plan)  # data: classes, mean, std, size
@@ -172,7 +168,6 @@ def main(cfg: Config) -> dict:
     check_fsdp_blocks(fsdp, model)  # the block class FSDP shards is in the model (a copier's own model)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     check_wrapper(accelerator, model, cfg.bf16_grad_sync)  # DDP or FSDP really wraps it; bf16 all-reduce if asked
-    # crop, flip (drawn per sample by the loader) and normalise, on the device
     transform = BatchTransform(accelerator.device, channels_last=False, pad=crop_padding(data["image_size"]),
                                mean=data["mean"], std=data["std"])
 
@@ -198,7 +193,7 @@ def main(cfg: Config) -> dict:
         batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
         bar = tqdm(batches, f"epoch {epoch_number}/{cfg.epochs}", len(train_loader), initial=skip,
                    leave=False, disable=None if accelerator.is_local_main_process else True)  # None: off without a tty
-        meter = TrainMeter(accelerator.device, plan.micro * world)
+        meter = TrainMeter(accelerator.device, plan.micro * plan.processes)
         for images, labels, *draws in bar:  # draws: each image's crop and flip; none from an (images, labels) loader
             with accelerator.accumulate(model):  # skips the gradient sync on non-final micro-steps
                 logits = model(transform(images, *draws))  # crop, flip and normalise on the device
@@ -223,8 +218,7 @@ def main(cfg: Config) -> dict:
                 break  # preempted: saved where every rank stopped
         if guard.preempted:
             break
-        train_loss = meter.epoch_loss(accelerator)  # syncs
-        epoch_images, epoch_seconds = meter.images(), meter.seconds()
+        train_loss, epoch_images, epoch_seconds = meter.end_epoch(accelerator)  # syncs
         bar.close()
         p.end_epoch(epoch_images, epoch_seconds, len(train_loader))
 
@@ -247,9 +241,8 @@ def main(cfg: Config) -> dict:
         export_weights(accelerator, model, Path(cfg.output_dir) / "model.safetensors")
         summary = {**run_info, "model": cfg.model, "dataset": data["dataset"], "classes": list(data["classes"]),
                    "image_size": data["image_size"], **p.summary(), "train_loss": train_loss,
-                   **{f"eval_{k}": v for k, v in metrics.items()},
-                   "peak_memory_gb": peak_memory_gb(accelerator.device), "last_checkpoint": str(checkpointer.last),
-                   "resumed_from": str(resume_from) if resume_from else None,
+                   **{f"eval_{k}": v for k, v in metrics.items()}, "peak_memory_gb": peak_memory_gb(accelerator.device),
+                   "last_checkpoint": str(checkpointer.last), "resumed_from": str(resume_from) if resume_from else None,
                    "wall_seconds": time.time() - started, "config": asdict(cfg)}
         tracker.finish(summary)  # summary.json, and the W&B run's summary
     accelerator.wait_for_everyone()

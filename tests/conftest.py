@@ -37,7 +37,8 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 # Fixtures that run training jobs (real processes): a test that uses one is `slow`, as is every test marked so by hand
 # (it starts a job itself). `python -m pytest -m "not slow"` is the quick subset for the edit-test loop.
-JOB_FIXTURES = {"reference", "small_run", "ddp_jobs", "fsdp_jobs", "vit_jobs", "tracked_runs", "two_rank_run"}
+JOB_FIXTURES = {"reference", "small_run", "ddp_jobs", "bf16_jobs", "fsdp_jobs", "vit_jobs", "tracked_runs",
+                "two_rank_run"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -274,10 +275,24 @@ def assert_same_state(a: Path, b: Path) -> None:
 
 # The checkpoint/resume job (tests/test_checkpoint.py, tests/test_fsdp.py): 512 images, micro-batch 32, global batch
 # 64 (2 processes x 1 or 1 process x 2 accumulation steps) -> 8 optimizer steps per epoch, 2 epochs, a checkpoint every
-# 3 steps, NCHW (the layout evaluate_checkpoint.py and FSDP2 use).
+# 3 steps, NCHW (the layout evaluate_checkpoint.py and FSDP2 use), train/loss logged at every step. SGD at lr 0.01
+# without clipping: tests/test_fsdp.py's docstring says why FSDP's comparison with DDP needs both.
 CHECKPOINT_JOB = ["--model", "resnet18_imagenet", "--train-subset", "512", "--eval-subset", "100",
                   "--batch-size", "32", "--global-batch-size", "64", "--epochs", "2", "--checkpoint-every-steps", "3",
-                  "--deterministic", "--tracker", "none", "--lr", "0.05", "--no-channels-last"]
+                  "--deterministic", "--tracker", "none", "--lr", "0.01", "--grad-clip", "0", "--log-every", "1",
+                  "--no-channels-last"]
+
+
+@pytest.fixture(scope="session")
+def reference(cifar_dir, cache_dir, tmp_path_factory) -> Path:
+    """The checkpoint job on 2 gloo ranks (cpu.yaml, fp32), uninterrupted, through tests/probe_train.py: the run
+    every resumed run must reproduce (tests/test_checkpoint.py), and DDP's side of the FSDP comparison
+    (tests/test_fsdp.py)."""
+    out = tmp_path_factory.mktemp("reference")
+    result = run_train(job_args(cifar_dir, cache_dir, out, *CHECKPOINT_JOB), launch=["--config_file", str(CPU_YAML)],
+                       script=PROBE)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return out
 
 
 def assert_same_parameters(a: Path, b: Path, atol: float = 0.0) -> None:

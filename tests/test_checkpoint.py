@@ -50,15 +50,6 @@ def job_args(cifar_dir, cache_dir, out, *extra):
     return conftest.job_args(cifar_dir, cache_dir, out, *CHECKPOINT_JOB, *extra)
 
 
-@pytest.fixture(scope="module")
-def reference(cifar_dir, cache_dir, tmp_path_factory) -> Path:
-    """The uninterrupted run every resumed run must reproduce."""
-    out = tmp_path_factory.mktemp("reference")
-    result = run_train(job_args(cifar_dir, cache_dir, out), launch=TWO_RANKS)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return out
-
-
 def test_checkpoints_are_rotated_keeping_the_last_two_and_the_best(reference):
     s = read_summary(reference)
     assert s["global_step"] == 16 and s["epochs_completed"] == 2

@@ -323,32 +323,36 @@ def test_weights_and_summary_are_written_by_rank_zero_only(ddp_jobs):
 
 
 # 9. Mixed precision from the YAML --------------------------------------------------------------------
-def test_mixed_precision_from_the_yaml_is_what_autocast_runs(ddp_jobs, cifar_dir, cache_dir, tmp_path):
-    out = tmp_path / "bf16"
-    result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out),
-                        *COMMON, "--batch-size", "32", "--max-steps", "2"], launch=BF16_TWO_RANKS, script=PROBE)
-    assert result.returncode == 0, result.stderr[-4000:]
-    run = Run(out)
+@pytest.fixture(scope="module")
+def bf16_jobs(cifar_dir, cache_dir, tmp_path_factory) -> dict[str, tuple[Run, str]]:
+    """2 ranks, cpu.yaml with --mixed_precision bf16 on the launcher, 2 steps: with the default bf16 gradient sync and
+    with --no-bf16-grad-sync; each run and its stdout."""
+    done = {}
+    for name, extra in (("bf16", []), ("bf16_fp32_sync", ["--no-bf16-grad-sync"])):
+        out = tmp_path_factory.mktemp(name)
+        result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out),
+                            *COMMON, "--batch-size", "32", "--max-steps", "2", *extra],
+                           launch=BF16_TWO_RANKS, script=PROBE)
+        assert result.returncode == 0, result.stderr[-4000:]
+        done[name] = Run(out), result.stdout
+    return done
+
+
+def test_mixed_precision_from_the_yaml_is_what_autocast_runs(ddp_jobs, bf16_jobs):
+    run, stdout = bf16_jobs["bf16"]
     assert run.summary["mixed_precision"] == "bf16"  # the launcher's flag over the YAML's fp32
     assert all(set(p["fc_dtypes"]) == {"torch.bfloat16"} for p in run.probes)
     assert "mixed_precision: 'no'" in CPU_YAML.read_text()
     assert set(ddp_jobs["two_ranks"].probes[0]["fc_dtypes"]) == {"torch.float32"}
     # bf16 on a CPU that would emulate it (no AVX512-BF16/AMX flag, read here independently): one warning line
-    warned = [line for line in result.stdout.splitlines() if line.startswith("warning: bf16 autocast on this CPU")]
-    assert len(warned) == (1 if cpu_bf16_native_here() is False else 0), result.stdout[-2000:]
+    warned = [line for line in stdout.splitlines() if line.startswith("warning: bf16 autocast on this CPU")]
+    assert len(warned) == (1 if cpu_bf16_native_here() is False else 0), stdout[-2000:]
 
 
-def test_bf16_runs_all_reduce_gradients_in_bf16_unless_told_not_to(ddp_jobs, cifar_dir, cache_dir, tmp_path):
+def test_bf16_runs_all_reduce_gradients_in_bf16_unless_told_not_to(ddp_jobs, bf16_jobs):
     """Under bf16 autocast DDP sends gradients as bf16 (half the bytes): every averaged gradient is then a bf16
     number. fp32 runs, and bf16 runs with --no-bf16-grad-sync, all-reduce in fp32."""
-    synced = {}
-    for name, extra in (("bf16", []), ("bf16_fp32_sync", ["--no-bf16-grad-sync"])):
-        out = tmp_path / name
-        result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out),
-                            *COMMON, "--batch-size", "32", "--max-steps", "2", *extra],
-                           launch=BF16_TWO_RANKS, script=PROBE)
-        assert result.returncode == 0, result.stderr[-4000:]
-        synced[name] = Run(out).probes
+    synced = {name: run.probes for name, (run, _) in bf16_jobs.items()}
     synced["fp32"] = ddp_jobs["two_ranks"].probes
     assert [p["comm_hook"] for p in synced["bf16"]] == ["bf16_compress_hook"] * 2
     assert all(p["synced_in_bf16"] and all(p["synced_in_bf16"]) for p in synced["bf16"])

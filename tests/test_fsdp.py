@@ -23,7 +23,6 @@ import conftest
 import pytest
 from conftest import (
     CHECKPOINT_JOB,
-    CPU_YAML,
     FSDP_CPU_YAML,
     PROBE,
     REPO,
@@ -38,8 +37,7 @@ from safetensors.torch import load_file
 
 import train_cifar
 
-# NCHW (FSDP2 keeps it): the same layout for both; lr 0.01 keeps the trajectory out of the chaotic regime
-JOB = [*CHECKPOINT_JOB, "--grad-clip", "0", "--log-every", "1", "--lr", "0.01"]
+JOB = CHECKPOINT_JOB  # NCHW, the layout FSDP2 keeps; lr 0.01 and no clipping, as the docstring says
 FSDP = ["--config_file", str(FSDP_CPU_YAML)]
 TOLERANCE = 1e-5
 
@@ -49,14 +47,12 @@ def job_args(cifar_dir, cache_dir, out, *extra):
 
 
 @pytest.fixture(scope="module")
-def fsdp_jobs(cifar_dir, cache_dir, tmp_path_factory):
-    out = {}
-    for name, yaml in (("ddp", CPU_YAML), ("fsdp", FSDP_CPU_YAML)):
-        out[name] = tmp_path_factory.mktemp(name)
-        result = run_train(job_args(cifar_dir, cache_dir, out[name]), script=PROBE,
-                           launch=["--config_file", str(yaml)])  # both fp32
-        assert result.returncode == 0, result.stderr[-4000:]
-    return out
+def fsdp_jobs(reference, cifar_dir, cache_dir, tmp_path_factory):
+    """The job under FSDP, and the same job under DDP (conftest's reference: also the checkpoint tests' run)."""
+    out = tmp_path_factory.mktemp("fsdp")
+    result = run_train(job_args(cifar_dir, cache_dir, out), script=PROBE, launch=FSDP)  # fp32, as cpu.yaml
+    assert result.returncode == 0, result.stderr[-4000:]
+    return {"ddp": reference, "fsdp": out}
 
 
 def probe(out, rank: int) -> dict:

@@ -13,7 +13,7 @@ import os
 import re
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
@@ -127,6 +127,15 @@ class BatchPlan:
     @property
     def global_batch(self) -> int:
         return self.micro * self.processes * self.accumulation
+
+
+def print_setup(accelerator, cfg, plan: BatchPlan, lr: float) -> None:
+    """A run's first two lines, on the main process: its whole config, then what it runs on and its batch."""
+    world = plan.processes
+    accelerator.print(f"config: {json.dumps(asdict(cfg))}")
+    accelerator.print(f"{world} process(es), {accelerator.distributed_type.value}, mixed precision "
+                      f"{accelerator.mixed_precision}, device {accelerator.device}; global batch {plan.global_batch} ("
+                      f"{plan.micro} x {world} processes x {plan.accumulation} accumulation), lr {lr:g}")
 
 
 def batch_plan(accelerator, batch_size: int, global_batch_size: int | None, grad_accum: int | None,

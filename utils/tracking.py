@@ -154,8 +154,10 @@ class TrainMeter:
     def seconds(self) -> float:
         return time.time() - self.epoch_start
 
-    def epoch_loss(self, accelerator) -> float:
-        return accelerator.reduce(self.epoch_sum / max(1, self.epoch_batches), reduction="mean").item()
+    def end_epoch(self, accelerator) -> tuple[float, int, float]:
+        """The epoch's (mean loss over all processes, images, seconds); syncs with the device."""
+        loss = accelerator.reduce(self.epoch_sum / max(1, self.epoch_batches), reduction="mean").item()
+        return loss, self.images(), self.seconds()
 
 
 def wandb_offline_without_credentials() -> None:
