@@ -21,7 +21,7 @@ from conftest import (
 )
 from PIL import Image
 
-from utils import UserError, batches, decode
+from utils import UserError, batches, decode, guard
 from utils.batches import BatchTransform, augment_draws, make_loader
 from utils.decode import default_cache_dir, load_data
 
@@ -334,12 +334,12 @@ def test_cifar10_normalisation_from_the_data_is_the_published_constants(cifar_di
 
 
 def test_decoding_more_than_the_available_memory_stops_before_it_starts(monkeypatch):
-    assert decode.available_memory() > 2**28  # this machine's, read from the kernel
-    monkeypatch.setattr(decode, "available_memory", lambda: 24 * 2**30)
+    assert guard.available_memory() > 2**28  # this machine's, read from the kernel
+    monkeypatch.setattr(guard, "available_memory", lambda: 24 * 2**30)
     with pytest.raises(UserError, match=r"^decoding 60,000 images at 512x512 needs about 87\.9 GiB of memory .* more "
                                         r"than the 24\.0 GiB available; use a smaller --image-size or fewer images\.$"):
-        decode.check_memory(60_000, 512)
-    decode.check_memory(60_000, 256)  # 22 GiB: fits
+        guard.check_memory(60_000, 512)
+    guard.check_memory(60_000, 256)  # 22 GiB: fits
     assert [batches.crop_padding(s) for s in (8, 32, 48, 96)] == [1, 4, 6, 12]
 
 

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from utils import UserError
+from utils.guard import check_memory
 
 HUB_DATASET = "uoft-cs/cifar10"  # --dataset's default
 SPLITS = ("train", "test")  # the loaded data's keys: "test" is the evaluation split, whatever its source
@@ -254,25 +255,6 @@ def channel_stats(images: torch.Tensor) -> tuple[tuple[float, ...], tuple[float,
     mean = total / n
     std = (squares / n - mean * mean).clamp(min=0).sqrt()
     return tuple((mean / 255).tolist()), tuple((std / 255).tolist())
-
-
-def available_memory() -> int | None:
-    """Bytes of memory available now (Linux's MemAvailable); None where the kernel does not say."""
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        return None
-
-
-def check_memory(images: int, size: int) -> None:
-    """Stops before decoding if the uint8 tensors would not fit in the memory available now (no check where that is
-    unknown). The cache write needs a second copy of each split for a moment, so twice the tensors' size counts."""
-    needed, available = 2 * images * 3 * size * size, available_memory()
-    if available is not None and needed > available:
-        raise UserError(f"decoding {images:,} images at {size}x{size} needs about {needed / 2**30:,.1f} GiB of memory "
-                        f"(the uint8 tensors and a copy for the cache), more than the {available / 2**30:,.1f} GiB "
-                        f"available; use a smaller --image-size or fewer images.")
 
 
 def _classes(decoded: dict[str, tuple], eval_name: str) -> tuple[str, ...]:

@@ -1,5 +1,6 @@
-"""Guards around a run: a writable output folder that one job owns, enough disk for the next checkpoint, and
-`StopGuard`: preemption signals and a non-finite loss, checked on every rank at the same steps."""
+"""Guards around a run: a writable output folder that one job owns, enough memory to decode the data, enough disk
+for the next checkpoint, and `StopGuard`: preemption signals and a non-finite loss, checked on every rank at the
+same steps."""
 
 from __future__ import annotations
 
@@ -20,6 +21,25 @@ from accelerate.utils import broadcast_object_list
 from utils import UserError
 
 LOCK_FILE = ".lock"
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available now (Linux's MemAvailable); None where the kernel does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
+
+
+def check_memory(images: int, size: int) -> None:
+    """Stops before decoding if the uint8 tensors would not fit in the memory available now (no check where that is
+    unknown). The cache write needs a second copy of each split for a moment, so twice the tensors' size counts."""
+    needed, available = 2 * images * 3 * size * size, available_memory()
+    if available is not None and needed > available:
+        raise UserError(f"decoding {images:,} images at {size}x{size} needs about {needed / 2**30:,.1f} GiB of memory "
+                        f"(the uint8 tensors and a copy for the cache), more than the {available / 2**30:,.1f} GiB "
+                        f"available; use a smaller --image-size or fewer images.")
 
 
 class StopGuard:
