@@ -4,11 +4,16 @@
     python compare_runs.py runs/a/wandb/offline-run-20261130_081450-9hh2ds8k   # or one W&B run folder
     python compare_runs.py my-team/cifar10-accelerate/9hh2ds8k  # or W&B run paths (entity/project/run_id; needs login)
     python compare_runs.py runs/* --by-group                    # runs sharing --group: mean +/- std over seeds
+    python compare_runs.py runs/* --baseline lr0.1              # does each other group beat lr0.1?
 
 Prints a table (best and final eval top-1, training images/s, wall time, epochs) and the config keys whose values
 differ, and writes PNG plots to --plots: eval top-1 against epoch and against wall-clock time, train loss against
-step. A local run is read from its `.wandb` file, so offline runs need no upload (`wandb sync` does that).
-A job resumed after preemption continues its W&B run in a new offline folder; folders of one run id are merged.
+step. A local run is read from its `.wandb` file, so offline runs need no upload (`wandb sync` does that); a run
+without a tracker from its summary.json. A job resumed after preemption continues its W&B run in a new offline
+folder; folders of one run id are merged. With groups: one row per group, the settings that differ between groups
+(and a warning for a group whose runs differ in more than the seed), group plots, and for each group against the
+baseline the difference of the means with its 95% interval and a verdict (docs/comparing-runs.md says how to read
+it).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import re
 import statistics
 import struct
 import sys
+import warnings
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,11 +114,22 @@ def _items(items) -> dict:
     return out
 
 
+def load_summary(folder: Path) -> Run:
+    """A run without a tracker (--tracker none): its output folder's summary.json (no history, so no curves)."""
+    try:
+        summary = json.loads((folder / "summary.json").read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read {folder / 'summary.json'} ({type(e).__name__}: {e}).") from None
+    config = summary.get("config", {})
+    return Run(name=config.get("run_name") or folder.name, id=folder.name, group=config.get("group"), config=config,
+               summary=summary)
+
+
 def load_local(folder: Path) -> Run:
     """One W&B run folder (offline-run-* or run-*), read from its .wandb file."""
     files = sorted(Path(folder).glob("run-*.wandb"))
     if not files:
-        raise UserError(f"{folder} holds no run-*.wandb file.")
+        raise UserError(f"{folder} holds no run-*.wandb file (nor a summary.json).")
     run = Run(name=folder.name, id=files[0].stem[4:])
     for record in read_records(files[0]):
         kind = record.WhichOneof("record_type")
@@ -157,14 +174,16 @@ def load_wandb_api(path: str) -> Run:
 
 
 def load(source: str) -> list[Run]:
-    """Runs from one argument: an output folder (the W&B runs in its wandb/ or listed in its wandb_runs.txt), a W&B
-    run folder, or entity/project/id."""
+    """Runs from one argument: an output folder (the W&B runs in its wandb/ or listed in its wandb_runs.txt; else its
+    summary.json), a W&B run folder, or entity/project/id."""
     path = Path(source)
     if path.is_dir():
         root = path / "wandb" if (path / "wandb").is_dir() else path
         folders = sorted(p for p in root.glob("*run-*") if p.is_dir() and not p.is_symlink())
         if (path / "wandb_runs.txt").is_file():  # W&B wrote elsewhere ($WANDB_DIR); train_cifar.py listed the folders
             folders += [Path(line) for line in (path / "wandb_runs.txt").read_text().split()]
+        if not folders and (path / "summary.json").is_file():
+            return [load_summary(path)]
         folders = folders or [path]
         lives: dict[str, list[Run]] = {}
         for folder in sorted(folders,
@@ -230,10 +249,15 @@ def config_differences(runs: list[Run]) -> str:
     return "\n".join(lines)
 
 
-def group_table(runs: list[Run]) -> str:
+def by_group_of(runs: list[Run]) -> dict[str, list[Run]]:
+    """The runs of each group, in order of appearance; a run without a group is a group of its own."""
     groups: dict[str, list[Run]] = {}
     for run in runs:
         groups.setdefault(run.group or f"(no group) {run.id}", []).append(run)
+    return groups
+
+
+def group_table(groups: dict[str, list[Run]]) -> str:
     rows = [["group", "runs", *COLUMNS]]
     for name, members in groups.items():
         cells = []
@@ -243,6 +267,107 @@ def group_table(runs: list[Run]) -> str:
             cells.append(f"{mean:.2f} +/- {std:.2f}")
         rows.append([name, str(len(members)), *cells])
     return table(rows)
+
+
+def _settings(run: Run) -> dict[str, str]:
+    """How a run trains: its config without names, paths and the seed, each value as JSON."""
+    return {k: json.dumps(v, sort_keys=True) for k, v in run.config.items() if k not in IDENTITY_KEYS | {"seed"}}
+
+
+def group_differences(groups: dict[str, list[Run]]) -> tuple[str, list[str]]:
+    """(The settings that differ between the groups, as a table of each group's value(s); a warning for each group
+    whose runs differ in more than the seed: a mis-grouped run, whose group's mean mixes two settings.)"""
+    settings = {name: [_settings(run) for run in members] for name, members in groups.items()}
+    keys = sorted({k for runs in settings.values() for run in runs for k in run})
+    values = {name: {k: list(dict.fromkeys(run.get(k, "-") for run in runs)) for k in keys}
+              for name, runs in settings.items()}  # group -> key -> its runs' distinct values
+    notes = []
+    for name, by_key in values.items():
+        if mixed := [k for k, v in by_key.items() if len(v) > 1]:
+            notes.append(f"warning: the runs of group {name} differ in more than the seed ({', '.join(mixed)}): a "
+                         f"mis-grouped run? Its mean mixes settings.")
+    differ = [k for k in keys if len({tuple(values[name][k]) for name in groups}) > 1]
+    if not differ:
+        return "groups: the same settings", notes
+    rows = [["config key", *groups]]
+    rows += [[k, *(shorten(" | ".join(values[name][k]), 32) for name in groups)] for k in differ]
+    return "config keys that differ between the groups:\n" + table(rows), notes
+
+
+# ====================================================================================================
+# Verdicts: does group B beat group A? The difference of the means with its 95% interval, paired by seed where
+# both groups ran the same seeds (a seed's runs share their initial weights and data order, so pairing removes
+# that part of the spread), Welch's unpaired interval otherwise.
+# ====================================================================================================
+VERDICTS = {  # column -> (name in the verdict, unit, word when B - A > 0, word when < 0, format)
+    "best top-1 %": ("best top-1", " points", "better", "worse", "{:+.2f}"),
+    "final top-1 %": ("final top-1", " points", "better", "worse", "{:+.2f}"),
+    "images/s": ("images/s", "", "faster", "slower", "{:+,.0f}"),
+    "wall s": ("wall time", " s", "slower", "faster", "{:+,.0f}"),
+}
+FEW_RUNS = 3  # fewer runs in a group than this: its interval is wide and the verdict weak; say so
+CONFIDENCE = 0.95
+
+
+@dataclass
+class Difference:
+    mean: float  # mean of B - mean of A
+    low: float
+    high: float
+    pairing: str  # how the interval was made, for the reader
+
+
+def _by_seed(runs: list[Run], spec) -> dict | None:
+    """{seed: value} if every run has a distinct seed; else None (the runs cannot be paired)."""
+    seeds = [run.config.get("seed") for run in runs]
+    if None in seeds or len(set(map(json.dumps, seeds))) < len(seeds):
+        return None
+    return {json.dumps(seed): run.metric(*spec) for seed, run in zip(seeds, runs)}
+
+
+def difference(a: list[Run], b: list[Run], spec) -> Difference | None:
+    """B - A for one metric (spec: COLUMNS' entry); None when either group has fewer than 2 runs with the metric."""
+    import scipy.stats
+
+    seeds_a, seeds_b = _by_seed(a, spec), _by_seed(b, spec)
+    paired = seeds_a is not None and seeds_b is not None and seeds_a.keys() == seeds_b.keys()
+    with warnings.catch_warnings():  # runs with equal values: scipy warns, and gives the interval (d, d)
+        warnings.simplefilter("ignore", RuntimeWarning)
+        if paired:
+            pairs = [(seeds_b[k], seeds_a[k]) for k in sorted(seeds_a) if not math.isnan(seeds_a[k] - seeds_b[k])]
+            if len(pairs) < 2:
+                return None
+            result = scipy.stats.ttest_rel(*zip(*pairs))
+            how = f"{len(pairs)} paired seeds"
+        else:
+            va, vb = ([v for v in (run.metric(*spec) for run in g) if not math.isnan(v)] for g in (a, b))
+            if min(len(va), len(vb)) < 2:
+                return None
+            result = scipy.stats.ttest_ind(vb, va, equal_var=False)
+            how = f"unpaired (Welch), {len(vb)} and {len(va)} runs"
+        interval = result.confidence_interval(CONFIDENCE)
+    diffs = [x - y for x, y in pairs] if paired else [statistics.fmean(vb) - statistics.fmean(va)]
+    return Difference(statistics.fmean(diffs), float(interval.low), float(interval.high), how)
+
+
+def verdicts(groups: dict[str, list[Run]], baseline: str) -> list[str]:
+    """One line per other group and metric: 'B - A: best top-1 +0.80 points (95% interval -0.30 to +1.90, 5 paired
+    seeds): not distinguishable'; warnings first for groups of fewer than FEW_RUNS runs."""
+    lines = [f"warning: group {name} has {len(members)} run(s); with fewer than {FEW_RUNS} an interval is wide (or "
+             f"none can be given): run more seeds" for name, members in groups.items() if len(members) < FEW_RUNS]
+    for name, members in groups.items():
+        if name == baseline:
+            continue
+        for column, (metric, unit, up, down, fmt) in VERDICTS.items():
+            d = difference(groups[baseline], members, COLUMNS[column])
+            head = f"{name} - {baseline}: {metric}"
+            if d is None:
+                lines.append(f"{head}: cannot tell (each group needs 2 runs or more with it)")
+                continue
+            word = "not distinguishable" if d.low <= 0 <= d.high else up if d.mean > 0 else down
+            lines.append(f"{head} {fmt.format(d.mean)}{unit} ({CONFIDENCE:.0%} interval {fmt.format(d.low)} to "
+                         f"{fmt.format(d.high)}, {d.pairing}): {word}")
+    return lines
 
 
 FIGURES = [  # file, x (history key; "_wall": seconds since the run's first log), y, y label
@@ -267,8 +392,8 @@ def points(run: Run, x: str, y: str) -> list[tuple[float, float]]:
 
 
 def figure(runs: list[Run], x: str, y: str, label: str, by_group: bool):
-    """One comparison chart: a curve per run, or with by_group the mean +/- std of each group's runs at the x values
-    they share (wall-clock points never line up: drawn one by one)."""
+    """One comparison chart: a curve per run, or with by_group each group's mean at the x values its runs share, in a
+    band from their lowest to their highest value (wall-clock points never line up: drawn one by one)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -289,10 +414,9 @@ def figure(runs: list[Run], x: str, y: str, label: str, by_group: bool):
                         marker="o" if len(m) <= FEW_POINTS else None)
             continue
         ys = [[dict(m)[px] for m in members] for px in xs]
-        mean = [statistics.fmean(v) for v in ys]
-        std = [statistics.stdev(v) for v in ys]
-        ax.plot(xs, mean, label=f"{name} (mean of {len(members)})", marker="o" if len(xs) <= FEW_POINTS else None)
-        ax.fill_between(xs, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.25)
+        ax.plot(xs, [statistics.fmean(v) for v in ys], label=f"{name} (mean of {len(members)}, band: min to max)",
+                marker="o" if len(xs) <= FEW_POINTS else None)
+        ax.fill_between(xs, [min(v) for v in ys], [max(v) for v in ys], alpha=0.25)
     ax.set_xlabel({"_wall": "wall-clock seconds", "_step": "optimizer step"}.get(x, x))
     ax.set_ylabel(label)
     ax.grid(alpha=0.3)
@@ -303,16 +427,18 @@ def figure(runs: list[Run], x: str, y: str, label: str, by_group: bool):
 
 
 def plot(runs: list[Run], folder: Path, by_group: bool) -> list[Path]:
-    """Writes the FIGURES as PNG files into folder; returns their paths."""
+    """Writes the FIGURES as PNG files into folder, a curve per run; with by_group also groups_<file>, a curve per
+    group. Returns their paths."""
     import matplotlib.pyplot as plt
 
     folder.mkdir(parents=True, exist_ok=True)
     written = []
-    for filename, x, y, label in FIGURES:
-        fig = figure(runs, x, y, label, by_group)
-        fig.savefig(folder / filename, dpi=100)
-        plt.close(fig)
-        written.append(folder / filename)
+    for grouped in (False, True) if by_group else (False,):
+        for filename, x, y, label in FIGURES:
+            fig = figure(runs, x, y, label, grouped)
+            written.append(folder / f"{'groups_' if grouped else ''}{filename}")
+            fig.savefig(written[-1], dpi=100)
+            plt.close(fig)
     return written
 
 
@@ -321,17 +447,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("runs", nargs="+",
                         help="output folders, W&B run folders, or W&B run paths entity/project/run_id")
     parser.add_argument("--by-group", action="store_true",
-                        help="also aggregate runs sharing a W&B group (mean +/- std)")
+                        help="also aggregate runs sharing a W&B group (mean +/- std) and, with two groups, say whether "
+                             "the second beats the first")
+    parser.add_argument("--baseline", metavar="GROUP",
+                        help="compare every other group with this one (implies --by-group)")
     parser.add_argument("--plots", default="comparison", help="folder for the PNG plots (default: comparison)")
     args = parser.parse_args(argv)
     runs = [run for source in args.runs for run in load(source)]
     print(run_table(runs))
     print()
     print(config_differences(runs))
-    if args.by_group:
+    by_group = args.by_group or args.baseline is not None
+    if by_group:
+        groups = by_group_of(runs)
+        if args.baseline is not None and args.baseline not in groups:
+            raise UserError(f"--baseline {args.baseline}: no group of that name; the groups: {', '.join(groups)}.")
+        differ, notes = group_differences(groups)
         print()
-        print(group_table(runs))
-    for path in plot(runs, Path(args.plots), args.by_group):
+        print(group_table(groups))
+        print(differ)
+        baseline = args.baseline or (next(iter(groups)) if len(groups) == 2 else None)
+        for line in [*notes, *(verdicts(groups, baseline) if baseline is not None else [])]:
+            print(line)
+    for path in plot(runs, Path(args.plots), by_group):
         print(f"wrote {path}")
     return 0
 

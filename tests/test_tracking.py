@@ -132,6 +132,13 @@ def test_compare_runs_by_group_gives_mean_and_std_over_seeds(tracked_runs, tmp_p
     assert row.split()[1] == "2"
     assert f"{statistics.fmean(finals):.2f} +/- {statistics.stdev(finals):.2f}" in row
     assert next(line for line in result.stdout.splitlines() if line.startswith("B ")).split()[1] == "1"
+    # what sets the groups apart: B's lr and its 2 processes (names, paths and seeds left out); A's two runs, one
+    # grouped by --group and one by $WANDB_RUN_GROUP, differ only in their seed
+    rows = result.stdout.split("config keys that differ between the groups:\n")[1].splitlines()
+    rows = {line.split()[0]: line.split()[1:] for line in rows[1:] if line.split()[0] in ("effective_lr", "world_size")}
+    assert rows == {"effective_lr": ["0.05", "0.2"], "world_size": ["1", "2"]}
+    assert "warning: the runs of group" not in result.stdout
+    assert "B - A: final top-1: cannot tell (each group needs 2 runs or more with it)" in result.stdout  # 1 run in B
 
 
 def test_reader_refuses_files_it_cannot_read_with_one_line(tracked_runs, tmp_path):

@@ -1,0 +1,172 @@
+"""compare_runs.py's answer to "does group B beat group A?": the difference of the means with its 95% interval,
+paired by seed or Welch's, and the verdict line; the settings that differ between groups and the mis-grouped run; the
+group plots. The runs are real offline W&B runs and summary.json folders with known numbers; the expected intervals
+are computed here from the textbook formulas and Student's t quantiles typed from a table."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, script_env
+
+import compare_runs
+
+# Student's t, two-sided 95% (the 0.975 quantile), from a table: df 2 and df 4
+T_975 = {2: 4.302652729911275, 4: 2.7764451051977987}
+METRICS = ("best_eval_top1", "eval_top1", "train_images_per_sec", "wall_seconds")
+
+WRITE_WANDB_RUNS = """
+import json, sys, wandb
+for spec in json.loads(sys.argv[1]):
+    run = wandb.init(mode="offline", dir=spec["dir"], group=spec["group"], name=spec["name"], config=spec["config"])
+    for epoch, top1 in enumerate(spec["curve"], start=1):
+        run.log({"epoch": epoch, "eval/top1": top1, "train/epoch_loss": 2.0 / epoch}, step=10 * epoch)
+    run.summary.update(spec["summary"])
+    run.finish()
+"""
+
+
+def summary(best, final, speed=1000.0, wall=60.0) -> dict:
+    return dict(zip(METRICS, (best, final, speed, wall)), epochs_completed=2)
+
+
+def write_wandb_runs(root: Path, specs: dict[str, tuple[str, dict, dict]]) -> list[Path]:
+    """One output folder per run (name: (group, config, summary)), each holding one offline W&B run whose eval/top1
+    curve ends at the summary's final top-1."""
+    rows = []
+    for name, (group, config, numbers) in specs.items():
+        (root / name).mkdir(parents=True)
+        rows.append({"dir": str(root / name), "group": group, "name": name, "config": config, "summary": numbers,
+                     "curve": [numbers["eval_top1"] - 5, numbers["eval_top1"]]})
+    result = subprocess.run([sys.executable, "-c", WRITE_WANDB_RUNS, json.dumps(rows)], cwd=REPO, env=script_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [root / name for name in specs]
+
+
+def write_summary_runs(root: Path, specs: dict[str, tuple[str, dict, dict]]) -> list[Path]:
+    """One output folder per run holding only summary.json, as a run with --tracker none leaves it."""
+    for name, (group, config, numbers) in specs.items():
+        (root / name).mkdir(parents=True)
+        (root / name / "summary.json").write_text(json.dumps({**numbers, "config": {**config, "group": group}}))
+    return [root / name for name in specs]
+
+
+def compare(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "compare_runs.py", *map(str, args)], cwd=REPO, env=script_env(),
+                          capture_output=True, text=True, timeout=300)
+
+
+def verdict(stdout: str, head: str) -> str:
+    [line] = [line for line in stdout.splitlines() if line.startswith(head)]
+    return line
+
+
+def interval(mean: float, se: float, df: int) -> tuple[float, float]:
+    """The t interval: mean +/- t(0.975, df) x standard error."""
+    return mean - T_975[df] * se, mean + T_975[df] * se
+
+
+# Group A at lr 0.1 and group B at lr 0.2, the same three seeds: final top-1 B - A per seed 1.5, 1.0, 1.9
+PAIRED_A = {0: 50.0, 1: 52.0, 2: 51.0}
+PAIRED_B = {0: 51.5, 1: 53.0, 2: 52.9}
+
+
+@pytest.mark.slow
+def test_groups_that_ran_the_same_seeds_get_the_paired_interval_and_a_verdict(tmp_path):
+    specs = {f"a{s}": ("lr0.1", {"seed": s, "lr": 0.1}, summary(v + 1, v)) for s, v in PAIRED_A.items()}
+    specs |= {f"b{s}": ("lr0.2", {"seed": s, "lr": 0.2}, summary(v + 1, v, speed=990.0 + s)) for s, v in
+              PAIRED_B.items()}
+    folders = write_wandb_runs(tmp_path, specs)
+    result = compare(*folders, "--baseline", "lr0.1", "--plots", tmp_path / "plots")
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    d = [PAIRED_B[s] - PAIRED_A[s] for s in PAIRED_A]
+    mean, sd = statistics.fmean(d), statistics.stdev(d)
+    low, high = interval(mean, sd / math.sqrt(3), df=2)
+    assert low > 0  # the data were chosen so: B is better
+    assert verdict(result.stdout, "lr0.2 - lr0.1: final top-1") == (
+        f"lr0.2 - lr0.1: final top-1 {mean:+.2f} points (95% interval {low:+.2f} to {high:+.2f}, 3 paired seeds): "
+        f"better")
+    # images/s: B's 990, 991, 992 against A's 1000 each: paired differences -10, -9, -8
+    low, high = interval(-9.0, 1.0 / math.sqrt(3), df=2)
+    assert verdict(result.stdout, "lr0.2 - lr0.1: images/s") == (
+        f"lr0.2 - lr0.1: images/s -9 (95% interval {low:+,.0f} to {high:+,.0f}, 3 paired seeds): slower")
+    # wall time the same in every run: an interval of width 0 around 0
+    assert verdict(result.stdout, "lr0.2 - lr0.1: wall time").endswith("(95% interval +0 to +0, 3 paired seeds): "
+                                                                        "not distinguishable")
+    assert "warning" not in result.stdout  # 3 runs per group, each differing only in its seed
+    differs = result.stdout.split("config keys that differ between the groups:\n")[1].splitlines()
+    assert differs[0].split() == ["config", "key", "lr0.1", "lr0.2"] and differs[1].split() == ["lr", "0.1", "0.2"]
+    assert (tmp_path / "plots" / "groups_eval_top1_vs_epoch.png").is_file()
+    assert (tmp_path / "plots" / "eval_top1_vs_epoch.png").is_file()  # the per-run plots beside them
+
+
+def test_groups_of_other_seeds_get_welchs_interval(tmp_path):
+    # A: seeds 0-2 at 50, 52, 54; B: seeds 3-5 at 51, 53, 55. Equal variances (4) and sizes (3): Welch's degrees of
+    # freedom are exactly 2 x (3 - 1) = 4
+    specs = {f"a{s}": ("A", {"seed": s}, summary(60.0, 50.0 + 2 * s)) for s in range(3)}
+    specs |= {f"b{s}": ("B", {"seed": 3 + s}, summary(60.0, 51.0 + 2 * s)) for s in range(3)}
+    result = compare(*write_summary_runs(tmp_path, specs), "--by-group", "--plots", tmp_path / "plots")
+    assert result.returncode == 0, result.stderr[-3000:]
+    se = math.sqrt(4 / 3 + 4 / 3)
+    low, high = interval(1.0, se, df=4)
+    assert verdict(result.stdout, "B - A: final top-1") == (
+        f"B - A: final top-1 +1.00 points (95% interval {low:+.2f} to {high:+.2f}, unpaired (Welch), 3 and 3 runs): "
+        f"not distinguishable")
+    assert "groups: the same settings" in result.stdout  # seeds apart, nothing differs
+
+
+def test_small_groups_are_warned_and_a_group_of_one_run_cannot_be_told(tmp_path):
+    specs = {"a0": ("A", {"seed": 0}, summary(51.0, 50.0)), "a1": ("A", {"seed": 1}, summary(53.0, 52.0)),
+             "b0": ("B", {"seed": 0}, summary(55.0, 54.0))}
+    result = compare(*write_summary_runs(tmp_path, specs), "--baseline", "A", "--plots", tmp_path / "plots")
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert sum(line.startswith("warning: group A has 2 run(s)") for line in lines) == 1
+    assert sum(line.startswith("warning: group B has 1 run(s)") for line in lines) == 1
+    assert verdict(result.stdout, "B - A: final top-1") == (
+        "B - A: final top-1: cannot tell (each group needs 2 runs or more with it)")
+
+
+def test_a_run_that_differs_from_its_group_in_more_than_the_seed_is_flagged(tmp_path):
+    specs = {f"a{s}": ("A", {"seed": s, "lr": 0.1, "epochs": 2}, summary(51.0, 50.0 + s)) for s in range(3)}
+    specs["a2"][1]["lr"] = 0.4  # launched into group A by mistake
+    specs |= {f"b{s}": ("B", {"seed": s, "lr": 0.1, "epochs": 3}, summary(51.0, 50.0 + s)) for s in range(3)}
+    result = compare(*write_summary_runs(tmp_path, specs), "--baseline", "A", "--plots", tmp_path / "plots")
+    assert result.returncode == 0, result.stderr[-3000:]
+    warned = [line for line in result.stdout.splitlines() if line.startswith("warning: the runs of group")]
+    assert warned == ["warning: the runs of group A differ in more than the seed (lr): a mis-grouped run? Its mean "
+                      "mixes settings."]
+    rows = {line.split()[0]: line.split()[1:] for line in
+            result.stdout.split("config keys that differ between the groups:\n")[1].splitlines()[1:3]}
+    assert rows == {"epochs": ["2", "3"], "lr": ["0.1", "|", "0.4", "0.1"]}
+
+
+def test_an_unknown_baseline_stops_with_one_line_naming_the_groups(tmp_path):
+    specs = {"a0": ("A", {"seed": 0}, summary(51.0, 50.0)), "b0": ("B", {"seed": 0}, summary(55.0, 54.0))}
+    result = compare(*write_summary_runs(tmp_path, specs), "--baseline", "C", "--plots", tmp_path / "plots")
+    assert result.returncode == 2 and result.stderr.strip() == (
+        "error: --baseline C: no group of that name; the groups: A, B.")
+
+
+def test_the_group_plot_draws_each_groups_mean_in_a_band_from_its_lowest_to_its_highest_run():
+    def run(name, group, top1s):
+        history = [{"_step": 10 * e, "epoch": e, "eval/top1": v} for e, v in enumerate(top1s, start=1)]
+        return compare_runs.Run(name, name, group=group, history=history)
+
+    runs = [run("a0", "A", [10.0, 20.0]), run("a1", "A", [14.0, 30.0]), run("a2", "A", [12.0, 22.0]),
+            run("b0", "B", [40.0, 41.0])]
+    fig = compare_runs.figure(runs, "epoch", "eval/top1", "eval top-1 (%)", by_group=True)
+    lines = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in fig.axes[0].lines}
+    assert lines["A (mean of 3, band: min to max)"] == ([1, 2], [pytest.approx(12.0), pytest.approx(24.0)])
+    assert lines["B"] == ([1, 2], [40.0, 41.0])  # a group of one run: its own curve
+    [band] = fig.axes[0].collections
+    ys = sorted({round(y, 6) for _, y in band.get_paths()[0].vertices})
+    assert ys == [10.0, 14.0, 20.0, 30.0]  # min and max at each epoch
