@@ -19,8 +19,11 @@ port=${MAIN_PORT:-29500}
 [ "${1:-}" = "--" ] && shift
 # exec: the launcher replaces this shell, so a SIGTERM sent to the job step reaches it, and it forwards
 # SIGTERM to the training processes, which checkpoint at the next step and exit.
-exec python -m accelerate.commands.launch --multi_gpu \
-    --num_machines "$nodes" --machine_rank "$node_rank" --num_processes $((nodes * per_node)) \
+processes=$((nodes * per_node))
+multi=""
+[ "$processes" -gt 1 ] && multi=--multi_gpu  # one process (an array task on 1 GPU): Accelerate refuses --multi_gpu
+exec python -m accelerate.commands.launch $multi \
+    --num_machines "$nodes" --machine_rank "$node_rank" --num_processes "$processes" \
     --main_process_ip "$head_node" --main_process_port "$port" --rdzv_backend "${RDZV_BACKEND:-c10d}" \
     --mixed_precision "${MIXED_PRECISION:-bf16}" \
     "${SCRIPT:-train_cifar.py}" --resume auto "$@"

@@ -97,3 +97,34 @@ def test_sbatch_script_checkpoints_and_requeues_on_the_preemption_signal(fake_sl
     assert again.returncode == 0, again.stderr[-3000:]
     s = read_summary(out)
     assert s["resumed_from"] and s["global_step"] == 2 * 512 // 64 and s["world_size"] == 2
+
+
+def test_seed_array_gives_each_task_its_seed_group_folder_and_port(fake_slurm, tmp_path):
+    """srun replaced by one that prints what it was asked to run: the array's arguments without training."""
+    (tmp_path / "bin" / "srun").write_text('#!/usr/bin/env bash\necho "port=$MAIN_PORT $*"\n')
+    env = {k: v for k, v in fake_slurm.items() if k != "MAIN_PORT"}
+    env |= {"SLURM_ARRAY_TASK_ID": "3", "GROUP": "lr0.1", "RUNS": str(tmp_path / "runs")}
+    result = subprocess.run(["bash", str(SLURM / "train_seeds.sbatch"), "--lr", "0.1", "--seed", "9"], env=env,
+                            cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == [
+        "port=29503", "--kill-on-bad-exit=1", "bash", f"{REPO}/slurm/launch.sh", "--", "--lr", "0.1", "--seed", "9",
+        "--seed", "3", "--group", "lr0.1", "--output-dir", f"{tmp_path}/runs/lr0.1/seed-3"]  # the last --seed wins
+    del env["SLURM_ARRAY_TASK_ID"]
+    result = subprocess.run(["bash", str(SLURM / "train_seeds.sbatch")], env=env, cwd=tmp_path, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode != 0 and "submit as an array: sbatch --array=0-4" in result.stderr
+
+
+@pytest.mark.slow
+def test_a_seed_array_task_trains_its_seed_in_the_group_into_its_own_folder(fake_slurm, cifar_dir, cache_dir,
+                                                                            tmp_path):
+    env = {**fake_slurm, "SLURM_NNODES": "1", "SLURM_NODEID": "0", "SLURM_GPUS_ON_NODE": "1",
+           "SLURM_ARRAY_TASK_ID": "2", "GROUP": "lr0.1", "RUNS": str(tmp_path / "runs")}
+    result = subprocess.run(["bash", str(SLURM / "train_seeds.sbatch"), "--data-dir", str(cifar_dir), "--cache-dir",
+                             str(cache_dir), "--model", "resnet18_imagenet", "--train-subset", "64", "--eval-subset",
+                             "20", "--batch-size", "32", "--epochs", "1", "--tracker", "none"],
+                            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    s = read_summary(tmp_path / "runs" / "lr0.1" / "seed-2")
+    assert (s["config"]["seed"], s["config"]["group"], s["world_size"], s["global_step"]) == (2, "lr0.1", 1, 2)
