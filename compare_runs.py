@@ -465,6 +465,7 @@ def main(argv: list[str] | None = None) -> int:
         differ, notes = group_differences(groups)
         print()
         print(group_table(groups))
+        print()
         print(differ)
         baseline = args.baseline or (next(iter(groups)) if len(groups) == 2 else None)
         for line in [*notes, *(verdicts(groups, baseline) if baseline is not None else [])]:
