@@ -99,8 +99,9 @@ def test_sbatch_script_checkpoints_and_requeues_on_the_preemption_signal(fake_sl
     assert s["resumed_from"] and s["global_step"] == 2 * 512 // 64 and s["world_size"] == 2
 
 
-def test_seed_array_gives_each_task_its_seed_group_folder_and_port(fake_slurm, tmp_path):
-    """srun replaced by one that prints what it was asked to run: the array's arguments without training."""
+def test_seed_array_gives_each_task_its_seed_group_folder_and_port_and_requeues_on_the_signal(fake_slurm, tmp_path):
+    """srun replaced by one that prints what it was asked to run (then sleeps): the array's arguments and its
+    requeue, without training."""
     (tmp_path / "bin" / "srun").write_text('#!/usr/bin/env bash\necho "port=$MAIN_PORT $*"\n')
     env = {k: v for k, v in fake_slurm.items() if k != "MAIN_PORT"}
     env |= {"SLURM_ARRAY_TASK_ID": "3", "GROUP": "lr0.1", "RUNS": str(tmp_path / "runs")}
@@ -110,6 +111,15 @@ def test_seed_array_gives_each_task_its_seed_group_folder_and_port(fake_slurm, t
     assert result.stdout.split() == [
         "port=29503", "--kill-on-bad-exit=1", "bash", f"{REPO}/slurm/launch.sh", "--", "--lr", "0.1", "--seed", "9",
         "--seed", "3", "--group", "lr0.1", "--output-dir", f"{tmp_path}/runs/lr0.1/seed-3"]  # the last --seed wins
+    # SLURM's signal to the batch shell (the task's own process) requeues the task, as for train_1node.sbatch
+    (tmp_path / "bin" / "srun").write_text('#!/usr/bin/env bash\necho started; exec sleep 60\n')
+    task = subprocess.Popen(["bash", str(SLURM / "train_seeds.sbatch")], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert task.stdout.readline() == "started\n"
+    task.send_signal(signal.SIGUSR1)
+    assert task.wait(timeout=30) == 0 and (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]
+    task.stdout.close()
+    task.stderr.close()
     del env["SLURM_ARRAY_TASK_ID"]
     result = subprocess.run(["bash", str(SLURM / "train_seeds.sbatch")], env=env, cwd=tmp_path, capture_output=True,
                             text=True, timeout=60)
