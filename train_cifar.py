@@ -221,8 +221,8 @@ def main(cfg: Config) -> dict:
                 logits = model(transform(images, *draws))  # crop, flip and normalise on the device
                 loss = F.cross_entropy(logits, labels, label_smoothing=cfg.label_smoothing)
                 accelerator.backward(loss)  # divides by grad_accum
-                if accelerator.sync_gradients and cfg.grad_clip > 0:
-                    accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                if accelerator.sync_gradients and (cfg.grad_clip > 0 or tracker.logs_at(p.global_step + 1)):
+                    meter.grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
                 optimizer.step()  # the prepared optimizer only steps on the final micro-step
                 optimizer.zero_grad(set_to_none=True)
             guard.observe(loss, p.global_step + 1)  # on the device: no sync per step

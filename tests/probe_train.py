@@ -24,6 +24,8 @@ changes no behaviour, it only records, per rank, into <output-dir>/probe-rank<R>
   norm_types   class names of the normalisation layers in the prepared model (SyncBatchNorm with --sync-bn)
   eval_outputs per evaluation, the (logits, labels) gather_for_metrics returned: every test image once, as
                the metrics see them
+  grad_norms   at each optimizer step, the global norm of the gradients the optimizer applies, in float64 from the
+               gradients themselves (under FSDP2 the shards made whole): with --grad-clip 0, the unclipped norm
   bytes_written bytes this process sent to storage (/proc/self/io write_bytes: files on a disk filesystem,
                not sockets), whatever wrote them: Python, C++ (torch.save) or Rust (safetensors)
   gloo_threads_at_exit  gloo's native threads still running when the process is about to exit (a process group
@@ -47,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import accelerate.utils.other as accelerate_other  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
+from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook  # noqa: E402
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
@@ -58,7 +61,7 @@ from utils.launch import run  # noqa: E402
 rec = {"batches": [], "allreduce_at": [], "synced_in_bf16": [], "comm_hook": None, "compiled": None, "fc_dtypes": [],
        "init_digest": None, "eval_buffer_digest": [], "eval_param_digest": [], "eval_forward_digest": [],
        "draws": [], "param_types": [], "local_numel": 0, "fsdp_units": [], "logs": [], "writes": [],
-       "eval_outputs": [], "dataset_devices": [], "norm_types": []}
+       "eval_outputs": [], "dataset_devices": [], "norm_types": [], "grad_norms": []}
 datasets_seen: list[int] = []
 forwards = {"train": 0, "eval_started": False}
 
@@ -190,6 +193,17 @@ def log(self, values, step=None, **kwargs):
     return real_log(self, values, step=step, **kwargs)
 
 
+real_optimizer_step = AcceleratedOptimizer.step
+
+
+def optimizer_step(self, *args, **kwargs):
+    if self.gradient_state.sync_gradients:
+        grads = [q.grad for group in self.optimizer.param_groups for q in group["params"] if q.grad is not None]
+        whole = [g.full_tensor() if isinstance(g, DTensor) else g for g in grads]  # collective: every rank calls it
+        rec["grad_norms"].append(torch.stack([g.double().pow(2).sum() for g in whole]).sum().sqrt().item())
+    return real_optimizer_step(self, *args, **kwargs)
+
+
 real_safe_save = accelerate_other.safe_save_file
 
 
@@ -210,6 +224,7 @@ Accelerator.prepare = prepare
 torch.nn.parallel.DistributedDataParallel.register_comm_hook = register_comm_hook
 train_cifar.evaluate = evaluate
 Accelerator.log = log
+AcceleratedOptimizer.step = optimizer_step
 Accelerator.gather_for_metrics = gather_for_metrics
 Accelerator.__init__ = init
 torch.nn.functional.cross_entropy = cross_entropy

@@ -284,6 +284,16 @@ def test_lr_follows_the_linear_scaling_rule_and_the_schedule_counts_optimizer_st
     assert ddp_jobs["two_ranks"].logged("train/lr") == ddp_jobs["one_rank_accum2"].logged("train/lr")
 
 
+def test_the_logged_gradient_norm_is_the_norm_before_clipping(ddp_jobs):
+    """--grad-clip 5 (the default): the logged norm is the averaged gradients' norm before clipping; the optimizer
+    applies gradients whose norm (the probe's, in float64) is that norm, capped at 5."""
+    for name in ("two_ranks", "one_rank_accum2"):
+        norms = [v for _, v in ddp_jobs[name].logged("train/grad_norm")]
+        applied = ddp_jobs[name].probes[0]["grad_norms"]
+        assert len(norms) == len(applied) == 6
+        assert applied == pytest.approx([min(n, 5.0) for n in norms], rel=1e-5), (norms, applied)
+
+
 # 6. SyncBatchNorm ----------------------------------------------------------------------------------
 def test_sync_bn_converts_every_batchnorm_before_prepare():
     plain = train_cifar.build_model("resnet18")

@@ -88,6 +88,18 @@ def test_fsdp_loss_trajectory_and_weights_match_ddp(fsdp_jobs):
     assert abs(s["eval_loss"] - d["eval_loss"]) <= 1e-5
 
 
+def test_the_logged_gradient_norm_is_the_norm_of_the_averaged_gradients_under_ddp_and_fsdp(fsdp_jobs):
+    """No clipping here (--grad-clip 0), so the norm is measured at log steps only (every step: --log-every 1) and the
+    gradients the optimizer applies are unclipped: their float64 norm, taken by the probe, is what was logged."""
+    for name in ("ddp", "fsdp"):
+        norms = logged(fsdp_jobs[name], "train/grad_norm")
+        independent = probe(fsdp_jobs[name], 0)["grad_norms"]
+        assert len(norms) == len(independent) == 16
+        assert norms == pytest.approx(independent, rel=1e-5), name
+    assert logged(fsdp_jobs["fsdp"], "train/grad_norm") == pytest.approx(logged(fsdp_jobs["ddp"], "train/grad_norm"),
+                                                                         rel=TOLERANCE)
+
+
 def test_fsdp_ranks_evaluate_with_rank_zeros_batchnorm_statistics_like_ddp(fsdp_jobs):
     digests = [probe(fsdp_jobs["fsdp"], r)["eval_forward_digest"] for r in (0, 1)]
     assert len(digests[0]) == 2 and digests[0] == digests[1]  # rank 1 uses rank 0's (the exported) statistics

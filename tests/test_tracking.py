@@ -40,8 +40,9 @@ def test_wandb_run_holds_config_run_facts_step_and_epoch_metrics_and_the_summary
     assert run.config["mixed_precision"] == "no" and run.config["versions"]["torch"] and "git_commit" in run.config
     steps = {row["_step"]: row for row in run.history}
     for step in range(2, 17, 2):  # every --log-every optimizer steps
-        assert {"train/loss", "train/lr", "train/images_per_sec"} <= steps[step].keys()
-        assert steps[step]["train/images_per_sec"] > 0
+        assert {"train/loss", "train/lr", "train/images_per_sec", "train/grad_norm"} <= steps[step].keys()
+        assert steps[step]["train/images_per_sec"] > 0 and steps[step]["train/grad_norm"] > 0
+    assert [row["_step"] for row in run.history if "train/grad_norm" in row] == list(range(2, 17, 2))  # only then
     epochs = [row for row in run.history if "eval/top1" in row]
     assert [row["_step"] for row in epochs] == [8, 16]
     for row in epochs:

@@ -78,7 +78,7 @@ class LoggingConfig(Group):
     group: str | None = opt(None, "W&B group, e.g. one per setting run with several seeds (compare_runs.py "
                             "--by-group)")
     tags: str | None = opt(None, "comma-separated W&B tags (or $WANDB_TAGS)")
-    log_every: int = opt(50, "optimizer steps between train/loss, train/lr and train/images_per_sec logs")
+    log_every: int = opt(50, "optimizer steps between train/loss, train/lr, train/images_per_sec, train/grad_norm logs")
     progress_every: float = opt(60.0, "without a terminal (SLURM logs): seconds between console progress lines (step, "
                                 "loss, img/s, ETA), printed at log steps; 0: at every log step")
 

@@ -76,11 +76,15 @@ class Tracker:
     def after_step(self, progress, meter, lr: float, bar) -> None:
         """The loop's call after every optimizer step: every --log-every steps, the window's mean loss over all
         processes (a sync) and speed to the tracker and the progress bar."""
-        if progress.global_step % self.log_every:
+        if not self.logs_at(progress.global_step):
             return
         loss, speed = meter.window(self.accelerator)
-        self.log_train(progress.global_step, progress.epoch + 1, loss, lr, speed)
+        self.log_train(progress.global_step, progress.epoch + 1, loss, lr, speed, meter.last_grad_norm())
         bar.set_postfix(loss=f"{loss:.3f}", img_s=f"{speed:,.0f}")
+
+    def logs_at(self, step: int) -> bool:
+        """Whether optimizer step `step` is a log step (every --log-every)."""
+        return step % self.log_every == 0
 
     def log(self, values: dict, step: int) -> None:
         if step > self.already_logged:
@@ -88,9 +92,12 @@ class Tracker:
             if self.accelerator.is_main_process:
                 self._note_logged(step)
 
-    def log_train(self, step: int, epoch: int, loss: float, lr: float, images_per_sec: float) -> None:
+    def log_train(self, step: int, epoch: int, loss: float, lr: float, images_per_sec: float,
+                  grad_norm: float | None = None) -> None:
         """A log step's training numbers to the tracker and, without a terminal, now and then to the console."""
-        self.log({"train/loss": loss, "train/lr": lr, "epoch": epoch, "train/images_per_sec": images_per_sec}, step)
+        norm = {} if grad_norm is None else {"train/grad_norm": grad_norm}
+        self.log({"train/loss": loss, "train/lr": lr, "epoch": epoch, "train/images_per_sec": images_per_sec, **norm},
+                 step)
         now = time.time()
         if not self.console or (self.last_line is not None and now - self.last_line < self.progress_every):
             return
@@ -125,9 +132,11 @@ class Tracker:
 
 
 class TrainMeter:
-    """The training loss summed on the device, and the time, over one epoch and over the current log window."""
+    """The training loss summed on the device, and the time, over one epoch and over the current log window; and the
+    global gradient norm (before clipping) of the last optimizer step that measured it, kept on the device."""
 
     def __init__(self, device: torch.device, images_per_batch: int):
+        self.grad_norm: torch.Tensor | None = None  # the loop sets it: every step when clipping, else at log steps
         self.images_per_batch = images_per_batch  # all processes together
         self.epoch_sum = torch.zeros((), device=device)
         self.window_sum = self.epoch_sum.clone()
@@ -147,6 +156,13 @@ class TrainMeter:
         self.window_sum.zero_()
         self.window_batches, self.window_start = 0, time.time()
         return loss, speed
+
+    def last_grad_norm(self) -> float | None:
+        """The last measured gradient norm as a number (a sync); under FSDP2 a DTensor, made whole on every rank."""
+        if self.grad_norm is None:
+            return None
+        norm = self.grad_norm.full_tensor() if hasattr(self.grad_norm, "full_tensor") else self.grad_norm
+        return norm.item()
 
     def images(self) -> int:
         return self.epoch_batches * self.images_per_batch
