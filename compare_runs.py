@@ -338,16 +338,15 @@ def difference(a: list[Run], b: list[Run], spec) -> Difference | None:
             if len(pairs) < 2:
                 return None
             result = scipy.stats.ttest_rel(*zip(*pairs))
-            how = f"{len(pairs)} paired seeds"
+            mean, how = statistics.fmean(x - y for x, y in pairs), f"{len(pairs)} paired seeds"
         else:
             va, vb = ([v for v in (run.metric(*spec) for run in g) if not math.isnan(v)] for g in (a, b))
             if min(len(va), len(vb)) < 2:
                 return None
             result = scipy.stats.ttest_ind(vb, va, equal_var=False)
-            how = f"unpaired (Welch), {len(vb)} and {len(va)} runs"
+            mean, how = statistics.fmean(vb) - statistics.fmean(va), f"unpaired (Welch), {len(vb)} and {len(va)} runs"
         interval = result.confidence_interval(CONFIDENCE)
-    diffs = [x - y for x, y in pairs] if paired else [statistics.fmean(vb) - statistics.fmean(va)]
-    return Difference(statistics.fmean(diffs), float(interval.low), float(interval.high), how)
+    return Difference(mean, float(interval.low), float(interval.high), how)
 
 
 def verdicts(groups: dict[str, list[Run]], baseline: str) -> list[str]:
