@@ -35,6 +35,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -47,9 +48,10 @@ from utils import UserError
 from utils.batches import BatchTransform, build_loaders, crop_padding
 from utils.checkpoint import Checkpointer, export_weights
 from utils.config import check_ranges, opt, parse
-from utils.config_groups import CheckpointConfig, DataConfig, LoggingConfig
-from utils.evaluation import evaluate
+from utils.config_groups import CheckpointConfig, DataConfig, HubConfig, LoggingConfig
+from utils.evaluation import evaluate, load_metrics
 from utils.guard import StopGuard, check_output_dir, lock_output_dir
+from utils.hub import check_can_push, init_weights, push_to_hub
 from utils.launch import (
     check_fsdp_blocks,
     check_world,
@@ -72,7 +74,7 @@ HEALTH_CHECK_EVERY = 10  # optimizer steps between the (collective) checks for p
 # Config: every hyperparameter and path, in one place
 # ====================================================================================================
 @dataclass
-class Config(LoggingConfig, CheckpointConfig, DataConfig):  # the data, checkpoints and logging flags: utils/
+class Config(HubConfig, LoggingConfig, CheckpointConfig, DataConfig):  # the shared flags: utils/config_groups.py
     # --- recipe: presets of the other flags ---
     recipe: str | None = opt(None, "preset defaults for one GPU: fast (ResNet-9, ~94%) or resnet18 (95%+); see "
                              "RECIPES; flags still win", ("fast", "resnet18"))
@@ -169,6 +171,7 @@ def main(cfg: Config) -> dict:
     shard_on_cpu_too(accelerator, fsdp)  # Accelerate alone would run DDP for an FSDP config on CPU
     check_world(accelerator, fsdp_asked=fsdp is not None, sync_bn=cfg.sync_bn)  # one line if the setup is wrong
     _lock = lock_output_dir(accelerator, cfg.output_dir)  # one job per output folder, until main() returns
+    check_can_push(cfg.push_to_hub, accelerator)  # --push-to-hub: the Hub and a token, or one line now
     checkpointer = Checkpointer(accelerator, cfg)  # the checkpoint flags; saves the whole config
     resume_from = checkpointer.resume_point()
     # micro-batch x processes x accumulation; a resume on another process count keeps the global batch
@@ -182,6 +185,7 @@ def main(cfg: Config) -> dict:
     # --- model: same seed on every rank -> same initial weights (DDP also broadcasts rank 0's) ---
     set_seed(cfg.seed)
     model = build_model(cfg.model, len(data["classes"]), sync_bn=cfg.sync_bn)  # SyncBN before prepare(), as DDP needs
+    init = init_weights(model, cfg.init_from, cfg.model, accelerator, resume_from)  # --init-from, unless resumed
     channels_last = cfg.channels_last and fsdp is None  # FSDP2 shards contiguous parameters only: NCHW under FSDP
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
@@ -191,6 +195,8 @@ def main(cfg: Config) -> dict:
     check_wrapper(accelerator, model, cfg.bf16_grad_sync)  # DDP or FSDP really wraps it; bf16 all-reduce if asked
     transform = BatchTransform(accelerator.device, channels_last=channels_last, pad=crop_padding(data["image_size"]),
                                mean=data["mean"], std=data["std"])
+    run_eval = partial(evaluate, model, eval_loader, transform, accelerator, tta_flip=cfg.tta_flip,  # each image once
+                       classes=data["classes"], metrics=load_metrics(cfg.metric, data["classes"], accelerator))
 
     # --- schedule, counted in optimizer steps. Not passed to prepare(): Accelerate's prepared scheduler
     # steps num_processes times per optimizer step, which would end the schedule world-size times early.
@@ -202,7 +208,7 @@ def main(cfg: Config) -> dict:
     # --- resume, on any process count: weights, optimizer, RNG (Accelerate), schedule, counters ---
     p = checkpointer.start(resume_from, scheduler)  # fresh: --overwrite clears the old run only now
     accelerator.wait_for_everyone()
-    run_info = {**run_facts(accelerator, model, plan, total_steps, lr), "channels_last": channels_last}
+    run_info = {**run_facts(accelerator, model, plan, total_steps, lr), "channels_last": channels_last, **init}
     p.tracker_run_id = tracker.start(accelerator, {**asdict(cfg), **run_info}, p.tracker_run_id, bool(resume_from))
     guard = StopGuard(accelerator, HEALTH_CHECK_EVERY, checkpointer)  # preemption signals and a non-finite loss
 
@@ -245,7 +251,7 @@ def main(cfg: Config) -> dict:
         p.end_epoch(epoch_images, epoch_seconds, len(train_loader))
 
         guard.check()  # raises on a non-finite loss, before anything is saved
-        metrics = evaluate(model, eval_loader, transform, accelerator, tta_flip=cfg.tta_flip, classes=data["classes"])
+        metrics = run_eval()
         if p.is_best(metrics["top1"]):
             export_weights(accelerator, model, Path(cfg.output_dir) / "best.safetensors")
         tracker.log_epoch(epoch_number, p.global_step, train_loss, epoch_images, epoch_seconds, metrics)
@@ -257,9 +263,7 @@ def main(cfg: Config) -> dict:
         accelerator.print(f"preempted ({guard.reason()}): saved {checkpointer.last}; continue with --resume auto")
         summary = {"preempted": True, "checkpoint": str(checkpointer.last)}
     else:
-        if metrics is None:  # resumed from a checkpoint of a finished run
-            metrics = evaluate(model, eval_loader, transform, accelerator, tta_flip=cfg.tta_flip,
-                               classes=data["classes"])
+        metrics = metrics or run_eval()  # None: resumed from a checkpoint of a finished run
         export_weights(accelerator, model, Path(cfg.output_dir) / "model.safetensors")
         summary = {**run_info, "model": cfg.model, "dataset": data["dataset"], "classes": list(data["classes"]),
                    "image_size": data["image_size"], **p.summary(), "train_loss": train_loss,
@@ -267,6 +271,7 @@ def main(cfg: Config) -> dict:
                    "last_checkpoint": str(checkpointer.last), "resumed_from": str(resume_from) if resume_from else None,
                    "wall_seconds": time.time() - started, "config": asdict(cfg)}
         tracker.finish(summary)  # summary.json, and the W&B run's summary
+        push_to_hub(cfg.push_to_hub, accelerator, cfg.output_dir, summary)  # --push-to-hub: with a model card
     accelerator.wait_for_everyone()
     accelerator.end_training()  # trackers, process group; utils.launch.run() frees the rest once main() returns
     return summary

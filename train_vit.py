@@ -26,6 +26,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -38,9 +39,10 @@ from utils import UserError
 from utils.batches import BatchTransform, build_loaders, crop_padding
 from utils.checkpoint import Checkpointer, export_weights
 from utils.config import check_ranges, opt, parse
-from utils.config_groups import CheckpointConfig, DataConfig, LoggingConfig
-from utils.evaluation import evaluate
+from utils.config_groups import CheckpointConfig, DataConfig, HubConfig, LoggingConfig
+from utils.evaluation import evaluate, load_metrics
 from utils.guard import StopGuard, check_output_dir, lock_output_dir
+from utils.hub import check_can_push, init_weights, push_to_hub
 from utils.launch import (
     check_fsdp_blocks,
     check_world,
@@ -64,7 +66,7 @@ BLOCK = "EncoderBlock"  # the class FSDP shards one by one: torchvision's ViT bl
 # Config: every hyperparameter and path, in one place
 # ====================================================================================================
 @dataclass
-class Config(LoggingConfig, CheckpointConfig, DataConfig):  # the data, checkpoints and logging flags: utils/
+class Config(HubConfig, LoggingConfig, CheckpointConfig, DataConfig):  # the shared flags: utils/config_groups.py
     output_dir: str = opt("runs/cifar10-vit", "summary.json, model.safetensors, checkpoints and tracker files go "
                           "here")  # the checkpoints group's field, with this script's default
     # --- model: the network and how it runs ---
@@ -149,6 +151,7 @@ def main(cfg: Config) -> dict:
     shard_on_cpu_too(accelerator, fsdp)  # Accelerate alone would run DDP for an FSDP config on CPU
     check_world(accelerator, fsdp_asked=fsdp is not None)  # one line if the setup is wrong
     _lock = lock_output_dir(accelerator, cfg.output_dir)  # one job per output folder, until main() returns
+    check_can_push(cfg.push_to_hub, accelerator)  # --push-to-hub: the Hub and a token, or one line now
     checkpointer = Checkpointer(accelerator, cfg)  # the checkpoint flags; saves the whole config
     resume_from = checkpointer.resume_point()
     # micro-batch x processes x accumulation; a resume on another process count keeps the global batch
@@ -162,6 +165,7 @@ def main(cfg: Config) -> dict:
     # --- model: same seed on every rank -> same initial weights; blocks checkpointed before FSDP shards them ---
     set_seed(cfg.seed)
     model = build_model(cfg.model, len(data["classes"]), image_size=data["image_size"])
+    init = init_weights(model, cfg.init_from, cfg.model, accelerator, resume_from)  # --init-from, unless resumed
     if cfg.activation_checkpointing:
         checkpoint_blocks(model)
     optimizer = build_optimizer(cfg, model, lr)
@@ -170,6 +174,8 @@ def main(cfg: Config) -> dict:
     check_wrapper(accelerator, model, cfg.bf16_grad_sync)  # DDP or FSDP really wraps it; bf16 all-reduce if asked
     transform = BatchTransform(accelerator.device, channels_last=False, pad=crop_padding(data["image_size"]),
                                mean=data["mean"], std=data["std"])
+    run_eval = partial(evaluate, model, eval_loader, transform, accelerator, tta_flip=False,  # each image once
+                       classes=data["classes"], metrics=load_metrics(cfg.metric, data["classes"], accelerator))
 
     # --- schedule, counted in optimizer steps; not prepared (Accelerate would step it once per process) ---
     steps_per_epoch = len(train_loader) // plan.accumulation  # whole global batches only (EpochSampler)
@@ -180,7 +186,7 @@ def main(cfg: Config) -> dict:
     # --- resume, on any process count: weights, optimizer, RNG (Accelerate), schedule, counters ---
     p = checkpointer.start(resume_from, scheduler)  # fresh: --overwrite clears the old run only now
     accelerator.wait_for_everyone()
-    run_info = {**run_facts(accelerator, model, plan, total_steps, lr), "fsdp_param_dtype": _param_dtype(fsdp)}
+    run_info = {**run_facts(accelerator, model, plan, total_steps, lr), "fsdp_param_dtype": _param_dtype(fsdp), **init}
     p.tracker_run_id = tracker.start(accelerator, {**asdict(cfg), **run_info}, p.tracker_run_id, bool(resume_from))
     guard = StopGuard(accelerator, HEALTH_CHECK_EVERY, checkpointer)  # preemption signals and a non-finite loss
 
@@ -223,7 +229,7 @@ def main(cfg: Config) -> dict:
         p.end_epoch(epoch_images, epoch_seconds, len(train_loader))
 
         guard.check()  # raises on a non-finite loss, before anything is saved
-        metrics = evaluate(model, eval_loader, transform, accelerator, tta_flip=False, classes=data["classes"])
+        metrics = run_eval()
         if p.is_best(metrics["top1"]):
             export_weights(accelerator, model, Path(cfg.output_dir) / "best.safetensors")
         tracker.log_epoch(epoch_number, p.global_step, train_loss, epoch_images, epoch_seconds, metrics)
@@ -235,9 +241,7 @@ def main(cfg: Config) -> dict:
         accelerator.print(f"preempted ({guard.reason()}): saved {checkpointer.last}; continue with --resume auto")
         summary = {"preempted": True, "checkpoint": str(checkpointer.last)}
     else:
-        if metrics is None:  # resumed from a checkpoint of a finished run
-            metrics = evaluate(model, eval_loader, transform, accelerator, tta_flip=False,
-                               classes=data["classes"])
+        metrics = metrics or run_eval()  # None: resumed from a checkpoint of a finished run
         export_weights(accelerator, model, Path(cfg.output_dir) / "model.safetensors")
         summary = {**run_info, "model": cfg.model, "dataset": data["dataset"], "classes": list(data["classes"]),
                    "image_size": data["image_size"], **p.summary(), "train_loss": train_loss,
@@ -245,6 +249,7 @@ def main(cfg: Config) -> dict:
                    "last_checkpoint": str(checkpointer.last), "resumed_from": str(resume_from) if resume_from else None,
                    "wall_seconds": time.time() - started, "config": asdict(cfg)}
         tracker.finish(summary)  # summary.json, and the W&B run's summary
+        push_to_hub(cfg.push_to_hub, accelerator, cfg.output_dir, summary)  # --push-to-hub: with a model card
     accelerator.wait_for_everyone()
     accelerator.end_training()  # trackers, process group; utils.launch.run() frees the rest once main() returns
     return summary

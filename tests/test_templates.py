@@ -16,7 +16,7 @@ from conftest import CPU_YAML, FSDP_CPU_YAML, REPO, job_args, read_summary, run_
 
 import train_cifar
 import train_vit
-from utils.config_groups import CheckpointConfig, DataConfig, LoggingConfig
+from utils.config_groups import CheckpointConfig, DataConfig, HubConfig, LoggingConfig
 
 # (train_cifar.py's lines, train_vit.py's lines, why they differ): whole statements as ast.unparse writes them.
 ALLOWED = [
@@ -27,29 +27,32 @@ ALLOWED = [
     (["check_world(accelerator, fsdp_asked=fsdp is not None, sync_bn=cfg.sync_bn)"],
      ["check_world(accelerator, fsdp_asked=fsdp is not None)"],
      "the ViT has no BatchNorm, so no --sync-bn"),
-    (["model = build_model(cfg.model, len(data['classes']), sync_bn=cfg.sync_bn)",
-      "channels_last = cfg.channels_last and fsdp is None",
+    (["model = build_model(cfg.model, len(data['classes']), sync_bn=cfg.sync_bn)"],
+     ["model = build_model(cfg.model, len(data['classes']), image_size=data['image_size'])"],
+     "the models: the ResNet may convert its BatchNorms to SyncBatchNorm; the ViT is sized for the image"),
+    (["channels_last = cfg.channels_last and fsdp is None",
       "if channels_last:",
       "model = model.to(memory_format=torch.channels_last)",
       "optimizer = build_optimizer(cfg, model, lr, fused=fsdp is None)"],
-     ["model = build_model(cfg.model, len(data['classes']), image_size=data['image_size'])",
-      "if cfg.activation_checkpointing:",
+     ["if cfg.activation_checkpointing:",
       "checkpoint_blocks(model)",
       "optimizer = build_optimizer(cfg, model, lr)"],
-     "the models: the ResNet runs channels-last (not under FSDP2) with fused SGD; the ViT is sized for the image, "
-     "may checkpoint its blocks, and uses its own AdamW parameter groups"),
+     "the ResNet runs channels-last (not under FSDP2) with fused SGD; the ViT may checkpoint its blocks, and uses "
+     "its own AdamW parameter groups"),
     (["transform = BatchTransform(accelerator.device, channels_last=channels_last, "
-      "pad=crop_padding(data['image_size']), mean=data['mean'], std=data['std'])"],
+      "pad=crop_padding(data['image_size']), mean=data['mean'], std=data['std'])",
+      "run_eval = partial(evaluate, model, eval_loader, transform, accelerator, tta_flip=cfg.tta_flip, "
+      "classes=data['classes'], metrics=load_metrics(cfg.metric, data['classes'], accelerator))"],
      ["transform = BatchTransform(accelerator.device, channels_last=False, pad=crop_padding(data['image_size']), "
-      "mean=data['mean'], std=data['std'])"],
-     "the ViT's patch embedding takes NCHW"),
-    (["run_info = {**run_facts(accelerator, model, plan, total_steps, lr), 'channels_last': channels_last}"],
-     ["run_info = {**run_facts(accelerator, model, plan, total_steps, lr), 'fsdp_param_dtype': _param_dtype(fsdp)}"],
+      "mean=data['mean'], std=data['std'])",
+      "run_eval = partial(evaluate, model, eval_loader, transform, accelerator, tta_flip=False, "
+      "classes=data['classes'], metrics=load_metrics(cfg.metric, data['classes'], accelerator))"],
+     "the ViT's patch embedding takes NCHW; flip test-time augmentation is the ResNet recipes' (the ViT has no "
+     "--tta-flip)"),
+    (["run_info = {**run_facts(accelerator, model, plan, total_steps, lr), 'channels_last': channels_last, **init}"],
+     ["run_info = {**run_facts(accelerator, model, plan, total_steps, lr), 'fsdp_param_dtype': _param_dtype(fsdp), "
+      "**init}"],
      "each run records its own layout fact: channels-last for the ResNet, FSDP's parameter dtype for the ViT"),
-    (["metrics = evaluate(model, eval_loader, transform, accelerator, tta_flip=cfg.tta_flip, classes=data['classes'])"],
-     ["metrics = evaluate(model, eval_loader, transform, accelerator, tta_flip=False, classes=data['classes'])"],
-     "flip test-time augmentation is the ResNet recipes'; the ViT has no --tta-flip (at each epoch's end and at the "
-     "end of a finished run)"),
 ]
 # train_vit.py's Config redefines these fields of the shared groups, with these reasons.
 REDEFINED = {"output_dir": "its own default folder, so a ViT run never lands in a ResNet run's folder"}
@@ -92,9 +95,9 @@ def test_a_change_to_one_templates_loop_alone_is_caught():
 
 @pytest.mark.parametrize("module", [train_cifar, train_vit], ids=["train_cifar", "train_vit"])
 def test_each_templates_config_takes_the_shared_groups_as_defined_once(module):
-    assert all(issubclass(module.Config, group) for group in (DataConfig, CheckpointConfig, LoggingConfig))
+    assert all(issubclass(module.Config, group) for group in (DataConfig, CheckpointConfig, LoggingConfig, HubConfig))
     mine = {f.name: f for f in fields(module.Config)}
-    for group in (DataConfig, CheckpointConfig, LoggingConfig):
+    for group in (DataConfig, CheckpointConfig, LoggingConfig, HubConfig):
         for f in fields(group):
             same = (mine[f.name].default, mine[f.name].metadata) == (f.default, f.metadata)
             assert same or (module is train_vit and f.name in REDEFINED), f"{module.__name__} redefines {f.name}"

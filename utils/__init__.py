@@ -26,3 +26,9 @@ def process_count_problem(accelerate_world: int) -> str | None:
                 f"machines make {int(here) * int(machines)}, but {launched} joined; use the same --num_processes and "
                 f"--num_machines on every machine")
     return None
+
+
+def first_line(error: BaseException) -> str:
+    """An exception as one line, its type and its message's first line, for a UserError that quotes a library."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__

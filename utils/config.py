@@ -1,7 +1,8 @@
 """A dataclass is the command line: each field becomes a flag (`lr` -> `--lr`) with its help text, type, default and
-choices; `--flag/--no-flag` for booleans. A comment line `# --- name: purpose ---` in the class body starts a group
-of flags in --help, as in docs/flags.md. Written by hand (a few lines of argparse) so that a script's Config
-stays a plain dataclass, printed at start, sent to the tracker and written to summary.json."""
+choices; `--flag/--no-flag` for booleans; a `list[str]` field's flag may be given more than once. A comment line
+`# --- name: purpose ---` in the class body starts a group of flags in --help, as in docs/flags.md. Written by hand
+(a few lines of argparse) so that a script's Config stays a plain dataclass, printed at start, sent to the tracker
+and written to summary.json."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def opt(default, help: str, choices: tuple | None = None):
     return field(default=default, metadata={"help": help, "choices": choices})
 
 
-HELP_ORDER = ("recipe", "data", "model", "optimisation", "checkpoints", "logging")  # --help's groups; others after
+HELP_ORDER = ("recipe", "data", "model", "optimisation", "checkpoints", "logging", "hub")  # --help: groups, in order
 
 
 def groups(config_class) -> dict[str, tuple[str, str]]:
@@ -59,7 +60,9 @@ def build_parser(config_class, description: str) -> argparse.ArgumentParser:
             target.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
         else:
             kind = next(t for t in typing.get_args(kind) or (kind,) if t is not type(None))  # X | None -> X
-            target.add_argument(flag, type=kind, default=f.default, choices=f.metadata["choices"],
+            repeated = typing.get_origin(kind) is list  # list[str]: the flag may be given several times
+            target.add_argument(flag, type=typing.get_args(kind)[0] if repeated else kind, default=f.default,
+                                action="append" if repeated else "store", choices=f.metadata["choices"],
                                 help=f.metadata["help"].replace("%", "%%") + " (default: %(default)s)")
     return parser
 

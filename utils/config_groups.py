@@ -1,8 +1,8 @@
-"""The Config groups both templates share, defined once: data, checkpoints, logging. A script's `Config` inherits
-them (`class Config(LoggingConfig, CheckpointConfig, DataConfig)`), so its command line stays flat (`--data-dir`,
-not `--data.data-dir`), `--help` keeps the groups, and `asdict(cfg)` stays one flat dict for the tracker and
-summary.json. The model and optimisation fields, which copiers edit, stay in the script. Each group checks its own
-fields in `validate()` and then hands on to the next group (cooperative `super().validate()`)."""
+"""The Config groups both templates share, defined once: data, checkpoints, logging, the Hub. A script's `Config`
+inherits them (`class Config(HubConfig, LoggingConfig, CheckpointConfig, DataConfig)`), so its command line stays
+flat (`--data-dir`, not `--data.data-dir`), `--help` keeps the groups, and `asdict(cfg)` stays one flat dict for the
+tracker and summary.json. The model and optimisation fields, which copiers edit, stay in the script. Each group
+checks its own fields in `validate()` and then hands on to the next group (cooperative `super().validate()`)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from utils import UserError
 from utils.config import check_ranges, opt
 from utils.decode import check_source
+from utils.evaluation import metric_label, parse_metric
+from utils.hub import REPO_ID
 
 
 @dataclass
@@ -84,4 +86,25 @@ class LoggingConfig(Group):
 
     def validate(self) -> None:
         check_ranges(self, positive=["log_every"], non_negative=["progress_every"])
+        super().validate()
+
+
+@dataclass
+class HubConfig(Group):
+    # --- hub: start from trained weights, metrics by name, share the result ---
+    init_from: str | None = opt(None, "start from trained weights: a .safetensors file or run folder, a Hub model repo "
+                                "(owner/name[@revision]) or torchvision:IMAGENET1K_V1 (the ResNet-18s); a new head "
+                                "when the class count differs; a resumed run keeps its checkpoint's weights")
+    metric: list[str] | None = opt(None, "also compute this `evaluate` metric at each evaluation, on the gathered "
+                                   "top-1 predictions: NAME[:key=value,...] (e.g. f1:average=macro) or a local "
+                                   "metric script; logged as eval/NAME; give the flag once per metric")
+    push_to_hub: str | None = opt(None, "at the end of a finished run, upload the exported weights, summary.json, the "
+                                  "config and a model card to this Hub model repo (owner/name)")
+
+    def validate(self) -> None:
+        labels = [metric_label(*parse_metric(spec)) for spec in self.metric or ()]  # one line for a malformed spec
+        if len(set(labels)) < len(labels):
+            raise UserError(f"--metric: each metric once (got {', '.join(self.metric)}).")
+        if self.push_to_hub is not None and not REPO_ID.fullmatch(self.push_to_hub):
+            raise UserError(f"--push-to-hub takes a Hub model repo id, owner/name (got {self.push_to_hub!r}).")
         super().validate()

@@ -18,21 +18,19 @@ import os
 import shutil
 import tempfile
 import warnings
-from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from utils import UserError
+from utils import UserError, first_line
 from utils.guard import check_memory
+from utils.launch import gather_errors
 
 HUB_DATASET = "uoft-cs/cifar10"  # --dataset's default
 SPLITS = ("train", "test")  # the loaded data's keys: "test" is the evaluation split, whatever its source
 EVAL_SPLITS = ("test", "validation")  # the source's evaluation split: the first of these it has
 VAL_FRACTION = 0.1  # held out of train for evaluation when the source has no evaluation split
-DECODE_TIMEOUT = timedelta(hours=12)  # how long the other processes wait for the decoding ones
 CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 CACHE_FORMAT = 5  # bump when the cached tensors change meaning (4: class names, mean and std; 5: held-out splits)
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
@@ -87,7 +85,7 @@ def _read_local(kind: str, files: dict[str, list[Path]]):
         try:  # reading the footer names the broken file; load_dataset's error would not
             pq.read_metadata(path)
         except Exception as e:
-            raise UserError(f"{path} is not a readable parquet file ({_first_line(e)}).") from None
+            raise UserError(f"{path} is not a readable parquet file ({first_line(e)}).") from None
     try:
         if kind == "parquet":  # a builder per split: one for both would cast the test file to the train file's features
             return {s: datasets.load_dataset(kind, data_files={s: [str(p) for p in ps]}, split=s)  # (class names too)
@@ -102,7 +100,7 @@ def _read_local(kind: str, files: dict[str, list[Path]]):
                 f"no space left on device while datasets copied {files['train'][0].parent} into its cache {cache} "
                 f"({free / 2**20:,.0f} MiB free); free some space or point HF_DATASETS_CACHE at a larger disk."
             ) from None
-        raise UserError(f"cannot read the {kind} files in {files['train'][0].parent}: {_first_line(cause)}") from None
+        raise UserError(f"cannot read the {kind} files in {files['train'][0].parent}: {first_line(cause)}") from None
 
 
 def _read_hub(name: str):
@@ -112,7 +110,7 @@ def _read_hub(name: str):
         return datasets.load_dataset(name)
     except Exception as e:
         raise UserError(
-            f"could not download {name} from the Hugging Face Hub ({_first_line(e)}); either pass "
+            f"could not download {name} from the Hugging Face Hub ({first_line(e)}); either pass "
             f"--data-dir with a local copy (train-*.parquet and test-*.parquet, or an image folder) or run with "
             f"internet access."
         ) from None
@@ -125,11 +123,6 @@ def _root_cause(e: BaseException) -> BaseException:
         seen.add(id(inner))
         e = inner
     return e
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -200,7 +193,7 @@ def _open(source, split: str, i: int):
     try:
         return Image.open(io.BytesIO(source) if isinstance(source, bytes) else source)
     except (UnidentifiedImageError, OSError, TypeError) as e:
-        raise UserError(f"the {split} split has an undecodable image at {_where(source, i)} ({_first_line(e)}).") \
+        raise UserError(f"the {split} split has an undecodable image at {_where(source, i)} ({first_line(e)}).") \
             from None
 
 
@@ -238,7 +231,7 @@ def _decode(rows: _Rows, split: str, size: int) -> torch.Tensor:
                 images[i] = np.asarray(im)
         except OSError as e:  # a header that reads but pixels that do not (a truncated file)
             raise UserError(f"the {split} split has an undecodable image at {_where(source, i)} "
-                            f"({_first_line(e)}).") from None
+                            f"({first_line(e)}).") from None
     return torch.from_numpy(images).permute(0, 3, 1, 2)
 
 
@@ -318,7 +311,7 @@ def _read_cache(path: Path) -> dict | None:
             about = {k: tuple(json.loads(v)) for k, v in f.metadata().items() if k in ("classes", "mean", "std")}
         return {**{s: (t[f"{s}_images"].permute(0, 3, 1, 2), t[f"{s}_labels"]) for s in SPLITS}, **about}
     except Exception as e:  # a truncated or foreign file: decode again rather than fail
-        warnings.warn(f"ignoring unreadable cache {path} ({_first_line(e)}); decoding the source again")
+        warnings.warn(f"ignoring unreadable cache {path} ({first_line(e)}); decoding the source again")
         return None
 
 
@@ -373,23 +366,10 @@ def load_data(data_dir: str | None, cache_dir: str | None, accelerator=None, ima
             data = _load(*source, cache_dir, accelerator.print, True, settings)
         except UserError as e:
             error = str(e)
-    errors = [e for e in _gather_after_decoding(error) if e]  # also the barrier the other processes wait at
+    errors = [e for e in gather_errors(error) if e]  # also the barrier the other processes wait at
     if errors:
         raise UserError(errors[0])
     return data if data is not None else _load(*source, cache_dir, accelerator.print, False, settings)
-
-
-def _gather_after_decoding(error: str | None) -> list:
-    """Every process's error (None: none), once the decoding processes are done. Decoding a large dataset can take
-    longer than --dist-timeout, the limit of the default process group's collectives, so the waiting happens in a
-    gloo group of its own whose limit is DECODE_TIMEOUT (a dead process still ends the job: the launcher sees it)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [error]
-    group = dist.new_group(backend="gloo", timeout=DECODE_TIMEOUT)
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, error, group=group)
-    dist.destroy_process_group(group)
-    return gathered
 
 
 def check_source(data_dir: str | None, dataset: str | None, val_fraction: float | None) -> None:

@@ -1,27 +1,39 @@
 """Evaluation on every rank's shard, metrics from gathered tensors (top-1, top-5, loss, per-class accuracy, the
-confusion matrix). Not `evaluate.load`: it fetches metric code from the Hub at run time."""
+confusion matrix); `--metric NAME` adds any metric of the `evaluate` library, computed on the same gathered
+predictions. The built-in ones are not `evaluate.load`'s: it fetches each metric's code from the Hub at run time,
+which an offline cluster node cannot do."""
 
 from __future__ import annotations
 
+import ast
+import re
+import warnings
+from pathlib import Path
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from utils import UserError, first_line
 from utils.decode import CLASSES
-from utils.launch import share_bn_statistics
+from utils.launch import first_on_each_machine, share_bn_statistics
+
+BUILT_IN = ("loss", "top1", "top5", "examples", "class_top1", "confusion")
 
 
 @torch.no_grad()
-def evaluate(model, loader, transform, accelerator, tta_flip: bool = False, classes=CLASSES) -> dict:
+def evaluate(model, loader, transform, accelerator, tta_flip: bool = False, classes=CLASSES, metrics=()) -> dict:
     """Every rank evaluates its shard; gather_for_metrics drops the padding Accelerate adds to make shards even,
     so each test image counts exactly once. All ranks use rank 0's BatchNorm statistics, the exported ones: DDP
     copied them at the first forward (broadcast_buffers=True); FSDP needs the copy. `transform(images)`
     turns a loader batch into the model's input; tta_flip averages the logits of each image and its
-    mirror image."""
+    mirror image. `metrics` (load_metrics): computed on every rank from all ranks' top-1 predictions and labels."""
     share_bn_statistics(accelerator, model)
     model.eval()
     dev, k = accelerator.device, len(classes)
     loss_sum, top1, top5 = (torch.zeros((), device=dev, dtype=torch.float64) for _ in range(3))
     confusion = torch.zeros(k * k, device=dev, dtype=torch.long)  # row: true class, column: predicted
+    predicted, references = [], []
     for images, labels in loader:
         inputs = transform(images)
         logits = (model(inputs) + model(inputs.flip(3))) / 2 if tta_flip else model(inputs)
@@ -31,9 +43,91 @@ def evaluate(model, loader, transform, accelerator, tta_flip: bool = False, clas
         top1 += (best5[:, 0] == labels).sum()
         top5 += (best5 == labels[:, None]).any(dim=1).sum()
         confusion += torch.bincount(labels * k + best5[:, 0], minlength=k * k)
+        if metrics:
+            predicted.append(best5[:, 0])
+            references.append(labels)
     confusion = confusion.view(k, k)
     n = int(confusion.sum())
     per_class = (100.0 * confusion.diagonal() / confusion.sum(1).clamp(min=1)).tolist()
-    return {"loss": loss_sum.item() / n, "top1": 100.0 * top1.item() / n, "top5": 100.0 * top5.item() / n,
-            "examples": n, "class_top1": dict(zip(classes, per_class)), "confusion": confusion.tolist()}
+    out = {"loss": loss_sum.item() / n, "top1": 100.0 * top1.item() / n, "top5": 100.0 * top5.item() / n,
+           "examples": n, "class_top1": dict(zip(classes, per_class)), "confusion": confusion.tolist()}
+    if metrics:
+        predicted, references = torch.cat(predicted).tolist(), torch.cat(references).tolist()
+        for metric in metrics:
+            out |= metric.compute(predicted, references)
+    return out
 
+
+# --metric NAME[:key=value,...] ------------------------------------------------------------------------------------
+def parse_metric(spec: str) -> tuple[str, dict]:
+    """'f1:average=macro' -> ('f1', {'average': 'macro'}): the name (or a local script's path) and the keyword
+    arguments of the metric's compute(); a value is a Python literal (1, 0.5, None, True) or else a string."""
+    name, _, options = spec.partition(":")
+    kwargs = {}
+    for option in filter(None, options.split(",")):
+        key, eq, value = option.partition("=")
+        if not eq or not key.isidentifier():
+            raise UserError(f"--metric {spec}: options are key=value pairs separated by commas, e.g. "
+                            f"f1:average=macro.")
+        try:
+            kwargs[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            kwargs[key] = value
+    if not name:
+        raise UserError(f"--metric {spec!r} names no metric (e.g. --metric f1:average=macro).")
+    return name, kwargs
+
+
+def metric_label(name: str, kwargs: dict) -> str:
+    """The key a metric is logged under (eval/<label>): its name, or a script's file name without .py, then the
+    option values: f1:average=macro -> f1_macro. The built-in keys are taken."""
+    stem = Path(name).stem if name.endswith(".py") else Path(name).name
+    label = re.sub(r"\W+", "_", "_".join([stem, *map(str, kwargs.values())])).strip("_").lower()
+    if label in BUILT_IN:
+        raise UserError(f"--metric {name}: {label} is a built-in metric already (eval/{label}).")
+    return label
+
+
+class Metric:
+    """A metric of the `evaluate` library on class predictions: compute(predictions, references) -> {label: value}
+    (a metric that returns several values: {label_key: value}), plain Python numbers for JSON and the trackers."""
+
+    def __init__(self, spec: str, accelerator):
+        self.name, self.kwargs = parse_metric(spec)
+        self.label = metric_label(self.name, self.kwargs)
+        self.module = first_on_each_machine(accelerator, lambda: self._load(spec))
+
+    def _load(self, spec: str):
+        import evaluate
+
+        try:  # keep_in_memory: no cache files, which the processes of one machine would share
+            return evaluate.load(self.name, keep_in_memory=True)
+        except (FileNotFoundError, ConnectionError, ImportError, OSError, ValueError) as e:
+            raise UserError(f"--metric {spec}: evaluate.load({self.name!r}) failed ({first_line(e)}); a Hub metric's "
+                            f"code is fetched at run time: offline, pass a local metric script") from None
+
+    def compute(self, predictions: list[int], references: list[int]) -> dict:
+        result = self.module.compute(predictions=predictions, references=references, **self.kwargs)
+        if len(result) == 1:
+            return {self.label: plain(next(iter(result.values())))}
+        return {f"{self.label}_{key}": plain(value) for key, value in result.items()}
+
+
+def load_metrics(specs: list[str] | None, classes: list[str], accelerator) -> list[Metric]:
+    """The --metric flags' metrics, loaded (a Hub metric's code downloaded by each machine's first process) and tried
+    once on every class predicted correctly, so a wrong name or option stops the run now with one line, not after
+    its first epoch."""
+    metrics = [Metric(spec, accelerator) for spec in specs or ()]
+    for metric, spec in zip(metrics, specs or ()):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                metric.compute(list(range(len(classes))), list(range(len(classes))))
+        except Exception as e:  # noqa: BLE001 -- whatever a third-party metric raises on its inputs: one line
+            raise UserError(f"--metric {spec} fails on {len(classes)}-class predictions: {first_line(e)}") from None
+    return metrics
+
+
+def plain(value):
+    """numpy scalars and arrays (what scikit-learn based metrics return) as Python numbers and lists."""
+    return value.tolist() if isinstance(value, np.ndarray | np.generic) else value

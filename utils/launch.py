@@ -14,6 +14,7 @@ import re
 import sys
 import time
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -195,6 +196,39 @@ def share_bn_statistics(accelerator, model) -> None:
 # ----------------------------------------------------------------------------------------------------
 # End
 # ----------------------------------------------------------------------------------------------------
+
+
+WAIT_TIMEOUT = timedelta(hours=12)  # how long the other processes wait for a machine's first one (decode, download)
+
+
+def gather_errors(error: str | None) -> list:
+    """Every process's error (None: none), once the slow processes are done: also the barrier the others wait at.
+    Decoding a large dataset or downloading weights can take longer than --dist-timeout, the limit of the default
+    process group's collectives, so the waiting happens in a gloo group of its own whose limit is WAIT_TIMEOUT (a
+    dead process still ends the job: the launcher sees it)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [error]
+    group = dist.new_group(backend="gloo", timeout=WAIT_TIMEOUT)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, error, group=group)
+    dist.destroy_process_group(group)
+    return gathered
+
+
+def first_on_each_machine(accelerator, job):
+    """job() on each machine's first process (a download into a cache), then on the others, which find it cached.
+    A UserError there is raised on every process, so all exit with its line; Accelerate's main_process_first would
+    leave the others waiting at its barrier for the process that failed."""
+    result = error = None
+    if accelerator.is_local_main_process:
+        try:
+            result = job()
+        except UserError as e:
+            error = str(e)
+    errors = [e for e in gather_errors(error) if e]
+    if errors:
+        raise UserError(errors[0])
+    return result if accelerator.is_local_main_process else job()
 
 
 def run(job) -> int:

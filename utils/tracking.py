@@ -11,6 +11,7 @@ import json
 import netrc
 import os
 import resource
+import shlex
 import subprocess
 import sys
 import time
@@ -123,8 +124,11 @@ class Tracker:
                   **scalars, **per_class, "epoch": epoch, **plot}, step=step)
 
     def finish(self, summary: dict) -> None:
-        """summary.json (written by the main process) is also the W&B run's summary."""
+        """summary.json (written by the main process) is also the W&B run's summary; it names the W&B run."""
         if self.accelerator.is_main_process:
+            if self.wandb_run is not None:
+                summary["wandb_run"] = {"id": self.wandb_run.id, "project": self.wandb_run.project,
+                                        "url": self.wandb_run.url if not self.wandb_run.offline else None}
             with open(self.output_dir / "summary.json", "w") as f:
                 json.dump(summary, f, indent=2)
             if self.wandb_run is not None:
@@ -209,7 +213,8 @@ def wandb_confusion_matrix(confusion: list[list[int]], classes: list[str]) -> di
 
 def run_facts(accelerator, model, plan, total_steps: int, lr: float) -> dict:
     """What the run is, for the tracker's config and summary.json: processes, precision, the batch plan, the planned
-    optimizer steps, the learning rate as scaled, the wrapper and parameter counts, library versions, commit."""
+    optimizer steps, the learning rate as scaled, the wrapper and parameter counts, the launch command, library
+    versions, commit."""
     from torch.distributed.tensor import DTensor
 
     return {"world_size": accelerator.num_processes, "distributed_type": accelerator.distributed_type.value,
@@ -219,7 +224,23 @@ def run_facts(accelerator, model, plan, total_steps: int, lr: float) -> dict:
             "parameters": sum(q.numel() for q in model.parameters()),  # DTensors count in full
             "parameters_on_main_process": sum((q.to_local() if isinstance(q, DTensor) else q).numel()
                                               for q in model.parameters()),  # FSDP2: this process's shards
-            **environment()}
+            "command": launch_command(), **environment()}
+
+
+def launch_command() -> str:
+    """The command that started the run: the launcher's (`accelerate launch ...` or `torchrun ...`, read from the
+    parent process's command line on Linux) when a launcher started this process, else `python <argv>`."""
+    try:
+        words = [w.decode() for w in Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0") if w]
+    except OSError:  # not Linux
+        words = []
+    for i, word in enumerate(words):
+        if word == "launch" and i and words[i - 1].endswith("accelerate"):  # .../bin/accelerate launch ...
+            return shlex.join(["accelerate", *words[i:]])
+        if word in ("accelerate.commands.launch", "torch.distributed.run") or word.endswith("/torchrun"):  # -m ...
+            launcher = ["accelerate", "launch"] if word.startswith("accelerate") else ["torchrun"]
+            return shlex.join([*launcher, *words[i + 1:]])
+    return shlex.join(["python", *sys.argv])
 
 
 def environment() -> dict:

@@ -1,0 +1,232 @@
+"""The Hugging Face side of a run: start from trained weights (--init-from), and share a finished run on the Hub
+(--push-to-hub) with a generated model card, which evaluate_checkpoint.py and a later --init-from read back.
+Downloads go through huggingface_hub and torchvision's weights API, into their own caches; each machine's first
+process downloads, the others then read the cached file. Offline (HF_HUB_OFFLINE=1) a Hub repo in the local cache
+still loads. (--metric NAME, the `evaluate` metrics: utils/evaluation.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from utils import UserError, first_line
+from utils.launch import first_on_each_machine, gather_errors
+
+REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")  # owner/name
+TORCHVISION = "torchvision:"  # torchvision:IMAGENET1K_V1 -> torchvision.models.ResNet18_Weights.IMAGENET1K_V1
+TORCHVISION_MODELS = ("resnet18", "resnet18_imagenet")  # the models torchvision's ResNet-18 weights fit
+HUB_FOLDER = "hub"  # <output-dir>/hub: what --push-to-hub uploads
+
+
+# --init-from SOURCE ------------------------------------------------------------------------------------------------
+def init_weights(model: torch.nn.Module, source: str | None, model_name: str, accelerator, resume_from=None) -> dict:
+    """Loads SOURCE's weights into `model` (before prepare(), the same file on every rank), keeping the model's own
+    freshly initialised head (its last Linear layer) when the class counts differ, and, from torchvision's ImageNet
+    weights into the CIFAR-stem resnet18, its own 3x3 first convolution. Any other missing, unexpected or
+    differently shaped key stops the run with one line. Returns what was loaded, for summary.json and the tracker.
+    Nothing when a checkpoint is resumed (`resume_from`): it holds the run's weights."""
+    if source is None or resume_from is not None:
+        if source is not None:
+            accelerator.print(f"--init-from {source}: not loaded, the run continues from {resume_from}")
+        return {}
+    if source.startswith(TORCHVISION):
+        state, origin = first_on_each_machine(accelerator, lambda: torchvision_weights(source, model_name)), source
+        allowed_new = {"conv1.weight"} if model_name == "resnet18" else set()
+    else:
+        path = first_on_each_machine(accelerator, lambda: weights_file(source))
+        state, origin, allowed_new = load_file(path), str(path), set()
+    own = model.state_dict()
+    head = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)][-1]
+    allowed_new |= {k for k in own if k.startswith(head + ".")}
+    reshaped = sorted(k for k in own.keys() & state.keys() if own[k].shape != state[k].shape)
+    new = [k for k in reshaped if k in allowed_new]
+    problems = {"missing": sorted(own.keys() - state.keys()), "unexpected": sorted(state.keys() - own.keys()),
+                "shaped differently": [f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}"
+                                       for k in reshaped if k not in allowed_new]}
+    if any(problems.values()):
+        listed = "; ".join(f"{kind}: {', '.join(keys[:4])}{f' (+{len(keys) - 4} more)' if len(keys) > 4 else ''}"
+                           for kind, keys in problems.items() if keys)
+        raise UserError(f"--init-from {source} does not hold --model {model_name} weights{trained_as(source)}: "
+                        f"{listed}.")
+    model.load_state_dict({k: v for k, v in state.items() if k not in new}, strict=False)
+    note = f"; new, freshly initialised: {', '.join(new)}" if new else ""
+    if head + ".weight" in new:
+        note += f" (a {own[head + '.weight'].shape[0]}-class head for the source's {state[head + '.weight'].shape[0]})"
+    accelerator.print(f"--init-from {source}: {len(state) - len(new)} tensors loaded from {origin}{note}")
+    return {"init_weights": origin, "init_new_keys": new}
+
+
+def weights_file(source: str) -> Path:
+    """The safetensors file SOURCE names: a file, a run folder's model.safetensors, or a Hub model repo's (owner/name,
+    optionally @revision) model.safetensors, downloaded into the Hugging Face cache."""
+    path = Path(source)
+    path = path / "model.safetensors" if path.is_dir() else path
+    if path.is_file():
+        return path
+    if path.suffix == ".safetensors" or not REPO_ID.fullmatch(source.split("@")[0]):
+        raise UserError(f"--init-from {source}: no such file or folder (nor a Hub repo id owner/name, nor "
+                        f"{TORCHVISION}WEIGHTS).")
+    return hub_file(source, "model.safetensors")
+
+
+def hub_file(source: str, filename: str, required: bool = True) -> Path | None:
+    """`filename` of the Hub model repo `source` (owner/name[@revision]) through huggingface_hub's cache; None when
+    the repo has no such file and it is not `required`."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError
+
+    repo, _, revision = source.partition("@")
+    try:
+        return Path(hf_hub_download(repo, filename, revision=revision or None))
+    except EntryNotFoundError as e:  # also offline: the file is not in the local cache
+        if not required:
+            return None
+        raise UserError(f"cannot get {filename} of the Hub model repo {source}: {first_line(e)}") from None
+    except (OSError, HfHubHTTPError, ValueError) as e:
+        raise UserError(f"cannot get {filename} of the Hub model repo {source}: {first_line(e)}") from None
+
+
+def torchvision_weights(source: str, model_name: str) -> dict[str, torch.Tensor]:
+    """torchvision's trained ResNet-18 weights (torchvision:IMAGENET1K_V1), through its weights API: downloaded
+    once into torch's hub cache ($TORCH_HOME/hub/checkpoints)."""
+    import torchvision
+
+    if model_name not in TORCHVISION_MODELS:
+        raise UserError(f"--init-from {source}: torchvision's ResNet-18 weights fit --model "
+                        f"{' or '.join(TORCHVISION_MODELS)}, not {model_name}.")
+    name = source[len(TORCHVISION):]
+    try:
+        weights = torchvision.models.ResNet18_Weights[name]
+    except KeyError:
+        known = ", ".join(TORCHVISION + w.name for w in torchvision.models.ResNet18_Weights)
+        raise UserError(f"--init-from {source}: torchvision has no such ResNet-18 weights (it has {known}).") from None
+    try:
+        return weights.get_state_dict(progress=False)
+    except OSError as e:  # urllib's URLError without network
+        raise UserError(f"--init-from {source}: cannot download {weights.url} ({first_line(e)}); without network, put "
+                        f"that file into {torch.hub.get_dir()}/checkpoints/") from None
+
+
+def trained_as(source: str) -> str:
+    """' (trained as --model X)' when a summary.json beside the local weights says so."""
+    path = Path(source)
+    summary = (path if path.is_dir() else path.parent) / "summary.json"
+    try:
+        return f" (it was trained as --model {json.loads(summary.read_text())['model']})"
+    except (OSError, ValueError, KeyError):
+        return ""
+
+
+# --push-to-hub REPO_ID -------------------------------------------------------------------------------------------
+def check_can_push(repo_id: str | None, accelerator) -> None:
+    """Before any training: --push-to-hub needs the Hub and a token; without them the run stops here with one line
+    (a finished run whose upload fails keeps its outputs: push_to_hub below)."""
+    if repo_id is None:
+        return
+    error = None
+    if accelerator.is_main_process:
+        from huggingface_hub import HfApi, constants
+        from huggingface_hub.errors import HfHubHTTPError
+
+        if constants.HF_HUB_OFFLINE:
+            error = f"--push-to-hub {repo_id} needs the Hub, but HF_HUB_OFFLINE is set; the run did not start."
+        else:
+            try:
+                HfApi().whoami()
+            except (OSError, HfHubHTTPError) as e:  # LocalTokenNotFoundError is an OSError
+                error = (f"--push-to-hub {repo_id} needs the Hub and a token (`hf auth login` or $HF_TOKEN): "
+                         f"{first_line(e)}; the run did not start.")
+    errors = [e for e in gather_errors(error) if e]
+    if errors:
+        raise UserError(errors[0])
+
+
+def push_to_hub(repo_id: str | None, accelerator, output_dir: str, summary: dict) -> None:
+    """At the end of a finished run: the main process writes <output-dir>/hub (the exported weights linked, not
+    copied; summary.json; config.json; README.md, the model card) and uploads it with huggingface_hub's
+    upload_folder. A failed upload stops every process with one line after all outputs are saved."""
+    if repo_id is None:
+        return
+    error = None
+    if accelerator.is_main_process:
+        from huggingface_hub import HfApi
+        from huggingface_hub.errors import HfHubHTTPError
+
+        folder = hub_folder(Path(output_dir), summary, repo_id)
+        try:
+            api = HfApi()
+            api.create_repo(repo_id, exist_ok=True)
+            commit = api.upload_folder(repo_id=repo_id, folder_path=folder,
+                                       commit_message=f"{summary['model']}: top-1 {summary['eval_top1']:.2f}%")
+            print(f"pushed {folder} to {getattr(commit, 'commit_url', repo_id)}", flush=True)
+        except (OSError, HfHubHTTPError, ValueError) as e:
+            error = (f"the run finished and its outputs are saved, but the upload to {repo_id} failed "
+                     f"({first_line(e)}); retry with: hf upload {repo_id} {folder} .")
+    errors = [e for e in gather_errors(error) if e]
+    if errors:
+        raise UserError(errors[0])
+
+
+def hub_folder(output_dir: Path, summary: dict, repo_id: str) -> Path:
+    """<output-dir>/hub, what --push-to-hub uploads: model.safetensors (and best.safetensors) linked from the run's
+    exports, summary.json, config.json (the run's flags) and README.md, the model card."""
+    folder = output_dir / HUB_FOLDER
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir()
+    for name in ("model.safetensors", "best.safetensors", "summary.json"):
+        if (output_dir / name).is_file():
+            try:
+                os.link(output_dir / name, folder / name)
+            except OSError:  # a filesystem without hard links
+                shutil.copy2(output_dir / name, folder / name)
+    (folder / "config.json").write_text(json.dumps(summary["config"], indent=2) + "\n")
+    (folder / "README.md").write_text(model_card(summary, repo_id))
+    return folder
+
+
+def model_card(summary: dict, repo_id: str) -> str:
+    """The model card: huggingface_hub's metadata block (ModelCardData), then the model, its data and classes, the
+    evaluation, the exact launch command, the library versions and the W&B run."""
+    from huggingface_hub import ModelCardData
+
+    dataset, cfg = summary["dataset"], summary["config"]
+    source = dataset.get("source") if dataset.get("kind") == "hub" else None
+    data = ModelCardData(library_name="pytorch", license=None, datasets=[source] if source else None,
+                         metrics=["accuracy"], pipeline_tag="image-classification",
+                         tags=["image-classification", "accelerate", "safetensors", summary["model"]])
+    extra = {k[len("eval_"):]: v for k, v in summary.items() if k.startswith("eval_") and k[5:] not in
+             ("loss", "top1", "top5", "examples", "class_top1", "confusion") and isinstance(v, int | float)}
+    rows = [("top-1 (%)", summary["eval_top1"]), ("top-5 (%)", summary["eval_top5"]), ("loss", summary["eval_loss"]),
+            *extra.items()]
+    versions = ", ".join(f"{k} {v}" for k, v in summary.get("versions", {}).items())
+    wandb = summary.get("wandb_run") or {}
+    lines = [
+        f"---\n{data.to_yaml()}\n---", "",
+        f"# {repo_id.split('/')[-1]}", "",
+        f"`{summary['model']}` ({summary['parameters']:,} parameters), an image classifier for "
+        f"{summary['image_size']} x {summary['image_size']} px images, trained on "
+        f"{source or 'a local dataset'} with HuggingFace Accelerate.", "",
+        f"Classes ({len(summary['classes'])}): {', '.join(summary['classes'])}.", "",
+        f"## Evaluation ({summary['eval_examples']:,} images)", "", "| metric | value |", "|---|---|",
+        *(f"| {name} | {value:.4g} |" for name, value in rows), "",
+        "## Training", "",
+        f"{summary['global_step']} optimizer steps ({summary['epochs_completed']} epochs) of global batch "
+        f"{summary['global_batch']} on {summary['world_size']} process(es), {summary['distributed_type']}, mixed "
+        f"precision {summary['mixed_precision']}, in {summary['wall_seconds'] / 60:.1f} min"
+        f"{'; started from ' + cfg['init_from'] if cfg.get('init_from') else ''}. The launch command:", "",
+        f"    {summary.get('command', '')}", "",
+        f"Library versions: {versions}; code commit {summary.get('git_commit')}.", "",
+        *([f"W&B run: {wandb.get('url') or wandb.get('id')} (project {wandb.get('project')}).", ""] if wandb else []),
+        "## Use", "",
+        "`model.safetensors` loads into the script's `build_model(...)` (utils/models.py) with `load_state_dict`; "
+        "`best.safetensors`, when present, holds the weights of the best evaluation.", "",
+        f"    python evaluate_checkpoint.py {repo_id} --data-dir DATA", f"    python train_cifar.py --init-from "
+        f"{repo_id} --model {summary['model']} --data-dir YOUR_IMAGES   # fine-tune", "",
+    ]
+    return "\n".join(lines)
