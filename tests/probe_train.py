@@ -30,6 +30,10 @@ changes no behaviour, it only records, per rank, into <output-dir>/probe-rank<R>
                not sockets), whatever wrote them: Python, C++ (torch.save) or Rust (safetensors)
   gloo_threads_at_exit  gloo's native threads still running when the process is about to exit (a process group
                that outlived the run; none expected)
+  hub_calls    with PROBE_FAKE_HUB=DIR: huggingface_hub's HfApi.whoami, create_repo and upload_folder calls (the
+               network's edge, answered here: upload_folder copies the folder to DIR/rank<R>/<repo id>)
+With PROBE_SAVE_INIT=1 the model's state as the script built it, before prepare(), goes to
+<output-dir>/probe-init-rank<R>.safetensors (--init-from's weights, as every rank holds them).
 With PROBE_ACCELERATOR_CPU=0 it builds the script's Accelerator with cpu=False, the classic mistake that
 leaves N launched CPU processes training alone (used to test the script's world-size guard).
 With PROBE_NAN_AT_FORWARD=K the loss of the K-th training forward on every rank is NaN (a diverging run).
@@ -40,10 +44,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
+from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -61,7 +68,7 @@ from utils.launch import run  # noqa: E402
 rec = {"batches": [], "allreduce_at": [], "synced_in_bf16": [], "comm_hook": None, "compiled": None, "fc_dtypes": [],
        "init_digest": None, "eval_buffer_digest": [], "eval_param_digest": [], "eval_forward_digest": [],
        "draws": [], "param_types": [], "local_numel": 0, "fsdp_units": [], "logs": [], "writes": [],
-       "eval_outputs": [], "dataset_devices": [], "norm_types": [], "grad_norms": []}
+       "eval_outputs": [], "dataset_devices": [], "norm_types": [], "grad_norms": [], "hub_calls": []}
 datasets_seen: list[int] = []
 forwards = {"train": 0, "eval_started": False}
 
@@ -95,6 +102,9 @@ def prepare(self, *objects, **kwargs):
     if not isinstance(objects[0], torch.nn.Module):
         return real_prepare(self, *objects, **kwargs)
     rec["init_digest"] = digest(objects[0].parameters())
+    if os.environ.get("PROBE_SAVE_INIT") == "1":
+        state = {k: v.detach().contiguous() for k, v in objects[0].state_dict().items()}
+        save_file(state, Path(output_dir, f"probe-init-rank{os.environ.get('RANK', '0')}.safetensors"))
     out = real_prepare(self, *objects, **kwargs)
     wrapped = out[0]
     # keep_torch_compile=False: with the default, Accelerate 1.15's unwrap of a compiled DDP model sets the compiled
@@ -219,6 +229,27 @@ def audit(event, args):
             rec["writes"].append(args[0])
 
 
+def fake_hub(folder: str) -> None:
+    """HfApi's network calls answered locally: each recorded, upload_folder's folder copied to folder/rank<R>/."""
+    import huggingface_hub
+
+    def record(name, answer):
+        def call(self, *args, **kwargs):
+            rec["hub_calls"].append([name, [str(a) for a in args], {k: str(v) for k, v in kwargs.items()}])
+            return answer(*args, **kwargs)
+        return call
+
+    def upload(repo_id, folder_path, **kwargs):
+        shutil.copytree(folder_path, Path(folder, f"rank{os.environ.get('RANK', '0')}", repo_id))
+        return SimpleNamespace(commit_url=f"https://huggingface.co/{repo_id}/commit/0")
+
+    huggingface_hub.HfApi.whoami = record("whoami", lambda *a, **k: {"name": "tester"})
+    huggingface_hub.HfApi.create_repo = record("create_repo", lambda *a, **k: None)
+    huggingface_hub.HfApi.upload_folder = record("upload_folder", lambda **k: upload(**k))
+
+
+if os.environ.get("PROBE_FAKE_HUB"):
+    fake_hub(os.environ["PROBE_FAKE_HUB"])
 batches.BatchedTensorDataset.__getitems__ = getitems
 Accelerator.prepare = prepare
 torch.nn.parallel.DistributedDataParallel.register_comm_hook = register_comm_hook

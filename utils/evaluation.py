@@ -103,8 +103,9 @@ class Metric:
         try:  # keep_in_memory: no cache files, which the processes of one machine would share
             return evaluate.load(self.name, keep_in_memory=True)
         except (FileNotFoundError, ConnectionError, ImportError, OSError, ValueError) as e:
-            raise UserError(f"--metric {spec}: evaluate.load({self.name!r}) failed ({first_line(e)}); a Hub metric's "
-                            f"code is fetched at run time: offline, pass a local metric script") from None
+            hint = "" if Path(self.name).exists() else ("; a Hub metric's code is fetched at run time: offline, pass "
+                                                         "a local metric script")
+            raise UserError(f"--metric {spec}: evaluate.load({self.name!r}) failed ({first_line(e)}){hint}") from None
 
     def compute(self, predictions: list[int], references: list[int]) -> dict:
         result = self.module.compute(predictions=predictions, references=references, **self.kwargs)

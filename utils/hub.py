@@ -206,6 +206,7 @@ def model_card(summary: dict, repo_id: str) -> str:
             *extra.items()]
     versions = ", ".join(f"{k} {v}" for k, v in summary.get("versions", {}).items())
     wandb = summary.get("wandb_run") or {}
+    script = "train_vit.py" if summary["model"].startswith("vit") else "train_cifar.py"
     lines = [
         f"---\n{data.to_yaml()}\n---", "",
         f"# {repo_id.split('/')[-1]}", "",
@@ -217,16 +218,17 @@ def model_card(summary: dict, repo_id: str) -> str:
         *(f"| {name} | {value:.4g} |" for name, value in rows), "",
         "## Training", "",
         f"{summary['global_step']} optimizer steps ({summary['epochs_completed']} epochs) of global batch "
-        f"{summary['global_batch']} on {summary['world_size']} process(es), {summary['distributed_type']}, mixed "
-        f"precision {summary['mixed_precision']}, in {summary['wall_seconds'] / 60:.1f} min"
+        f"{summary['global_batch']} on {summary['world_size']} process{'es' if summary['world_size'] > 1 else ''} "
+        f"({summary['wrapper']}), mixed precision {summary['mixed_precision']}, in "
+        f"{summary['wall_seconds'] / 60:.1f} min"
         f"{'; started from ' + cfg['init_from'] if cfg.get('init_from') else ''}. The launch command:", "",
         f"    {summary.get('command', '')}", "",
         f"Library versions: {versions}; code commit {summary.get('git_commit')}.", "",
         *([f"W&B run: {wandb.get('url') or wandb.get('id')} (project {wandb.get('project')}).", ""] if wandb else []),
         "## Use", "",
-        "`model.safetensors` loads into the script's `build_model(...)` (utils/models.py) with `load_state_dict`; "
-        "`best.safetensors`, when present, holds the weights of the best evaluation.", "",
-        f"    python evaluate_checkpoint.py {repo_id} --data-dir DATA", f"    python train_cifar.py --init-from "
-        f"{repo_id} --model {summary['model']} --data-dir YOUR_IMAGES   # fine-tune", "",
+        f"`model.safetensors` (the final weights; `best.safetensors`: those of the best evaluation) loads into "
+        f"`build_model({summary['model']!r}, {len(summary['classes'])})` of utils/models.py (`load_state_dict`):", "",
+        f"    python evaluate_checkpoint.py {repo_id} --data-dir DATA", f"    python {script} --init-from "
+        f"{repo_id} --model {summary['model']} --data-dir YOUR_IMAGES   # fine-tune on your own classes", "",
     ]
     return "\n".join(lines)

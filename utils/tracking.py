@@ -246,10 +246,13 @@ def launch_command() -> str:
 def environment() -> dict:
     """Library versions and the code's git commit, for the tracker's config and summary.json."""
     import accelerate
+    import datasets
+    import safetensors
     import torchvision
 
     return {"versions": {"torch": torch.__version__, "torchvision": torchvision.__version__,
-                         "accelerate": accelerate.__version__, "python": sys.version.split()[0]},
+                         "accelerate": accelerate.__version__, "datasets": datasets.__version__,
+                         "safetensors": safetensors.__version__, "python": sys.version.split()[0]},
             "git_commit": git_commit()}
 
 
