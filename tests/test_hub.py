@@ -18,7 +18,17 @@ import pytest
 import torch
 import yaml
 from accelerate import Accelerator
-from conftest import CHECKPOINT_JOB, CPU_YAML, PROBE, REPO, read_summary, run_python, run_train, script_env
+from conftest import (
+    CHECKPOINT_JOB,
+    CPU_YAML,
+    FSDP_CPU_YAML,
+    PROBE,
+    REPO,
+    read_summary,
+    run_python,
+    run_train,
+    script_env,
+)
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
@@ -242,10 +252,10 @@ def test_a_metric_receives_every_test_image_once_exactly_as_gathered_from_both_r
     assert epoch_log[0]["eval/pairs_n"] == n and epoch_log[0]["eval/pairs_hits"] == s["eval_pairs_hits"]
 
 
-def test_an_unknown_hub_metric_offline_stops_before_training_with_one_line(cifar_dir, cache_dir, tmp_path):
-    result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(tmp_path),
-                        "--train-subset", "64", "--eval-subset", "32", "--batch-size", "32", "--model", "resnet9",
-                        "--tracker", "none", "--metric", "no_such_metric_anywhere"],
+def test_an_unknown_hub_metric_offline_stops_before_training_with_one_line(tmp_path):
+    result = run_train(["--data-dir", str(write_three_classes(tmp_path / "three")), "--output-dir", str(tmp_path / "o"),
+                        "--batch-size", "32", "--model", "resnet9", "--tracker", "none",
+                        "--metric", "no_such_metric_anywhere"],
                        env=script_env(HF_HUB_OFFLINE="1"), fork=True)
     assert result.returncode == 2 and "epoch 1/" not in result.stdout
     lines = result.stderr.strip().splitlines()
@@ -348,3 +358,29 @@ def test_the_hub_folder_links_the_exports_instead_of_copying_them(tmp_path):
     assert os.path.samefile(folder / "model.safetensors", tmp_path / "model.safetensors")
     assert json.loads((folder / "config.json").read_text()) == {"lr": 0.5}
     assert "trained on a local dataset" in (folder / "README.md").read_text()
+
+
+@pytest.mark.slow
+def test_train_vit_under_fsdp_fine_tunes_from_a_file_with_a_new_head_and_a_metric(cache_dir, tmp_path):
+    torch.manual_seed(4)
+    source = build_model("vit_micro", 10).state_dict()
+    save_file(source, tmp_path / "vit.safetensors")
+    (tmp_path / "pairs.py").write_text(PAIRS_METRIC)
+    (tmp_path / "pairs").mkdir()
+    out = tmp_path / "out"
+    result = run_train(["--data-dir", str(write_three_classes(tmp_path / "three")),
+                        "--cache-dir", str(cache_dir), "--output-dir", str(out), "--model", "vit_micro",
+                        "--batch-size", "16", "--max-steps", "2", "--epochs", "1", "--tracker", "none",
+                        "--init-from", str(tmp_path / "vit.safetensors"), "--metric", str(tmp_path / "pairs.py")],
+                       launch=["--config_file", str(FSDP_CPU_YAML), "--mixed_precision", "no"],
+                       script=REPO / "train_vit.py", env=script_env(PAIRS_OUT=str(tmp_path / "pairs")))
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert ("new, freshly initialised: heads.head.bias, heads.head.weight (a 3-class head for the source's 10)"
+            in result.stdout)
+    s = read_summary(out)
+    assert s["wrapper"].startswith("FSDP") and s["world_size"] == 2 and s["global_step"] == 2
+    n = sum(PER_CLASS["test"] for _ in THREE)
+    assert s["eval_pairs_n"] == n and s["eval_pairs_hits"] == round(s["eval_top1"] * n / 100)
+    exported = load_file(out / "model.safetensors")  # 2 steps of AdamW at lr 5e-4 from the source: still near it
+    moved = max((exported[k] - source[k]).abs().max().item() for k in source if not k.startswith("heads."))
+    assert 0 < moved < 0.01

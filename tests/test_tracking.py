@@ -59,6 +59,8 @@ def test_wandb_run_holds_config_run_facts_step_and_epoch_metrics_and_the_summary
         assert run.summary[key] == s[key]  # the run's summary is summary.json
     assert s["eval_confusion"][3][3] * 100 / sum(s["eval_confusion"][3]) == pytest.approx(s["eval_class_top1"]["cat"])
     assert sum(map(sum, s["eval_confusion"])) == 64
+    folder = next((tracked_runs["b"] / "wandb").glob("offline-run-*")).name
+    assert s["wandb_run"] == {"id": folder.split("-")[-1], "project": "cifar10-accelerate", "url": None}  # offline
 
 
 def test_without_a_terminal_progress_lines_show_the_logged_loss_and_the_time_left(tracked_runs):
