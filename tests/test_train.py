@@ -24,6 +24,7 @@ from conftest import (
 from safetensors.torch import load_file
 
 import train_cifar
+from utils import UserError
 from utils.batches import BatchTransform, make_loader
 from utils.config import build_parser
 from utils.decode import load_data
@@ -118,14 +119,23 @@ def test_help_lists_the_flags_in_the_groups_of_the_config_each_with_its_purpose(
     text = build_parser(train_cifar.Config, "description").format_help()
     sections = re.split(r"^([a-z]+):$", text, flags=re.MULTILINE)  # [preamble, title, body, title, body, ...]
     titles, bodies = sections[1::2], sections[2::2]
-    assert titles == ["options", "recipe", "data", "model", "optimisation", "checkpoints", "logging"]
+    assert titles == ["options", "recipe", "data", "model", "optimisation", "checkpoints", "logging", "hub"]
     flags = {title: re.findall(r"^  (--[a-z0-9-]+)", body, flags=re.MULTILINE) for title, body in zip(titles, bodies)}
     assert flags["options"] == []  # only -h: every field sits in a group
     assert sorted(f for group in flags.values() for f in group) == sorted(
         "--" + f.name.replace("_", "-") for f in fields(train_cifar.Config))
     assert ("--lr" in flags["optimisation"] and "--resume" in flags["checkpoints"] and "--data-dir" in flags["data"]
-            and "--tracker" in flags["logging"] and "--model" in flags["model"])
+            and "--tracker" in flags["logging"] and "--model" in flags["model"] and "--init-from" in flags["hub"])
     assert bodies[titles.index("optimisation")].lstrip().startswith("batch, learning rate and its schedule")
+
+
+def test_a_list_flag_may_be_given_once_per_value_and_a_repeated_metric_stops_with_one_line():
+    cfg = train_cifar.parse_config(["--metric", "f1:average=macro", "--metric", "accuracy"])
+    assert cfg.metric == ["f1:average=macro", "accuracy"] and train_cifar.parse_config([]).metric is None
+    with pytest.raises(UserError, match="--metric: each metric once"):
+        train_cifar.parse_config(["--metric", "f1", "--metric", "f1"])
+    with pytest.raises(UserError, match="--push-to-hub takes a Hub model repo id"):
+        train_cifar.parse_config(["--push-to-hub", "no-owner"])
 
 
 def test_schedule_warms_up_linearly_then_decays_to_zero_by_the_last_step():
