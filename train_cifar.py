@@ -170,8 +170,8 @@ def main(cfg: Config) -> dict:
     )  # no mixed_precision argument on purpose: the launcher's choice must win
     shard_on_cpu_too(accelerator, fsdp)  # Accelerate alone would run DDP for an FSDP config on CPU
     check_world(accelerator, fsdp_asked=fsdp is not None, sync_bn=cfg.sync_bn)  # one line if the setup is wrong
-    _lock = lock_output_dir(accelerator, cfg.output_dir)  # one job per output folder, until main() returns
     check_can_push(cfg.push_to_hub, accelerator)  # --push-to-hub: the Hub and a token, or one line now
+    _lock = lock_output_dir(accelerator, cfg.output_dir)  # one job per output folder, until main() returns
     checkpointer = Checkpointer(accelerator, cfg)  # the checkpoint flags; saves the whole config
     resume_from = checkpointer.resume_point()
     # micro-batch x processes x accumulation; a resume on another process count keeps the global batch

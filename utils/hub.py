@@ -42,8 +42,8 @@ def init_weights(model: torch.nn.Module, source: str | None, model_name: str, ac
         path = first_on_each_machine(accelerator, lambda: weights_file(source))
         state, origin, allowed_new = load_file(path), str(path), set()
     own = model.state_dict()
-    head = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)][-1]
-    allowed_new |= {k for k in own if k.startswith(head + ".")}
+    head = ([name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)] or [None])[-1]
+    allowed_new |= {k for k in own if head is not None and k.startswith(head + ".")}
     reshaped = sorted(k for k in own.keys() & state.keys() if own[k].shape != state[k].shape)
     new = [k for k in reshaped if k in allowed_new]
     problems = {"missing": sorted(own.keys() - state.keys()), "unexpected": sorted(state.keys() - own.keys()),
@@ -56,7 +56,7 @@ def init_weights(model: torch.nn.Module, source: str | None, model_name: str, ac
                         f"{listed}.")
     model.load_state_dict({k: v for k, v in state.items() if k not in new}, strict=False)
     note = f"; new, freshly initialised: {', '.join(new)}" if new else ""
-    if head + ".weight" in new:
+    if head is not None and head + ".weight" in new:
         note += f" (a {own[head + '.weight'].shape[0]}-class head for the source's {state[head + '.weight'].shape[0]})"
     accelerator.print(f"--init-from {source}: {len(state) - len(new)} tensors loaded from {origin}{note}")
     return {"init_weights": origin, "init_new_keys": new}

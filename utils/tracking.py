@@ -114,7 +114,7 @@ class Tracker:
         eval/top1_<class> and W&B's confusion-matrix plot)."""
         self.accelerator.print(f"epoch {epoch}/{self.epochs}  train_loss {train_loss:.4f}  eval_top1 "
                                f"{metrics['top1']:.2f}%  {images / seconds:,.0f} img/s  {seconds:.1f} s")
-        scalars = {f"eval/{k}": v for k, v in metrics.items() if k not in ("class_top1", "confusion")}
+        scalars = {f"eval/{k}": v for k, v in metrics.items() if isinstance(v, int | float)}  # numbers only
         classes = list(metrics["class_top1"])
         few = len(classes) <= MAX_PER_CLASS_KEYS
         per_class = {f"eval/top1_{c}": v for c, v in metrics["class_top1"].items()} if few else {}
