@@ -228,9 +228,11 @@ def shorten(text: str, width: int = 48) -> str:
     return text if len(text) <= width else text[:width - 3] + "..."
 
 
-# Config keys that name a run or a place rather than set how it trains: they nearly always differ.
+# Config keys that name a run or a place rather than set how it trains: they nearly always differ (`command`, the
+# launch command, repeats the flags compared one by one).
 IDENTITY_KEYS = {"output_dir", "run_name", "group", "tags", "wandb_project", "data_dir", "cache_dir", "resume",
-                 "overwrite", "git_commit", "tracker", "dist_timeout", "log_every", "progress_every"}
+                 "overwrite", "git_commit", "tracker", "dist_timeout", "log_every", "progress_every", "command",
+                 "push_to_hub"}
 
 
 def config_differences(runs: list[Run]) -> str:

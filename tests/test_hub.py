@@ -170,6 +170,15 @@ def test_weights_of_another_architecture_stop_with_one_line_naming_the_keys(tmp_
     assert "missing: bn1.bias" in line and "unexpected: 0.weight" in line
 
 
+def test_a_missing_or_unreadable_weights_file_stops_with_one_line(tmp_path, accelerator):
+    (tmp_path / "broken.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(UserError, match="broken.safetensors is not a readable safetensors file") as e:
+        init_weights(build_model("resnet9"), str(tmp_path / "broken.safetensors"), "resnet9", accelerator)
+    assert "\n" not in str(e.value)
+    with pytest.raises(UserError, match="no such file or folder"):
+        init_weights(build_model("resnet9"), str(tmp_path / "gone.safetensors"), "resnet9", accelerator)
+
+
 def test_a_class_count_change_loads_every_tensor_but_the_head(tmp_path, accelerator):
     torch.manual_seed(1)
     ten = build_model("resnet18", 10).state_dict()

@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from utils import UserError, first_line
@@ -40,7 +41,11 @@ def init_weights(model: torch.nn.Module, source: str | None, model_name: str, ac
         allowed_new = {"conv1.weight"} if model_name == "resnet18" else set()
     else:
         path = first_on_each_machine(accelerator, lambda: weights_file(source))
-        state, origin, allowed_new = load_file(path), str(path), set()
+        try:
+            state, origin, allowed_new = load_file(path), str(path), set()
+        except (SafetensorError, OSError) as e:
+            raise UserError(f"--init-from {source}: {path} is not a readable safetensors file ({first_line(e)}).") \
+                from None
     own = model.state_dict()
     head = ([name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)] or [None])[-1]
     allowed_new |= {k for k in own if head is not None and k.startswith(head + ".")}
@@ -111,6 +116,9 @@ def torchvision_weights(source: str, model_name: str) -> dict[str, torch.Tensor]
     except OSError as e:  # urllib's URLError without network
         raise UserError(f"--init-from {source}: cannot download {weights.url} ({first_line(e)}); without network, put "
                         f"that file into {torch.hub.get_dir()}/checkpoints/") from None
+    except (RuntimeError, EOFError) as e:  # a truncated download in torch's cache
+        raise UserError(f"--init-from {source}: the cached {weights.url.split('/')[-1]} in "
+                        f"{torch.hub.get_dir()}/checkpoints/ is unreadable ({first_line(e)}); delete it") from None
 
 
 def trained_as(source: str) -> str:
