@@ -39,7 +39,7 @@ from utils import UserError
 from utils.batches import BatchTransform, build_loaders, crop_padding
 from utils.checkpoint import Checkpointer, export_weights
 from utils.config import check_ranges, opt, parse
-from utils.config_groups import CheckpointConfig, DataConfig, HubConfig, LoggingConfig
+from utils.config_groups import CheckpointConfig, DataConfig, EvaluationConfig, HubConfig, LoggingConfig
 from utils.evaluation import evaluate, load_metrics
 from utils.guard import StopGuard, check_output_dir, lock_output_dir
 from utils.hub import check_can_push, init_weights, push_to_hub
@@ -66,7 +66,7 @@ BLOCK = "EncoderBlock"  # the class FSDP shards one by one: torchvision's ViT bl
 # Config: every hyperparameter and path, in one place
 # ====================================================================================================
 @dataclass
-class Config(HubConfig, LoggingConfig, CheckpointConfig, DataConfig):  # the shared flags: utils/config_groups.py
+class Config(HubConfig, LoggingConfig, CheckpointConfig, EvaluationConfig, DataConfig):  # utils/config_groups.py
     output_dir: str = opt("runs/cifar10-vit", "summary.json, model.safetensors, checkpoints and tracker files go "
                           "here")  # the checkpoints group's field, with this script's default
     # --- model: the network and how it runs ---
@@ -191,7 +191,7 @@ def main(cfg: Config) -> dict:
     guard = StopGuard(accelerator, HEALTH_CHECK_EVERY, checkpointer)  # preemption signals and a non-finite loss
 
     metrics, train_loss = None, float("nan")
-    while p.epoch < cfg.epochs and p.global_step < total_steps:
+    while p.epoch < cfg.epochs and p.global_step < total_steps and not p.stopped_early:
         model.train()
         epoch_number = p.epoch + 1
         train_loader.set_epoch(p.epoch)  # new shuffle and augmentation each epoch, same on every rank
@@ -230,9 +230,10 @@ def main(cfg: Config) -> dict:
 
         guard.check()  # raises on a non-finite loss, before anything is saved
         metrics = run_eval()
-        if p.is_best(metrics["top1"]):
+        if p.is_best(metrics["top1"], cfg.early_stop_min_delta):
             export_weights(accelerator, model, Path(cfg.output_dir) / "best.safetensors")
         tracker.log_epoch(epoch_number, p.global_step, train_loss, epoch_images, epoch_seconds, metrics)
+        p.stopped_early = guard.stop_early(p, cfg.early_stop_patience)  # together, through Accelerate's trigger
         checkpointer.save(p, model, scheduler)
 
     # --- the end, one path. Preempted: the checkpoint just saved is where to continue. Finished: the outputs,

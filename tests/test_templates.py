@@ -16,7 +16,7 @@ from conftest import CPU_YAML, FSDP_CPU_YAML, REPO, job_args, read_summary, run_
 
 import train_cifar
 import train_vit
-from utils.config_groups import CheckpointConfig, DataConfig, HubConfig, LoggingConfig
+from utils.config_groups import CheckpointConfig, DataConfig, EvaluationConfig, HubConfig, LoggingConfig
 
 # (train_cifar.py's lines, train_vit.py's lines, why they differ): whole statements as ast.unparse writes them.
 ALLOWED = [
@@ -95,9 +95,10 @@ def test_a_change_to_one_templates_loop_alone_is_caught():
 
 @pytest.mark.parametrize("module", [train_cifar, train_vit], ids=["train_cifar", "train_vit"])
 def test_each_templates_config_takes_the_shared_groups_as_defined_once(module):
-    assert all(issubclass(module.Config, group) for group in (DataConfig, CheckpointConfig, LoggingConfig, HubConfig))
+    shared = (DataConfig, EvaluationConfig, CheckpointConfig, LoggingConfig, HubConfig)
+    assert all(issubclass(module.Config, group) for group in shared)
     mine = {f.name: f for f in fields(module.Config)}
-    for group in (DataConfig, CheckpointConfig, LoggingConfig, HubConfig):
+    for group in shared:
         for f in fields(group):
             same = (mine[f.name].default, mine[f.name].metadata) == (f.default, f.metadata)
             assert same or (module is train_vit and f.name in REDEFINED), f"{module.__name__} redefines {f.name}"

@@ -12,9 +12,11 @@ import torch
 from accelerate import Accelerator
 from conftest import (
     CPU_YAML,
+    REPO,
     assert_same_state,
     digests,
     export_png_folder,
+    job_args,
     read_summary,
     run_train,
     script_env,
@@ -28,6 +30,7 @@ from utils import UserError
 from utils.batches import BatchTransform, make_loader
 from utils.config import build_parser
 from utils.decode import load_data
+from utils.progress import Progress
 
 EVAL_SUBSET = 1001  # not divisible by 2 ranks x 64: Accelerate pads the last batches, gather_for_metrics must drop it
 
@@ -119,7 +122,8 @@ def test_help_lists_the_flags_in_the_groups_of_the_config_each_with_its_purpose(
     text = build_parser(train_cifar.Config, "description").format_help()
     sections = re.split(r"^([a-z]+):$", text, flags=re.MULTILINE)  # [preamble, title, body, title, body, ...]
     titles, bodies = sections[1::2], sections[2::2]
-    assert titles == ["options", "recipe", "data", "model", "optimisation", "checkpoints", "logging", "hub"]
+    assert titles == ["options", "recipe", "data", "model", "optimisation", "evaluation", "checkpoints", "logging",
+                      "hub"]
     flags = {title: re.findall(r"^  (--[a-z0-9-]+)", body, flags=re.MULTILINE) for title, body in zip(titles, bodies)}
     assert flags["options"] == []  # only -h: every field sits in a group
     assert sorted(f for group in flags.values() for f in group) == sorted(
@@ -315,3 +319,48 @@ def test_a_hub_dataset_without_a_test_split_holds_out_the_stated_part_on_two_ran
     assert s["train_images_seen"] == 288 and s["global_step"] == 288 // 32 and s["eval_examples"] == 32
     evaluated = evaluate_checkpoint.main([str(out / "model.safetensors"), "--cache-dir", str(cache)])
     assert evaluated["examples"] == 32 and evaluated["top1"] == pytest.approx(s["eval_top1"])  # the held-out part
+
+
+# Early stopping ----------------------------------------------------------------------------------------------------
+def test_the_early_stopping_count_resets_on_a_gain_of_more_than_min_delta_only():
+    p = Progress()
+    counts = []
+    for top1 in (10.0, 12.0, 12.5, 11.0, 13.5, 13.0):  # gains over the best of more than 1 point: 10, 12, 13.5
+        p.is_best(top1, min_delta=1.0)
+        counts.append(p.evals_without_gain)
+    assert counts == [0, 0, 1, 2, 0, 1] and p.best_top1 == 13.5
+
+
+# vit_micro at lr 1e-12 on 64 images stays near chance (about 10-20% top-1 on 100 test images), so with
+# --early-stop-min-delta 50 no evaluation counts as a gain (the best starts at 0).
+FROZEN_VIT = ["--model", "vit_micro", "--train-subset", "64", "--eval-subset", "100", "--batch-size", "16",
+              "--lr", "1e-12", "--tracker", "none", "--early-stop-patience", "2", "--early-stop-min-delta", "50"]
+
+
+@pytest.mark.slow
+def test_early_stopping_ends_both_ranks_after_patience_evaluations_without_gain_with_the_usual_outputs(
+        cifar_dir, cache_dir, tmp_path):
+    result = run_train(job_args(cifar_dir, cache_dir, tmp_path, *FROZEN_VIT, "--epochs", "6"),
+                       launch=["--config_file", str(CPU_YAML)], script=REPO / "train_vit.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    s = read_summary(tmp_path)
+    assert 0 < s["best_eval_top1"] < 50
+    assert (s["epochs_completed"], s["stopped_early"], s["evals_without_gain"], s["world_size"]) == (2, True, 2, 2)
+    line = f"early stop after epoch 2: 2 evaluations in a row without a top-1 gain (best {s['best_eval_top1']:.2f}%)"
+    assert result.stdout.count(line) == 1
+    assert (tmp_path / "model.safetensors").is_file() and (tmp_path / "best.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_the_early_stopping_count_survives_a_resume(cifar_dir, cache_dir, tmp_path):
+    # 1 epoch: one evaluation without a gain; resumed for 6 epochs, the second evaluation is the second without a
+    # gain, so the run stops there (with the count lost it would run to epoch 3)
+    args = job_args(cifar_dir, cache_dir, tmp_path, *FROZEN_VIT)
+    first = run_train([*args, "--epochs", "1"], script=REPO / "train_vit.py", fork=True)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert (read_summary(tmp_path)["evals_without_gain"], read_summary(tmp_path)["stopped_early"]) == (1, False)
+    again = run_train([*args, "--epochs", "6", "--resume", "auto"], script=REPO / "train_vit.py", fork=True)
+    assert again.returncode == 0, again.stderr[-3000:]
+    s = read_summary(tmp_path)
+    assert (s["epochs_completed"], s["stopped_early"], s["evals_without_gain"]) == (2, True, 2)
+    assert "early stop after epoch 2" in again.stdout

@@ -23,7 +23,7 @@ def opt(default, help: str, choices: tuple | None = None):
     return field(default=default, metadata={"help": help, "choices": choices})
 
 
-HELP_ORDER = ("recipe", "data", "model", "optimisation", "checkpoints", "logging", "hub")  # --help: groups, in order
+HELP_ORDER = ("recipe", "data", "model", "optimisation", "evaluation", "checkpoints", "logging", "hub")  # --help
 
 
 def groups(config_class) -> dict[str, tuple[str, str]]:

@@ -1,8 +1,9 @@
-"""The Config groups both templates share, defined once: data, checkpoints, logging, the Hub. A script's `Config`
-inherits them (`class Config(HubConfig, LoggingConfig, CheckpointConfig, DataConfig)`), so its command line stays
-flat (`--data-dir`, not `--data.data-dir`), `--help` keeps the groups, and `asdict(cfg)` stays one flat dict for the
-tracker and summary.json. The model and optimisation fields, which copiers edit, stay in the script. Each group
-checks its own fields in `validate()` and then hands on to the next group (cooperative `super().validate()`)."""
+"""The Config groups both templates share, defined once: data, evaluation, checkpoints, logging, the Hub. A script's
+`Config` inherits them (`class Config(HubConfig, LoggingConfig, CheckpointConfig, EvaluationConfig, DataConfig)`),
+so its command line stays flat (`--data-dir`, not `--data.data-dir`), `--help` keeps the groups, and `asdict(cfg)`
+stays one flat dict for the tracker and summary.json. The model and optimisation fields, which copiers edit, stay in
+the script. Each group checks its own fields in `validate()` and then hands on to the next group (cooperative
+`super().validate()`)."""
 
 from __future__ import annotations
 
@@ -48,6 +49,19 @@ class DataConfig(Group):
         if self.image_size is not None and not 8 <= self.image_size <= 512:
             raise UserError(f"--image-size must be between 8 and 512 pixels (got {self.image_size}).")
         check_source(self.data_dir, self.dataset, self.val_fraction)
+        super().validate()
+
+
+@dataclass
+class EvaluationConfig(Group):
+    # --- evaluation: when a run stops for lack of progress ---
+    early_stop_patience: int | None = opt(None, "stop after this many evaluations in a row without a top-1 gain of "
+                                          "more than --early-stop-min-delta (decided on all ranks together; the "
+                                          "outputs as at the end); unset: never")
+    early_stop_min_delta: float = opt(0.0, "top-1 points an evaluation must beat the best one by to count as a gain")
+
+    def validate(self) -> None:
+        check_ranges(self, positive=["early_stop_patience"], non_negative=["early_stop_min_delta"])
         super().validate()
 
 

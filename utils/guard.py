@@ -82,6 +82,20 @@ class StopGuard:
     def reason(self) -> str:
         return f"signal {self.signals[0]}" if self.signals else "signal on another rank"
 
+    def stop_early(self, progress, patience: int | None) -> bool:
+        """--early-stop-patience: True on every rank once `patience` evaluations in a row brought no top-1 gain
+        (Progress counts them). Decided together through Accelerate's trigger (set where the count says so, then an
+        all-reduce), so no rank trains on alone; prints one line."""
+        if patience is None:
+            return False
+        if progress.evals_without_gain >= patience:
+            self.accelerator.set_trigger()
+        if not self.accelerator.check_trigger():
+            return False
+        self.accelerator.print(f"early stop after epoch {progress.epoch}: {progress.evals_without_gain} evaluations "
+                               f"in a row without a top-1 gain (best {progress.best_top1:.2f}%)")
+        return True
+
 
 def check_output_dir(path: str) -> None:
     """Creates the output folder; one clear error if it cannot be written."""

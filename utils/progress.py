@@ -16,6 +16,9 @@ class Progress:
     best_top1: float = 0.0
     best_checkpoint: str | None = None  # kept by the rotation
     tracker_run_id: str | None = None  # the W&B run a resumed job continues
+    evals_without_gain: int = 0  # evaluations in a row that did not beat gain_top1 by --early-stop-min-delta
+    gain_top1: float = 0.0  # the top-1 of the last evaluation that did (a gain)
+    stopped_early: bool = False  # --early-stop-patience ended the run
 
     def took_batch(self) -> None:
         self.batches_in_epoch += 1
@@ -43,10 +46,17 @@ class Progress:
     def summary(self) -> dict:
         return {"epochs_completed": self.epoch, "global_step": self.global_step, "train_images_seen": self.images_seen,
                 "train_images_per_sec": self.images_seen / max(self.train_seconds, 1e-9),
-                "best_eval_top1": self.best_top1, "best_checkpoint": self.best_checkpoint}
+                "best_eval_top1": self.best_top1, "best_checkpoint": self.best_checkpoint,
+                "evals_without_gain": self.evals_without_gain, "stopped_early": self.stopped_early}
 
-    def is_best(self, top1: float) -> bool:
-        """Records a new best evaluation; the checkpoint of this step is then kept by the rotation."""
+    def is_best(self, top1: float, min_delta: float = 0.0) -> bool:
+        """Records a new best evaluation; the checkpoint of this step is then kept by the rotation. Counts the
+        evaluations in a row without a gain (--early-stop-patience): a gain beats the last gain's top-1 (0 before the
+        first) by more than `min_delta`."""
+        if top1 > self.gain_top1 + min_delta:
+            self.gain_top1, self.evals_without_gain = top1, 0
+        else:
+            self.evals_without_gain += 1
         if top1 <= self.best_top1:
             return False
         self.best_top1, self.best_checkpoint = top1, f"step-{self.global_step:08d}"
