@@ -238,3 +238,19 @@ def test_a_job_killed_while_noting_its_last_logged_step_leaves_the_previous_numb
     with pytest.raises(SystemExit):
         tracker._note_logged(8)
     assert (tmp_path / LOGGED_STEP_FILE).read_text() == "7"  # what a resumed job reads: a whole number
+
+
+def test_profile_writes_each_ranks_chrome_trace_of_steps_6_to_8_and_prints_the_top_ops_once(tracked_runs):
+    b = tracked_runs["b"]  # 2 ranks, 16 optimizer steps, --profile
+    for rank in (0, 1):
+        events = json.loads((b / "profile" / f"profile_{rank}.json").read_text())["traceEvents"]
+        steps = sorted({e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")})
+        assert steps == ["ProfilerStep#5", "ProfilerStep#6", "ProfilerStep#7"]  # torch counts from 0: steps 6-8
+        assert any(e.get("name") == "aten::convolution_backward" for e in events)
+    out = (b / "stdout.txt").read_text()
+    heading = "--profile: the ten most expensive ops of optimizer steps 6-8, by self_cpu_time_total:\n"
+    assert out.count(heading) == 1  # the main process only
+    table = out.split(heading)[1].splitlines()
+    assert table[0].startswith("---") and "Self CPU" in table[1] and table[2].startswith("---")
+    assert all(row.strip() and not row.startswith("---") for row in table[3:13]) and table[13].startswith("---")
+    assert not (tracked_runs["a0"] / "profile").exists()  # without --profile: no profiler at all

@@ -95,6 +95,8 @@ class LoggingConfig(Group):
                             "--by-group)")
     tags: str | None = opt(None, "comma-separated W&B tags (or $WANDB_TAGS)")
     log_every: int = opt(50, "optimizer steps between train/loss, train/lr, train/images_per_sec, train/grad_norm logs")
+    profile: bool = opt(False, "trace optimizer steps 6-8 with torch.profiler (through Accelerate): a Chrome trace per "
+                        "rank in <output-dir>/profile/, and the ten most expensive ops printed")
     progress_every: float = opt(60.0, "without a terminal (SLURM logs): seconds between console progress lines (step, "
                                 "loss, img/s, ETA), printed at log steps; 0: at every log step")
 
