@@ -15,10 +15,11 @@
 
 The launcher (YAML or flags) decides processes, machines and mixed precision; this script never overrides them.
 Everything else is in `Config` below: each field is a flag (`lr` -> `--lr`), printed at start, sent to the tracker
-and written to summary.json (its data, checkpoints and logging groups: utils/config_groups.py, shared with
-train_vit.py). Read top to bottom: config, recipes, optimizer, then main(): setup, data, model, schedule, resume,
-the training loop, the end. The run's surroundings (tracking, checkpoints, preemption and
-divergence, launcher quirks) are small objects in utils/, each named where main() uses it.
+and written to summary.json (its data, evaluation, checkpoints, logging and hub groups: utils/config_groups.py,
+shared with train_vit.py). Read top to bottom: config, recipes, optimizer, then main(): setup, data, model,
+schedule, resume, the training loop, the end. The run's surroundings (tracking, checkpoints, preemption and
+divergence, launcher quirks, the Hub) are small objects in utils/, each named where main() uses it.
+Fine-tuning from trained weights (--init-from), metrics by name (--metric), sharing on the Hub: docs/hub.md.
 
 Your own model: change `build_model` (utils/models.py), or call yours where main() does; keep `num_classes`.
 Your own data: a parquet folder, an image folder or a Hub dataset, any classes, any size (`--data-dir`, `--dataset`,
