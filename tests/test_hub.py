@@ -34,7 +34,7 @@ from safetensors.torch import load_file, save_file
 
 from utils import UserError
 from utils.evaluation import metric_label, parse_metric
-from utils.hub import hub_folder, init_weights, model_card
+from utils.hub import hub_folder, init_weights, model_card, push_to_hub
 from utils.models import build_model
 
 THREE = ("ant", "bee", "cow")
@@ -62,6 +62,13 @@ class Pairs(evaluate.Metric):
             f.write(json.dumps([list(predictions), list(references)]) + "\\n")
         return {"n": len(predictions) * scale, "hits": sum(p == r for p, r in zip(predictions, references))}
 '''
+
+
+# The fields of summary.json that the model card reads, for a one-process run of a one-class folder
+SMALL_SUMMARY = {"model": "resnet9", "parameters": 1, "image_size": 32, "classes": ["a"], "dataset": {"kind": "folder"},
+                 "eval_top1": 1.0, "eval_top5": 1.0, "eval_loss": 1.0, "eval_examples": 1, "global_step": 1,
+                 "epochs_completed": 1, "global_batch": 1, "world_size": 1, "wrapper": "ResNet",
+                 "mixed_precision": "no", "wall_seconds": 1.0, "config": {}}
 
 
 def write_three_classes(root: Path) -> Path:
@@ -357,10 +364,7 @@ def test_the_model_card_states_data_classes_metrics_command_versions_and_wandb_r
 def test_the_hub_folder_links_the_exports_instead_of_copying_them(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"weights")
     (tmp_path / "summary.json").write_text("{}")
-    summary = {"model": "resnet9", "parameters": 1, "image_size": 32, "classes": ["a"], "dataset": {"kind": "folder"},
-               "eval_top1": 1.0, "eval_top5": 1.0, "eval_loss": 1.0, "eval_examples": 1, "global_step": 1,
-               "epochs_completed": 1, "global_batch": 1, "world_size": 1, "wrapper": "ResNet", "mixed_precision": "no",
-               "wall_seconds": 1.0, "config": {"lr": 0.5}}
+    summary = {**SMALL_SUMMARY, "config": {"lr": 0.5}}
     folder = hub_folder(tmp_path, summary, "me/x")
     assert sorted(p.name for p in folder.iterdir()) == ["README.md", "config.json", "model.safetensors",
                                                         "summary.json"]
@@ -393,3 +397,22 @@ def test_train_vit_under_fsdp_fine_tunes_from_a_file_with_a_new_head_and_a_metri
     exported = load_file(out / "model.safetensors")  # 2 steps of AdamW at lr 5e-4 from the source: still near it
     moved = max((exported[k] - source[k]).abs().max().item() for k in source if not k.startswith("heads."))
     assert 0 < moved < 0.01
+
+
+def test_a_failed_upload_at_the_end_keeps_every_output_and_says_how_to_retry(tmp_path, monkeypatch, accelerator):
+    import huggingface_hub
+
+    def no_network(self, *args, **kwargs):
+        raise OSError("Network is unreachable")
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", no_network)  # the network's edge, failing
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    (tmp_path / "summary.json").write_text("{}")
+    summary = SMALL_SUMMARY
+    with pytest.raises(UserError) as e:
+        push_to_hub("me/x", accelerator, str(tmp_path), summary)
+    assert str(e.value) == (f"the run finished and its outputs are saved, but the upload to me/x failed (OSError: "
+                            f"Network is unreachable); retry with: hf upload me/x {tmp_path / 'hub'} .")
+    assert (tmp_path / "model.safetensors").read_bytes() == b"weights"
+    assert sorted(p.name for p in (tmp_path / "hub").iterdir()) == ["README.md", "config.json", "model.safetensors",
+                                                                    "summary.json"]
