@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 import torch
 from accelerate import Accelerator
@@ -26,7 +25,7 @@ from utils import UserError
 from utils.batches import BatchTransform, make_loader
 from utils.decode import load_data
 from utils.evaluation import evaluate, load_metrics
-from utils.hub import REPO_ID, hub_file
+from utils.hub import locate_weights
 from utils.launch import first_on_each_machine
 from utils.models import build_model
 
@@ -50,8 +49,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    weights, summary_path = local_files(args.weights, accelerator)
-    trained = json.loads(summary_path.read_text())["config"] if summary_path and summary_path.is_file() else {}
+    weights, summary_path = first_on_each_machine(accelerator, lambda: locate_weights(args.weights))
+    trained = json.loads(summary_path.read_text())["config"] if summary_path else {}
     model_name = args.model or trained.get("model", "resnet18")
     subset = args.eval_subset if args.eval_subset is not None else trained.get("eval_subset")
     image_size = args.image_size if args.image_size is not None else trained.get("image_size")
@@ -77,18 +76,6 @@ def main(argv: list[str] | None = None) -> dict:
     result |= {"weights": str(args.weights), "model": model_name}
     accelerator.print(json.dumps(result))
     return result
-
-
-def local_files(weights: str, accelerator) -> tuple[Path, Path | None]:
-    """The weights file and the summary.json that describes it: beside a local file, or a Hub model repo's two
-    files (downloaded into the Hugging Face cache by each machine's first process)."""
-    path = Path(weights)
-    if path.is_file():
-        return path, path.parent / "summary.json"
-    if path.suffix == ".safetensors" or not REPO_ID.fullmatch(weights.split("@")[0]):
-        raise UserError(f"{weights} does not exist (nor is it a Hub model repo id, owner/name).")
-    return first_on_each_machine(accelerator, lambda: (hub_file(weights, "model.safetensors"),
-                                                       hub_file(weights, "summary.json", required=False)))
 
 
 if __name__ == "__main__":

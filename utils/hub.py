@@ -17,6 +17,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from utils import UserError, first_line
+from utils.evaluation import BUILT_IN
 from utils.launch import first_on_each_machine, gather_errors
 
 REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")  # owner/name
@@ -38,9 +39,10 @@ def init_weights(model: torch.nn.Module, source: str | None, model_name: str, ac
         return {}
     if source.startswith(TORCHVISION):
         state, origin = first_on_each_machine(accelerator, lambda: torchvision_weights(source, model_name)), source
+        summary = None
         allowed_new = {"conv1.weight"} if model_name == "resnet18" else set()
     else:
-        path = first_on_each_machine(accelerator, lambda: weights_file(source))
+        path, summary = first_on_each_machine(accelerator, lambda: locate_weights(source))
         try:
             state, origin, allowed_new = load_file(path), str(path), set()
         except (SafetensorError, OSError) as e:
@@ -57,7 +59,8 @@ def init_weights(model: torch.nn.Module, source: str | None, model_name: str, ac
     if any(problems.values()):
         listed = "; ".join(f"{kind}: {', '.join(keys[:4])}{f' (+{len(keys) - 4} more)' if len(keys) > 4 else ''}"
                            for kind, keys in problems.items() if keys)
-        raise UserError(f"--init-from {source} does not hold --model {model_name} weights{trained_as(source)}: "
+        trained = f" (it was trained as --model {name})" if (name := trained_as(summary)) else ""
+        raise UserError(f"--init-from {source} does not hold --model {model_name} weights{trained}: "
                         f"{listed}.")
     model.load_state_dict({k: v for k, v in state.items() if k not in new}, strict=False)
     note = f"; new, freshly initialised: {', '.join(new)}" if new else ""
@@ -67,17 +70,17 @@ def init_weights(model: torch.nn.Module, source: str | None, model_name: str, ac
     return {"init_weights": origin, "init_new_keys": new}
 
 
-def weights_file(source: str) -> Path:
-    """The safetensors file SOURCE names: a file, a run folder's model.safetensors, or a Hub model repo's (owner/name,
-    optionally @revision) model.safetensors, downloaded into the Hugging Face cache."""
+def locate_weights(source: str) -> tuple[Path, Path | None]:
+    """The safetensors file SOURCE names and the summary.json that describes it (None: none): a file and the summary
+    beside it, a run folder's model.safetensors, or a Hub model repo's (owner/name, optionally @revision) two files,
+    downloaded into the Hugging Face cache. --init-from and evaluate_checkpoint.py read their weights through it."""
     path = Path(source)
     path = path / "model.safetensors" if path.is_dir() else path
     if path.is_file():
-        return path
+        return path, path.parent / "summary.json" if (path.parent / "summary.json").is_file() else None
     if path.suffix == ".safetensors" or not REPO_ID.fullmatch(source.split("@")[0]):
-        raise UserError(f"--init-from {source}: no such file or folder (nor a Hub repo id owner/name, nor "
-                        f"{TORCHVISION}WEIGHTS).")
-    return hub_file(source, "model.safetensors")
+        raise UserError(f"{source}: no such file or folder, nor a Hub model repo id (owner/name).")
+    return hub_file(source, "model.safetensors"), hub_file(source, "summary.json", required=False)
 
 
 def hub_file(source: str, filename: str, required: bool = True) -> Path | None:
@@ -89,11 +92,9 @@ def hub_file(source: str, filename: str, required: bool = True) -> Path | None:
     repo, _, revision = source.partition("@")
     try:
         return Path(hf_hub_download(repo, filename, revision=revision or None))
-    except EntryNotFoundError as e:  # also offline: the file is not in the local cache
-        if not required:
+    except (EntryNotFoundError, OSError, HfHubHTTPError, ValueError) as e:  # EntryNotFound: offline, also uncached
+        if not required and isinstance(e, EntryNotFoundError):
             return None
-        raise UserError(f"cannot get {filename} of the Hub model repo {source}: {first_line(e)}") from None
-    except (OSError, HfHubHTTPError, ValueError) as e:
         raise UserError(f"cannot get {filename} of the Hub model repo {source}: {first_line(e)}") from None
 
 
@@ -121,14 +122,12 @@ def torchvision_weights(source: str, model_name: str) -> dict[str, torch.Tensor]
                         f"{torch.hub.get_dir()}/checkpoints/ is unreadable ({first_line(e)}); delete it") from None
 
 
-def trained_as(source: str) -> str:
-    """' (trained as --model X)' when a summary.json beside the local weights says so."""
-    path = Path(source)
-    summary = (path if path.is_dir() else path.parent) / "summary.json"
+def trained_as(summary: Path | None) -> str | None:
+    """The --model a summary.json names (None: no summary, or an unreadable one)."""
     try:
-        return f" (it was trained as --model {json.loads(summary.read_text())['model']})"
+        return json.loads(summary.read_text())["model"] if summary else None
     except (OSError, ValueError, KeyError):
-        return ""
+        return None
 
 
 # --push-to-hub REPO_ID -------------------------------------------------------------------------------------------
@@ -208,8 +207,8 @@ def model_card(summary: dict, repo_id: str) -> str:
     data = ModelCardData(library_name="pytorch", license=None, datasets=[source] if source else None,
                          metrics=["accuracy"], pipeline_tag="image-classification",
                          tags=["image-classification", "accelerate", "safetensors", summary["model"]])
-    extra = {k[len("eval_"):]: v for k, v in summary.items() if k.startswith("eval_") and k[5:] not in
-             ("loss", "top1", "top5", "examples", "class_top1", "confusion") and isinstance(v, int | float)}
+    extra = {k[len("eval_"):]: v for k, v in summary.items()  # the --metric values
+             if k.startswith("eval_") and k[len("eval_"):] not in BUILT_IN and isinstance(v, int | float)}
     rows = [("top-1 (%)", summary["eval_top1"]), ("top-5 (%)", summary["eval_top5"]), ("loss", summary["eval_loss"]),
             *extra.items()]
     versions = ", ".join(f"{k} {v}" for k, v in summary.get("versions", {}).items())
