@@ -50,7 +50,8 @@ from utils.batches import BatchTransform, build_loaders, crop_padding
 from utils.checkpoint import Checkpointer, export_weights
 from utils.config import check_ranges, opt, parse
 from utils.config_groups import CheckpointConfig, DataConfig, EvaluationConfig, HubConfig, LoggingConfig
-from utils.evaluation import evaluate, load_metrics
+from utils.ema import WeightEMA
+from utils.evaluation import Evaluator, evaluate, load_metrics
 from utils.guard import StopGuard, check_output_dir, lock_output_dir
 from utils.hub import check_can_push, init_weights, push_to_hub
 from utils.launch import (
@@ -199,6 +200,8 @@ def main(cfg: Config) -> dict:
     run_eval = partial(evaluate, model, eval_loader, transform, accelerator, tta_flip=cfg.tta_flip,  # each image once
                        classes=data["classes"], metrics=load_metrics(cfg.metric, data["classes"], accelerator))
 
+    ema = WeightEMA(accelerator, model, optimizer, cfg.ema_decay) if cfg.ema_decay else None  # each step, by a hook
+
     # --- schedule, counted in optimizer steps. Not passed to prepare(): Accelerate's prepared scheduler
     # steps num_processes times per optimizer step, which would end the schedule world-size times early.
     steps_per_epoch = len(train_loader) // plan.accumulation  # whole global batches only (EpochSampler)
@@ -207,11 +210,12 @@ def main(cfg: Config) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, warmup_cosine(warmup_steps, total_steps))
 
     # --- resume, on any process count: weights, optimizer, RNG (Accelerate), schedule, counters ---
-    p = checkpointer.start(resume_from, scheduler)  # fresh: --overwrite clears the old run only now
+    p = checkpointer.start(resume_from, scheduler, ema)  # fresh: --overwrite clears the old run only now
     accelerator.wait_for_everyone()
     run_info = {**run_facts(accelerator, model, plan, total_steps, lr), "channels_last": channels_last, **init}
     p.tracker_run_id = tracker.start(accelerator, {**asdict(cfg), **run_info}, p.tracker_run_id, bool(resume_from))
     guard = StopGuard(accelerator, HEALTH_CHECK_EVERY, checkpointer)  # preemption signals and a non-finite loss
+    evaluator = Evaluator(cfg, run_eval, accelerator, model, tracker, guard, ema)  # when; keeps the best; early stop
 
     metrics, train_loss = None, float("nan")
     while p.epoch < cfg.epochs and p.global_step < total_steps and not p.stopped_early:
@@ -243,20 +247,17 @@ def main(cfg: Config) -> dict:
             tracker.after_step(p, meter, scheduler.get_last_lr()[0], bar)  # every --log-every steps: syncs and logs
             if p.global_step >= total_steps:
                 break
-            if checkpointer.after_step(p, meter, guard, model, scheduler, len(train_loader)):
-                break  # preempted: saved where every rank stopped
+            evaluated = evaluator.after_step(p, meter, len(train_loader))  # every --eval-every-steps in the epoch
+            if checkpointer.after_step(p, meter, guard, model, scheduler, len(train_loader), evaluated):
+                break  # preempted (saved where every rank stopped), or stopped early
         if guard.preempted:
             break
         train_loss, epoch_images, epoch_seconds = meter.end_epoch(accelerator)  # syncs
         bar.close()
         p.end_epoch(epoch_images, epoch_seconds, len(train_loader))
 
-        guard.check()  # raises on a non-finite loss, before anything is saved
-        metrics = run_eval()
-        if p.is_best(metrics["top1"], cfg.early_stop_min_delta):
-            export_weights(accelerator, model, Path(cfg.output_dir) / "best.safetensors")
+        metrics = evaluator(p)  # raises on a non-finite loss first; best.safetensors; eval/*; an early stop
         tracker.log_epoch(epoch_number, p.global_step, train_loss, epoch_images, epoch_seconds, metrics)
-        p.stopped_early = guard.stop_early(p, cfg.early_stop_patience)  # together, through Accelerate's trigger
         checkpointer.save(p, model, scheduler)
 
     # --- the end, one path. Preempted: the checkpoint just saved is where to continue. Finished: the outputs,
@@ -265,8 +266,10 @@ def main(cfg: Config) -> dict:
         accelerator.print(f"preempted ({guard.reason()}): saved {checkpointer.last}; continue with --resume auto")
         summary = {"preempted": True, "checkpoint": str(checkpointer.last)}
     else:
-        metrics = metrics or run_eval()  # None: resumed from a checkpoint of a finished run
+        metrics = metrics or evaluator.metrics()  # None: resumed from a checkpoint of a finished run
         export_weights(accelerator, model, Path(cfg.output_dir) / "model.safetensors")
+        if ema is not None:
+            ema.export(Path(cfg.output_dir) / "model_ema.safetensors")
         summary = {**run_info, "model": cfg.model, "dataset": data["dataset"], "classes": list(data["classes"]),
                    "image_size": data["image_size"], **p.summary(), "train_loss": train_loss,
                    **{f"eval_{k}": v for k, v in metrics.items()}, "peak_memory_gb": peak_memory_gb(accelerator.device),

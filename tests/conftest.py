@@ -273,14 +273,19 @@ def assert_same_state(a: Path, b: Path) -> None:
     assert not differ, f"{len(differ)} tensors differ, e.g. {differ[:3]}"
 
 
-# The checkpoint/resume job (tests/test_checkpoint.py, tests/test_fsdp.py): 512 images, micro-batch 32, global batch
-# 64 (2 processes x 1 or 1 process x 2 accumulation steps) -> 8 optimizer steps per epoch, 2 epochs, a checkpoint every
-# 3 steps, NCHW (the layout evaluate_checkpoint.py and FSDP2 use), train/loss logged at every step. SGD at lr 0.01
-# without clipping: tests/test_fsdp.py's docstring says why FSDP's comparison with DDP needs both.
+# The checkpoint/resume job (tests/test_checkpoint.py, tests/test_fsdp.py, tests/test_ema.py): 512 images, micro-batch
+# 32, global batch 64 (2 processes x 1 or 1 process x 2 accumulation steps) -> 8 optimizer steps per epoch, 2 epochs, a
+# checkpoint and an evaluation every 3 steps (and at each epoch's end), the weights' EMA at decay 0.9, NCHW (the layout
+# evaluate_checkpoint.py and FSDP2 use), train/loss logged at every step. SGD at lr 0.01 without clipping:
+# tests/test_fsdp.py's docstring says why FSDP's comparison with DDP needs both.
 CHECKPOINT_JOB = ["--model", "resnet18_imagenet", "--train-subset", "512", "--eval-subset", "100",
                   "--batch-size", "32", "--global-batch-size", "64", "--epochs", "2", "--checkpoint-every-steps", "3",
-                  "--deterministic", "--tracker", "none", "--lr", "0.01", "--grad-clip", "0", "--log-every", "1",
-                  "--no-channels-last"]
+                  "--eval-every-steps", "3", "--ema-decay", "0.9", "--deterministic", "--tracker", "none",
+                  "--lr", "0.01", "--grad-clip", "0", "--log-every", "1", "--no-channels-last"]
+# Tensors of the reference job's state recorded after every optimizer step (tests/test_ema.py): a convolution, the
+# stem's BatchNorm statistics, a late BatchNorm's weight and the head.
+RECORDED_WEIGHTS = ["conv1.weight", "bn1.running_mean", "bn1.running_var", "layer4.1.bn2.weight", "fc.weight",
+                    "fc.bias"]
 
 
 @pytest.fixture(scope="session")
@@ -290,16 +295,16 @@ def reference(cifar_dir, cache_dir, tmp_path_factory) -> Path:
     (tests/test_fsdp.py)."""
     out = tmp_path_factory.mktemp("reference")
     result = run_train(job_args(cifar_dir, cache_dir, out, *CHECKPOINT_JOB), launch=["--config_file", str(CPU_YAML)],
-                       script=PROBE)
+                       script=PROBE, env=script_env(PROBE_RECORD_WEIGHTS=",".join(RECORDED_WEIGHTS)))
     assert result.returncode == 0, result.stderr[-4000:]
     return out
 
 
-def assert_same_parameters(a: Path, b: Path, atol: float = 0.0) -> None:
-    """The trainable parameters of two runs' exported weights are bitwise equal, or within atol (not BatchNorm's
-    running statistics: under DDP they are rank 0's, from its micro-batches only, so they differ between process
-    counts by design)."""
-    sa, sb = load_file(Path(a) / "model.safetensors"), load_file(Path(b) / "model.safetensors")
+def assert_same_parameters(a: Path, b: Path, atol: float = 0.0, file: str = "model.safetensors") -> None:
+    """The trainable parameters of two runs' exported weights (`file`: model.safetensors, or the EMA's
+    model_ema.safetensors) are bitwise equal, or within atol (not BatchNorm's running statistics: under DDP they are
+    rank 0's, from its micro-batches only, so they differ between process counts by design)."""
+    sa, sb = load_file(Path(a) / file), load_file(Path(b) / file)
     model = json.loads((Path(a) / "summary.json").read_text())["model"]
     names = [n for n, _ in build_model(model).named_parameters()]
     differ = [n for n in names if not torch.allclose(sa[n], sb[n], rtol=0, atol=atol)]

@@ -32,6 +32,9 @@ changes no behaviour, it only records, per rank, into <output-dir>/probe-rank<R>
                that outlived the run; none expected)
   hub_calls    with PROBE_FAKE_HUB=DIR: huggingface_hub's HfApi.whoami, create_repo and upload_folder calls (the
                network's edge, answered here: upload_folder copies the folder to DIR/rank<R>/<repo id>)
+With PROBE_RECORD_WEIGHTS=NAME,NAME,... those tensors of the model's state (this rank's view: whole under DDP) as
+prepare() returned it and after every optimizer step go to <output-dir>/probe-weights-rank<R>.safetensors, keyed
+NAME@STEP (STEP 0: before the first step): what --ema-decay's average is checked against.
 With PROBE_SAVE_INIT=1 the model's state as the script built it, before prepare(), goes to
 <output-dir>/probe-init-rank<R>.safetensors (--init-from's weights, as every rank holds them).
 With PROBE_ACCELERATOR_CPU=0 it builds the script's Accelerator with cpu=False, the classic mistake that
@@ -46,6 +49,7 @@ import json
 import os
 import shutil
 import sys
+import weakref
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -70,6 +74,14 @@ rec = {"batches": [], "allreduce_at": [], "synced_in_bf16": [], "comm_hook": Non
        "draws": [], "param_types": [], "local_numel": 0, "fsdp_units": [], "logs": [], "writes": [],
        "eval_outputs": [], "dataset_devices": [], "norm_types": [], "grad_norms": [], "hub_calls": []}
 datasets_seen: list[int] = []
+recorded: dict[str, torch.Tensor] = {}  # PROBE_RECORD_WEIGHTS: NAME@STEP -> tensor
+RECORD = [n for n in os.environ.get("PROBE_RECORD_WEIGHTS", "").split(",") if n]
+
+
+def record_weights(step: int) -> None:
+    state = forwards["model"]().state_dict()
+    for name in RECORD:
+        recorded[f"{name}@{step}"] = state[name].detach().clone().contiguous()
 forwards = {"train": 0, "eval_started": False}
 
 
@@ -114,6 +126,9 @@ def prepare(self, *objects, **kwargs):
     rec["local_numel"] = sum((q.to_local() if isinstance(q, DTensor) else q).numel() for q in wrapped.parameters())
     rec["fsdp_units"] = [type(m).__name__ for m in wrapped.modules() if isinstance(m, FSDPModule)]
     rec["norm_types"] = sorted({type(m).__name__ for m in inner.modules() if "Norm" in type(m).__name__})
+    forwards["model"], forwards["steps"] = weakref.ref(inner), 0  # a strong reference would keep the process group
+    if RECORD:
+        record_weights(0)
 
     def count_forward(module, args):
         if module.training:
@@ -211,7 +226,11 @@ def optimizer_step(self, *args, **kwargs):
         grads = [q.grad for group in self.optimizer.param_groups for q in group["params"] if q.grad is not None]
         whole = [g.full_tensor() if isinstance(g, DTensor) else g for g in grads]  # collective: every rank calls it
         rec["grad_norms"].append(torch.stack([g.double().pow(2).sum() for g in whole]).sum().sqrt().item())
-    return real_optimizer_step(self, *args, **kwargs)
+    out = real_optimizer_step(self, *args, **kwargs)
+    if self.gradient_state.sync_gradients and RECORD:
+        forwards["steps"] += 1
+        record_weights(forwards["steps"])
+    return out
 
 
 real_safe_save = accelerate_other.safe_save_file
@@ -286,4 +305,6 @@ if __name__ == "__main__":
     rec["bytes_written"] = int(io_counters["write_bytes"])
     rank = int(os.environ.get("RANK", "0"))
     Path(output_dir, f"probe-rank{rank}.json").write_text(json.dumps(rec))
+    if recorded:
+        save_file(recorded, Path(output_dir, f"probe-weights-rank{rank}.safetensors"))
     sys.exit(status)

@@ -103,6 +103,14 @@ def test_non_positive_lr_batch_epochs(tmp_path, small_data, flag, value):
                    f"{flag} must be positive (got {float(value):g}")
 
 
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--ema-decay", "1"], "--ema-decay must be between 0 and 1, e.g. 0.999 (got 1.0)."),
+    (["--eval-every-steps", "0"], "--eval-every-steps must be positive (got 0)."),
+])
+def test_ema_decay_outside_0_to_1_and_a_zero_evaluation_interval(tmp_path, small_data, flags, message):
+    _fails_cleanly(tmp_path, ["--data-dir", str(small_data), *flags], message)
+
+
 @pytest.mark.parametrize("size", ["4", "1000"])
 def test_image_size_outside_8_to_512(tmp_path, small_data, size):
     _fails_cleanly(tmp_path, ["--data-dir", str(small_data), "--image-size", size],

@@ -2,7 +2,8 @@
 a dead peer, a NaN loss; and bad resume input.
 
 The 2-rank job (cpu.yaml): 512 images, micro-batch 32, global batch 64 -> 8 optimizer steps per epoch, 2 epochs, a
-checkpoint every 3 steps (3, 6, 9, 12, 15) and at each epoch end (8, 16); augmentation on (keyed by sample, so the
+checkpoint and an evaluation every 3 steps (3, 6, 9, 12, 15) and at each epoch end (8, 16), the weights' EMA in every
+checkpoint; augmentation on (keyed by sample, so the
 same on any process count); fp32 on CPU, so "exact" means bitwise. A kill -9 resumes on the other process count:
 2 -> 1 process (2 accumulation steps) and 1 -> 2, each ending on the uninterrupted 2-rank job's parameters.
 """
@@ -43,6 +44,8 @@ from test_docs import doc_commands
 import compare_runs
 
 TWO_RANKS = ["--config_file", str(CPU_YAML)]  # fp32 (cpu.yaml's): exact means bitwise
+EVALUATED_AT = [3, 6, 8, 9, 12, 15, 16]  # --eval-every-steps 3 within each 8-step epoch, and each epoch's end
+EVALUATION_COUNTERS = ["best_eval_top1", "best_checkpoint", "evals_without_gain", "eval_top1", "eval_ema_top1"]
 ONE_PROCESS = ["--num_processes", "1"]
 
 
@@ -59,7 +62,8 @@ def test_checkpoints_are_rotated_keeping_the_last_two_and_the_best(reference):
     assert state["progress"]["epoch"] == 1 and state["progress"]["batches_in_epoch"] == 7  # mid-epoch position
     assert state["config"]["model"] == "resnet18_imagenet" and state["world_size"] == 2
     assert state["batch"] == {"micro": 32, "processes": 2, "accumulation": 1} and state["format"] == 2
-    assert {"model.safetensors", "optimizer.bin", "random_states_0.pkl", "random_states_1.pkl"} <= set(state["files"])
+    assert {"model.safetensors", "optimizer.bin", "random_states_0.pkl", "random_states_1.pkl",
+            "ema.safetensors"} <= set(state["files"])
     assert not any("rank" in name for name in state["files"])  # no per-rank augmentation stream any more
 
 
@@ -68,7 +72,7 @@ def _kill_after_checkpoint(out: Path, proc: subprocess.Popen, step: int) -> None
     every process of the job (the workers run in sessions of their own), as a node loss would."""
     wait_for_checkpoint(out, proc, step)
     logs = out / "probe-logs-rank0.jsonl"
-    while not logs.is_file() or len(logs.read_text().splitlines()) < step + 1:
+    while not logs.is_file() or logs.read_text().count('"train/loss"') < step + 1:
         time.sleep(0.01)
     job = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
     for process in job:
@@ -98,9 +102,11 @@ def test_kill_9_mid_epoch_on_two_processes_then_resume_on_one_matches_the_uninte
     logs = [json.loads(line) for line in (out / "probe-logs-rank0.jsonl").read_text().splitlines()]
     assert max(first_life) > resumed_at  # the first life logged steps it did not checkpoint ...
     assert [step for step, values in logs if "train/loss" in values] == list(range(1, 17))  # ... logged once each
+    assert [step for step, values in logs if "eval/ema_top1" in values] == EVALUATED_AT  # also each evaluation
     assert [step for step, _ in logs] == sorted(step for step, _ in logs)  # the tracker's step never goes back
     assert s["global_step"] == 16 and s["train_images_seen"] == 16 * 64  # the first life's images counted too
     assert_same_parameters(out, reference)  # BatchNorm's running statistics: 1 process saw every micro-batch
+    assert_same_parameters(out, reference, file="model_ema.safetensors")  # the EMA resumed from the step-3 checkpoint
 
 
 def test_kill_9_mid_epoch_on_one_process_then_resume_on_two_matches_the_uninterrupted_run(reference, cifar_dir,
@@ -116,6 +122,7 @@ def test_kill_9_mid_epoch_on_one_process_then_resume_on_two_matches_the_uninterr
     assert "resuming on 2 process(es), the checkpoint's run had 1: accumulation 2 -> 1" in result.stdout
     assert s["world_size"] == 2 and s["grad_accum"] == 1 and s["global_step"] == 16
     assert_same_parameters(out, reference)
+    assert_same_parameters(out, reference, file="model_ema.safetensors")
     # the new rank 1 (no RNG file of its own in the checkpoint) all-reduced at the same micro-steps as rank 0
     probes = [json.loads((out / f"probe-rank{r}.json").read_text()) for r in (0, 1)]
     assert probes[0]["allreduce_at"] == probes[1]["allreduce_at"] and probes[0]["allreduce_at"]
@@ -185,7 +192,10 @@ def test_preemption_signal_checkpoints_at_the_next_step_and_resume_is_exact(refe
     result = run_train(job_args(cifar_dir, cache_dir, out, "--resume", "auto"), launch=TWO_RANKS)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "resumed from" in result.stdout
-    assert_same_state(out / "model.safetensors", reference / "model.safetensors")
+    for name in ("model.safetensors", "model_ema.safetensors", "best.safetensors"):  # the same process count: bitwise
+        assert_same_state(out / name, reference / name)
+    s, r = read_summary(out), read_summary(reference)  # resumed after the evaluation at step 3: its counters kept
+    assert [s[k] for k in EVALUATION_COUNTERS] == [r[k] for k in EVALUATION_COUNTERS]
 
 
 def test_damaged_newest_checkpoint_and_a_crashed_save_are_skipped_and_resuming_in_epoch_two_is_exact(
@@ -287,7 +297,8 @@ def test_nan_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(cifar
 
 def test_exported_weights_evaluate_to_the_reported_top1(reference, cifar_dir, cache_dir):
     s = read_summary(reference)
-    for name, expected in [("model.safetensors", s["eval_top1"]), ("best.safetensors", s["best_eval_top1"])]:
+    for name, expected in [("model.safetensors", s["eval_top1"]), ("best.safetensors", s["best_eval_top1"]),
+                           ("model_ema.safetensors", s["eval_ema_top1"])]:
         result = subprocess.run([sys.executable, "evaluate_checkpoint.py", str(reference / name),
                                  "--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--batch-size", "50"],
                                 cwd=REPO, env=script_env(OMP_NUM_THREADS="1"), capture_output=True, text=True)

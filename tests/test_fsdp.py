@@ -82,6 +82,9 @@ def test_fsdp_loss_trajectory_and_weights_match_ddp(fsdp_jobs):
     a, b = load_file(fsdp_jobs["fsdp"] / "model.safetensors"), load_file(fsdp_jobs["ddp"] / "model.safetensors")
     assert a.keys() == b.keys()  # full state dict, same names as DDP's (no prefix), BatchNorm buffers included
     assert max((a[k].double() - b[k].double()).abs().max().item() for k in a) <= TOLERANCE
+    a, b = load_file(fsdp_jobs["fsdp"] / "model_ema.safetensors"), load_file(fsdp_jobs["ddp"] / "model_ema.safetensors")
+    assert a.keys() == b.keys()  # the EMA: of the shards, gathered like the weights; BatchNorm's averaged rank 0's
+    assert max((a[k].double() - b[k].double()).abs().max().item() for k in a) <= TOLERANCE
     s, d = read_summary(fsdp_jobs["fsdp"]), read_summary(fsdp_jobs["ddp"])
     assert s["eval_examples"] == d["eval_examples"] == 100
     assert abs(s["eval_top1"] - d["eval_top1"]) <= 1.0  # top-1 is in %: at most 1 of the 100 answers flips
@@ -102,7 +105,7 @@ def test_the_logged_gradient_norm_is_the_norm_of_the_averaged_gradients_under_dd
 
 def test_fsdp_ranks_evaluate_with_rank_zeros_batchnorm_statistics_like_ddp(fsdp_jobs):
     digests = [probe(fsdp_jobs["fsdp"], r)["eval_forward_digest"] for r in (0, 1)]
-    assert len(digests[0]) == 2 and digests[0] == digests[1]  # rank 1 uses rank 0's (the exported) statistics
+    assert len(digests[0]) == 14 and digests[0] == digests[1]  # rank 1 uses rank 0's (the exported) statistics
     before = [probe(fsdp_jobs["fsdp"], r)["eval_buffer_digest"] for r in (0, 1)]
     assert before[0][0] != before[1][0], "the ranks' statistics differ before the copy, or the check proves nothing"
 
@@ -140,6 +143,7 @@ def test_fsdp_checkpoints_are_sharded_per_rank_and_a_preempted_job_resumes_on_on
     # Bitwise on this CPU; TOLERANCE as for FSDP vs DDP (a kernel may round differently on memory laid out otherwise).
     # BatchNorm's running statistics are rank 0's there, from every micro-batch here: not compared.
     assert_same_parameters(out, fsdp_jobs["fsdp"], atol=TOLERANCE)
+    assert_same_parameters(out, fsdp_jobs["fsdp"], atol=TOLERANCE, file="model_ema.safetensors")  # from ema.safetensors
 
 
 def test_finished_jobs_free_their_process_group_before_interpreter_exit(fsdp_jobs):

@@ -125,10 +125,11 @@ def _write_error(error: BaseException) -> BaseException:
     return error
 
 
-def save(accelerator, root: Path, step: int, state: dict) -> Path:
-    """Writes checkpoint `step` (every process must call this); returns its final folder. A failed write (a full
-    disk, a quota, an I/O error) on any rank raises the same UserError on every rank, after the partial folder
-    is removed: earlier checkpoints are untouched."""
+def save(accelerator, root: Path, step: int, state: dict, extra=()) -> Path:
+    """Writes checkpoint `step` (every process must call this); returns its final folder. `extra`: objects whose
+    collective `save(folder)` adds files (the EMA). A failed write (a full disk, a quota, an I/O error) on any rank
+    raises the same UserError on every rank, after the partial folder is removed: earlier checkpoints are
+    untouched."""
     root = Path(root)
     name = f"step-{step:08d}"
     tmp, final = root / f".tmp-{name}", root / name
@@ -139,6 +140,8 @@ def save(accelerator, root: Path, step: int, state: dict) -> Path:
     error = None
     try:  # every rank writes its part (its shards under FSDP, its RNG states)
         accelerator.save_state(str(tmp))
+        for obj in extra:
+            obj.save(tmp)
     except WRITE_ERRORS as e:
         error = _write_error(e)
     _raise_if_any_failed(accelerator, error, tmp, root, remove=tmp)
@@ -232,9 +235,10 @@ def rotate(root: Path, keep_last: int, keep: set[str]) -> None:
 
 class Checkpointer:
     """A training script's checkpoint policy: where (<output-dir>/checkpoints), when (`due(step)`: every N optimizer
-    steps; the script also saves at each epoch's end), what (`save(progress, ...)`: Accelerate's registered objects,
-    the counters, config, batch plan and scheduler) and how many (the newest `keep_last`, plus
-    the best). `last` is the newest checkpoint written or resumed from."""
+    steps, and after each evaluation within an epoch; the script also saves at each epoch's end), what
+    (`save(progress, ...)`: Accelerate's registered objects, the EMA, the counters, config, batch plan and
+    scheduler) and how many (the newest `keep_last`, plus the best). `last` is the newest checkpoint written or
+    resumed from."""
 
     def __init__(self, accelerator, cfg: CheckpointConfig):
         """cfg: the script's Config; its checkpoint flags set the policy, and the whole of it goes into every
@@ -244,6 +248,8 @@ class Checkpointer:
         self.keep_last, self.every_steps = cfg.keep_last, cfg.checkpoint_every_steps
         self.last: Path | None = None
         self.plan: BatchPlan | None = None  # set by batch_plan(), saved with every checkpoint
+        self.ema = None  # set by start(): the weights' EMA (--ema-decay), saved with every checkpoint
+        self.saved_step: int | None = None  # the step this job last saved (a second save of it is skipped)
 
     def resume_point(self) -> Path | None:
         """The checkpoint to continue from (--resume auto or a folder), None to start fresh; refuses to start over
@@ -286,6 +292,8 @@ class Checkpointer:
         position in the epoch converted to this run's micro-batches (through global samples: the same images come
         next on any process count). Warns about config values that differ from the run that saved it."""
         saved = load(self.accelerator, folder)
+        if self.ema is not None:
+            self.ema.load(folder)
         changed = [k for k, v in self._compared(self.config).items() if saved["config"].get(k) != v]
         if changed:
             self.accelerator.print(f"warning: resuming with a changed config: {', '.join(changed)}")
@@ -305,10 +313,12 @@ class Checkpointer:
                                f"step {progress['global_step']}")
         return progress
 
-    def start(self, folder: Path | None, scheduler) -> Progress:
-        """Where the run starts: the progress of checkpoint `folder`, restored with all it holds (`restore`), or a
-        fresh Progress. --overwrite deletes the earlier run's checkpoints only here, once every check that could
-        stop the job (flags, data, the launch) has passed with the old run intact."""
+    def start(self, folder: Path | None, scheduler, ema=None) -> Progress:
+        """Where the run starts: the progress of checkpoint `folder`, restored with all it holds (`restore`; `ema`,
+        utils.ema.WeightEMA or None, too), or a fresh Progress. --overwrite deletes the earlier run's checkpoints only
+        here, once every check that could stop the job (flags, data, the launch) has passed with the old run
+        intact."""
+        self.ema = ema
         if folder:
             return Progress(**self.restore(folder, scheduler))
         if self.config["overwrite"]:
@@ -324,25 +334,33 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return bool(self.every_steps) and step % self.every_steps == 0
 
-    def after_step(self, progress, meter, guard, model, scheduler, batches_per_epoch: int) -> bool:
+    def after_step(self, progress, meter, guard, model, scheduler, batches_per_epoch: int,
+                   evaluated: bool = False) -> bool:
         """The loop's call after every optimizer step. Saves a mid-epoch checkpoint every --checkpoint-every-steps
-        steps (the epoch's end saves its own, after evaluation), and asks the guard whether to stop: collectively
-        every few steps and at each periodic checkpoint, so every rank stops at the same step. A job that stops
-        (a preemption signal on any rank) saves where it is first. True: stop now."""
-        due = self.due(progress.global_step)
+        steps and after an evaluation within the epoch (`evaluated`: its best weights then have their checkpoint;
+        the epoch's end saves its own, after evaluation), and asks the guard whether to stop: collectively every few
+        steps and at each of these checkpoints, so every rank stops at the same step. A job that stops (a preemption
+        signal on any rank) saves where it is first. True: stop now (preempted, or stopped early at this step's
+        evaluation)."""
+        due = self.due(progress.global_step) or evaluated
         stop = guard.should_stop(progress.global_step, now=due)  # raises on a non-finite loss, before any save
         if stop or (due and progress.batches_in_epoch < batches_per_epoch):
             # the epoch's images so far are counted, so a job resumed from here reports every image it trained
             self.save(progress.with_epoch_so_far(meter.images(), meter.seconds()), model, scheduler)
-        return stop
+        return stop or progress.stopped_early
 
     def save(self, progress, model, scheduler) -> Path:
-        """Collective: checkpoint at progress.global_step, then drop the old ones (keeping progress.best_checkpoint)."""
+        """Collective: checkpoint at progress.global_step, then drop the old ones (keeping progress.best_checkpoint).
+        A step this job saved already (an early stop within the epoch, then the epoch's end) is not saved again."""
+        if self.saved_step == progress.global_step:
+            return self.last
         share_bn_statistics(self.accelerator, model)  # FSDP would save one arbitrary rank's
         state = {"format": FORMAT, "progress": asdict(progress), "config": self.config,
                  "world_size": self.accelerator.num_processes, "batch": asdict(self.plan),
                  "scheduler": scheduler.state_dict()}
-        self.last = save(self.accelerator, self.root, progress.global_step, state)
+        extra = [self.ema] if self.ema is not None else []
+        self.last = save(self.accelerator, self.root, progress.global_step, state, extra)
+        self.saved_step = progress.global_step
         if self.accelerator.is_main_process:
             rotate(self.root, self.keep_last, keep={progress.best_checkpoint})
         return self.last

@@ -54,14 +54,22 @@ class DataConfig(Group):
 
 @dataclass
 class EvaluationConfig(Group):
-    # --- evaluation: when a run stops for lack of progress ---
+    # --- evaluation: when, of which weights; when a run stops for lack of progress ---
+    eval_every_steps: int | None = opt(None, "also evaluate every N optimizer steps within an epoch (always at each "
+                                       "epoch's end), each followed by a checkpoint; the best weights are kept from "
+                                       "any of them")
+    ema_decay: float | None = opt(None, "keep an exponential moving average of the weights with this decay (e.g. "
+                                  "0.999; warmed up as min(D, (1+t)/(10+t)) at update t), evaluated beside them "
+                                  "(eval/ema_*), choosing best.safetensors, exported as model_ema.safetensors")
     early_stop_patience: int | None = opt(None, "stop after this many evaluations in a row without a top-1 gain of "
                                           "more than --early-stop-min-delta (decided on all ranks together; the "
                                           "outputs as at the end); unset: never")
     early_stop_min_delta: float = opt(0.0, "top-1 points an evaluation must beat the best one by to count as a gain")
 
     def validate(self) -> None:
-        check_ranges(self, positive=["early_stop_patience"], non_negative=["early_stop_min_delta"])
+        check_ranges(self, positive=["eval_every_steps", "early_stop_patience"], non_negative=["early_stop_min_delta"])
+        if self.ema_decay is not None and not 0 < self.ema_decay < 1:
+            raise UserError(f"--ema-decay must be between 0 and 1, e.g. 0.999 (got {self.ema_decay}).")
         super().validate()
 
 

@@ -1,13 +1,15 @@
 """Evaluation on every rank's shard, metrics from gathered tensors (top-1, top-5, loss, per-class accuracy, the
 confusion matrix); `--metric NAME` adds any metric of the `evaluate` library, computed on the same gathered
 predictions. The built-in ones are not `evaluate.load`'s: it fetches each metric's code from the Hub at run time,
-which an offline cluster node cannot do."""
+which an offline cluster node cannot do. `Evaluator`: a script's evaluation policy (when, of which weights, what is
+kept, when to stop early)."""
 
 from __future__ import annotations
 
 import ast
 import re
 import warnings
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from utils import UserError, first_line
+from utils.checkpoint import export_weights
 from utils.decode import CLASSES
 from utils.launch import first_on_each_machine, share_bn_statistics
 
@@ -56,6 +59,57 @@ def evaluate(model, loader, transform, accelerator, tta_flip: bool = False, clas
         for metric in metrics:
             out |= metric.compute(predicted, references)
     return out
+
+
+class Evaluator:
+    """A script's evaluations: when (each epoch's end, and every --eval-every-steps optimizer steps within an epoch),
+    of which weights (the model's, and with --ema-decay also their EMA: metrics `ema_*`), what is kept
+    (best.safetensors: the weights whose top-1 counts, the EMA's when there is one), what the tracker hears (eval/*
+    at the evaluation's step) and when the run stops early (--early-stop-patience, through the guard).
+    `run_eval()`: the script's evaluate(...) of its model, loader and transform."""
+
+    def __init__(self, cfg, run_eval, accelerator, model, tracker, guard, ema=None):
+        self.run_eval, self.accelerator, self.model, self.tracker, self.guard, self.ema = (
+            run_eval, accelerator, model, tracker, guard, ema)
+        self.every, self.patience = cfg.eval_every_steps, cfg.early_stop_patience
+        self.min_delta = cfg.early_stop_min_delta
+        self.best_path = Path(cfg.output_dir) / "best.safetensors"
+        self.step, self.last = None, None  # the step of the last evaluation, and its metrics
+
+    def metrics(self) -> dict:
+        """The model's metrics now, and with an EMA its metrics as ema_<name> (collective)."""
+        metrics = self.run_eval()
+        if self.ema is not None:
+            with self.ema.applied():
+                metrics |= {f"ema_{k}": v for k, v in self.run_eval().items()}
+        return metrics
+
+    def __call__(self, progress) -> dict:
+        """Evaluates at progress.global_step (a second call at the same step returns the same metrics): first the
+        guard's check (a non-finite loss raises before anything is evaluated, kept or saved), then the metrics, the
+        best weights exported, the metrics logged, the early-stop decision taken (progress.stopped_early)."""
+        if self.step == progress.global_step:
+            return self.last
+        self.guard.check()
+        metrics = self.metrics()
+        if progress.is_best(metrics["ema_top1" if self.ema else "top1"], self.min_delta):
+            with self.ema.applied() if self.ema else nullcontext():
+                export_weights(self.accelerator, self.model, self.best_path)
+        self.tracker.log_eval(progress.global_step, metrics)
+        progress.stopped_early = self.guard.stop_early(progress, self.patience)
+        self.step, self.last = progress.global_step, metrics
+        return metrics
+
+    def after_step(self, progress, meter, batches_per_epoch: int) -> bool:
+        """The loop's call after an optimizer step: every --eval-every-steps steps within an epoch (the epoch's end
+        evaluates anyway), an evaluation, its time not counted as training time. True: it evaluated (the
+        checkpointer then saves this step)."""
+        if not self.every or progress.global_step % self.every or progress.batches_in_epoch >= batches_per_epoch:
+            return False
+        with meter.paused():
+            self(progress)
+        self.model.train()
+        return True
 
 
 # --metric NAME[:key=value,...] ------------------------------------------------------------------------------------

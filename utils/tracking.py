@@ -15,6 +15,7 @@ import shlex
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -113,20 +114,25 @@ class Tracker:
         self.accelerator.print(f"step {step}/{self.total_steps} (epoch {epoch}/{self.epochs})  loss {loss:.4f}  "
                                f"lr {lr:.4g}  {images_per_sec:,.0f} img/s  ETA {hours}h{minutes:02d}m{seconds:02d}s")
 
-    def log_epoch(self, epoch: int, step: int, train_loss: float, images: int, seconds: float, metrics: dict) -> None:
-        """The end of an epoch (numbered from 1): one console line; to the tracker the epoch's training loss and
-        speed, peak memory, and the evaluation's metrics (eval/*; with at most MAX_PER_CLASS_KEYS classes also
-        eval/top1_<class> and W&B's confusion-matrix plot)."""
-        self.accelerator.print(f"epoch {epoch}/{self.epochs}  train_loss {train_loss:.4f}  eval_top1 "
-                               f"{metrics['top1']:.2f}%  {images / seconds:,.0f} img/s  {seconds:.1f} s")
+    def log_eval(self, step: int, metrics: dict) -> None:
+        """An evaluation's metrics at optimizer step `step`: eval/* (an EMA's as eval/ema_*); with at most
+        MAX_PER_CLASS_KEYS classes also eval/top1_<class> and W&B's confusion-matrix plot (of the model's weights)."""
         scalars = {f"eval/{k}": v for k, v in metrics.items() if isinstance(v, int | float)}  # numbers only
         classes = list(metrics["class_top1"])
         few = len(classes) <= MAX_PER_CLASS_KEYS
         per_class = {f"eval/top1_{c}": v for c, v in metrics["class_top1"].items()} if few else {}
         plot = wandb_confusion_matrix(metrics["confusion"], classes) if self.wandb_run is not None and few else {}
+        self.log({**scalars, **per_class, **plot}, step=step)
+
+    def log_epoch(self, epoch: int, step: int, train_loss: float, images: int, seconds: float, metrics: dict) -> None:
+        """The end of an epoch (numbered from 1): one console line (with the evaluation's top-1, which log_eval
+        logged); to the tracker the epoch's training loss and speed and the peak memory."""
+        ema = f" (EMA {metrics['ema_top1']:.2f}%)" if "ema_top1" in metrics else ""
+        self.accelerator.print(f"epoch {epoch}/{self.epochs}  train_loss {train_loss:.4f}  eval_top1 "
+                               f"{metrics['top1']:.2f}%{ema}  {images / seconds:,.0f} img/s  {seconds:.1f} s")
         self.log({"train/epoch_loss": train_loss, "train/epoch_images_per_sec": images / seconds,
                   "train/epoch_seconds": seconds, "sys/peak_memory_gb": peak_memory_gb(self.accelerator.device),
-                  **scalars, **per_class, "epoch": epoch, **plot}, step=step)
+                  "epoch": epoch}, step=step)
 
     def finish(self, summary: dict) -> None:
         """summary.json (written by the main process) is also the W&B run's summary; it names the W&B run."""
@@ -207,6 +213,17 @@ class TrainMeter:
             return None
         norm = self.grad_norm.full_tensor() if hasattr(self.grad_norm, "full_tensor") else self.grad_norm
         return norm.item()
+
+    @contextmanager
+    def paused(self):
+        """Time inside (an evaluation within the epoch) is not training time: not in the epoch's or window's speed."""
+        start = time.time()
+        try:
+            yield
+        finally:
+            gap = time.time() - start
+            self.epoch_start += gap
+            self.window_start += gap
 
     def images(self) -> int:
         return self.epoch_batches * self.images_per_batch

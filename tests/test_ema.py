@@ -1,0 +1,90 @@
+"""--ema-decay and --eval-every-steps, on the checkpoint job (conftest's reference: 2 gloo ranks, 16 optimizer steps, an
+evaluation and a checkpoint every 3 steps and at each epoch's end, EMA decay 0.9). Their exact resume and the FSDP
+comparison are in tests/test_checkpoint.py and tests/test_fsdp.py, on the same job."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from conftest import RECORDED_WEIGHTS, read_summary
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from utils.ema import WeightEMA
+
+DECAY, STEPS = 0.9, 16
+EVALUATED_AT = [3, 6, 8, 9, 12, 15, 16]  # every 3 steps within each 8-step epoch, and each epoch's end
+
+
+def warmed_up(t: int) -> float:
+    return min(DECAY, (1 + t) / (10 + t))
+
+
+def recurrence(recorded: dict, name: str, decay) -> torch.Tensor:
+    """e_0 = w_0, e_t = d_t e_(t-1) + (1 - d_t) w_t over the recorded weights, in float64."""
+    ema = recorded[f"{name}@0"].double()
+    for t in range(1, STEPS + 1):
+        ema = decay(t) * ema + (1 - decay(t)) * recorded[f"{name}@{t}"].double()
+    return ema
+
+
+def test_the_exported_ema_is_the_warmed_up_average_of_the_weights_after_every_step(reference):
+    recorded = load_file(reference / "probe-weights-rank0.safetensors")
+    assert len(recorded) == len(RECORDED_WEIGHTS) * (STEPS + 1)
+    ema, weights = load_file(reference / "model_ema.safetensors"), load_file(reference / "model.safetensors")
+    for name in RECORDED_WEIGHTS:  # BatchNorm's statistics included: rank 0's, averaged as the weights are
+        assert torch.equal(recorded[f"{name}@{STEPS}"], weights[name]), name  # the recording is what was exported
+        expected = recurrence(recorded, name, warmed_up)
+        torch.testing.assert_close(ema[name].double(), expected, rtol=1e-5, atol=1e-7, msg=name)
+        # the tolerance tells the schedules apart: without the warmup, or as the weights themselves, it would fail
+        for wrong in (recurrence(recorded, name, lambda t: DECAY), weights[name].double()):
+            assert not torch.allclose(wrong, expected, rtol=1e-5, atol=1e-7), name
+    assert ema["layer1.0.bn1.num_batches_tracked"] == weights["layer1.0.bn1.num_batches_tracked"] == STEPS
+    with safe_open(reference / "checkpoints" / "step-00000016" / "ema.safetensors", "pt") as f:
+        assert f.metadata()["updates"] == str(STEPS)
+
+
+def test_evaluations_within_the_epoch_are_logged_at_their_steps_and_the_best_ema_is_kept(reference):
+    logs = json.loads((reference / "probe-rank0.json").read_text())["logs"]
+    for key in ("eval/top1", "eval/ema_top1", "eval/loss", "eval/ema_loss"):
+        assert [step for step, values in logs if key in values] == EVALUATED_AT, key
+    ema_top1 = {step: values["eval/ema_top1"] for step, values in logs if "eval/ema_top1" in values}
+    s = read_summary(reference)
+    best = max(ema_top1.values())
+    assert s["best_eval_top1"] == best and s["eval_ema_top1"] == ema_top1[16] and s["eval_top1"] == logs[-1][1].get(
+        "eval/top1", s["eval_top1"])
+    first_best = min(step for step, top1 in ema_top1.items() if top1 == best)
+    assert s["best_checkpoint"] == f"step-{first_best:08d}"
+    # best.safetensors is the EMA at that step: what that step's checkpoint saved as its EMA, bitwise
+    kept = load_file(reference / "checkpoints" / s["best_checkpoint"] / "ema.safetensors")
+    exported = load_file(reference / "best.safetensors")
+    assert kept.keys() == exported.keys() and all(torch.equal(kept[k], exported[k]) for k in kept)
+    assert s["evals_without_gain"] == sum(1 for step in EVALUATED_AT if step > first_best)  # min-delta 0: any gain
+
+
+def test_the_ema_follows_each_optimizer_step_and_applied_restores_the_weights_bitwise():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    ema = WeightEMA(None, model, optimizer, decay=0.5)
+
+    def tracked():
+        return [t.detach().clone() for t in (*model.parameters(), model[1].running_mean, model[1].running_var)]
+
+    expected = tracked()
+    for t in (1, 2, 3):
+        model(torch.randn(8, 4)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        d = min(0.5, (1 + t) / (10 + t))
+        expected = [d * e + (1 - d) * w for e, w in zip(expected, tracked())]
+    assert ema.updates == 3
+    for got, want in zip(ema.shadow, expected):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    before = tracked()
+    with ema.applied():
+        for got, want in zip(tracked(), expected):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    assert all(torch.equal(a, b) for a, b in zip(tracked(), before))
+    assert model[1].num_batches_tracked == 3  # the counter is the model's, not averaged
