@@ -218,7 +218,8 @@ def test_damaged_newest_checkpoint_and_a_crashed_save_are_skipped_and_resuming_i
     assert read_summary(out)["resumed_from"].endswith("step-00000015")
     kept_aside = list(checkpoints.glob("step-00000016.unsound-*"))
     assert len(kept_aside) == 1 and (kept_aside[0] / "model.safetensors").stat().st_size == 1000
-    assert_same_state(out / "model.safetensors", reference / "model.safetensors")
+    for name in ("model.safetensors", "model_ema.safetensors"):
+        assert_same_state(out / name, reference / name)
 
 
 def test_checkpoint_with_one_flipped_byte_is_found_corrupt_and_skipped(reference, tmp_path):
@@ -404,8 +405,9 @@ def test_resumed_run_continues_the_same_wandb_run(small_run, tmp_path):
 # Faults a cluster job meets: a full disk, a second job in the same folder, a hung peer -------------------
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 150 MiB tmpfs (one checkpoint of this job is 90 MiB)."""
-    with small_tmpfs(tmp_path / "small_disk", "150m") as folder:
+    """A 250 MiB tmpfs: room for best.safetensors (45 MiB) and one checkpoint of this job (135 MiB, its EMA's 45
+    included), not for a second."""
+    with small_tmpfs(tmp_path / "small_disk", "250m") as folder:
         yield folder
 
 
@@ -430,7 +432,8 @@ def test_full_disk_stops_every_rank_with_one_line_and_the_last_good_checkpoint_r
     resumed = run_train(job_args(cifar_dir, cache_dir, moved, "--resume", "auto"), launch=TWO_RANKS)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert read_summary(moved)["resumed_from"] == str(moved / "checkpoints" / "step-00000003")
-    assert_same_state(moved / "model.safetensors", reference / "model.safetensors")
+    for name in ("model.safetensors", "model_ema.safetensors"):
+        assert_same_state(moved / name, reference / name)
 
 
 def test_full_disk_while_exporting_weights_keeps_the_previous_file_whole(small_disk):
@@ -444,7 +447,7 @@ def test_full_disk_while_exporting_weights_keeps_the_previous_file_whole(small_d
     ckpt.write_weights(Accelerator(cpu=True), {"w": torch.ones(10)}, previous, root=small_disk / "checkpoints")
     before = previous.read_bytes()
     with pytest.raises(UserError) as raised:
-        ckpt.write_weights(Accelerator(cpu=True), {"w": torch.ones(50 * 2**20)}, previous,
+        ckpt.write_weights(Accelerator(cpu=True), {"w": torch.ones(80 * 2**20)}, previous,
                            root=small_disk / "checkpoints")
     assert str(raised.value).startswith(f"no space left on device writing {previous} (")
     assert str(raised.value).endswith("; last good checkpoint: none")

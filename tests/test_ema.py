@@ -5,6 +5,7 @@ comparison are in tests/test_checkpoint.py and tests/test_fsdp.py, on the same j
 from __future__ import annotations
 
 import json
+import time
 
 import torch
 from conftest import RECORDED_WEIGHTS, read_summary
@@ -12,6 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from utils.ema import WeightEMA
+from utils.tracking import TrainMeter
 
 DECAY, STEPS = 0.9, 16
 EVALUATED_AT = [3, 6, 8, 9, 12, 15, 16]  # every 3 steps within each 8-step epoch, and each epoch's end
@@ -88,3 +90,10 @@ def test_the_ema_follows_each_optimizer_step_and_applied_restores_the_weights_bi
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
     assert all(torch.equal(a, b) for a, b in zip(tracked(), before))
     assert model[1].num_batches_tracked == 3  # the counter is the model's, not averaged
+
+
+def test_time_inside_an_evaluation_within_the_epoch_is_not_training_time():
+    meter = TrainMeter(torch.device("cpu"), images_per_batch=1)
+    with meter.paused():
+        time.sleep(0.5)
+    assert meter.seconds() < 0.25 and time.time() - meter.window_start < 0.25

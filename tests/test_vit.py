@@ -36,9 +36,11 @@ from utils.models import build_model
 
 VIT = REPO / "train_vit.py"
 RECORD = REPO / "tests" / "record_losses.py"
-JOB = ["--model", "vit_micro", "--train-subset", "256", "--eval-subset", "128", "--batch-size", "32",
-       "--global-batch-size", "64", "--epochs", "2", "--lr", "2e-3", "--warmup-epochs", "0.5", "--grad-clip", "0",
-       "--checkpoint-every-steps", "2", "--deterministic", "--tracker", "none"]
+TRAINING = ["--model", "vit_micro", "--train-subset", "256", "--eval-subset", "128", "--batch-size", "32",
+            "--global-batch-size", "64", "--epochs", "2", "--lr", "2e-3", "--warmup-epochs", "0.5", "--grad-clip", "0",
+            "--checkpoint-every-steps", "2", "--deterministic", "--tracker", "none"]
+WATCHING = ["--eval-every-steps", "3", "--ema-decay", "0.9"]  # evaluations within the epoch and an EMA: no loss moves
+JOB = [*TRAINING, *WATCHING]
 FSDP = ["--config_file", str(FSDP_CPU_YAML)]
 TOLERANCE = 1e-6
 MICRO_PARAMETERS = 75_082  # vit_micro: counted by hand from its shapes, see test_vit_micro_has_the_parameters...
@@ -69,8 +71,9 @@ def losses(out, rank: int = 0) -> list[float]:
     return json.loads((out / f"losses-rank{rank}.json").read_text())
 
 
-def max_weight_difference(a, b) -> float:
-    sa, sb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+def max_weight_difference(a, b, file: str = "model.safetensors") -> float:
+    """The largest difference between two runs' `file` (or, with file "", two weight files)."""
+    sa, sb = load_file(a / file), load_file(b / file)
     assert sa.keys() == sb.keys()
     return max((sa[k] - sb[k]).abs().max().item() for k in sa)
 
@@ -100,11 +103,12 @@ def test_the_vit_ddp_job_repeats_its_stored_loss_trajectory(vit_jobs, cifar_dir)
     both = [losses(vit_jobs["ddp"], rank) for rank in (0, 1)]
     if os.environ.get("UPDATE_REFERENCE"):
         REFERENCE.parent.mkdir(exist_ok=True)
-        REFERENCE.write_text(json.dumps({"job": JOB, "data_bytes": data, "losses": both}, indent=1) + "\n")
+        REFERENCE.write_text(json.dumps({"job": TRAINING, "data_bytes": data, "losses": both}, indent=1) + "\n")
     stored = json.loads(REFERENCE.read_text())
     if stored["data_bytes"] != data:
         pytest.skip("the trajectory is stored for the real CIFAR-10 copy (../shared/data/cifar10); this is other data")
-    assert stored["job"] == JOB, "the job changed: rewrite the reference (UPDATE_REFERENCE=1, see above)"
+    # stored without WATCHING's flags: also the proof that evaluating within the epoch and averaging change no loss
+    assert stored["job"] == TRAINING, "the job changed: rewrite the reference (UPDATE_REFERENCE=1, see above)"
     assert [len(r) for r in both] == [len(r) for r in stored["losses"]] == [8, 8]
     worst = max(abs(a - b) for mine, theirs in zip(both, stored["losses"]) for a, b in zip(mine, theirs))
     assert worst <= TRAJECTORY_TOLERANCE, (both, stored["losses"])
@@ -130,6 +134,9 @@ def test_fsdp_losses_at_every_step_and_final_weights_equal_ddp(vit_jobs):
     assert len(ddp) == len(fsdp) == 8 and len(set(ddp)) == 8  # 8 steps, and the loss moves
     assert max(abs(a - b) for a, b in zip(ddp, fsdp)) <= TOLERANCE, (ddp, fsdp)
     assert max_weight_difference(vit_jobs["ddp"], vit_jobs["fsdp"]) <= TOLERANCE
+    assert max_weight_difference(vit_jobs["ddp"], vit_jobs["fsdp"], "model_ema.safetensors") <= TOLERANCE
+    assert max_weight_difference(vit_jobs["fsdp"] / "model.safetensors", vit_jobs["fsdp"] / "model_ema.safetensors",
+                                 file="") > 100 * TOLERANCE  # the EMA is an average, not a copy of the weights
     assert read_summary(vit_jobs["ddp"])["distributed_type"] == "MULTI_CPU"
 
 
@@ -175,7 +182,8 @@ def test_preempted_fsdp_vit_resumes_from_its_shards_and_exports_a_plain_vit_with
     assert result.returncode == 0, result.stderr[-4000:]
     s = read_summary(out)
     assert s["resumed_from"] and s["global_step"] == 8
-    assert_same_state(out / "model.safetensors", vit_jobs["fsdp"] / "model.safetensors")  # as if never stopped
+    for name in ("model.safetensors", "model_ema.safetensors", "best.safetensors"):  # as if never stopped
+        assert_same_state(out / name, vit_jobs["fsdp"] / name)
 
     model = build_model("vit_micro")
     model.load_state_dict(load_file(out / "model.safetensors"), strict=True)  # a plain ViT, every key
