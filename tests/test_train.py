@@ -338,17 +338,25 @@ FROZEN_VIT = ["--model", "vit_micro", "--train-subset", "64", "--eval-subset", "
 
 
 @pytest.mark.slow
-def test_early_stopping_ends_both_ranks_after_patience_evaluations_without_gain_with_the_usual_outputs(
+def test_early_stopping_ends_both_ranks_within_an_epoch_after_patience_evaluations_with_the_usual_outputs(
         cifar_dir, cache_dir, tmp_path):
-    result = run_train(job_args(cifar_dir, cache_dir, tmp_path, *FROZEN_VIT, "--epochs", "6"),
-                       launch=["--config_file", str(CPU_YAML)], script=REPO / "train_vit.py")
+    # 2 ranks x 16 images: 2 optimizer steps per epoch; an evaluation at every step, patience 3: the third (step 3,
+    # the middle of epoch 2) ends the run there; each evaluation is followed by a checkpoint (all kept here)
+    flags = [*FROZEN_VIT, "--early-stop-patience", "3", "--eval-every-steps", "1", "--epochs", "6", "--keep-last", "9"]
+    result = run_train(job_args(cifar_dir, cache_dir, tmp_path, *flags), launch=["--config_file", str(CPU_YAML)],
+                       script=REPO / "train_vit.py")
     assert result.returncode == 0, result.stderr[-3000:]
     s = read_summary(tmp_path)
     assert 0 < s["best_eval_top1"] < 50
-    assert (s["epochs_completed"], s["stopped_early"], s["evals_without_gain"], s["world_size"]) == (2, True, 2, 2)
-    line = f"early stop after epoch 2: 2 evaluations in a row without a top-1 gain (best {s['best_eval_top1']:.2f}%)"
+    assert (s["global_step"], s["epochs_completed"], s["stopped_early"], s["evals_without_gain"], s["world_size"]) == \
+        (3, 1, True, 3, 2)
+    line = (f"early stop at step 3 (in epoch 2): 3 evaluations in a row without a top-1 gain (best "
+            f"{s['best_eval_top1']:.2f}%)")
     assert result.stdout.count(line) == 1
     assert (tmp_path / "model.safetensors").is_file() and (tmp_path / "best.safetensors").is_file()
+    saved = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert saved == ["step-00000001", "step-00000002", "step-00000003"]  # step 3 once: not again at the epoch's end
+    assert s["best_checkpoint"] in saved
 
 
 @pytest.mark.slow
@@ -363,4 +371,4 @@ def test_the_early_stopping_count_survives_a_resume(cifar_dir, cache_dir, tmp_pa
     assert again.returncode == 0, again.stderr[-3000:]
     s = read_summary(tmp_path)
     assert (s["epochs_completed"], s["stopped_early"], s["evals_without_gain"]) == (2, True, 2)
-    assert "early stop after epoch 2" in again.stdout
+    assert "early stop at step 8 (after epoch 2)" in again.stdout

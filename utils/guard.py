@@ -92,8 +92,9 @@ class StopGuard:
             self.accelerator.set_trigger()
         if not self.accelerator.check_trigger():
             return False
-        self.accelerator.print(f"early stop after epoch {progress.epoch}: {progress.evals_without_gain} evaluations "
-                               f"in a row without a top-1 gain (best {progress.best_top1:.2f}%)")
+        where = f"in epoch {progress.epoch + 1}" if progress.batches_in_epoch else f"after epoch {progress.epoch}"
+        self.accelerator.print(f"early stop at step {progress.global_step} ({where}): {progress.evals_without_gain} "
+                               f"evaluations in a row without a top-1 gain (best {progress.best_top1:.2f}%)")
         return True
 
 
