@@ -196,7 +196,7 @@ def main(cfg: Config) -> dict:
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     check_wrapper(accelerator, model, cfg.bf16_grad_sync)  # DDP or FSDP really wraps it; bf16 all-reduce if asked
     transform = BatchTransform(accelerator.device, channels_last=channels_last, pad=crop_padding(data["image_size"]),
-                               mean=data["mean"], std=data["std"])
+                               mean=data["mean"], std=data["std"], num_classes=len(data["classes"]))
     run_eval = partial(evaluate, model, eval_loader, transform, accelerator, tta_flip=cfg.tta_flip,  # each image once
                        classes=data["classes"], metrics=load_metrics(cfg.metric, data["classes"], accelerator))
 
@@ -229,8 +229,8 @@ def main(cfg: Config) -> dict:
         meter = TrainMeter(accelerator.device, plan.micro * plan.processes)
         for images, labels, *draws in bar:  # draws: each image's crop and flip; none from an (images, labels) loader
             with accelerator.accumulate(model):  # skips the all-reduce on non-final micro-steps
-                logits = model(transform(images, *draws))  # crop, flip and normalise on the device
-                loss = F.cross_entropy(logits, labels, label_smoothing=cfg.label_smoothing)
+                inputs, targets = transform.train(images, labels, *draws)  # crop, flip, mix, normalise on the device
+                loss = F.cross_entropy(model(inputs), targets, label_smoothing=cfg.label_smoothing)  # soft if mixed
                 accelerator.backward(loss)  # divides by grad_accum
                 if accelerator.sync_gradients and (cfg.grad_clip > 0 or tracker.logs_at(p.global_step + 1)):
                     meter.grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)

@@ -10,6 +10,7 @@ settles), and sharing one process with the seed's per-image PIL allocations made
 720,000. The seed-style pipeline is Python-bound and steady.
 
     python bench/data_path.py --data-dir ../shared/data/cifar10
+    python bench/data_path.py --data-dir ../shared/data/cifar10 --mixup 0.2 --cutmix 1.0   # ours also mixes
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from torchvision import transforms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import add_data_args, data_flags, header, report  # noqa: E402
-from utils.batches import MEAN, STD, BatchTransform, make_loader  # noqa: E402
+from utils.batches import MEAN, STD, BatchTransform, Mixing, make_loader  # noqa: E402
 from utils.decode import load_data  # noqa: E402
 
 
@@ -55,9 +56,11 @@ def measure(side: str, args) -> float:
     if side == "ours":
         n = args.images
         # each batch with its crops and flips (drawn by sample, as train_cifar.py's); channels-last, its default
-        loader = accelerator.prepare(make_loader(images[:n], labels[:n], args.batch_size, train=True, augment=True))
+        mixing = Mixing(args.mixup, args.cutmix) if args.mixup or args.cutmix else None  # and the soft targets
+        loader = accelerator.prepare(make_loader(images[:n], labels[:n], args.batch_size, train=True, augment=True,
+                                                 mixing=mixing))
         transform = BatchTransform(accelerator.device, channels_last=True)
-        step = lambda batch: transform(batch[0], batch[2])  # noqa: E731
+        step = lambda batch: transform.train(*batch)[0]  # noqa: E731
     else:
         seed_tf = transforms.Compose([transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip(),
                                       transforms.ToTensor(), transforms.Normalize(MEAN, STD)])
@@ -88,6 +91,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="fresh processes per pipeline, alternating")
     parser.add_argument("--passes", type=int, default=3, help="measured passes per process (median)")
     parser.add_argument("--warmup", type=int, default=5, help="passes per process before measuring")
+    parser.add_argument("--mixup", type=float, default=0.0, help="ours: also mixup with this alpha (--mixup)")
+    parser.add_argument("--cutmix", type=float, default=0.0, help="ours: also cutmix with this alpha (--cutmix)")
     parser.add_argument("--side", choices=["ours", "seed"],
                         help=argparse.SUPPRESS)  # one measurement, in a child process
     args = parser.parse_args()
@@ -96,7 +101,8 @@ def main() -> None:
         return
     header("P2 data path: batched uint8 + on-device augmentation vs per-sample PIL")
     forward = [*data_flags(args), "--images", str(args.images), "--seed-images", str(args.seed_images),
-               "--batch-size", str(args.batch_size), "--passes", str(args.passes), "--warmup", str(args.warmup)]
+               "--batch-size", str(args.batch_size), "--passes", str(args.passes), "--warmup", str(args.warmup),
+               "--mixup", str(args.mixup), "--cutmix", str(args.cutmix)]
     rates: dict[str, list[float]] = {"ours": [], "seed": []}
     for _ in range(args.repeats):
         for side, found in rates.items():
@@ -106,7 +112,8 @@ def main() -> None:
                 sys.exit(result.stderr[-3000:])
             found.append(json.loads(result.stdout.strip().splitlines()[-1]))
     print(f"device: {torch.device('cuda' if torch.cuda.is_available() else 'cpu')}; batch {args.batch_size}; "
-          f"augmentation: crop (pad 4) + flip + normalise; each number: one fresh process, median of {args.passes} "
+          f"augmentation: crop (pad 4) + flip + normalise (ours: mixup {args.mixup}, cutmix {args.cutmix}); "
+          f"each number: one fresh process, median of {args.passes} "
           f"passes "
           f"after {args.warmup} warm-up passes")
     report("ours", rates["ours"], "seed-style", rates["seed"])

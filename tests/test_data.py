@@ -442,3 +442,74 @@ def test_a_hub_dataset_named_by_dataset_loads_its_splits_columns_and_class_names
     with pytest.raises(UserError, match=r"^pass either --data-dir \(d\) or --dataset \(uoft-cs/cifar100\), "
                                         r"not both\.$"):
         load_data("d", None, accelerator, dataset="uoft-cs/cifar100")
+
+
+# --mixup / --cutmix ---------------------------------------------------------------------------------------------
+def _torchvision_partner_shares(kind, alpha: float, draws: int) -> np.ndarray:
+    """The partner's share of the label that torchvision.transforms.v2's MixUp or CutMix gives, `draws` times (one
+    lambda per call): the independent reference for the laws of mix_draws."""
+
+    torch.manual_seed(0)
+    mix = kind(alpha=alpha, num_classes=2)
+    images, labels = torch.zeros(2, 3, 32, 32), torch.tensor([0, 1])
+    return np.array([mix(images, labels)[1][0, 1].item() for _ in range(draws)])  # image 0's partner: image 1
+
+
+def test_mixing_draws_follow_torchvisions_mixup_and_cutmix_laws_per_image():
+    from scipy.stats import ks_2samp
+    from torchvision.transforms import v2
+
+    mixing = batches.Mixing(mixup=0.2, cutmix=1.0, prob=0.8)
+    partner, weight, box = (torch.cat(t) for t in zip(*(batches.mix_draws(3, 0, range(b, b + 128), 32, mixing)
+                                                         for b in range(0, 128 * 40, 128))))
+    n = len(partner)  # 5,120 images
+    positions = torch.arange(n) % 128
+    assert not (partner == positions).any() and partner.min() == 0 and partner.max() == 127  # another image, any
+    cut = (box[:, 1] > box[:, 0]) & (box[:, 3] > box[:, 2])
+    mixed_up = weight > 0
+    assert not (cut & mixed_up).any()
+    mixed = cut | mixed_up  # (a cutmix box may clip to nothing, and a mixup lambda be 1: rare, counted as unmixed)
+    assert abs(mixed.float().mean().item() - 0.8) < 4 * (0.8 * 0.2 / n) ** 0.5  # --mix-prob, 4 standard errors
+    assert abs(cut.sum().item() / mixed.sum().item() - 0.5) < 4 * (0.25 / mixed.sum().item()) ** 0.5  # one or other
+    area = ((box[:, 1] - box[:, 0]) * (box[:, 3] - box[:, 2]) / 32**2)[cut].numpy()
+    assert ks_2samp(weight[mixed_up].numpy(), _torchvision_partner_shares(v2.MixUp, 0.2, 3000)).pvalue > 1e-3
+    reference_area = _torchvision_partner_shares(v2.CutMix, 1.0, 3000)
+    assert ks_2samp(area, reference_area[reference_area > 0]).pvalue > 1e-3
+    assert abs(area.mean() - reference_area[reference_area > 0].mean()) < 0.03
+    # keyed by (seed, epoch, image): the same batch again gives the same draws; another epoch, others
+    again = batches.mix_draws(3, 0, range(128), 32, mixing)
+    assert all(torch.equal(a, b[:128]) for a, b in zip(again, (partner, weight, box)))
+    assert not torch.equal(batches.mix_draws(3, 1, range(128), 32, mixing)[2], box[:128])
+
+
+def test_mixed_pixels_and_soft_targets_are_exact_for_drawn_images():
+    gen = torch.Generator().manual_seed(1)
+    images = torch.randint(0, 256, (16, 3, 32, 32), dtype=torch.uint8, generator=gen)
+    labels = torch.arange(16) % 10
+    transform = BatchTransform(torch.device("cpu"), channels_last=True, num_classes=10)
+    draws = augment_draws(7, 0, range(16), 4) + batches.mix_draws(7, 0, range(16), 32, batches.Mixing(0.4, 1.0))
+    inputs, targets = transform.train(images, labels, draws)
+    plain = transform(images, draws[:2]).clone()  # cropped, flipped, normalised, unmixed
+    partner, weight, box = draws[2:]
+    kinds = set()
+    for i in range(16):
+        p, (y0, y1, x0, x1) = int(partner[i]), box[i].tolist()
+        expected_target = torch.zeros(10)
+        if weight[i] > 0:  # mixup: the blend, to float rounding
+            kinds.add("mixup")
+            torch.testing.assert_close(inputs[i], (1 - weight[i]) * plain[i] + weight[i] * plain[p], rtol=0,
+                                       atol=1e-5)
+            share = float(weight[i])
+        else:  # cutmix: the partner's pixels inside the box, its own outside, exactly (a lambda near 1: no box)
+            kinds.add("cutmix" if (y1 - y0) * (x1 - x0) else "unmixed")
+            expected = plain[i].clone()
+            expected[:, y0:y1, x0:x1] = plain[p][:, y0:y1, x0:x1]
+            assert torch.equal(inputs[i], expected)
+            share = (y1 - y0) * (x1 - x0) / 32**2
+        expected_target[labels[i]] += 1 - share
+        expected_target[labels[p]] += share
+        torch.testing.assert_close(targets[i], expected_target, rtol=0, atol=1e-6)
+    assert {"mixup", "cutmix"} <= kinds
+    assert inputs.is_contiguous(memory_format=torch.channels_last)
+    unmixed_inputs, unmixed_targets = transform.train(images, labels, draws[:2])  # no mixing: labels as they are
+    assert torch.equal(unmixed_inputs, plain) and unmixed_targets is labels

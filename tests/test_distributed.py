@@ -5,7 +5,8 @@ rank did (batches fetched, all-reduces, autocast dtypes, initial weights, logged
 
 Configurations (same seed, SGD, standard augmentation, fp32, --deterministic, the first 200 training images):
   two_ranks        2 ranks, --batch-size 32 --global-batch-size 64, 2 epochs  \\ the same flags: same micro-batches,
-  one_rank_accum2  1 rank,  --batch-size 32 --global-batch-size 64, 2 epochs  / same crops: equal parameters, bitwise
+  one_rank_accum2  1 rank,  --batch-size 32 --global-batch-size 64, 2 epochs  / same crops and mixing: bitwise equal
+                   both with mixup 0.2 and cutmix 1.0 on 80% of the images, and label smoothing 0.1 (soft targets)
   two_ranks_accum2 2 ranks, --batch-size 32 --grad-accum 2, 1 epoch           \\ same micro-batches, other sum
   one_rank_accum4  1 rank,  --batch-size 32 --grad-accum 4, 1 epoch           / order: equal to float rounding
 """
@@ -35,9 +36,10 @@ COMMON = ["--model", "resnet18_imagenet", "--train-subset", str(TRAIN_SUBSET), "
           "--deterministic", "--log-every", "1", "--tracker", "none"]
 TWO_RANKS = ["--config_file", str(CPU_YAML)]  # fp32 (cpu.yaml's), like the 1-process runs
 BF16_TWO_RANKS = [*TWO_RANKS, "--mixed_precision", "bf16"]
+MIXED = ["--mixup", "0.2", "--cutmix", "1.0", "--mix-prob", "0.8", "--label-smoothing", "0.1"]
 CONFIGS = {
-    "two_ranks": (TWO_RANKS, ["--batch-size", "32", "--global-batch-size", "64"]),
-    "one_rank_accum2": (None, ["--batch-size", "32", "--global-batch-size", "64"]),
+    "two_ranks": (TWO_RANKS, ["--batch-size", "32", "--global-batch-size", "64", *MIXED]),
+    "one_rank_accum2": (None, ["--batch-size", "32", "--global-batch-size", "64", *MIXED]),
     # lr 0.01: at 0.1 the second step amplified the first step's rounding differences to 3% of some updates
     "two_ranks_accum2": (TWO_RANKS, ["--batch-size", "32", "--grad-accum", "2", "--epochs", "1", "--lr", "0.01"]),
     "one_rank_accum4": (None, ["--batch-size", "32", "--grad-accum", "4", "--epochs", "1", "--lr", "0.01"]),

@@ -40,11 +40,11 @@ ALLOWED = [
      "the ResNet runs channels-last (not under FSDP2) with fused SGD; the ViT may checkpoint its blocks, and uses "
      "its own AdamW parameter groups"),
     (["transform = BatchTransform(accelerator.device, channels_last=channels_last, "
-      "pad=crop_padding(data['image_size']), mean=data['mean'], std=data['std'])",
+      "pad=crop_padding(data['image_size']), mean=data['mean'], std=data['std'], num_classes=len(data['classes']))",
       "run_eval = partial(evaluate, model, eval_loader, transform, accelerator, tta_flip=cfg.tta_flip, "
       "classes=data['classes'], metrics=load_metrics(cfg.metric, data['classes'], accelerator))"],
      ["transform = BatchTransform(accelerator.device, channels_last=False, pad=crop_padding(data['image_size']), "
-      "mean=data['mean'], std=data['std'])",
+      "mean=data['mean'], std=data['std'], num_classes=len(data['classes']))",
       "run_eval = partial(evaluate, model, eval_loader, transform, accelerator, tta_flip=False, "
       "classes=data['classes'], metrics=load_metrics(cfg.metric, data['classes'], accelerator))"],
      "the ViT's patch embedding takes NCHW; flip test-time augmentation is the ResNet recipes' (the ViT has no "

@@ -11,8 +11,11 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from utils import UserError
 from utils.decode import load_data
@@ -72,18 +75,60 @@ def augment_draws(seed: int, epoch: int, indices, pad: int) -> tuple[torch.Tenso
     return torch.from_numpy(mirrored.astype(np.int64)), torch.from_numpy(crop.astype(np.int64))
 
 
+@dataclass(frozen=True)
+class Mixing:
+    """--mixup / --cutmix / --mix-prob: torchvision.transforms.v2's MixUp and CutMix, drawn per sample."""
+    mixup: float = 0.0  # Beta(alpha, alpha) of mixup's lambda; 0: no mixup
+    cutmix: float = 0.0  # of cutmix's; 0: no cutmix
+    prob: float = 1.0  # the chance that a sample is mixed at all; with both on, each is then chosen with chance 1/2
+
+
+def _uniform(h: np.ndarray) -> np.ndarray:
+    return (h >> np.uint64(11)).astype(np.float64) * 2.0 ** -53  # the top 53 bits: uniform in [0, 1)
+
+
+def mix_draws(seed: int, epoch: int, indices, size: int, mixing: Mixing):
+    """Each training sample's mixing, a function of (seed, epoch, sample index) and its micro-batch only (the
+    batches are the same at any process count, see EpochSampler): (partner: the position in the batch of the
+    image mixed in, never its own; mixup weight: 1 - lambda of a mixup sample, else 0; box: (y0, y1, x0, x1) of a
+    cutmix sample's pasted region, else empty). lambda ~ Beta(alpha, alpha) by the inverse of its CDF; the cutmix
+    box is torchvision's: a centre uniform over the pixels, half-sides sqrt(1 - lambda) / 2 of the image's, clipped
+    to it (the pasted area then sets the label weight). On the host, beside augment_draws (no device sync)."""
+    from scipy.special import betaincinv  # imported here: only mixing runs use it
+
+    n, hashes = len(indices), []
+    h = np.asarray(indices).astype(np.uint64) ^ _stream(seed, epoch, 2)
+    for _ in range(6):  # one stream per sample, hashed on for each value it needs
+        h = _splitmix64(h)
+        hashes.append(h)
+    apply, choose, lam, offset, cy, cx = hashes
+    mixed = (_uniform(apply) < mixing.prob) & (n > 1)
+    cut = mixed & (mixing.cutmix > 0) & ((mixing.mixup == 0) | (_uniform(choose) < 0.5))
+    alpha = np.where(cut, mixing.cutmix, mixing.mixup if mixing.mixup > 0 else 1.0)
+    lam = np.where(mixed, betaincinv(alpha, alpha, _uniform(lam)), 1.0)
+    partner = (np.arange(n) + 1 + (offset % np.uint64(max(n - 1, 1))).astype(np.int64)) % n
+    weight = np.where(mixed & ~cut, 1.0 - lam, 0.0)
+    half = (0.5 * np.sqrt(1.0 - lam) * size).astype(np.int64)  # int(r * W) in torchvision, W = H = size
+    y, x = (np.floor(_uniform(c) * size).astype(np.int64) for c in (cy, cx))
+    box = np.stack([np.clip(y - half, 0, size), np.clip(y + half, 0, size), np.clip(x - half, 0, size),
+                    np.clip(x + half, 0, size)], axis=1) * cut[:, None]
+    return torch.from_numpy(partner), torch.from_numpy(weight.astype(np.float32)), torch.from_numpy(box)
+
+
 class BatchedTensorDataset(torch.utils.data.Dataset):
     """Images and labels as two tensors. The DataLoader calls `__getitems__` once per batch with the
     sampler's indices, so a batch costs one tensor index instead of `batch_size` Python calls.
     A training set (`augment_seed` given) returns (images, labels, draws): each sample's crop and flip for the
-    current `epoch` (set by `EpochSampler`), from `augment_draws`; draws is None when `augment` is off."""
+    current `epoch` (set by `EpochSampler`), from `augment_draws`, and with `mixing` its mixing (`mix_draws`); draws
+    is None when `augment` is off."""
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, augment_seed: int | None = None,
-                 augment: bool = True, pad: int = 4):
+                 augment: bool = True, pad: int = 4, mixing: Mixing | None = None):
         assert len(images) == len(labels)
         # NHWC rows: a batch is then one row copy per image, and arrives in the layout the transform reads.
         self.images, self.labels = images.contiguous(memory_format=torch.channels_last), labels
         self.augment_seed, self.augment, self.pad, self.epoch = augment_seed, augment, pad, 0
+        self.mixing = mixing
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -105,7 +150,11 @@ class BatchedTensorDataset(torch.utils.data.Dataset):
         batch = nhwc.permute(0, 3, 1, 2), self.labels.index_select(0, idx)
         if self.augment_seed is None:
             return batch
-        draws = augment_draws(self.augment_seed, self.epoch, host, self.pad) if self.augment else None
+        if not self.augment:
+            return (*batch, None)
+        draws = augment_draws(self.augment_seed, self.epoch, host, self.pad)
+        if self.mixing is not None:
+            draws += mix_draws(self.augment_seed, self.epoch, host, self.images.shape[-1], self.mixing)
         return (*batch, draws)
 
 
@@ -138,11 +187,11 @@ def keep_batch(batch):
 
 
 def make_loader(images, labels, batch_size: int, train: bool, seed: int = 0, augment: bool = False, pad: int = 4,
-                global_batch: int | None = None) -> torch.utils.data.DataLoader:
+                global_batch: int | None = None, mixing: Mixing | None = None) -> torch.utils.data.DataLoader:
     """A plain DataLoader for `accelerator.prepare`. Training: `EpochSampler` (reshuffled per epoch from the seed,
     whole global batches only; global_batch unset: batch_size) and batches (images, labels, draws); evaluation keeps
     every image in order, as (images, labels)."""
-    dataset = BatchedTensorDataset(images, labels, seed if train else None, augment, pad)
+    dataset = BatchedTensorDataset(images, labels, seed if train else None, augment, pad, mixing)
     sampler = EpochSampler(dataset, seed, global_batch or batch_size) if train else None
     return torch.utils.data.DataLoader(
         dataset,
@@ -161,8 +210,8 @@ class BatchTransform:
     loader delivers; --no-channels-last gets NCHW at the end. Holds no random state: the draws come with the batch."""
 
     def __init__(self, device: torch.device, channels_last: bool, pad: int = 4, mean: tuple[float, ...] = MEAN,
-                 std: tuple[float, ...] = STD):
-        self.channels_last, self.pad = channels_last, pad
+                 std: tuple[float, ...] = STD, num_classes: int = 10):
+        self.channels_last, self.pad, self.num_classes = channels_last, pad, num_classes
         # (x - mean) / std as one fused x * scale + shift over rows of W pixels x 3 channels: with a
         # per-channel (3,) operand the innermost loop would be 3 long (5x slower on CPU than this).
         std, mean = torch.tensor(std, device=device) * 255, torch.tensor(mean, device=device) * 255
@@ -183,6 +232,25 @@ class BatchTransform:
         scale, shift = self.row_scale_shift[w]
         x = torch.addcmul(shift, rows, scale).view(n, h, w, c).permute(0, 3, 1, 2)  # float, channels-last
         return x if self.channels_last else x.contiguous()
+
+    def train(self, images: torch.Tensor, labels: torch.Tensor, draws: tuple | None = None):
+        """A training batch -> (the model's input, the loss's targets): the labels, or with mixing draws
+        (`mix_draws`) class probabilities (num_classes wide), each image's label and its partner's weighted by the
+        share of the partner in the mixed image. Mixed after the crop, flip and normalisation, as torchvision's
+        MixUp and CutMix mix a batch of augmented tensors."""
+        x = self(images, draws[:2] if draws is not None else None)
+        if draws is None or len(draws) == 2:
+            return x, labels
+        partner, weight, box = draws[2:]
+        n, _, h, w = x.shape
+        rows, cols = torch.arange(h, device=x.device).view(1, h, 1), torch.arange(w, device=x.device).view(1, 1, w)
+        y0, y1, x0, x1 = (box[:, i].view(n, 1, 1) for i in range(4))
+        pasted = (rows >= y0) & (rows < y1) & (cols >= x0) & (cols < x1)  # cutmix: the partner's pixels there
+        share = (weight.view(n, 1, 1) + pasted).unsqueeze(1)  # (n, 1, h, w): 0 own, 1 the partner's, 1 - lambda
+        mixed = torch.lerp(x, x.index_select(0, partner), share)  # weight 0 and 1 give either image exactly
+        own = F.one_hot(labels, self.num_classes).float()
+        partner_share = weight + (box[:, 1] - box[:, 0]) * (box[:, 3] - box[:, 2]) / (h * w)
+        return mixed, torch.lerp(own, own.index_select(0, partner), partner_share.view(n, 1))
 
     def crop_and_flip(self, images: torch.Tensor, draws: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Each image: its crop at the drawn offset of its zero-padded self, mirrored if drawn so.
@@ -233,7 +301,7 @@ def build_loaders(cfg, accelerator, plan):
     batches to the device. The training order and augmentation are keyed by --seed, the epoch and the sample, and
     every epoch is whole optimizer steps of the plan's global batch (utils.launch.BatchPlan). cfg: a script's Config
     (data_dir, cache_dir, train_subset, eval_subset, data_on_device, dataset, image_column, label_column,
-    val_fraction, seed, augment). Your own data: return yours here."""
+    val_fraction, seed, augment, mixup, cutmix, mix_prob). Your own data: return yours here."""
     data = load_data(cfg.data_dir, cfg.cache_dir, accelerator, cfg.image_size, cfg.dataset,
                      (cfg.image_column, cfg.label_column), cfg.val_fraction)
     train_split = take_prefix(data["train"], cfg.train_subset, "--train-subset")
@@ -243,6 +311,7 @@ def build_loaders(cfg, accelerator, plan):
         train_split, eval_split = ([t.to(accelerator.device) for t in split] for split in (train_split, eval_split))
     size = int(train_split[0].shape[-1])
     about = {k: data[k] for k in ("classes", "dataset", "mean", "std")} | {"image_size": size}
+    mixing = Mixing(cfg.mixup, cfg.cutmix, cfg.mix_prob) if cfg.mixup or cfg.cutmix else None
     train = make_loader(*train_split, plan.micro, train=True, seed=cfg.seed, augment=cfg.augment == "standard",
-                        pad=crop_padding(size), global_batch=plan.global_batch)
+                        pad=crop_padding(size), global_batch=plan.global_batch, mixing=mixing)
     return train, make_loader(*eval_split, plan.micro, train=False), about

@@ -42,10 +42,20 @@ class DataConfig(Group):
     eval_subset: int | None = opt(None, "evaluate on the first N test (or held-out) images only")
     augment: str = opt("standard", "standard: random crop (4 px zero padding) + horizontal flip; none",
                        ("standard", "none"))
+    mixup: float = opt(0.0, "mixup: blend each training image with another of its batch, lambda ~ Beta(A, A) (e.g. "
+                       "0.2); drawn per image from the seed, epoch and image, as the crops; 0: off")
+    cutmix: float = opt(0.0, "cutmix: paste a box of another image of the batch, of area 1 - lambda, lambda ~ Beta(A, "
+                        "A) (e.g. 1.0); the labels weighted by the pasted area; with --mixup, each image one or the "
+                        "other; 0: off")
+    mix_prob: float = opt(1.0, "the share of training images that --mixup / --cutmix mix")
     data_on_device: bool = opt(False, "keep both splits on the GPU (uint8, 180 MB): no host-to-device copy per batch")
 
     def validate(self) -> None:
-        check_ranges(self, positive=["train_subset", "eval_subset"], non_negative=[])
+        check_ranges(self, positive=["train_subset", "eval_subset", "mix_prob"], non_negative=["mixup", "cutmix"])
+        if self.mix_prob > 1:
+            raise UserError(f"--mix-prob is a share of the images, at most 1 (got {self.mix_prob:g}).")
+        if (self.mixup or self.cutmix) and self.augment == "none":
+            raise UserError("--mixup and --cutmix mix augmented images: they need --augment standard.")
         if self.image_size is not None and not 8 <= self.image_size <= 512:
             raise UserError(f"--image-size must be between 8 and 512 pixels (got {self.image_size}).")
         check_source(self.data_dir, self.dataset, self.val_fraction)
