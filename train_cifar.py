@@ -227,7 +227,7 @@ def main(cfg: Config) -> dict:
         bar = tqdm(batches, f"epoch {epoch_number}/{cfg.epochs}", len(train_loader), initial=skip,
                    leave=False, disable=None if accelerator.is_local_main_process else True)  # None: off without a tty
         meter = TrainMeter(accelerator.device, plan.micro * plan.processes)
-        for images, labels, *draws in bar:  # draws: each image's crop and flip; none from an (images, labels) loader
+        for images, labels, *draws in bar:  # draws: each image's crop, flip, mixing; none from (images, labels)
             with accelerator.accumulate(model):  # skips the all-reduce on non-final micro-steps
                 inputs, targets = transform.train(images, labels, *draws)  # crop, flip, mix, normalise on the device
                 loss = F.cross_entropy(model(inputs), targets, label_smoothing=cfg.label_smoothing)  # soft if mixed

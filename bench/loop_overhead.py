@@ -3,6 +3,7 @@ accumulate, the LR schedule, logging, the health checks) against a bare PyTorch 
 model, optimizer, augmentation and batch, in one process, alternating runs. Goal: at most 2% slower.
 
     python bench/loop_overhead.py --data-dir ../shared/data/cifar10
+    python bench/loop_overhead.py --data-dir ../shared/data/cifar10 --ema-decay 0.999   # ours also keeps an EMA
 """
 
 from __future__ import annotations
@@ -64,13 +65,14 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--model", default="resnet18_imagenet")
     parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--ema-decay", type=float, default=None, help="ours: also keep an EMA of the weights")
     args = parser.parse_args()
     header("P3 loop overhead: train_cifar.py's loop vs a bare PyTorch loop")
     out = tempfile.mkdtemp(prefix="loop_overhead_")
     n = args.steps * args.batch_size
     cfg = train_cifar.Config(data_dir=args.data_dir, cache_dir=args.cache_dir, output_dir=out, model=args.model,
                              batch_size=args.batch_size, train_subset=n, eval_subset=100, epochs=1,
-                             max_steps=args.steps,
+                             max_steps=args.steps, ema_decay=args.ema_decay,
                              warmup_epochs=1 / args.steps, tracker="none", overwrite=True, log_every=10)
     assert math.ceil(n / args.batch_size) == args.steps
     images, labels = load_data(cfg.data_dir, cfg.cache_dir,
@@ -80,7 +82,7 @@ def main() -> None:
         ours.append(train_cifar.main(cfg)["train_images_per_sec"])
         bare.append(bare_loop(cfg, images[:n], labels[:n]))
     print(f"model {args.model}, batch {args.batch_size}, {args.steps} optimizer steps per run, "
-          f"{torch.get_num_threads()} threads")
+          f"{torch.get_num_threads()} threads, ours with --ema-decay {args.ema_decay}")
     ratio = report("train_cifar.py loop", ours, "bare loop", bare)
     print(f"overhead: {100 * (1 / ratio - 1):+.1f}% time per image")
 
