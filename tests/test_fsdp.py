@@ -125,8 +125,9 @@ def test_fsdp_checkpoints_are_sharded_per_rank_and_a_preempted_job_resumes_on_on
     into one FSDP process, which takes 2 accumulation steps per optimizer step and ends on the 2-rank weights."""
     state = json.loads((fsdp_jobs["fsdp"] / "checkpoints" / "step-00000016" / "trainer_state.json").read_text())
     shards = sorted(name for name in state["files"] if name.endswith(".distcp"))
-    assert len(shards) == 4, state["files"].keys()  # model and optimizer, one file per rank each
-    assert not any(name.endswith("model.safetensors") for name in state["files"])  # no gathered copy in the checkpoint
+    assert len(shards) == 6, state["files"].keys()  # model, optimizer and the EMA, one file per rank each
+    assert sum(name.startswith("ema/") for name in shards) == 2
+    assert not any(name.endswith(".safetensors") for name in state["files"])  # no gathered copy in the checkpoint
     out = tmp_path / "preempted"
     proc = start(job_args(cifar_dir, cache_dir, out), FSDP)
     wait_for_checkpoint(out, proc, 3)

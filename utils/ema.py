@@ -8,20 +8,25 @@ full-weight export and FSDP's gathering then work on it exactly as on the traini
 
 from __future__ import annotations
 
+import json
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+import torch.distributed.checkpoint as dcp
+from accelerate.utils import DistributedType
 from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 
 from utils.checkpoint import export_weights
+from utils.launch import share_bn_statistics
 
-CHECKPOINT_FILE = "ema.safetensors"  # in each checkpoint folder: the full EMA weights (gathered under FSDP2)
+CHECKPOINT_FILE = "ema.safetensors"  # in each checkpoint folder: the whole EMA (DDP, one process)
+SHARDED_FOLDER = "ema"  # under FSDP2 instead: each rank's shards (torch.distributed.checkpoint)
+COUNT_FILE = "ema.json"  # its update count, for the decay's warmup
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -43,6 +48,7 @@ class WeightEMA:
 
     def __init__(self, accelerator, model: torch.nn.Module, optimizer, decay: float):
         self.accelerator, self.model, self.decay, self.updates = accelerator, model, decay, 0
+        self.sharded = accelerator is not None and accelerator.distributed_type == DistributedType.FSDP
         self.shadow = [t.detach().clone() for t in self._live()]
         inner = getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper steps the torch optimizer inside
         inner.register_step_post_hook(lambda *_: self.update())
@@ -84,26 +90,39 @@ class WeightEMA:
             export_weights(self.accelerator, self.model, path)
 
     def save(self, folder: Path) -> None:
-        """Collective: the full EMA into a checkpoint folder (the main process writes it), with its update count."""
-        accelerator = self.accelerator
+        """Collective: the EMA into a checkpoint folder, as the model's own weights are saved there. Under FSDP2 each
+        rank's shards (torch.distributed.checkpoint, `ema/`: resharded on load, at any process count), after rank 0's
+        BatchNorm statistics are shared (the checkpoint keeps one copy of each unsharded tensor, from any rank);
+        otherwise the whole, written by the main process (`ema.safetensors`). The update count goes in ema.json."""
+        accelerator, folder = self.accelerator, Path(folder)
         with self.applied():  # written inside: without FSDP the state dict holds the model's own tensors
-            state = accelerator.get_state_dict(accelerator.unwrap_model(self.model, keep_torch_compile=False))
-            if accelerator.is_main_process:
-                save_file({k: v.contiguous() for k, v in state.items()}, Path(folder) / CHECKPOINT_FILE,
-                          metadata={"updates": str(self.updates)})
+            if self.sharded:
+                share_bn_statistics(accelerator, self.model)
+                dcp.save({"model": get_model_state_dict(self._inner())}, checkpoint_id=folder / SHARDED_FOLDER)
+            else:
+                state = accelerator.get_state_dict(self._inner())
+                if accelerator.is_main_process:
+                    save_file({k: v.contiguous() for k, v in state.items()}, folder / CHECKPOINT_FILE)
+        if accelerator.is_main_process:
+            (folder / COUNT_FILE).write_text(json.dumps({"updates": self.updates}))
 
     def load(self, folder: Path) -> None:
-        """Restores the EMA a checkpoint saved (every rank reads the full file and keeps its part); a checkpoint of a
-        run without --ema-decay has none: the EMA then starts from the resumed weights (one line says so)."""
-        path = Path(folder) / CHECKPOINT_FILE
-        if not path.is_file():
+        """Restores the EMA a checkpoint saved (on any process count); a checkpoint of a run without --ema-decay has
+        none: the EMA then starts from the resumed weights (one line says so)."""
+        folder = Path(folder)
+        if not (folder / COUNT_FILE).is_file():
             self.accelerator.print(f"note: {folder} holds no EMA (saved without --ema-decay); the EMA starts from "
                                    f"its weights")
             self.shadow, self.updates = [t.clone() for t in self._live()], 0
             return
-        with safe_open(path, "pt") as f:
-            self.updates = int(f.metadata()["updates"])
-        state = load_file(path)  # on the host; set_model_state_dict copies each rank's part to its device
-        inner = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        self.updates = json.loads((folder / COUNT_FILE).read_text())["updates"]
         with self.applied():
-            set_model_state_dict(inner, state, options=StateDictOptions(full_state_dict=True))
+            if self.sharded:
+                state = {"model": get_model_state_dict(self._inner())}  # this run's shards, to be filled
+                dcp.load(state, checkpoint_id=folder / SHARDED_FOLDER)
+                set_model_state_dict(self._inner(), state["model"])
+            else:  # on the host, then into the model on its device
+                self._inner().load_state_dict(load_file(folder / CHECKPOINT_FILE))
+
+    def _inner(self) -> torch.nn.Module:
+        return self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
