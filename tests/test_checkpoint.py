@@ -22,6 +22,7 @@ from pathlib import Path
 import conftest
 import psutil
 import pytest
+import torch
 from accelerate.commands.launch import launch_command_parser
 from conftest import (
     CHECKPOINT_JOB,
@@ -39,6 +40,7 @@ from conftest import (
     workers,
     write_cifar_dir,
 )
+from safetensors.torch import load_file
 from test_docs import doc_commands
 
 import compare_runs
@@ -375,6 +377,30 @@ def test_overwrite_deletes_the_earlier_runs_checkpoints_and_starts_fresh(small_r
     assert s["resumed_from"] is None and s["config"]["lr"] == 0.3 and s["global_step"] == 4  # 64 images / 16
     states = [json.loads((p / "trainer_state.json").read_text()) for p in (out / "checkpoints").iterdir()]
     assert states and all(state["config"]["lr"] == 0.3 for state in states)  # none of the earlier run's is left
+
+
+def test_a_run_resumed_with_ema_decay_from_a_checkpoint_without_one_starts_the_ema_from_its_weights(small_run,
+                                                                                                    tmp_path):
+    data, earlier = small_run
+    out = tmp_path / "with_ema"
+    shutil.copytree(earlier, out)
+    result = run_train(["--data-dir", str(data), "--output-dir", str(out), "--model", "resnet18_imagenet",
+                        "--batch-size", "16", "--epochs", "2", "--tracker", "none", "--cache-dir",
+                        str(data.parent / "cache"), "--resume", "auto", "--ema-decay", "0.5"], fork=True,
+                       script=PROBE, env=script_env(PROBE_RECORD_WEIGHTS="fc.weight"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "holds no EMA (saved without --ema-decay); the EMA starts from its weights" in result.stdout
+    s = read_summary(out)
+    assert s["global_step"] == 8 and "eval_ema_top1" in s
+    assert json.loads((out / "checkpoints" / "step-00000008" / "ema.json").read_text()) == {"updates": 4}
+    # the EMA of steps 5-8 (recorded as this life's steps 1-4), from the weights of checkpoint 4, warmed up afresh
+    ema = load_file(earlier / "checkpoints" / "step-00000004" / "model.safetensors")["fc.weight"].double()
+    recorded = load_file(out / "probe-weights-rank0.safetensors")
+    for t in range(1, 5):
+        decay = min(0.5, (1 + t) / (10 + t))
+        ema = decay * ema + (1 - decay) * recorded[f"fc.weight@{t}"].double()
+    torch.testing.assert_close(load_file(out / "model_ema.safetensors")["fc.weight"].double(), ema, rtol=1e-5,
+                               atol=1e-7)
 
 
 def test_no_torch_load_without_weights_only():
