@@ -482,11 +482,12 @@ def test_mixing_draws_follow_torchvisions_mixup_and_cutmix_laws_per_image():
     assert not torch.equal(batches.mix_draws(3, 1, range(128), 32, mixing)[2], box[:128])
 
 
-def test_mixed_pixels_and_soft_targets_are_exact_for_drawn_images():
+@pytest.mark.parametrize("channels_last", [True, False])
+def test_mixed_pixels_and_soft_targets_are_exact_for_drawn_images(channels_last):
     gen = torch.Generator().manual_seed(1)
     images = torch.randint(0, 256, (16, 3, 32, 32), dtype=torch.uint8, generator=gen)
     labels = torch.arange(16) % 10
-    transform = BatchTransform(torch.device("cpu"), channels_last=True, num_classes=10)
+    transform = BatchTransform(torch.device("cpu"), channels_last=channels_last, num_classes=10)
     draws = augment_draws(7, 0, range(16), 4) + batches.mix_draws(7, 0, range(16), 32, batches.Mixing(0.4, 1.0))
     inputs, targets = transform.train(images, labels, draws)
     plain = transform(images, draws[:2]).clone()  # cropped, flipped, normalised, unmixed
@@ -510,6 +511,6 @@ def test_mixed_pixels_and_soft_targets_are_exact_for_drawn_images():
         expected_target[labels[p]] += share
         torch.testing.assert_close(targets[i], expected_target, rtol=0, atol=1e-6)
     assert {"mixup", "cutmix"} <= kinds
-    assert inputs.is_contiguous(memory_format=torch.channels_last)
+    assert inputs.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     unmixed_inputs, unmixed_targets = transform.train(images, labels, draws[:2])  # no mixing: labels as they are
     assert torch.equal(unmixed_inputs, plain) and unmixed_targets is labels

@@ -49,6 +49,7 @@ def test_evaluations_within_the_epoch_are_logged_at_their_steps_and_the_best_ema
     logs = json.loads((reference / "probe-rank0.json").read_text())["logs"]
     for key in ("eval/top1", "eval/ema_top1", "eval/loss", "eval/ema_loss"):
         assert [step for step, values in logs if key in values] == EVALUATED_AT, key
+    assert [values["epoch"] for _, values in logs if "eval/top1" in values] == [1, 1, 1, 2, 2, 2, 2]  # from 1
     ema_top1 = {step: values["eval/ema_top1"] for step, values in logs if "eval/ema_top1" in values}
     s = read_summary(reference)
     best = max(ema_top1.values())

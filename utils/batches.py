@@ -246,8 +246,12 @@ class BatchTransform:
         rows, cols = torch.arange(h, device=x.device).view(1, h, 1), torch.arange(w, device=x.device).view(1, 1, w)
         y0, y1, x0, x1 = (box[:, i].view(n, 1, 1) for i in range(4))
         pasted = (rows >= y0) & (rows < y1) & (cols >= x0) & (cols < x1)  # cutmix: the partner's pixels there
-        share = (weight.view(n, 1, 1) + pasted).unsqueeze(1)  # (n, 1, h, w): 0 own, 1 the partner's, 1 - lambda
-        mixed = torch.lerp(x, x.index_select(0, partner), share)  # weight 0 and 1 give either image exactly
+        nhwc = x.permute(0, 2, 3, 1)  # a view of channels-last memory: index_select keeps that layout
+        theirs = nhwc.index_select(0, partner)
+        blended = torch.lerp(nhwc, theirs, weight.view(n, 1, 1, 1))  # mixup; weight 0 keeps an image exactly
+        mixed = torch.where(pasted.unsqueeze(3), theirs, blended).permute(0, 3, 1, 2)
+        if not self.channels_last:
+            mixed = mixed.contiguous()
         own = F.one_hot(labels, self.num_classes).float()
         partner_share = weight + (box[:, 1] - box[:, 0]) * (box[:, 3] - box[:, 2]) / (h * w)
         return mixed, torch.lerp(own, own.index_select(0, partner), partner_share.view(n, 1))

@@ -114,15 +114,16 @@ class Tracker:
         self.accelerator.print(f"step {step}/{self.total_steps} (epoch {epoch}/{self.epochs})  loss {loss:.4f}  "
                                f"lr {lr:.4g}  {images_per_sec:,.0f} img/s  ETA {hours}h{minutes:02d}m{seconds:02d}s")
 
-    def log_eval(self, step: int, metrics: dict) -> None:
-        """An evaluation's metrics at optimizer step `step`: eval/* (an EMA's as eval/ema_*); with at most
-        MAX_PER_CLASS_KEYS classes also eval/top1_<class> and W&B's confusion-matrix plot (of the model's weights)."""
+    def log_eval(self, step: int, epoch: int, metrics: dict) -> None:
+        """An evaluation's metrics at optimizer step `step` of epoch `epoch` (from 1): eval/* (an EMA's as eval/ema_*);
+        with at most MAX_PER_CLASS_KEYS classes also eval/top1_<class> and W&B's confusion-matrix plot (of the
+        model's weights)."""
         scalars = {f"eval/{k}": v for k, v in metrics.items() if isinstance(v, int | float)}  # numbers only
         classes = list(metrics["class_top1"])
         few = len(classes) <= MAX_PER_CLASS_KEYS
         per_class = {f"eval/top1_{c}": v for c, v in metrics["class_top1"].items()} if few else {}
         plot = wandb_confusion_matrix(metrics["confusion"], classes) if self.wandb_run is not None and few else {}
-        self.log({**scalars, **per_class, **plot}, step=step)
+        self.log({**scalars, **per_class, "epoch": epoch, **plot}, step=step)
 
     def log_epoch(self, epoch: int, step: int, train_loss: float, images: int, seconds: float, metrics: dict) -> None:
         """The end of an epoch (numbered from 1): one console line (with the evaluation's top-1, which log_eval
