@@ -248,8 +248,10 @@ class BatchTransform:
         pasted = (rows >= y0) & (rows < y1) & (cols >= x0) & (cols < x1)  # cutmix: the partner's pixels there
         nhwc = x.permute(0, 2, 3, 1)  # a view of channels-last memory: index_select keeps that layout
         theirs = nhwc.index_select(0, partner)
-        blended = torch.lerp(nhwc, theirs, weight.view(n, 1, 1, 1))  # mixup; weight 0 keeps an image exactly
-        mixed = torch.where(pasted.unsqueeze(3), theirs, blended).permute(0, 3, 1, 2)
+        # each value's share of the partner: 1 - lambda (mixup), 1 inside a cutmix box, else 0; lerp gives either
+        # image exactly at 0 and 1. Spelled out to the full shape: lerp's broadcast (and torch.where's) ran 2x slower.
+        share = (weight.view(n, 1, 1) + pasted).unsqueeze(3).expand(n, h, w, x.shape[1]).contiguous()
+        mixed = torch.lerp(nhwc, theirs, share).permute(0, 3, 1, 2)
         if not self.channels_last:
             mixed = mixed.contiguous()
         own = F.one_hot(labels, self.num_classes).float()
