@@ -200,6 +200,35 @@ def test_preemption_signal_checkpoints_at_the_next_step_and_resume_is_exact(refe
     assert [s[k] for k in EVALUATION_COUNTERS] == [r[k] for k in EVALUATION_COUNTERS]
 
 
+def test_workers_whose_launcher_is_killed_checkpoint_and_exit_and_resume_is_exact(reference, cifar_dir, cache_dir,
+                                                                                   tmp_path):
+    """kill -9 of the launcher's pid alone (torchrun's workers run in sessions of their own, so they outlive it): each
+    worker notices within a second that its parent is gone and takes the preemption path at the next check."""
+    out = tmp_path / "orphaned"
+    proc = start(job_args(cifar_dir, cache_dir, out), TWO_RANKS)
+    wait_for_checkpoint(out, proc, 3)
+    job = workers(proc)
+    assert len(job) == 2
+    killed = time.time()
+    proc.kill()
+    proc.wait()
+    gone, alive = psutil.wait_procs(job, timeout=60)
+    assert not alive, "workers outlived their launcher"
+    assert time.time() - killed < 60
+    printed = proc.stdout.read()  # the workers wrote to the launcher's pipe; all of them have closed it now
+    assert "preempted (the launcher is gone): saved " in printed, printed[-3000:]
+    saved = [p for p in (out / "checkpoints").glob("step-*") if int(p.name[5:]) > 3]
+    assert saved and not (out / "summary.json").exists()
+    from utils import checkpoint as ckpt
+
+    assert ckpt.problem(max(saved)) is None
+    result = run_train(job_args(cifar_dir, cache_dir, out, "--resume", "auto"), launch=TWO_RANKS)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert read_summary(out)["resumed_from"] == str(max(saved))
+    for name in ("model.safetensors", "model_ema.safetensors"):
+        assert_same_state(out / name, reference / name)
+
+
 def test_damaged_newest_checkpoint_and_a_crashed_save_are_skipped_and_resuming_in_epoch_two_is_exact(
         reference, cifar_dir, cache_dir, tmp_path):
     """The newest checkpoint (16) truncated, and a newer `.tmp-step-00000017` (a save that crashed between

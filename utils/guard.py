@@ -11,6 +11,7 @@ import shutil
 import signal
 import socket
 import tempfile
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -42,6 +43,30 @@ def check_memory(images: int, size: int) -> None:
                         f"available; use a smaller --image-size or fewer images.")
 
 
+LAUNCHER_GONE = threading.Event()  # set by watch_launcher(): this worker's launcher died
+LAUNCHER_WATCH_SECONDS = 1.0
+
+
+def watch_launcher() -> None:
+    """Under torchrun (the launcher of `accelerate launch` for several processes) each worker runs in a session of
+    its own, so a kill of the launcher, or of its process group, leaves the workers training with nobody watching.
+    A daemon thread notices that the parent process is gone (this process was reparented) and sets LAUNCHER_GONE;
+    StopGuard then takes the preemption path at its next collective check: a checkpoint, then exit. Started when the
+    process starts (utils.launch.run), so a launcher that dies during the first decode is noticed too. Written by
+    hand: neither torch nor Accelerate watches the parent (PR_SET_PDEATHSIG would fire when the parent's spawning
+    thread ends, not the parent). Under plain `python` the process is in its shell's process group: not watched."""
+    if not os.environ.get("TORCHELASTIC_RUN_ID"):
+        return
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(LAUNCHER_WATCH_SECONDS)
+        LAUNCHER_GONE.set()
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+
+
 class StopGuard:
     """Preemption (SLURM sends SIGTERM, or SIGUSR1 with --signal) and divergence (a nan or inf loss).
 
@@ -71,7 +96,7 @@ class StopGuard:
         return self.preempted
 
     def check(self) -> bool:
-        signalled = torch.tensor(len(self.signals), device=self.accelerator.device)
+        signalled = torch.tensor(len(self.signals) + LAUNCHER_GONE.is_set(), device=self.accelerator.device)
         seen = self.accelerator.gather(torch.stack([self.first_bad_step, signalled]))
         bad, signalled = seen.view(-1, 2).unbind(1)
         if (bad >= 0).any():
@@ -80,7 +105,9 @@ class StopGuard:
         return bool(signalled.any())
 
     def reason(self) -> str:
-        return f"signal {self.signals[0]}" if self.signals else "signal on another rank"
+        if self.signals:
+            return f"signal {self.signals[0]}"
+        return "the launcher is gone" if LAUNCHER_GONE.is_set() else "signal on another rank"
 
     def stop_early(self, progress, patience: int | None) -> bool:
         """--early-stop-patience: True on every rank once `patience` evaluations in a row brought no top-1 gain

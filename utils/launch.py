@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 from utils import UserError, process_count_problem
+from utils.guard import watch_launcher
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -236,6 +237,7 @@ def run(job) -> int:
     process raises it at the same point); 1 when a peer process died or hung (printed by every process that
     saw it). Other exceptions propagate with their traceback."""
     rank = int(os.environ.get("RANK", "0"))
+    watch_launcher()  # a worker whose launcher dies checkpoints and stops (utils.guard)
     try:
         job()
         status = 0
