@@ -5,12 +5,13 @@ comparison are in tests/test_checkpoint.py and tests/test_fsdp.py, on the same j
 from __future__ import annotations
 
 import json
-import time
 
 import torch
+from accelerate import Accelerator
 from conftest import RECORDED_WEIGHTS, read_summary
 from safetensors.torch import load_file
 
+from utils import tracking
 from utils.ema import WeightEMA
 from utils.tracking import TrainMeter
 
@@ -68,7 +69,7 @@ def test_the_ema_follows_each_optimizer_step_and_applied_restores_the_weights_bi
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    ema = WeightEMA(None, model, optimizer, decay=0.5)
+    ema = WeightEMA(Accelerator(cpu=True), model, optimizer, decay=0.5)
 
     def tracked():
         return [t.detach().clone() for t in (*model.parameters(), model[1].running_mean, model[1].running_var)]
@@ -91,8 +92,11 @@ def test_the_ema_follows_each_optimizer_step_and_applied_restores_the_weights_bi
     assert model[1].num_batches_tracked == 3  # the counter is the model's, not averaged
 
 
-def test_time_inside_an_evaluation_within_the_epoch_is_not_training_time():
+def test_time_inside_an_evaluation_within_the_epoch_is_not_training_time(monkeypatch):
+    clock = iter([100.0, 103.0, 110.0, 112.0])  # start, pause begins, pause ends, now
+    monkeypatch.setattr(tracking.time, "time", lambda: next(clock))
     meter = TrainMeter(torch.device("cpu"), images_per_batch=1)
-    with meter.paused():
-        time.sleep(0.5)
-    assert meter.seconds() < 0.25 and time.time() - meter.window_start < 0.25
+    with meter.paused():  # 7 s of evaluation
+        pass
+    assert meter.seconds() == 5.0  # 3 s before the pause and 2 s after it
+    assert meter.window_start == 107.0

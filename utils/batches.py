@@ -242,7 +242,7 @@ class BatchTransform:
         if draws is None or len(draws) == 2:
             return x, labels
         partner, weight, box = draws[2:]
-        n, _, h, w = x.shape
+        n, c, h, w = x.shape
         rows, cols = torch.arange(h, device=x.device).view(1, h, 1), torch.arange(w, device=x.device).view(1, 1, w)
         y0, y1, x0, x1 = (box[:, i].view(n, 1, 1) for i in range(4))
         pasted = (rows >= y0) & (rows < y1) & (cols >= x0) & (cols < x1)  # cutmix: the partner's pixels there
@@ -250,7 +250,7 @@ class BatchTransform:
         theirs = nhwc.index_select(0, partner)
         # each value's share of the partner: 1 - lambda (mixup), 1 inside a cutmix box, else 0; lerp gives either
         # image exactly at 0 and 1. Spelled out to the full shape: lerp's broadcast (and torch.where's) ran 2x slower.
-        share = (weight.view(n, 1, 1) + pasted).unsqueeze(3).expand(n, h, w, x.shape[1]).contiguous()
+        share = (weight.view(n, 1, 1) + pasted).unsqueeze(3).expand(n, h, w, c).contiguous()
         mixed = torch.lerp(nhwc, theirs, share).permute(0, 3, 1, 2)
         if not self.channels_last:
             mixed = mixed.contiguous()

@@ -48,7 +48,7 @@ class WeightEMA:
 
     def __init__(self, accelerator, model: torch.nn.Module, optimizer, decay: float):
         self.accelerator, self.model, self.decay, self.updates = accelerator, model, decay, 0
-        self.sharded = accelerator is not None and accelerator.distributed_type == DistributedType.FSDP
+        self.sharded = accelerator.distributed_type == DistributedType.FSDP
         self.shadow = [t.detach().clone() for t in self._live()]
         inner = getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper steps the torch optimizer inside
         inner.register_step_post_hook(lambda *_: self.update())
@@ -57,9 +57,10 @@ class WeightEMA:
         """The model's tensors the EMA follows, this rank's part of each; fetched at each use (a resume may give
         FSDP2 new local tensors). FSDP2 leaves the root module's parameters gathered after a forward (an
         evaluation): resharding first makes every parameter this rank's shard again."""
-        for module in self.model.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
+        if self.sharded:
+            for module in self.model.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
         buffers = (b for b in self.model.buffers() if b.is_floating_point())
         return [_local(t).detach() for t in (*self.model.parameters(), *buffers)]
 

@@ -95,7 +95,7 @@ class Evaluator:
         if progress.is_best(metrics["ema_top1" if self.ema else "top1"], self.min_delta):
             with self.ema.applied() if self.ema else nullcontext():
                 export_weights(self.accelerator, self.model, self.best_path)
-        self.tracker.log_eval(progress.global_step, progress.epoch + (progress.batches_in_epoch > 0), metrics)
+        self.tracker.log_eval(progress.global_step, progress.epoch_number(), metrics)
         progress.stopped_early = self.guard.stop_early(progress, self.patience)
         self.step, self.last = progress.global_step, metrics
         return metrics

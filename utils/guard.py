@@ -119,7 +119,7 @@ class StopGuard:
             self.accelerator.set_trigger()
         if not self.accelerator.check_trigger():
             return False
-        where = f"in epoch {progress.epoch + 1}" if progress.batches_in_epoch else f"after epoch {progress.epoch}"
+        where = f"{'in' if progress.batches_in_epoch else 'after'} epoch {progress.epoch_number()}"
         self.accelerator.print(f"early stop at step {progress.global_step} ({where}): {progress.evals_without_gain} "
                                f"evaluations in a row without a top-1 gain (best {progress.best_top1:.2f}%)")
         return True

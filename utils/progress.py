@@ -20,6 +20,10 @@ class Progress:
     gain_top1: float = 0.0  # the top-1 of the last evaluation that did (a gain)
     stopped_early: bool = False  # --early-stop-patience ended the run
 
+    def epoch_number(self) -> int:
+        """The epoch (from 1) the run is in, or has just completed at an epoch's end."""
+        return self.epoch + (self.batches_in_epoch > 0)
+
     def took_batch(self) -> None:
         self.batches_in_epoch += 1
 
