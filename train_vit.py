@@ -42,7 +42,7 @@ from utils.config import check_ranges, opt, parse
 from utils.config_groups import CheckpointConfig, DataConfig, EvaluationConfig, HubConfig, LoggingConfig
 from utils.ema import WeightEMA
 from utils.evaluation import Evaluator, evaluate, load_metrics
-from utils.guard import StopGuard, check_output_dir, lock_output_dir
+from utils.guard import MemoryGuard, StopGuard, check_output_dir, lock_output_dir
 from utils.hub import check_can_push, init_weights, push_to_hub
 from utils.launch import (
     check_fsdp_blocks,
@@ -162,6 +162,7 @@ def main(cfg: Config) -> dict:
 
     # --- data: shuffled and augmented by (seed, epoch, sample); Accelerate shards and moves to the device ---
     train_loader, eval_loader, data = build_loaders(cfg, accelerator, plan)  # data: classes, mean, std, size
+    memory = MemoryGuard(accelerator, checkpointer, fsdp is not None, train_loader)  # out of memory: smaller batches
 
     # --- model: same seed on every rank -> same initial weights; blocks checkpointed before FSDP shards them ---
     set_seed(cfg.seed)
@@ -205,7 +206,7 @@ def main(cfg: Config) -> dict:
                    leave=False, disable=None if accelerator.is_local_main_process else True)  # None: off without a tty
         meter = TrainMeter(accelerator.device, plan.micro * plan.processes)
         for images, labels, *draws in bar:  # draws: each image's crop, flip, mixing; none from (images, labels)
-            with accelerator.accumulate(model):  # skips the gradient sync on non-final micro-steps
+            with accelerator.accumulate(model), memory.micro_step():  # no gradient sync on non-final micro-steps
                 inputs, targets = transform.train(images, labels, *draws)  # crop, flip, mix, normalise on the device
                 loss = F.cross_entropy(model(inputs), targets, label_smoothing=cfg.label_smoothing)  # soft if mixed
                 accelerator.backward(loss)  # divides by grad_accum
@@ -213,6 +214,9 @@ def main(cfg: Config) -> dict:
                     meter.grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
                 optimizer.step()  # the prepared optimizer only steps on the final micro-step
                 optimizer.zero_grad(set_to_none=True)
+            if memory.hit:  # out of memory (every rank): half the micro-batch, twice the accumulation, the step again
+                train_loader, plan = memory.shrink(p, optimizer)
+                break
             guard.observe(loss, p.global_step + 1)  # on the device: no sync per step
             meter.add(loss)
             p.took_batch()
@@ -229,6 +233,8 @@ def main(cfg: Config) -> dict:
                 break  # preempted (saved where every rank stopped), or stopped early
         if guard.preempted:
             break
+        if memory.shrunk:  # the epoch goes on at the interrupted step's first micro-batch, the new size
+            continue
         train_loss, epoch_images, epoch_seconds = meter.end_epoch(accelerator)  # syncs
         bar.close()
         p.end_epoch(epoch_images, epoch_seconds, len(train_loader))
@@ -251,7 +257,7 @@ def main(cfg: Config) -> dict:
                    "image_size": data["image_size"], **p.summary(), "train_loss": train_loss,
                    **{f"eval_{k}": v for k, v in metrics.items()}, "peak_memory_gb": peak_memory_gb(accelerator.device),
                    "last_checkpoint": str(checkpointer.last), "resumed_from": str(resume_from) if resume_from else None,
-                   "wall_seconds": time.time() - started, "config": asdict(cfg)}
+                   "wall_seconds": time.time() - started, "batch_plan": asdict(plan), "config": asdict(cfg)}
         tracker.finish(summary)  # summary.json, and the W&B run's summary
         push_to_hub(cfg.push_to_hub, accelerator, cfg.output_dir, summary)  # --push-to-hub: with a model card
     accelerator.wait_for_everyone()

@@ -40,6 +40,9 @@ With PROBE_SAVE_INIT=1 the model's state as the script built it, before prepare(
 With PROBE_ACCELERATOR_CPU=0 it builds the script's Accelerator with cpu=False, the classic mistake that
 leaves N launched CPU processes training alone (used to test the script's world-size guard).
 With PROBE_NAN_AT_FORWARD=K the loss of the K-th training forward on every rank is NaN (a diverging run).
+With PROBE_OOM_ABOVE=N a training forward of more than N images raises torch.OutOfMemoryError on every rank before
+the model computes anything, as a GPU does when a micro-batch does not fit; with PROBE_OOM_AT_FORWARD=K the K-th
+training forward (counting those that raised) does.
 """
 
 from __future__ import annotations
@@ -131,6 +134,11 @@ def prepare(self, *objects, **kwargs):
         record_weights(0)
 
     def count_forward(module, args):
+        if module.training:
+            forwards["tried"] = forwards.get("tried", 0) + 1
+            if len(args[0]) > int(os.environ.get("PROBE_OOM_ABOVE", sys.maxsize)) or \
+                    forwards["tried"] == int(os.environ.get("PROBE_OOM_AT_FORWARD", 0)):
+                raise torch.OutOfMemoryError(f"probe: {len(args[0])} images do not fit")
         if module.training:
             forwards["train"] += 1
             forwards["poison"] = forwards["train"] == int(os.environ.get("PROBE_NAN_AT_FORWARD", "0"))

@@ -111,6 +111,20 @@ def test_ema_decay_outside_0_to_1_and_a_zero_evaluation_interval(tmp_path, small
     _fails_cleanly(tmp_path, ["--data-dir", str(small_data), *flags], message)
 
 
+def test_zero_decode_workers(tmp_path, small_data):
+    _fails_cleanly(tmp_path, ["--data-dir", str(small_data), "--decode-workers", "0"],
+                   "--decode-workers must be positive (got 0).")
+
+
+def test_a_decode_cache_that_does_not_fit_its_disk_stops_before_decoding_and_leaves_no_file(tmp_path, small_data):
+    """80 images at 128 x 128 need 3.75 MiB; the cache folder is a 1 MiB filesystem."""
+    with small_tmpfs(tmp_path / "cache", "1m") as disk:  # the folder _fails_cleanly passes as --cache-dir
+        _fails_cleanly(tmp_path, ["--data-dir", str(small_data), "--image-size", "128"],
+                       f"the decoded images need 3.8 MiB in {disk}, which has 1.0 MiB free (No space left on "
+                       f"device); free some space, or pass --cache-dir on a larger disk (or a smaller --image-size).")
+        assert list(disk.iterdir()) == []  # nor a temporary file
+
+
 @pytest.mark.parametrize("size", ["4", "1000"])
 def test_image_size_outside_8_to_512(tmp_path, small_data, size):
     _fails_cleanly(tmp_path, ["--data-dir", str(small_data), "--image-size", size],

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 from accelerate import Accelerator
-from conftest import CPU_YAML, PROBE, cpu_bf16_native_here, read_summary, run_train, script_env
+from conftest import CPU_YAML, FSDP_CPU_YAML, PROBE, cpu_bf16_native_here, read_summary, run_train, script_env
 from safetensors.torch import load_file
 
 import train_cifar
@@ -262,6 +262,89 @@ def test_accumulation_all_reduces_only_on_the_final_micro_step(ddp_jobs):
     assert len(final) == accum.summary["global_step"]
     plain = ddp_jobs["two_ranks"]
     assert sorted(set(plain.probes[0]["allreduce_at"])) == list(range(1, plain.summary["global_step"] + 1))
+
+
+def test_an_out_of_memory_error_halves_the_micro_batch_and_the_run_ends_bitwise_as_if_started_there(cifar_dir,
+                                                                                                   cache_dir, tmp_path):
+    """--batch-size 32 where a forward of more than 8 images raises torch.OutOfMemoryError on both ranks (the probe's
+    PROBE_OOM_ABOVE, before the model computes anything): 32 -> 16 -> 8 at step 1, accumulation 1 -> 2 -> 4, the same
+    global batch of 64, so the run's weights equal, bit for bit, those of a run started with --batch-size 8. Resumed
+    from its step-2 checkpoint with --batch-size 32 again (and no error), it keeps the micro-batch of 8 and still
+    ends bitwise equal."""
+    flags = ["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), *COMMON, "--global-batch-size", "64"]
+    shrunk, started = tmp_path / "shrunk", tmp_path / "started-at-8"
+    result = run_train([*flags, "--batch-size", "32", "--output-dir", str(shrunk), "--checkpoint-every-steps", "2",
+                        "--keep-last", "9"], launch=TWO_RANKS, script=PROBE, env=script_env(PROBE_OOM_ABOVE="8"))
+    assert result.returncode == 0, result.stderr[-4000:]
+    said = [line for line in result.stdout.splitlines() if line.startswith("out of memory")]
+    assert said == [f"out of memory in training step 1 at a micro-batch of {m}: redoing it with {m // 2} x 2 processes "
+                    f"x {64 // m} accumulation, the same global batch of 64" for m in (32, 16)], result.stdout[-3000:]
+    result = run_train([*flags, "--batch-size", "8", "--output-dir", str(started)], launch=TWO_RANKS, script=PROBE)
+    assert result.returncode == 0, result.stderr[-4000:]
+    a, b = Run(shrunk), Run(started)
+    assert a.summary["batch_plan"] == {"micro": 8, "processes": 2, "accumulation": 4, "halvings": 2}
+    assert b.summary["batch_plan"] == {"micro": 8, "processes": 2, "accumulation": 4, "halvings": 0}
+    assert a.summary["global_step"] == b.summary["global_step"] == 6
+    for rank in (0, 1):  # what the loaders of 32 and 16 fetched (a batch ahead), then the same micro-batches
+        first, *rest = a.train_epochs(rank)
+        assert [len(batch) for batch in first[:4]] == [32, 32, 16, 16] and [first[4:], *rest] == b.train_epochs(rank)
+    pa, pb = a.parameters(), b.parameters()
+    assert [n for n in pa if not torch.equal(pa[n], pb[n])] == []
+
+    resumed = tmp_path / "resumed"
+    result = run_train([*flags, "--batch-size", "32", "--output-dir", str(resumed), "--resume",
+                        str(shrunk / "checkpoints" / "step-00000002")], launch=TWO_RANKS)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "keeping the checkpoint's micro-batch of 8 (--batch-size 32 ran out of memory)" in result.stdout
+    summary = read_summary(resumed)
+    assert summary["batch_plan"] == {"micro": 8, "processes": 2, "accumulation": 4, "halvings": 2}
+    weights = load_file(resumed / "model.safetensors")
+    assert [n for n in pa if not torch.equal(weights[n], pb[n])] == []
+
+
+def test_an_out_of_memory_error_in_the_middle_of_a_step_redoes_the_step_from_its_start(cifar_dir, cache_dir, tmp_path):
+    """One process, 16 x 2 accumulation, 6 steps an epoch: the 14th training forward (step 7's second micro-step,
+    after the first one's gradients were accumulated) runs out of memory. The step is redone from its start at 8 x 4:
+    its parameters equal, bit for bit, those of a run that trained epoch 1 at 16 x 2 and was resumed from its
+    epoch-end checkpoint with --batch-size 8 (BatchNorm's running statistics differ: the first micro-step of the
+    interrupted step ran, in training mode, before the error)."""
+    flags = ["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), *COMMON, "--global-batch-size", "32"]
+    redone, first, resumed = tmp_path / "redone", tmp_path / "first", tmp_path / "resumed"
+    result = run_train([*flags, "--batch-size", "16", "--output-dir", str(redone)], script=PROBE,
+                       env=script_env(PROBE_OOM_AT_FORWARD="14"))
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert ("out of memory in training step 7 at a micro-batch of 16: redoing it with 8 x 1 processes x 4 "
+            "accumulation, the same global batch of 32") in result.stdout
+    for args in (["--batch-size", "16", "--output-dir", str(first)],
+                 ["--batch-size", "8", "--output-dir", str(resumed), "--resume",
+                  str(first / "checkpoints" / "step-00000006")]):
+        result = run_train([*flags, *args])
+        assert result.returncode == 0, result.stderr[-4000:]
+    assert read_summary(redone)["global_step"] == read_summary(resumed)["global_step"] == 12
+    a, b = load_file(redone / "model.safetensors"), load_file(resumed / "model.safetensors")
+    differ = [n for n in a if not torch.equal(a[n], b[n])]
+    assert [n for n in differ if "running" not in n and "batches_tracked" not in n] == [], differ
+
+
+@pytest.mark.parametrize(("launch", "flags", "message"), [
+    (["--config_file", str(FSDP_CPU_YAML)], ["--batch-size", "16", "--global-batch-size", "64"],
+     "out of memory in training step 1 at a micro-batch of 16; under FSDP2 the step cannot be redone (an error inside "
+     "its forward or backward leaves its parameters in an unknown state): launch again with --batch-size 8 "
+     "--global-batch-size 64 (the same optimizer steps; --resume auto continues from the last checkpoint)."),
+    (None, ["--batch-size", "6", "--global-batch-size", "12"],
+     "out of memory in training step 1 at a micro-batch of 3, which cannot be halved: use a smaller --batch-size (the "
+     "global batch stays with --global-batch-size 12) or a smaller model or image size."),
+])
+def test_an_out_of_memory_error_that_cannot_be_halved_away_stops_with_one_line(cifar_dir, cache_dir, tmp_path, launch,
+                                                                              flags, message):
+    """Under FSDP2 (2 ranks: the redo is not safe there) and at an odd micro-batch (1 process: 6 -> 3, and 3 still
+    does not fit)."""
+    result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), *COMMON, *flags, "--output-dir",
+                        str(tmp_path / "out")], launch=launch, script=PROBE, env=script_env(PROBE_OOM_ABOVE="2"))
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == (1 if launch else 2) and errors == [f"error: {message}"], result.stderr[-3000:]
+    assert "Traceback" not in "\n".join(line for line in result.stderr.splitlines() if launch is None or "[rank" in
+                                        line), result.stderr[-3000:]
 
 
 # 8 (and 5). Learning rate ----------------------------------------------------------------------------

@@ -307,9 +307,9 @@ def build_loaders(cfg, accelerator, plan):
     batches to the device. The training order and augmentation are keyed by --seed, the epoch and the sample, and
     every epoch is whole optimizer steps of the plan's global batch (utils.launch.BatchPlan). cfg: a script's Config
     (data_dir, cache_dir, train_subset, eval_subset, data_on_device, dataset, image_column, label_column,
-    val_fraction, seed, augment, mixup, cutmix, mix_prob). Your own data: return yours here."""
+    val_fraction, decode_workers, seed, augment, mixup, cutmix, mix_prob). Your own data: return yours here."""
     data = load_data(cfg.data_dir, cfg.cache_dir, accelerator, cfg.image_size, cfg.dataset,
-                     (cfg.image_column, cfg.label_column), cfg.val_fraction)
+                     (cfg.image_column, cfg.label_column), cfg.val_fraction, cfg.decode_workers)
     train_split = take_prefix(data["train"], cfg.train_subset, "--train-subset")
     eval_split = take_prefix(data["test"], cfg.eval_subset, "--eval-subset")
     check_one_batch(train_split[1], plan.micro, accelerator.num_processes, plan.accumulation)

@@ -36,6 +36,8 @@ class DataConfig(Group):
                                      "shuffle); unset: the test (or validation) split, else 0.1 held out")
     cache_dir: str | None = opt(None, "decoded-tensor cache; unset: <data-dir>/.decoded if writable, else "
                                 "~/.cache/accelerate-cifar")
+    decode_workers: int | None = opt(None, "processes that decode the source into the cache (the first run on a "
+                                     "machine); unset: one per core")
     image_size: int | None = opt(None, "resize every image to S x S (8-512), as decoded once; unset: the images' "
                                  "own size, which they must then all share")
     train_subset: int | None = opt(None, "train on the first N training images only")
@@ -51,7 +53,8 @@ class DataConfig(Group):
     data_on_device: bool = opt(False, "keep both splits on the GPU (uint8, 180 MB): no host-to-device copy per batch")
 
     def validate(self) -> None:
-        check_ranges(self, positive=["train_subset", "eval_subset", "mix_prob"], non_negative=["mixup", "cutmix"])
+        check_ranges(self, positive=["train_subset", "eval_subset", "mix_prob", "decode_workers"],
+                     non_negative=["mixup", "cutmix"])
         if self.mix_prob > 1:
             raise UserError(f"--mix-prob is a share of the images, at most 1 (got {self.mix_prob:g}).")
         if (self.mixup or self.cutmix) and self.augment == "none":

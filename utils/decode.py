@@ -14,6 +14,7 @@ import errno
 import hashlib
 import io
 import json
+import multiprocessing
 import os
 import shutil
 import tempfile
@@ -24,7 +25,6 @@ import numpy as np
 import torch
 
 from utils import UserError, first_line
-from utils.guard import check_memory
 from utils.launch import gather_errors
 
 HUB_DATASET = "uoft-cs/cifar10"  # --dataset's default
@@ -32,7 +32,8 @@ SPLITS = ("train", "test")  # the loaded data's keys: "test" is the evaluation s
 EVAL_SPLITS = ("test", "validation")  # the source's evaluation split: the first of these it has
 VAL_FRACTION = 0.1  # held out of train for evaluation when the source has no evaluation split
 CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
-CACHE_FORMAT = 5  # bump when the cached tensors change meaning (4: class names, mean and std; 5: held-out splits)
+CACHE_FORMAT = 6  # bump when the cache file changes (4: class names, mean and std; 5: held-out splits; 6: mean and
+# std as tensors, labels first: decoded into through a memory map)
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
 IMAGE_COLUMNS, LABEL_COLUMNS = ("img", "image"), ("label", "labels", "fine_label")
 
@@ -149,19 +150,31 @@ def decode_split(ds, split: str, size: int | None = None, columns: tuple[str | N
     label column of plain integers) from a datasets.Dataset with an image column (`img` or `image`) and a label
     column (`label`, `labels` or `fine_label`): a ClassLabel (the Hub's, an image folder's) or integers. columns:
     (image column, label column) instead of those names. Every image is converted to RGB and resized to S x S (size;
-    None: the split's own size, which all its images must share)."""
+    None: the split's own size, which all its images must share). In memory, one process (load_data decodes into
+    the cache file, in parallel)."""
     rows = _rows(ds, split, columns)
-    return _decode(rows, split, size or common_size({split: rows})), rows.labels, rows.names
+    size = size or common_size({split: rows})
+    images = np.empty((len(rows), size, size, 3), dtype=np.uint8)
+    _decode_rows(rows, size, images, 0, len(rows))
+    return torch.from_numpy(images).permute(0, 3, 1, 2), rows.labels, rows.names
 
 
 class _Rows:
-    """A split's undecoded images (each a parquet row's bytes or an image folder's path), labels and class names."""
+    """A split's undecoded images (each a parquet row's bytes or an image folder's path), labels and class names;
+    `numbers`: each row's number in the source split, for messages."""
 
-    def __init__(self, sources: list, labels: np.ndarray, names: tuple[str, ...] | None):
-        self.sources, self.labels, self.names = sources, torch.from_numpy(labels.astype(np.int64)), names
+    def __init__(self, sources: list, labels: torch.Tensor, names: tuple[str, ...] | None, split: str,
+                 numbers: torch.Tensor | None = None):
+        self.sources, self.labels, self.names, self.split = sources, labels, names, split
+        self.numbers = numbers if numbers is not None else torch.arange(len(sources))
 
     def __len__(self) -> int:
         return len(self.sources)
+
+    def take(self, order: torch.Tensor) -> _Rows:
+        """These rows in `order` (indices): shuffles and held-out parts are chosen before decoding, as orders."""
+        return _Rows([self.sources[i] for i in order.tolist()], self.labels[order], self.names, self.split,
+                     self.numbers[order])
 
 
 def _rows(ds, split: str, columns: tuple[str | None, str | None]) -> _Rows:
@@ -177,37 +190,38 @@ def _rows(ds, split: str, columns: tuple[str | None, str | None]) -> _Rows:
     if names is None and not (hasattr(feature, "dtype") and feature.dtype.startswith(("int", "uint"))):
         raise UserError(f"the {split} split's label column {label_col!r} is {feature}, neither class names (a "
                         f"ClassLabel) nor integers.")
-    # Undecoded: we decode straight into one preallocated array instead of one PIL object per row. A parquet row
-    # holds the image's bytes; an image folder's row holds its path.
+    # Undecoded: we decode straight into the cache file instead of one PIL object per row. A parquet row holds the
+    # image's bytes; an image folder's row holds its path.
     table = ds.cast_column(image_col, ImageFeature(decode=False)).with_format("arrow")[:]
     column = table.column(image_col).combine_chunks()
     sources = [blob if blob is not None else path for blob, path in
                zip(column.field("bytes").to_pylist(), column.field("path").to_pylist())]
-    return _Rows(sources, table.column(label_col).to_numpy(zero_copy_only=False), names)
+    labels = torch.from_numpy(table.column(label_col).to_numpy(zero_copy_only=False).astype(np.int64))
+    return _Rows(sources, labels, names, split)
 
 
-def _open(source, split: str, i: int):
+def _open(source, split: str, where: str):
     """The PIL image of a row (lazy: only its header is read until the pixels are asked for); one line if broken."""
     from PIL import Image, UnidentifiedImageError
 
     try:
         return Image.open(io.BytesIO(source) if isinstance(source, bytes) else source)
     except (UnidentifiedImageError, OSError, TypeError) as e:
-        raise UserError(f"the {split} split has an undecodable image at {_where(source, i)} ({first_line(e)}).") \
-            from None
+        raise UserError(f"the {split} split has an undecodable image at {where} ({first_line(e)}).") from None
 
 
-def _where(source, i: int) -> str:
-    return f"row {i}" if isinstance(source, bytes) else str(source)
+def _where(rows: _Rows, i: int) -> str:
+    source = rows.sources[i]
+    return f"row {int(rows.numbers[i])}" if isinstance(source, bytes) else str(source)
 
 
 def common_size(splits: dict[str, _Rows]) -> int:
     """The one square size all images share (read from their headers); else one line asking for --image-size."""
     sizes = {}
-    for split, rows in splits.items():
+    for rows in splits.values():
         for i, source in enumerate(rows.sources):
-            with _open(source, split, i) as im:
-                sizes.setdefault(im.size, (split, _where(source, i)))
+            with _open(source, rows.split, _where(rows, i)) as im:
+                sizes.setdefault(im.size, (rows.split, _where(rows, i)))
             if len(sizes) > 1:
                 break
     (w, h), first = next(iter(sizes.items()))
@@ -218,21 +232,59 @@ def common_size(splits: dict[str, _Rows]) -> int:
     return w
 
 
-def _decode(rows: _Rows, split: str, size: int) -> torch.Tensor:
+def _decode_rows(rows: _Rows, size: int, out: np.ndarray, start: int, stop: int) -> None:
+    """Decodes rows start..stop-1 into out[start:stop] ((N, S, S, 3) uint8: a memory map of the cache file)."""
     from PIL import Image
 
-    images = np.empty((len(rows), size, size, 3), dtype=np.uint8)
-    for i, source in enumerate(rows.sources):
+    for i in range(start, stop):
         try:
-            with _open(source, split, i) as im:
+            with _open(rows.sources[i], rows.split, _where(rows, i)) as im:
                 im = im.convert("RGB")  # grayscale repeated into 3 channels, RGBA's alpha dropped, palettes expanded
                 if im.size != (size, size):
                     im = im.resize((size, size), Image.Resampling.BICUBIC)
-                images[i] = np.asarray(im)
+                out[i] = np.asarray(im)
         except OSError as e:  # a header that reads but pixels that do not (a truncated file)
-            raise UserError(f"the {split} split has an undecodable image at {_where(source, i)} "
+            raise UserError(f"the {rows.split} split has an undecodable image at {_where(rows, i)} "
                             f"({first_line(e)}).") from None
-    return torch.from_numpy(images).permute(0, 3, 1, 2)
+
+
+DECODE_CHUNK = 512  # rows a decode worker takes at a time
+_JOB = None  # (rows, outputs, size) of the running parallel decode: forked workers inherit it, nothing is pickled
+
+
+def _decode_chunk(role: str, start: int, stop: int) -> None:
+    rows, outputs, size = _JOB
+    _decode_rows(rows[role], size, outputs[role], start, stop)
+
+
+def decode_all(rows: dict[str, _Rows], outputs: dict[str, np.ndarray], size: int, workers: int) -> None:
+    """Decodes every split's rows into its output array, with `workers` processes. The workers are forked (as
+    PyTorch's DataLoader workers are): they inherit the rows and the outputs, memory maps of the cache file that they
+    write into, so no image crosses a pipe. Each row is decoded alone: the result is the same bit for bit for any
+    number of workers. An undecodable image stops the decode with the first bad row's line, as one worker would.
+    Written with concurrent.futures: datasets' map(num_proc=...) would write every decoded image to an Arrow cache
+    first, a second copy on disk."""
+    global _JOB
+    chunks = [(role, a, min(a + DECODE_CHUNK, len(r))) for role, r in rows.items() for a in range(0, len(r),
+                                                                                                 DECODE_CHUNK)]
+    if workers <= 1 or len(chunks) <= 1:
+        for role, start, stop in chunks:
+            _decode_rows(rows[role], size, outputs[role], start, stop)
+        return
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    _JOB = rows, outputs, size
+    pool = ProcessPoolExecutor(min(workers, len(chunks)), mp_context=multiprocessing.get_context("fork"))
+    try:
+        for future in [pool.submit(_decode_chunk, *chunk) for chunk in chunks]:
+            future.result()  # in row order
+    except BrokenProcessPool:
+        raise UserError(f"a decode worker died (killed, or out of memory) while decoding with --decode-workers "
+                        f"{workers}; try fewer workers.") from None
+    finally:
+        pool.shutdown(cancel_futures=True)
+        _JOB = None
 
 
 def channel_stats(images: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -250,10 +302,11 @@ def channel_stats(images: torch.Tensor) -> tuple[tuple[float, ...], tuple[float,
     return tuple((mean / 255).tolist()), tuple((std / 255).tolist())
 
 
-def _classes(decoded: dict[str, tuple], eval_name: str) -> tuple[str, ...]:
+def _classes(rows: dict[str, _Rows], eval_name: str) -> tuple[str, ...]:
     """The class names both splits share: the ClassLabel's, or "0".."C-1" for integer labels, which must then be
-    exactly 0..C-1 in the training split (C: how many distinct labels it has). Every label must name a class."""
-    names = {split: found for split, (_, _, found) in decoded.items()}
+    exactly 0..C-1 in the training split (C: how many distinct labels it has). Every label must name a class.
+    Checked before decoding."""
+    names = {role: r.names for role, r in rows.items()}
     if names["train"] != names["test"]:
         described = {s: ", ".join(n[:12]) + (", ..." if len(n) > 12 else "") if n else "integers" for s, n in
                      names.items()}
@@ -261,22 +314,21 @@ def _classes(decoded: dict[str, tuple], eval_name: str) -> tuple[str, ...]:
                         f"{eval_name}: {described['test']}).")
     classes = names["train"]
     if classes is None:
-        count = len(torch.unique(decoded["train"][1]))
+        count = len(torch.unique(rows["train"].labels))
         classes = tuple(str(k) for k in range(count))
-    for split, (_, labels, _) in decoded.items():
-        bad = torch.nonzero((labels < 0) | (labels >= len(classes))).flatten()
+    for r in rows.values():
+        bad = torch.nonzero((r.labels < 0) | (r.labels >= len(classes))).flatten()
         if len(bad):
-            row = int(bad[0])
             why = (f"labels must be 0-{len(classes) - 1}" if names["train"] else
                    f"a label column without class names must hold the integers 0..C-1, and the training split has "
                    f"{len(classes)} distinct labels")
-            raise UserError(f"the {split} split has label {int(labels[row])} at row {row} ({len(bad)} rows in all); "
-                            f"{why}.")
+            raise UserError(f"the {r.split} split has label {int(r.labels[bad[0]])} at row {int(r.numbers[bad[0]])} "
+                            f"({len(bad)} rows in all); {why}.")
     return classes
 
 
 # ----------------------------------------------------------------------------------------------------
-# Cache
+# Cache: one safetensors file, decoded into through a memory map and read through one
 # ----------------------------------------------------------------------------------------------------
 def _fingerprint(paths: list[str | Path], settings: dict) -> str:
     """Changes when any source file is replaced, grown or touched, or the decoding settings change; cheap (no hashing
@@ -303,35 +355,85 @@ def default_cache_dir(data_dir: str | None) -> Path:
 
 
 def _read_cache(path: Path) -> dict | None:
+    """The cached splits as tensors backed by a memory map of the file (safetensors' safe_open maps it for PyTorch):
+    a machine's processes share its pages through the page cache, and a dataset larger than memory is read from
+    disk as the batches ask for it."""
     from safetensors import safe_open
 
     try:
-        with safe_open(path, framework="pt") as f:  # images stored as (N, 32, 32, 3): contiguous tensors only
-            t = {k: f.get_tensor(k) for k in f.keys()}
-            about = {k: tuple(json.loads(v)) for k, v in f.metadata().items() if k in ("classes", "mean", "std")}
-        return {**{s: (t[f"{s}_images"].permute(0, 3, 1, 2), t[f"{s}_labels"]) for s in SPLITS}, **about}
+        with safe_open(path, framework="pt") as f:
+            t, about = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+        return {**{s: (t[f"{s}_images"].permute(0, 3, 1, 2), t[f"{s}_labels"]) for s in SPLITS},
+                "classes": tuple(json.loads(about["classes"])), "mean": tuple(t["mean"].tolist()),
+                "std": tuple(t["std"].tolist())}
     except Exception as e:  # a truncated or foreign file: decode again rather than fail
         warnings.warn(f"ignoring unreadable cache {path} ({first_line(e)}); decoding the source again")
         return None
 
 
-def _write_cache(path: Path, data: dict) -> None:
-    from safetensors.torch import save_file
+def _layout(counts: dict[str, int], size: int, classes: tuple[str, ...]) -> tuple[bytes, dict, int]:
+    """The cache file's safetensors header and where each tensor lies: (header bytes, {name: (numpy dtype, shape,
+    first byte in the file)}, file size). Labels, mean and std (8-byte values) first, then the images as (N, S, S, 3)
+    uint8, so every tensor is aligned. Written by hand because safetensors' writers need the tensors in memory, and
+    these are decoded straight into the file."""
+    specs = [*((f"{s}_labels", np.int64, "I64", (counts[s],)) for s in SPLITS), ("mean", np.float64, "F64", (3,)),
+             ("std", np.float64, "F64", (3,)), *((f"{s}_images", np.uint8, "U8", (counts[s], size, size, 3))
+                                                  for s in SPLITS)]
+    header, places, offset = {"__metadata__": {"classes": json.dumps(list(classes))}}, {}, 0
+    for name, dtype, code, shape in specs:
+        end = offset + int(np.prod(shape)) * np.dtype(dtype).itemsize
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, end]}
+        places[name], offset = (dtype, shape, offset), end
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)  # safetensors pads its header with spaces to 8 bytes
+    start = 8 + len(text)
+    return len(text).to_bytes(8, "little") + text, {k: (d, sh, start + o) for k, (d, sh, o) in places.items()}, \
+        start + offset
 
-    if not _writable_dir(path.parent):
-        warnings.warn(f"cache folder {path.parent} is not writable; the next run will decode again")
-        return
-    tensors = {f"{s}_{kind}": t for s, (images, labels) in ((s, data[s]) for s in SPLITS)
-               for kind, t in (("images", images.permute(0, 2, 3, 1).contiguous()), ("labels", labels))}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    os.close(fd)
+
+def _decode_into_cache(path: Path, rows: dict[str, _Rows], size: int, classes, workers: int, log) -> dict:
+    """Decodes the rows into a new cache file at `path` through a memory map (no copy of the images in this
+    process's memory, so a dataset larger than memory decodes), then reads it back as _read_cache does. The file is
+    complete before it is renamed into place: a reader sees the old file or the whole new one. Where the cache folder
+    cannot be written, the same is done in a temporary file that is deleted once mapped (the next run decodes
+    again)."""
+    header, places, total = _layout({role: len(r) for role, r in rows.items()}, size, classes)
+    keep = _writable_dir(path.parent)
+    if not keep:
+        warnings.warn(f"cache folder {path.parent} is not writable; decoding into a temporary file in "
+                      f"{tempfile.gettempdir()}, and the next run will decode again")
+    folder = path.parent if keep else Path(tempfile.gettempdir())
+    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
     try:
-        save_file(tensors, tmp, metadata={k: json.dumps(list(data[k])) for k in ("classes", "mean", "std")})
-        umask = os.umask(0)  # mkstemp made the file private (0600); give it the mode any new file gets (shared data
-        os.umask(umask)  # folders on clusters: other users must read it too)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)  # atomic: a reader sees the old file or the complete new one, never a half
+        try:  # the blocks, reserved now: a full disk stops here, not with SIGBUS in the middle of a write to the map
+            os.posix_fallocate(fd, 0, total)
+        except OSError as e:
+            raise UserError(f"the decoded images need {total / 2**20:,.1f} MiB in {folder}, which has "
+                            f"{shutil.disk_usage(folder).free / 2**20:,.1f} MiB free ({os.strerror(e.errno)}); free "
+                            f"some space, or pass --cache-dir on a larger disk (or a smaller --image-size).") from None
+        os.pwrite(fd, header, 0)
+        mapped = np.memmap(tmp, dtype=np.uint8, mode="r+", shape=(total,))
+        views = {name: mapped[at:at + int(np.prod(shape)) * np.dtype(dtype).itemsize].view(dtype).reshape(shape)
+                 for name, (dtype, shape, at) in places.items()}
+        for role, r in rows.items():
+            views[f"{role}_labels"][:] = r.labels.numpy()
+        log(f"decoding {sum(map(len, rows.values())):,} images with {workers} process{'es' * (workers > 1)} "
+            f"(--decode-workers)")
+        decode_all(rows, {role: views[f"{role}_images"] for role in rows}, size, workers)
+        views["mean"][:], views["std"][:] = channel_stats(torch.from_numpy(views["train_images"]).permute(0, 3, 1, 2))
+        mapped.flush()
+        del mapped, views  # unmapped: what follows reads the file as any later run does
+        if keep:
+            umask = os.umask(0)  # mkstemp made the file private (0600); give it the mode any new file gets (shared
+            os.umask(umask)  # data folders on clusters: other users must read it too)
+            os.fchmod(fd, 0o666 & ~umask)
+            os.replace(tmp, path)
+        data = _read_cache(Path(path if keep else tmp))
+        if data is None:
+            raise UserError(f"the cache file just written at {path if keep else tmp} cannot be read back.")
+        return data
     finally:
+        os.close(fd)
         if os.path.exists(tmp):
             os.remove(tmp)
 
@@ -341,15 +443,17 @@ def _write_cache(path: Path, data: dict) -> None:
 # ----------------------------------------------------------------------------------------------------
 def load_data(data_dir: str | None, cache_dir: str | None, accelerator=None, image_size: int | None = None,
               dataset: str | None = None, columns: tuple[str | None, str | None] = (None, None),
-              val_fraction: float | None = None) -> dict:
+              val_fraction: float | None = None, decode_workers: int | None = None) -> dict:
     """{'train': (images, labels), 'test': (images, labels)} on the CPU ('test': the evaluation split), with 'classes'
     (the class names, label k names classes[k]), 'mean' and 'std' (per channel, of the training images, in [0, 1])
-    and 'dataset' (where it came from, the fingerprint of its files, which split is evaluated on).
+    and 'dataset' (where it came from, the fingerprint of its files, which split is evaluated on). The images are
+    (N, 3, S, S) uint8 views of a memory map of the cache file (channels-last in memory): no process holds a copy.
 
     The source: data_dir (parquet files or an image folder), else the Hub dataset `dataset` (default HUB_DATASET).
     image_size: resize every image to that square size; None: the images' own size, which they must all share.
     columns: the (image, label) column names; None: found by name. val_fraction: evaluate on that fraction of the
     training images, held out (hold_out); None: the source's test (or validation) split, else VAL_FRACTION held out.
+    decode_workers: processes that decode (the first run); None: one per core this process may run on.
 
     The local main process of each machine downloads (the Hub), decodes and writes the cache while the others wait,
     then they read it. An input error found there is raised on every process, so all exit with its message
@@ -358,18 +462,21 @@ def load_data(data_dir: str | None, cache_dir: str | None, accelerator=None, ima
     check_source(data_dir, dataset, val_fraction)
     settings = {"image_size": image_size, "columns": list(columns), "val_fraction": val_fraction}
     source = (data_dir, dataset or HUB_DATASET)
+    workers = decode_workers or len(os.sched_getaffinity(0))
     if accelerator is None:  # one process, or a script without Accelerate (the benchmarks' seed copy)
-        return _load(*source, cache_dir, print, True, settings)
+        return _load(*source, cache_dir, print, settings, workers)
     data = error = None
     if accelerator.is_local_main_process:
         try:
-            data = _load(*source, cache_dir, accelerator.print, True, settings)
+            data = _load(*source, cache_dir, accelerator.print, settings, workers)
         except UserError as e:
             error = str(e)
     errors = [e for e in gather_errors(error) if e]  # also the barrier the other processes wait at
     if errors:
         raise UserError(errors[0])
-    return data if data is not None else _load(*source, cache_dir, accelerator.print, False, settings)
+    # The others read the cache; where it could not be written, each decodes for itself with its share of the cores.
+    share = max(1, workers // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    return data if data is not None else _load(*source, cache_dir, accelerator.print, settings, share)
 
 
 def check_source(data_dir: str | None, dataset: str | None, val_fraction: float | None) -> None:
@@ -380,7 +487,7 @@ def check_source(data_dir: str | None, dataset: str | None, val_fraction: float 
         raise UserError(f"--val-fraction must be between 0 and 1 (got {val_fraction:g}).")
 
 
-def _load(data_dir, dataset: str, cache_dir, log, write_cache: bool, settings: dict):
+def _load(data_dir, dataset: str, cache_dir, log, settings: dict, workers: int):
     if data_dir is not None:
         kind, files, dsd = *find_source(data_dir), None
         splits, paths = list(files), [p for ps in files.values() for p in ps]
@@ -402,18 +509,12 @@ def _load(data_dir, dataset: str, cache_dir, log, write_cache: bool, settings: d
         dsd = dsd if dsd is not None else _read_local(kind, {s: files[s] for s in wanted.values()})
         rows = {role: _rows(dsd[s], s, tuple(settings["columns"])) for role, s in wanted.items()}
         size = settings["image_size"] or common_size(rows)
-        check_memory(sum(map(len, rows.values())), size)
-        decoded = {role: (_decode(r, wanted[role], size), r.labels, r.names) for role, r in rows.items()}
         if kind == "imagefolder":  # rows come class by class: shuffle them once, with a fixed seed, so a prefix
-            decoded = {s: (*_shuffled(images, labels), names) for s, (images, labels, names) in decoded.items()}
-        if fraction:  # (class-balanced, as in the Hub's files)
-            train, held_out = hold_out(*decoded["train"][:2], fraction)
-            decoded = {"train": (*train, decoded["train"][2]), "test": (*held_out, decoded["train"][2])}
-        data = {s: (images, labels) for s, (images, labels, _) in decoded.items()}
-        data["classes"] = _classes(decoded, source_eval or "test")
-        data["mean"], data["std"] = channel_stats(data["train"][0])
-        if write_cache:
-            _write_cache(path, data)
+            rows = {role: r.take(_permutation(len(r))) for role, r in rows.items()}  # is class-balanced, as in
+        if fraction:  # the Hub's files
+            rows = dict(zip(SPLITS, (rows["train"].take(part) for part in hold_out(len(rows["train"]), fraction))))
+        classes = _classes(rows, source_eval or "test")
+        data = _decode_into_cache(path, rows, size, classes, workers, log)
     if fraction:
         n, k = len(data["train"][1]), len(data["test"][1])
         log(f"no evaluation split{' used' if source_eval else ''}: evaluating on {k:,} of the {n + k:,} training "
@@ -424,21 +525,17 @@ def _load(data_dir, dataset: str, cache_dir, log, write_cache: bool, settings: d
     return data
 
 
-def hold_out(images: torch.Tensor, labels: torch.Tensor, fraction: float):
-    """((images, labels) to train on, (images, labels) held out for evaluation): round(fraction x N) images drawn by
-    a fixed permutation (seed 0, not --seed: changing the seed must not change what is evaluated on), each part in
-    the source's order."""
-    n = len(labels)
+def _permutation(n: int) -> torch.Tensor:
+    return torch.randperm(n, generator=torch.Generator().manual_seed(0))
+
+
+def hold_out(n: int, fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the rows to train on, the rows held out for evaluation) of n training rows: round(fraction x n) rows drawn
+    by a fixed permutation (seed 0, not --seed: changing the seed must not change what is evaluated on), each part
+    in the source's order."""
     k = round(fraction * n)
     if not 0 < k < n:
         raise UserError(f"--val-fraction {fraction:g} of {n:,} training images holds out {k:,}; both the training and "
                         f"the held-out part need at least one image.")
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(0))
-    nhwc = images.permute(0, 2, 3, 1)  # index rows of channels-last memory: the parts stay channels-last
-    return tuple((nhwc.index_select(0, idx).permute(0, 3, 1, 2), labels[idx]) for idx in (order[k:].sort().values,
-                                                                         order[:k].sort().values))
-
-
-def _shuffled(images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))
-    return images.permute(0, 2, 3, 1)[order].permute(0, 3, 1, 2), labels[order]  # stays channels-last in memory
+    order = _permutation(n)
+    return order[k:].sort().values, order[:k].sort().values

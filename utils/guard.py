@@ -1,9 +1,9 @@
-"""Guards around a run: a writable output folder that one job owns, enough memory to decode the data, enough disk
-for the next checkpoint, and `StopGuard`: preemption signals and a non-finite loss, checked on every rank at the
-same steps."""
+"""Guards around a run: a writable output folder that one job owns, enough disk for the next checkpoint, and
+`StopGuard`: preemption signals and a non-finite loss, checked on every rank at the same steps."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -14,6 +14,7 @@ import tempfile
 import threading
 import time
 import weakref
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -22,25 +23,6 @@ from accelerate.utils import broadcast_object_list
 from utils import UserError
 
 LOCK_FILE = ".lock"
-
-
-def available_memory() -> int | None:
-    """Bytes of memory available now (Linux's MemAvailable); None where the kernel does not say."""
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        return None
-
-
-def check_memory(images: int, size: int) -> None:
-    """Stops before decoding if the uint8 tensors would not fit in the memory available now (no check where that is
-    unknown). The cache write needs a second copy of each split for a moment, so twice the tensors' size counts."""
-    needed, available = 2 * images * 3 * size * size, available_memory()
-    if available is not None and needed > available:
-        raise UserError(f"decoding {images:,} images at {size}x{size} needs about {needed / 2**30:,.1f} GiB of memory "
-                        f"(the uint8 tensors and a copy for the cache), more than the {available / 2**30:,.1f} GiB "
-                        f"available; use a smaller --image-size or fewer images.")
 
 
 LAUNCHER_GONE = threading.Event()  # set by watch_launcher(): this worker's launcher died
@@ -65,6 +47,67 @@ def watch_launcher() -> None:
         LAUNCHER_GONE.set()
 
     threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+
+
+class MemoryGuard:
+    """An out-of-memory error in a training step (torch.OutOfMemoryError) that changes neither the run nor its
+    trajectory: the micro-batch halves and the accumulation doubles, so every optimizer step still trains the same
+    global batch, and the step is redone from its start, from the same weights and optimizer state.
+
+    Each micro-step runs in `micro_step()`, which swallows the error and sets `hit`; the loop then leaves the epoch's
+    batches and calls `shrink()`: every rank meets in an all-gather of the step it stands at, so all agree before
+    anything changes (all ranks of a data-parallel job run the same shapes, so they run out together; a rank that
+    did not would be waiting in another collective, and --dist-timeout then ends the job with one line). The new plan
+    is printed, kept in every checkpoint (a resume keeps the smaller micro-batch) and in summary.json. BatchNorm
+    layers that ran before the error have seen that micro-batch's statistics once more. Under FSDP2 an error inside
+    its forward or backward leaves parameters gathered and hooks half-run, so there it stops with one line. Written
+    by hand: Accelerate's find_executable_batch_size halves the batch itself, which changes the trajectory."""
+
+    def __init__(self, accelerator, checkpointer, fsdp: bool, loader):
+        """loader: the training DataLoader before prepare(), whose dataset and sampler the smaller batches reuse."""
+        self.accelerator, self.checkpointer, self.fsdp, self.loader = accelerator, checkpointer, fsdp, loader
+        self.hit = self.shrunk = False  # shrunk: since the last micro-step, the epoch loop is to start over
+
+    @contextlib.contextmanager
+    def micro_step(self):
+        self.shrunk = False
+        try:
+            yield
+        except torch.OutOfMemoryError:
+            self.hit = True
+
+    def shrink(self, progress, optimizer):
+        """After `hit`, on every rank: returns (the prepared training loader of the new micro-batches, the new plan).
+        The position goes back to the start of the interrupted optimizer step (the epoch loop skips to it)."""
+        acc, old = self.accelerator, self.checkpointer.plan
+        steps = acc.gather(torch.tensor([progress.global_step], device=acc.device))  # all ranks meet here
+        self.hit = False
+        optimizer.zero_grad(set_to_none=True)  # the interrupted step's partial gradients
+        if acc.device.type == "cuda":
+            torch.cuda.empty_cache()
+        where = f"out of memory in training step {progress.global_step + 1} at a micro-batch of {old.micro}"
+        if len(set(steps.tolist())) > 1:
+            raise UserError(f"{where}, with the ranks at different steps ({steps.tolist()}).")
+        if self.fsdp:
+            raise UserError(f"{where}; under FSDP2 the step cannot be redone (an error inside its forward or backward "
+                            f"leaves its parameters in an unknown state): launch again with --batch-size "
+                            f"{old.micro // 2} --global-batch-size {old.global_batch} (the same optimizer steps; "
+                            f"--resume auto continues from the last checkpoint).")
+        if old.micro % 2:
+            raise UserError(f"{where}, which cannot be halved: use a smaller --batch-size (the global batch stays with "
+                            f"--global-batch-size {old.global_batch}) or a smaller model or image size.")
+        new = replace(old, micro=old.micro // 2, accumulation=old.accumulation * 2, halvings=old.halvings + 1)
+        self.checkpointer.plan = new
+        acc.gradient_accumulation_steps = new.accumulation
+        progress.batches_in_epoch = progress.batches_in_epoch // old.accumulation * new.accumulation
+        acc.step = progress.batches_in_epoch  # Accelerate's micro-step counter, as after a resume
+        acc.print(f"{where}: redoing it with {new.micro} x {new.processes} processes x {new.accumulation} "
+                  f"accumulation, the same global batch of {new.global_batch}")
+        self.shrunk = True
+        base = self.loader
+        return acc.prepare(torch.utils.data.DataLoader(
+            base.dataset, batch_size=new.micro, sampler=base.sampler, drop_last=base.drop_last,
+            collate_fn=base.collate_fn, pin_memory=base.pin_memory)), new
 
 
 class StopGuard:

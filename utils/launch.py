@@ -121,10 +121,12 @@ def cpu_bf16_native(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
 @dataclass(frozen=True)
 class BatchPlan:
     """How each optimizer step's global batch is made: `micro` images per process per micro-step, `accumulation`
-    micro-steps, on `processes` processes."""
+    micro-steps, on `processes` processes; `halvings`: how often an out-of-memory error halved the micro-batch
+    (utils.guard.MemoryGuard)."""
     micro: int
     processes: int
     accumulation: int
+    halvings: int = 0
 
     @property
     def global_batch(self) -> int:
@@ -146,14 +148,20 @@ def batch_plan(accelerator, batch_size: int, global_batch_size: int | None, grad
     unset) or a fixed --global-batch-size G, which the accumulation then absorbs: G / (batch_size x processes),
     exactly. With G and the batch size fixed, every optimizer step trains the same micro-batches at any process
     count (utils.batches.EpochSampler). `saved`: the plan of the checkpoint being resumed; on another process count its
-    global batch is kept (unless G is given) and what changed is printed. Sets the Accelerator's accumulation."""
+    global batch is kept (unless G is given) and what changed is printed; a micro-batch that out-of-memory errors
+    halved is kept too, with its global batch. Sets the Accelerator's accumulation."""
     processes = accelerator.num_processes
     if grad_accum is not None and global_batch_size is not None:
         raise UserError("--grad-accum and --global-batch-size both set the accumulation steps: give one of them.")
-    moved = saved is not None and saved["processes"] != processes
+    halvings = saved.get("halvings", 0) if saved is not None and saved["micro"] < batch_size else 0
+    moved = saved is not None and (saved["processes"] != processes or halvings > 0)
     fixed, what = global_batch_size, "--global-batch-size"
     if fixed is None and moved:
         fixed, what = saved["micro"] * saved["processes"] * saved["accumulation"], "the checkpoint's global batch"
+    if halvings:
+        accelerator.print(f"keeping the checkpoint's micro-batch of {saved['micro']} (--batch-size {batch_size} ran "
+                          f"out of memory)")
+        batch_size = saved["micro"]
     if fixed is None:
         plan = BatchPlan(batch_size, processes, grad_accum or 1)
     else:
@@ -161,8 +169,8 @@ def batch_plan(accelerator, batch_size: int, global_batch_size: int | None, grad
         if rest or accumulation == 0:
             raise UserError(f"{what} {fixed} is not a whole number of micro-batches of --batch-size {batch_size} on "
                             f"each of {processes} processes: it must be a multiple of {batch_size * processes}.")
-        plan = BatchPlan(batch_size, processes, accumulation)
-    if moved:
+        plan = BatchPlan(batch_size, processes, accumulation, halvings)
+    if moved and saved["processes"] != processes:
         accelerator.print(f"resuming on {processes} process(es), the checkpoint's run had {saved['processes']}: "
                           f"accumulation {saved['accumulation']} -> {plan.accumulation} micro-batches of "
                           f"{batch_size} per step, global batch {plan.global_batch}")
