@@ -14,6 +14,7 @@ from conftest import (
     DEVICES,
     digests,
     export_png_folder,
+    small_tmpfs,
     write_cifar_dir,
     write_image_folder,
     write_mixed_folder,
@@ -107,6 +108,20 @@ def test_every_process_reads_the_images_through_a_memory_map_of_the_cache_file_e
     assert _mapped_file(torch.zeros(1 << 20, dtype=torch.uint8)) is None  # the check tells anonymous memory apart
     train = make_loader(*read["train"], batch_size=8, train=True).dataset  # and the loader keeps the map, no copy
     assert _mapped_file(train.images) == str(cache)
+
+
+def test_a_cache_folder_that_cannot_be_written_decodes_into_a_temporary_file_and_says_so(tmp_path, accelerator):
+    """A read-only filesystem (root could write into a folder without write bits): the images are decoded into a
+    temporary file that is deleted once mapped; the folder stays empty and the next run decodes again."""
+    src = write_cifar_dir(tmp_path / "src", n_train=40, n_test=12)
+    expected = load_data(str(src), str(tmp_path / "writable"), accelerator)
+    with small_tmpfs(tmp_path / "read-only", "1m,ro") as folder:
+        with pytest.warns(UserWarning, match=f"cache folder {folder} is not writable; decoding into a temporary file"):
+            data = load_data(str(src), str(folder), accelerator)
+        assert list(folder.iterdir()) == []
+    for split in ("train", "test"):
+        assert torch.equal(data[split][0], expected[split][0]) and torch.equal(data[split][1], expected[split][1])
+        assert _mapped_file(data[split][0]).endswith(".tmp (deleted)")  # mapped, not copied; gone from the disk
 
 
 def test_any_number_of_decode_workers_writes_the_same_cache_file_byte_for_byte(tmp_path, accelerator, monkeypatch):

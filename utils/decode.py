@@ -1,8 +1,10 @@
 """Image classification data, decoded once: read a source (local parquet files, an image folder, or a Hub dataset),
-decode every image into one (N, 3, S, S) uint8 tensor (channels-last in memory, as JPEGs decode and as the models
-run), hold out an evaluation part when the source has none, and cache the result as a safetensors file keyed by the
-source files and the decode settings, so later runs load it in about a second. This is the module to replace for
-data none of its sources covers; what its result must satisfy is utils/batches.py's contract (docs/customizing.md).
+hold out an evaluation part when the source has none, and decode every image, in parallel, straight into a
+safetensors cache file through a memory map: one (N, S, S, 3) uint8 tensor per split (channels-last, as JPEGs
+decode and as the models run), keyed by the source files and the decode settings. Every process then reads the
+images through a map of that file: a machine's processes share one copy in the page cache, and a dataset larger
+than memory trains from disk. This is the module to replace for data none of its sources covers; what its result
+must satisfy is utils/batches.py's contract (docs/customizing.md).
 
 `load_data` is the entry point: the first process of each machine reads and decodes, the others wait for it and then
 read the cache. `datasets`' own builders (`parquet`, `imagefolder`, `load_dataset`) read the sources.
