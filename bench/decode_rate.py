@@ -1,7 +1,7 @@
 """P7: the first decode with --decode-workers N against 1 worker: images/s of load_data on a folder of CIFAR-10 PNGs
 (all 60,000 images of the parquet source, written once as lossless PNGs into a temporary image folder), each run
 into an empty cache folder, alternating, after one warm-up run (datasets' imagefolder builder lists the files
-once). The caches written must be the same file, byte for byte.
+once), and its decode alone. The caches written must be the same file, byte for byte.
 
     python bench/decode_rate.py --data-dir ../shared/data/cifar10            # 2 workers against 1
     python bench/decode_rate.py --data-dir ../shared/data/cifar10 --workers 8 --repeats 3
@@ -21,6 +21,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import header, report  # noqa: E402
+from utils import decode as decode_module  # noqa: E402
 from utils.decode import CLASSES, load_data  # noqa: E402
 
 
@@ -38,14 +39,26 @@ def png_folder(data_dir: str, root: Path) -> int:
     return count
 
 
-def decode(folder: Path, cache: Path, workers: int) -> tuple[float, str]:
-    """Seconds of one load_data into an empty cache folder, and the cache file's sha256."""
+def decode(folder: Path, cache: Path, workers: int) -> tuple[float, float, str]:
+    """Seconds of one load_data into an empty cache folder, of its decode_all alone (the part the workers share),
+    and the cache file's sha256."""
     shutil.rmtree(cache, ignore_errors=True)
-    start = time.perf_counter()
-    load_data(str(folder), str(cache), decode_workers=workers)
-    seconds = time.perf_counter() - start
+    timed, real = [], decode_module.decode_all
+
+    def decode_all(*args):
+        start = time.perf_counter()
+        real(*args)
+        timed.append(time.perf_counter() - start)
+
+    decode_module.decode_all = decode_all
+    try:
+        start = time.perf_counter()
+        load_data(str(folder), str(cache), decode_workers=workers)
+        seconds = time.perf_counter() - start
+    finally:
+        decode_module.decode_all = real
     (path,) = cache.glob("images-*.safetensors")
-    return seconds, hashlib.sha256(path.read_bytes()).hexdigest()
+    return seconds, timed[0], hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def main() -> None:
@@ -60,13 +73,17 @@ def main() -> None:
         count = png_folder(args.data_dir, work)
         print(f"{count:,} PNG files in {work / 'folder'}", flush=True)
         decode(work / "folder", work / "cache", 1)  # warm-up: datasets' imagefolder cache, the files in page cache
-        rates, digests = {1: [], args.workers: []}, set()
+        rates, decoding, digests = {1: [], args.workers: []}, {1: [], args.workers: []}, set()
         for _ in range(args.repeats):
             for workers in (args.workers, 1):
-                seconds, digest = decode(work / "folder", work / "cache", workers)
+                seconds, decoding_seconds, digest = decode(work / "folder", work / "cache", workers)
                 rates[workers].append(count / seconds)
+                decoding[workers].append(count / decoding_seconds)
                 digests.add(digest)
+        print("load_data, end to end (listing and reading the folder through datasets, the decode, the statistics):")
         report(f"{args.workers} workers", rates[args.workers], "1 worker", rates[1])
+        print("the decode alone (decode_all):")
+        report(f"{args.workers} workers", decoding[args.workers], "1 worker", decoding[1])
         print(f"cache files identical across runs: {len(digests) == 1}")
     finally:
         shutil.rmtree(work, ignore_errors=True)

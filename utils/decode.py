@@ -155,9 +155,9 @@ def decode_split(ds, split: str, size: int | None = None, columns: tuple[str | N
     None: the split's own size, which all its images must share). In memory, one process (load_data decodes into
     the cache file, in parallel)."""
     rows = _rows(ds, split, columns)
-    size = size or common_size({split: rows})
+    size, same_as = (size, None) if size else first_size({split: rows})
     images = np.empty((len(rows), size, size, 3), dtype=np.uint8)
-    _decode_rows(rows, size, images, 0, len(rows))
+    _decode_rows(rows, size, images, 0, len(rows), same_as)
     return torch.from_numpy(images).permute(0, 3, 1, 2), rows.labels, rows.names
 
 
@@ -217,30 +217,30 @@ def _where(rows: _Rows, i: int) -> str:
     return f"row {int(rows.numbers[i])}" if isinstance(source, bytes) else str(source)
 
 
-def common_size(splits: dict[str, _Rows]) -> int:
-    """The one square size all images share (read from their headers); else one line asking for --image-size."""
-    sizes = {}
-    for rows in splits.values():
-        for i, source in enumerate(rows.sources):
-            with _open(source, rows.split, _where(rows, i)) as im:
-                sizes.setdefault(im.size, (rows.split, _where(rows, i)))
-            if len(sizes) > 1:
-                break
-    (w, h), first = next(iter(sizes.items()))
-    if len(sizes) > 1 or w != h:
-        other = [f"{a}x{b} (the {split} split's {where})" for (a, b), (split, where) in sizes.items()]
-        raise UserError(f"the images do not share one square size ({', '.join(other)}); pass --image-size S to "
-                        f"resize every image to S x S.")
-    return w
+def first_size(splits: dict[str, _Rows]) -> tuple[int, str]:
+    """The first image's size, which must be square, and where it is: every other image must share it when no
+    --image-size is given (the decode checks each as it opens it: one pass over the files)."""
+    rows = next(iter(splits.values()))
+    with _open(rows.sources[0], rows.split, _where(rows, 0)) as im:
+        (w, h), where = im.size, f"{im.size[0]}x{im.size[1]} (the {rows.split} split's {_where(rows, 0)})"
+    if w != h:
+        raise UserError(f"the images do not share one square size ({where}); pass --image-size S to resize every "
+                        f"image to S x S.")
+    return w, where
 
 
-def _decode_rows(rows: _Rows, size: int, out: np.ndarray, start: int, stop: int) -> None:
-    """Decodes rows start..stop-1 into out[start:stop] ((N, S, S, 3) uint8: a memory map of the cache file)."""
+def _decode_rows(rows: _Rows, size: int, out: np.ndarray, start: int, stop: int, same_as: str | None = None) -> None:
+    """Decodes rows start..stop-1 into out[start:stop] ((N, S, S, 3) uint8: a memory map of the cache file), each
+    resized to S x S; same_as (the first image's size and place, see first_size): instead, each must be S x S."""
     from PIL import Image
 
     for i in range(start, stop):
         try:
             with _open(rows.sources[i], rows.split, _where(rows, i)) as im:
+                if im.size != (size, size) and same_as:
+                    raise UserError(f"the images do not share one square size ({same_as}, {im.size[0]}x{im.size[1]} "
+                                    f"(the {rows.split} split's {_where(rows, i)})); pass --image-size S to resize "
+                                    f"every image to S x S.")
                 im = im.convert("RGB")  # grayscale repeated into 3 channels, RGBA's alpha dropped, palettes expanded
                 if im.size != (size, size):
                     im = im.resize((size, size), Image.Resampling.BICUBIC)
@@ -251,19 +251,21 @@ def _decode_rows(rows: _Rows, size: int, out: np.ndarray, start: int, stop: int)
 
 
 DECODE_CHUNK = 512  # rows a decode worker takes at a time
-_JOB = None  # (rows, outputs, size) of the running parallel decode: forked workers inherit it, nothing is pickled
+_JOB = None  # (rows, outputs, size, same_as) of the running parallel decode: forked workers inherit it, unpickled
 
 
 def _decode_chunk(role: str, start: int, stop: int) -> None:
-    rows, outputs, size = _JOB
-    _decode_rows(rows[role], size, outputs[role], start, stop)
+    rows, outputs, size, same_as = _JOB
+    _decode_rows(rows[role], size, outputs[role], start, stop, same_as)
 
 
-def decode_all(rows: dict[str, _Rows], outputs: dict[str, np.ndarray], size: int, workers: int) -> None:
-    """Decodes every split's rows into its output array, with `workers` processes. The workers are forked (as
-    PyTorch's DataLoader workers are): they inherit the rows and the outputs, memory maps of the cache file that they
-    write into, so no image crosses a pipe. Each row is decoded alone: the result is the same bit for bit for any
-    number of workers. An undecodable image stops the decode with the first bad row's line, as one worker would.
+def decode_all(rows: dict[str, _Rows], outputs: dict[str, np.ndarray], size: int, workers: int,
+               same_as: str | None = None) -> None:
+    """Decodes every split's rows into its output array (_decode_rows), with `workers` processes. The workers are
+    forked (as PyTorch's DataLoader workers are): they inherit the rows and the outputs, memory maps of the cache file
+    that they write into, so no image crosses a pipe. Each row is decoded alone: the result is the same bit for bit
+    for any number of workers. An undecodable image (or one of another size, with same_as) stops the decode with the
+    first bad row's line, as one worker would.
     Written with concurrent.futures: datasets' map(num_proc=...) would write every decoded image to an Arrow cache
     first, a second copy on disk."""
     global _JOB
@@ -271,12 +273,12 @@ def decode_all(rows: dict[str, _Rows], outputs: dict[str, np.ndarray], size: int
                                                                                                  DECODE_CHUNK)]
     if workers <= 1 or len(chunks) <= 1:
         for role, start, stop in chunks:
-            _decode_rows(rows[role], size, outputs[role], start, stop)
+            _decode_rows(rows[role], size, outputs[role], start, stop, same_as)
         return
     from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
 
-    _JOB = rows, outputs, size
+    _JOB = rows, outputs, size, same_as
     pool = ProcessPoolExecutor(min(workers, len(chunks)), mp_context=multiprocessing.get_context("fork"))
     try:
         for future in [pool.submit(_decode_chunk, *chunk) for chunk in chunks]:
@@ -393,7 +395,8 @@ def _layout(counts: dict[str, int], size: int, classes: tuple[str, ...]) -> tupl
         start + offset
 
 
-def _decode_into_cache(path: Path, rows: dict[str, _Rows], size: int, classes, workers: int, log) -> dict:
+def _decode_into_cache(path: Path, rows: dict[str, _Rows], size: int, same_as: str | None, classes, workers: int,
+                       log) -> dict:
     """Decodes the rows into a new cache file at `path` through a memory map (no copy of the images in this
     process's memory, so a dataset larger than memory decodes), then reads it back as _read_cache does. The file is
     complete before it is renamed into place: a reader sees the old file or the whole new one. Where the cache folder
@@ -421,7 +424,7 @@ def _decode_into_cache(path: Path, rows: dict[str, _Rows], size: int, classes, w
             views[f"{role}_labels"][:] = r.labels.numpy()
         log(f"decoding {sum(map(len, rows.values())):,} images with {workers} process{'es' * (workers > 1)} "
             f"(--decode-workers)")
-        decode_all(rows, {role: views[f"{role}_images"] for role in rows}, size, workers)
+        decode_all(rows, {role: views[f"{role}_images"] for role in rows}, size, workers, same_as)
         views["mean"][:], views["std"][:] = channel_stats(torch.from_numpy(views["train_images"]).permute(0, 3, 1, 2))
         mapped.flush()
         del mapped, views  # unmapped: what follows reads the file as any later run does
@@ -510,13 +513,13 @@ def _load(data_dir, dataset: str, cache_dir, log, settings: dict, workers: int):
         wanted = {"train": "train"} if fraction else {"train": "train", "test": source_eval}
         dsd = dsd if dsd is not None else _read_local(kind, {s: files[s] for s in wanted.values()})
         rows = {role: _rows(dsd[s], s, tuple(settings["columns"])) for role, s in wanted.items()}
-        size = settings["image_size"] or common_size(rows)
+        size, same_as = (settings["image_size"], None) if settings["image_size"] else first_size(rows)
         if kind == "imagefolder":  # rows come class by class: shuffle them once, with a fixed seed, so a prefix
             rows = {role: r.take(_permutation(len(r))) for role, r in rows.items()}  # is class-balanced, as in
         if fraction:  # the Hub's files
             rows = dict(zip(SPLITS, (rows["train"].take(part) for part in hold_out(len(rows["train"]), fraction))))
         classes = _classes(rows, source_eval or "test")
-        data = _decode_into_cache(path, rows, size, classes, workers, log)
+        data = _decode_into_cache(path, rows, size, same_as, classes, workers, log)
     if fraction:
         n, k = len(data["train"][1]), len(data["test"][1])
         log(f"no evaluation split{' used' if source_eval else ''}: evaluating on {k:,} of the {n + k:,} training "

@@ -88,14 +88,14 @@ class MemoryGuard:
         where = f"out of memory in training step {progress.global_step + 1} at a micro-batch of {old.micro}"
         if len(set(steps.tolist())) > 1:
             raise UserError(f"{where}, with the ranks at different steps ({steps.tolist()}).")
+        if old.micro % 2:
+            raise UserError(f"{where}, which cannot be halved: use a smaller --batch-size (the global batch stays with "
+                            f"--global-batch-size {old.global_batch}) or a smaller model or image size.")
         if self.fsdp:
             raise UserError(f"{where}; under FSDP2 the step cannot be redone (an error inside its forward or backward "
                             f"leaves its parameters in an unknown state): launch again with --batch-size "
                             f"{old.micro // 2} --global-batch-size {old.global_batch} (the same optimizer steps; "
                             f"--resume auto continues from the last checkpoint).")
-        if old.micro % 2:
-            raise UserError(f"{where}, which cannot be halved: use a smaller --batch-size (the global batch stays with "
-                            f"--global-batch-size {old.global_batch}) or a smaller model or image size.")
         new = replace(old, micro=old.micro // 2, accumulation=old.accumulation * 2, halvings=old.halvings + 1)
         self.checkpointer.plan = new
         acc.gradient_accumulation_steps = new.accumulation
