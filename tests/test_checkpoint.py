@@ -63,7 +63,7 @@ def test_checkpoints_are_rotated_keeping_the_last_two_and_the_best(reference):
     state = json.loads((reference / "checkpoints" / "step-00000015" / "trainer_state.json").read_text())
     assert state["progress"]["epoch"] == 1 and state["progress"]["batches_in_epoch"] == 7  # mid-epoch position
     assert state["config"]["model"] == "resnet18_imagenet" and state["world_size"] == 2
-    assert state["batch"] == {"micro": 32, "processes": 2, "accumulation": 1} and state["format"] == 2
+    assert state["batch"] == {"micro": 32, "processes": 2, "accumulation": 1, "halvings": 0} and state["format"] == 2
     assert {"model.safetensors", "optimizer.bin", "random_states_0.pkl", "random_states_1.pkl",
             "ema.safetensors"} <= set(state["files"])
     assert not any("rank" in name for name in state["files"])  # no per-rank augmentation stream any more

@@ -65,6 +65,29 @@ def test_evaluations_within_the_epoch_are_logged_at_their_steps_and_the_best_ema
     assert s["evals_without_gain"] == sum(1 for step in EVALUATED_AT if step > first_best)  # min-delta 0: any gain
 
 
+def test_both_ranks_evaluate_the_ema_with_the_exported_batchnorm_statistics(reference, cifar_dir, cache_dir):
+    """The last evaluation's EMA logits, as gathered from both ranks (the probe's record), equal a one-process forward
+    of the exported model_ema.safetensors on every test image, rank 1's shard included: rank 1 used rank 0's
+    statistics, not its own (DDP copies them only at a forward after one with gradients, not for the EMA's
+    evaluation, which follows the model's). 1e-4: kernels of another batch layout round differently; rank 1's own
+    statistics moved its logits by 0.03."""
+    from utils.batches import BatchTransform
+    from utils.decode import load_data
+    from utils.models import build_model
+
+    summary = read_summary(reference)
+    recorded = json.loads((reference / "probe-rank0.json").read_text())["eval_outputs"][-1]  # the EMA's, at step 16
+    data = load_data(str(cifar_dir), str(cache_dir))
+    images, labels = data["test"][0][:summary["eval_examples"]], data["test"][1][:summary["eval_examples"]]
+    assert recorded["labels"] == labels.tolist()
+    model = build_model(summary["model"])
+    model.load_state_dict(load_file(reference / "model_ema.safetensors"))
+    transform = BatchTransform(torch.device("cpu"), channels_last=False, mean=data["mean"], std=data["std"])
+    with torch.no_grad():
+        logits = model.eval()(transform(images))
+    assert torch.allclose(torch.tensor(recorded["logits"]), logits, rtol=0, atol=1e-4)
+
+
 def test_the_ema_follows_each_optimizer_step_and_applied_restores_the_weights_bitwise():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
