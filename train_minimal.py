@@ -115,8 +115,9 @@ def main(args: argparse.Namespace) -> dict:
     model = build_model("resnet18", len(data["classes"]))  # torchvision's ResNet-18 with a CIFAR stem
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=5e-4,
                                 fused=True)
-    # PITFALL (BN without SyncBN): DDP copies rank 0's BatchNorm statistics at every forward (broadcast_buffers),
-    # so every rank evaluates and saves the same ones; SyncBatchNorm would also pool batch statistics (CUDA only).
+    # PITFALL (BN without SyncBN): DDP copies rank 0's BatchNorm statistics at the first forward after a training one
+    # (broadcast_buffers), so every rank evaluates and saves the same ones; SyncBatchNorm would also pool batch
+    # statistics (CUDA only).
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     assert world == 1 or isinstance(model, torch.nn.parallel.DistributedDataParallel), type(model)  # grads averaged
     transform = BatchTransform(accelerator.device, channels_last=False, pad=crop_padding(train_split[0].shape[-1]),

@@ -27,8 +27,8 @@ BUILT_IN = ("loss", "top1", "top5", "examples", "class_top1", "confusion")
 @torch.no_grad()
 def evaluate(model, loader, transform, accelerator, tta_flip: bool = False, classes=CLASSES, metrics=()) -> dict:
     """Every rank evaluates its shard; gather_for_metrics drops the padding Accelerate adds to make shards even,
-    so each test image counts exactly once. All ranks use rank 0's BatchNorm statistics, the exported ones: DDP
-    copied them at the first forward (broadcast_buffers=True); FSDP needs the copy. `transform(images)`
+    so each test image counts exactly once. All ranks use rank 0's BatchNorm statistics, the exported ones
+    (share_bn_statistics: DDP's broadcast_buffers misses an evaluation that follows another). `transform(images)`
     turns a loader batch into the model's input; tta_flip averages the logits of each image and its
     mirror image. `metrics` (load_metrics): computed on every rank from all ranks' top-1 predictions and labels."""
     share_bn_statistics(accelerator, model)
