@@ -139,7 +139,6 @@ def prepare(self, *objects, **kwargs):
             if len(args[0]) > int(os.environ.get("PROBE_OOM_ABOVE", sys.maxsize)) or \
                     forwards["tried"] == int(os.environ.get("PROBE_OOM_AT_FORWARD", 0)):
                 raise torch.OutOfMemoryError(f"probe: {len(args[0])} images do not fit")
-        if module.training:
             forwards["train"] += 1
             forwards["poison"] = forwards["train"] == int(os.environ.get("PROBE_NAN_AT_FORWARD", "0"))
         elif forwards["eval_started"]:

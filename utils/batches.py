@@ -203,6 +203,14 @@ def make_loader(images, labels, batch_size: int, train: bool, seed: int = 0, aug
     )
 
 
+def rebatched(loader: torch.utils.data.DataLoader, batch_size: int) -> torch.utils.data.DataLoader:
+    """make_loader's DataLoader (before prepare()) again, over the same dataset and sampler, in batches of
+    batch_size: the same images in the same order, cut finer (utils.guard.MemoryGuard)."""
+    return torch.utils.data.DataLoader(loader.dataset, batch_size=batch_size, sampler=loader.sampler,
+                                       drop_last=loader.drop_last, collate_fn=loader.collate_fn,
+                                       pin_memory=loader.pin_memory)
+
+
 class BatchTransform:
     """uint8 (B, 3, S, S) on the device -> normalised float batch (per-channel mean and std in [0, 1]: the data's,
     CIFAR-10's by default); given a training batch's draws (`augment_draws`), first a crop of each image (zero padding

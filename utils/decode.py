@@ -418,8 +418,8 @@ def _decode_into_cache(path: Path, rows: dict[str, _Rows], size: int, same_as: s
                             f"some space, or pass --cache-dir on a larger disk (or a smaller --image-size).") from None
         os.pwrite(fd, header, 0)
         mapped = np.memmap(tmp, dtype=np.uint8, mode="r+", shape=(total,))
-        views = {name: mapped[at:at + int(np.prod(shape)) * np.dtype(dtype).itemsize].view(dtype).reshape(shape)
-                 for name, (dtype, shape, at) in places.items()}
+        views = {name: np.ndarray(shape, dtype, buffer=mapped, offset=at) for name, (dtype, shape, at) in
+                 places.items()}
         for role, r in rows.items():
             views[f"{role}_labels"][:] = r.labels.numpy()
         log(f"decoding {sum(map(len, rows.values())):,} images with {workers} process{'es' * (workers > 1)} "

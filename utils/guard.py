@@ -104,10 +104,9 @@ class MemoryGuard:
         acc.print(f"{where}: redoing it with {new.micro} x {new.processes} processes x {new.accumulation} "
                   f"accumulation, the same global batch of {new.global_batch}")
         self.shrunk = True
-        base = self.loader
-        return acc.prepare(torch.utils.data.DataLoader(
-            base.dataset, batch_size=new.micro, sampler=base.sampler, drop_last=base.drop_last,
-            collate_fn=base.collate_fn, pin_memory=base.pin_memory)), new
+        from utils.batches import rebatched  # here: utils.batches imports utils.launch, which imports this module
+
+        return acc.prepare(rebatched(self.loader, new.micro)), new
 
 
 class StopGuard:
