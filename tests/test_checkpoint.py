@@ -329,14 +329,18 @@ def test_nan_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(cifar
 
 def test_exported_weights_evaluate_to_the_reported_top1(reference, cifar_dir, cache_dir):
     s = read_summary(reference)
-    for name, expected in [("model.safetensors", s["eval_top1"]), ("best.safetensors", s["best_eval_top1"]),
-                           ("model_ema.safetensors", s["eval_ema_top1"])]:
-        result = subprocess.run([sys.executable, "evaluate_checkpoint.py", str(reference / name),
-                                 "--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--batch-size", "50"],
-                                cwd=REPO, env=script_env(OMP_NUM_THREADS="1"), capture_output=True, text=True)
-        assert result.returncode == 0, result.stderr[-3000:]
-        got = json.loads(result.stdout.strip().splitlines()[-1])
-        assert got["examples"] == 100 and got["top1"] == expected, (name, got, expected)
+    expected = {"model.safetensors": s["eval_top1"], "best.safetensors": s["best_eval_top1"],
+                "model_ema.safetensors": s["eval_ema_top1"]}
+    # One fresh single-threaded process evaluates the three files through the tool's main(), as its command line would.
+    argv = [[str(reference / name), "--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--batch-size", "50"]
+            for name in expected]
+    code = "import json, sys, evaluate_checkpoint; print(json.dumps([evaluate_checkpoint.main(a) for a in " \
+           "json.loads(sys.argv[1])]))"
+    result = subprocess.run([sys.executable, "-c", code, json.dumps(argv)], cwd=REPO,
+                            env=script_env(OMP_NUM_THREADS="1"), capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for name, got in zip(expected, json.loads(result.stdout.strip().splitlines()[-1]), strict=True):
+        assert got["examples"] == 100 and got["top1"] == expected[name], (name, got, expected[name])
 
 
 # Bad resume input: one line, exit 2, nothing deleted --------------------------------------------------

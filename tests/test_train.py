@@ -39,8 +39,8 @@ EVAL_SUBSET = 1001  # not divisible by 2 ranks x 64: Accelerate pads the last ba
 def two_rank_run(cifar_dir, cache_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("two_ranks")
     result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out),
-                        "--model", "resnet18_imagenet", "--train-subset", "4096", "--eval-subset", str(EVAL_SUBSET),
-                        "--epochs", "3", "--batch-size", "64", "--tracker", "none"],
+                        "--model", "resnet18_imagenet", "--train-subset", "2048", "--eval-subset", str(EVAL_SUBSET),
+                        "--epochs", "3", "--batch-size", "64", "--lr", "0.05", "--tracker", "none"],
                        launch=["--config_file", str(CPU_YAML)])
     assert result.returncode == 0, result.stderr[-4000:]
     return out, result
@@ -51,9 +51,9 @@ def test_two_ranks_from_cpu_yaml_train_well_above_chance(two_rank_run):
     s = read_summary(out)
     assert (s["world_size"], s["distributed_type"], s["wrapper"]) == (2, "MULTI_CPU", "DistributedDataParallel")
     assert s["mixed_precision"] == "no" and s["config"]["channels_last"]  # cpu.yaml's and the script's defaults
-    assert s["epochs_completed"] == 3 and s["global_step"] == 3 * (4096 // 128)
-    assert s["train_images_seen"] == 3 * 4096
-    assert s["eval_top1"] > 25.0, s  # chance is 10%
+    assert s["epochs_completed"] == 3 and s["global_step"] == 3 * (2048 // 128)
+    assert s["train_images_seen"] == 3 * 2048
+    assert s["eval_top1"] > 25.0, s  # chance is 10%; 36.5% measured on a 2-core Zen 3 (lr 0.1: 32.1%, less smoothly)
     assert s["eval_top5"] > s["eval_top1"] and s["best_eval_top1"] >= s["eval_top1"]
     assert len([line for line in result.stdout.splitlines() if line.startswith("epoch ")]) == 3  # once, not per rank
 
@@ -199,13 +199,13 @@ def test_fast_recipe_trains_resnet9_with_the_data_on_the_device(cifar_dir, cache
     time)."""
     out = tmp_path / "fast"
     result = run_train(["--recipe", "fast", "--no-compile", "--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir),
-                        "--output-dir", str(out), "--train-subset", "1024", "--eval-subset", "250", "--epochs", "2",
-                        "--batch-size", "64", "--lr", "0.2", "--warmup-epochs", "1", "--tracker", "none"], fork=True)
+                        "--output-dir", str(out), "--train-subset", "512", "--eval-subset", "250", "--epochs", "2",
+                        "--batch-size", "32", "--lr", "0.1", "--warmup-epochs", "1", "--tracker", "none"], fork=True)
     assert result.returncode == 0, result.stderr[-4000:]
     s = read_summary(out)
     assert (s["config"]["model"], s["config"]["tta_flip"], s["config"]["data_on_device"]) == ("resnet9", True, True)
-    assert s["global_step"] == 2 * (1024 // 64) and s["eval_examples"] == 250
-    assert s["eval_top1"] > 20, s["eval_top1"]  # chance is 10% (+- 1.9 points on 250 images); 30.0% measured here
+    assert s["global_step"] == 2 * (512 // 32) and s["eval_examples"] == 250
+    assert s["eval_top1"] > 20, s["eval_top1"]  # chance is 10% (+- 1.9 points on 250 images); 34.8% on a Zen 3
 
 
 @pytest.mark.slow

@@ -267,6 +267,9 @@ def run(job) -> int:
         print(line, file=sys.stderr, flush=True)
         status = 1
     release_process_group()  # the job's frames (and the traceback's) are gone by now
+    # The interpreter's exit collects cycles among every object torch and torchvision created; frozen, they are left
+    # to the exit itself: 2.0 s -> 0.6 s per process on a 2-core Zen 3 (`gc.freeze`: objects stay alive, unscanned).
+    gc.freeze()
     return status
 
 
