@@ -334,8 +334,8 @@ def test_exported_weights_evaluate_to_the_reported_top1(reference, cifar_dir, ca
     # One fresh single-threaded process evaluates the three files through the tool's main(), as its command line would.
     argv = [[str(reference / name), "--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--batch-size", "50"]
             for name in expected]
-    code = "import json, sys, evaluate_checkpoint; print(json.dumps([evaluate_checkpoint.main(a) for a in " \
-           "json.loads(sys.argv[1])]))"
+    code = ("import json, sys, evaluate_checkpoint; "
+            "print(json.dumps([evaluate_checkpoint.main(args) for args in json.loads(sys.argv[1])]))")
     result = subprocess.run([sys.executable, "-c", code, json.dumps(argv)], cwd=REPO,
                             env=script_env(OMP_NUM_THREADS="1"), capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]

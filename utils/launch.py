@@ -196,8 +196,8 @@ def share_bn_statistics(accelerator, model) -> None:
     """Copies rank 0's BatchNorm running statistics (the exported ones) to every rank. They drift apart (each rank
     normalises its own batches). DDP (broadcast_buffers=True) copies rank 0's at a forward only after one with
     gradients: not for an evaluation's second model (the EMA's, put in place after the first evaluation), and FSDP
-    never does. Done by hand before each evaluation and checkpoint (no library
-    call does it), so every rank evaluates and saves exactly the statistics exported."""
+    never does. Done by hand before each evaluation and checkpoint (no library call does it), so every rank
+    evaluates and saves exactly the statistics exported."""
     if accelerator.num_processes > 1:
         for buffer in model.buffers():
             dist.broadcast(buffer, src=0)
