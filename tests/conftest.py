@@ -33,6 +33,7 @@ GPU_YAML = REPO / "accelerate_configs" / "1gpu.yaml"
 # A test marked `cuda` runs where torch sees a GPU (bench/gpu_check.sh runs them: python -m pytest -m cuda) and is
 # skipped elsewhere. DEVICES parametrizes a test over the CPU and, marked so, CUDA.
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+CUDA = torch.cuda.is_available()
 
 
 # Fixtures that run training jobs (real processes): a test that uses one is `slow`, as is every test marked so by hand
@@ -172,49 +173,101 @@ def script_env(**extra) -> dict:
 
 
 _FORK_SERVER: subprocess.Popen | None = None
+_UNREAD = b""  # what the fork server wrote that _answer has not taken yet
+_ENDED: dict[int, int] = {}  # the fork server's children that have ended: pid -> exit status
 
 
-def _answer(server: subprocess.Popen, deadline: float) -> int | None:
-    """One line of the fork server's answer; None if it has not come by the deadline."""
-    line = b""
-    while not line.endswith(b"\n"):
-        if not select.select([server.stdout], [], [], max(0.0, deadline - time.time()))[0]:
-            return None
-        chunk = os.read(server.stdout.fileno(), 1)
-        assert chunk, "the test fork server died"
-        line += chunk
-    return int(line)
-
-
-def run_python(argv: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
-    """`python <argv>` in the repository, in a fresh process forked from tests/forked.py, which has imported torch
-    and accelerate already (its docstring says why and when that is the same); about 2-3 s less per command."""
-    global _FORK_SERVER
+def _fork_server() -> subprocess.Popen:
+    global _FORK_SERVER, _UNREAD
     if _FORK_SERVER is None or _FORK_SERVER.poll() is not None:
         _FORK_SERVER = subprocess.Popen([sys.executable, str(REPO / "tests" / "forked.py")], cwd=REPO,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
-    server, pid = _FORK_SERVER, None
-    with tempfile.TemporaryDirectory() as tmp:
-        out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
-        request = {"argv": argv, "env": env, "cwd": str(REPO), "stdout": str(out), "stderr": str(err)}
-        try:
-            server.stdin.write((json.dumps(request) + "\n").encode())
-            pid = _answer(server, time.time() + 120)
-            assert pid is not None, "the test fork server did not answer"
-            status = _answer(server, time.time() + timeout)
-        except BaseException:  # e.g. pytest-timeout: the server is still waiting for this child; start afresh
-            _FORK_SERVER = None
-            server.kill()
-            status = None
-            raise
-        finally:
-            if status is None and pid is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pid, signal.SIGKILL)  # the child and what it started (forked.run made it a group)
-        if status is None:
-            _answer(server, time.time() + 60)
-            raise subprocess.TimeoutExpired(argv, timeout, out.read_text(), err.read_text())
-        return subprocess.CompletedProcess(argv, status, out.read_text(), err.read_text())
+        _UNREAD = b""
+    return _FORK_SERVER
+
+
+def _answer(deadline: float) -> tuple[str, int] | None:
+    """The fork server's next answer: ("started", pid); an ended child's status goes to _ENDED and ("ended", pid)
+    is returned. None if no answer has come by the deadline."""
+    global _UNREAD
+    server = _fork_server()
+    while b"\n" not in _UNREAD:
+        if not select.select([server.stdout], [], [], max(0.0, deadline - time.time()))[0]:
+            return None
+        chunk = os.read(server.stdout.fileno(), 1 << 16)
+        assert chunk, "the test fork server died"
+        _UNREAD += chunk
+    line, _UNREAD = _UNREAD.split(b"\n", 1)
+    kind, pid, *status = line.decode().split()
+    if kind == "ended":
+        _ENDED[int(pid)] = int(status[0])
+    return kind, int(pid)
+
+
+class Forked:
+    """`python <argv>` in the repository, started in the background in a fresh process forked from tests/forked.py,
+    which has imported torch and accelerate already (its docstring says why and when that is the same; about 4 s
+    less per command on a slow CPU): what the tests use of subprocess.Popen (text mode, stdout and stderr
+    captured). fork_workers: argv is `-m accelerate.commands.launch ...`, whose workers are forked too."""
+
+    def __init__(self, argv: list[str], env: dict, fork_workers: bool = False):
+        self._tmp = tempfile.TemporaryDirectory()
+        out, err = Path(self._tmp.name, "stdout"), Path(self._tmp.name, "stderr")
+        out.touch()
+        err.touch()
+        self.args, self.returncode = argv, None
+        self.stdout, self.stderr = out.open(), err.open()
+        request = {"argv": argv, "env": env, "cwd": str(REPO), "stdout": str(out), "stderr": str(err),
+                   "fork_workers": fork_workers}
+        _fork_server().stdin.write((json.dumps(request) + "\n").encode())
+        deadline = time.time() + 120
+        while (answer := _answer(deadline)) is not None and answer[0] != "started":
+            pass
+        assert answer is not None, "the test fork server did not answer"
+        self.pid = answer[1]
+
+    def poll(self) -> int | None:
+        return self.wait(0.0, raise_timeout=False)
+
+    def wait(self, timeout: float | None = None, raise_timeout: bool = True) -> int | None:
+        deadline = time.time() + (1e9 if timeout is None else timeout)
+        while self.returncode is None:
+            if self.pid in _ENDED:
+                self.returncode = _ENDED.pop(self.pid)
+            elif _answer(deadline) is None:
+                if raise_timeout:
+                    raise subprocess.TimeoutExpired(self.args, timeout)
+                break
+        return self.returncode
+
+    def send_signal(self, number: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, number)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        self.wait(timeout)
+        return self.stdout.read(), self.stderr.read()
+
+    def __del__(self):
+        self.stdout.close()
+        self.stderr.close()
+
+
+def run_python(argv: list[str], env: dict, timeout: float, fork_workers: bool = False) -> subprocess.CompletedProcess:
+    """`python <argv>` run to its end as a Forked process; on a timeout the process and what it started are killed."""
+    proc = Forked(argv, env, fork_workers)
+    try:
+        proc.wait(timeout)
+    except BaseException as e:  # the timeout, or pytest-timeout's
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the child and what it started (forked.run made it a group)
+        if isinstance(e, subprocess.TimeoutExpired):
+            e.output, e.stderr = proc.stdout.read(), proc.stderr.read()
+        raise
+    return subprocess.CompletedProcess(argv, proc.returncode, proc.stdout.read(), proc.stderr.read())
 
 
 def pytest_unconfigure(config):
@@ -226,16 +279,16 @@ def pytest_unconfigure(config):
 
 def run_train(args: list[str], launch: list[str] | None = None, env: dict | None = None, timeout: int = 600,
               script: Path = REPO / "train_cifar.py", fork: bool = False):
-    """train_cifar.py (or the probe around it) in fresh processes: plain `python`, or `accelerate launch <launch>`
-    with a free port. The launcher is forked (run_python): its training processes are fresh interpreters either way.
-    fork=True forks a one-process run too; only for runs whose numbers no test compares with another process's
-    bitwise (a kernel can round differently on memory laid out differently)."""
+    """train_cifar.py (or the probe around it) in real processes: plain `python`, or `accelerate launch <launch>`
+    with a free port. The launcher is forked from tests/forked.py, and without CUDA so are its workers (its docstring
+    says what is the same and what differs). A one-process run is a fresh interpreter, as the user's would be;
+    fork=True forks it too, for runs whose numbers no test compares bitwise with another process's."""
     if launch is None:
         argv = [str(script), *args]
     else:
         argv = ["-m", "accelerate.commands.launch", *launch, "--main_process_port", "0", str(script), *args]
     if launch is not None or fork:
-        return run_python(argv, env or script_env(), timeout)
+        return run_python(argv, env or script_env(), timeout, fork_workers=launch is not None and not CUDA)
     return subprocess.run([sys.executable, *argv], cwd=REPO, env=env or script_env(), capture_output=True, text=True,
                           timeout=timeout)
 
@@ -244,11 +297,11 @@ def read_summary(output_dir: Path) -> dict:
     return json.loads((Path(output_dir) / "summary.json").read_text())
 
 
-def start(args, launch: list[str], script: Path = REPO / "train_cifar.py", env=None) -> subprocess.Popen:
-    """A launched job in the background (for signals and kills): `accelerate launch <launch>` with a free port."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch, "--main_process_port", "0", str(script), *args]
-    return subprocess.Popen(cmd, cwd=REPO, env=env or script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+def start(args, launch: list[str], script: Path = REPO / "train_cifar.py", env=None) -> Forked:
+    """A launched job in the background (for signals and kills): `accelerate launch <launch>` with a free port. The
+    launcher is forked; its workers are fresh interpreters, with their own command lines and environments."""
+    argv = ["-m", "accelerate.commands.launch", *launch, "--main_process_port", "0", str(script), *args]
+    return Forked(argv, env or script_env())
 
 
 def wait_for_checkpoint(out: Path, proc: subprocess.Popen, step: int, timeout: float = 300) -> None:

@@ -1,46 +1,76 @@
 """A fork server for the tests: `python SCRIPT ARGS` and `python -m MODULE ARGS` without paying for the imports.
 
-The suite starts ~90 Python programs, and each spends about 3 s importing torch, torchvision and accelerate. This
-server (`python tests/forked.py`, started once by conftest.run_python) imports them once, then for each request
-forks a fresh process that runs the script or module as `__main__`, the way the interpreter would: its own process
-(and process group), environment, working directory, argv, stdout/stderr files and exit status. Only the imported
-libraries are shared; the project's own modules are imported in the child, after its environment is set. Forking
-after these imports is safe because the server never runs a torch operation (no thread pool exists yet; checked).
+A full run of the suite starts about 200 Python processes, and on a slow 2-core CPU each spends about 8 s importing
+torch, torchvision and accelerate. This server (`python tests/forked.py`, started once by conftest's Forked) imports
+them once, then for each request forks a fresh process that runs the script or module as `__main__`, the way the
+interpreter would: its own process (and process group), environment, working directory, argv, stdout/stderr files,
+thread count (OMP_NUM_THREADS) and exit status. Only the imported libraries are shared; the project's own modules are
+imported in the child, after its environment is set. Forking after these imports is safe because the server never
+runs a torch operation (no thread pool exists yet; checked). Several children may run at once: a test's background
+job (conftest.start) while the test runs another command.
 
-Protocol, one JSON line per request on stdin: {"argv", "env", "cwd", "stdout", "stderr"}; the server answers with
-the child's pid, then, when the child has ended, its exit status as subprocess reports it (-N after signal N).
+With fork_workers, the child is the `accelerate launch` launcher and torchrun forks its workers from it as well,
+instead of starting `python -u SCRIPT` (fork_torchrun_workers): a 2-rank job's fixed cost drops from about 16 s to
+about 7 s there. The workers are real processes of torchrun's, in sessions of their own, with torchrun's environment,
+running the real script; what differs is what /proc shows of them (the server's command line and initial
+environment), so the tests that find workers by command line or RANK (kills, signals) start their jobs with
+conftest.start, whose workers are fresh interpreters. Bitwise comparisons between a forked 2-rank job and a fresh
+one-process run hold (tests/test_distributed.py, test_checkpoint.py); forking is not used on a machine with CUDA,
+whose driver must not be initialised before a fork.
 
-Used for the `accelerate launch` launcher (its training processes are fresh interpreters that it starts) and for
-one-process runs whose numbers no test compares bitwise with another process's: bad input, and runs checked against
-thresholds or their own files. Bitwise comparisons between processes keep fresh interpreters, because a kernel can
-round differently on memory laid out differently.
+Protocol, one JSON line per request on stdin: {"argv", "env", "cwd", "stdout", "stderr", "fork_workers"}; the server
+answers `started PID` at once and `ended PID STATUS` when the child has ended (STATUS as subprocess reports it: -N
+after signal N).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import io
 import json
 import os
 import runpy
+import select
+import signal
+import subprocess
 import sys
 import threading
+import time
 import traceback
+import warnings
 
 import accelerate.commands.launch  # noqa: F401  the launcher and, through it, torch and torch.distributed
 import safetensors.torch  # noqa: F401
+import torch
 import torch.distributed.tensor  # noqa: F401  what accelerate's prepare imports
 import torchvision  # noqa: F401  (it also imports torch._dynamo)
 
+POLL = 0.02  # seconds between the server's checks for ended children
+# The signal handlers a fresh interpreter starts with (what a forked worker restores; the rest SIG_DFL)
+PYTHON_SIGNALS = {signal.SIGINT: signal.default_int_handler, signal.SIGPIPE: signal.SIG_IGN}
 
-def run(argv: list[str], env: dict, cwd: str, stdout: str, stderr: str) -> int:
-    """In the forked child: what `python <argv>` would do, returning its exit status."""
+
+def run(argv: list[str], env: dict, cwd: str, stdout: str, stderr: str, fork_workers: bool = False) -> int:
+    """In the forked child: what `python <argv>` would do, returning its exit status. fork_workers: argv is the
+    `accelerate launch` launcher, and torchrun forks its workers from it too (fork_torchrun_workers)."""
     os.setsid()  # its own process group, so a timeout can stop it and whatever it started
-    os.chdir(cwd)
-    os.environ.clear()
-    os.environ.update(env)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     for fd, path in ((1, stdout), (2, stderr)):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+    if fork_workers:
+        fork_torchrun_workers()
+    return become(argv, env, cwd)
+
+
+def become(argv: list[str], env: dict, cwd: str) -> int:
+    """Run `python <argv>` in this process, its stdio set already: the exit status the interpreter would give."""
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    if env.get("OMP_NUM_THREADS"):  # a fresh interpreter's OpenMP reads it as torch loads; here torch is loaded
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    reopen_stdio(unbuffered=bool(env.get("PYTHONUNBUFFERED")))
     try:
         if argv[0] == "-m":
             sys.argv, sys.path[0] = argv[1:], cwd
@@ -63,19 +93,98 @@ def run(argv: list[str], env: dict, cwd: str, stdout: str, stderr: str) -> int:
     return status
 
 
+def reopen_stdio(unbuffered: bool) -> None:
+    """sys.stdout and sys.stderr on file descriptors 1 and 2 as the interpreter opens them: stderr line-buffered,
+    both unbuffered under `python -u` or PYTHONUNBUFFERED (what a test reading a killed process's output needs)."""
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        old = getattr(sys, name)
+        raw = open(fd, "wb", buffering=0, closefd=False)  # noqa: SIM115  the interpreter's own streams, never closed
+        setattr(sys, name, io.TextIOWrapper(raw if unbuffered else io.BufferedWriter(raw), encoding=old.encoding,
+                                            errors=old.errors, line_buffering=name == "stderr" and not unbuffered,
+                                            write_through=unbuffered))
+
+
+class ForkedWorker:
+    """What torchrun's agent uses of a worker's subprocess.Popen (pid, poll, wait), for a worker forked from it."""
+
+    def __init__(self, pid: int, args):
+        self.pid, self.args, self.returncode = pid, args, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+
+def fork_torchrun_workers() -> None:
+    """torchrun starts each worker as `python -u SCRIPT ARGS` (subprocess.Popen, new session); here it forks this
+    launcher instead, and the child runs the script as that command would: its own session, torchrun's environment
+    and stdio, Python's default signal handlers, no file descriptor of the launcher beyond stdio."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import SubprocessHandler
+
+    def popen(handler, args: tuple, env: dict) -> ForkedWorker:
+        argv = [a for a in args[1:] if a != "-u"]  # args[0] is the interpreter; -u: stdio is unbuffered below
+        sys.stdout.flush()
+        sys.stderr.flush()
+        with warnings.catch_warnings():  # Python 3.12+ warns of forking a process with threads (torchrun's store)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid:
+            return ForkedWorker(pid, args)
+        status = 1
+        try:
+            os.setsid()
+            for number in set(signal.valid_signals()) - {signal.SIGKILL, signal.SIGSTOP}:
+                with contextlib.suppress(OSError, ValueError):
+                    signal.signal(number, PYTHON_SIGNALS.get(number, signal.SIG_DFL))
+            for fd, file in ((1, handler._stdout), (2, handler._stderr)):
+                if file is not None:
+                    os.dup2(file.fileno(), fd)
+            os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+            status = become(argv, {**env, "PYTHONUNBUFFERED": "1"}, os.getcwd())  # -u
+        finally:
+            os._exit(status)
+
+    SubprocessHandler._popen = popen
+
+
 def serve() -> None:
+    """Requests on stdin, answers on stdout, until stdin closes; many children may run at once (a test's background
+    job while it runs another). A child that ends is reaped within POLL seconds."""
     assert threading.active_count() == 1, "an import started a thread: forking this process would not be safe"
-    requests, answers = sys.stdin, sys.stdout
-    for line in requests:
-        request = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            os._exit(run(**request))
-        answers.write(f"{pid}\n")
-        answers.flush()
-        _, status = os.waitpid(pid, 0)
-        answers.write(f"{os.waitstatus_to_exitcode(status)}\n")
-        answers.flush()
+    pending, running = b"", set()
+
+    def answer(line: str) -> None:
+        os.write(1, f"{line}\n".encode())
+
+    while True:
+        if select.select([0], [], [], POLL)[0]:
+            chunk = os.read(0, 1 << 16)
+            if not chunk:
+                return  # the tests have ended; a child still running is on its own, as after subprocess.Popen
+            pending += chunk
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                pid = os.fork()
+                if pid == 0:
+                    os._exit(run(**json.loads(line)))
+                running.add(pid)
+                answer(f"started {pid}")
+        for pid in list(running):
+            ended, status = os.waitpid(pid, os.WNOHANG)
+            if ended:
+                running.discard(pid)
+                answer(f"ended {pid} {os.waitstatus_to_exitcode(status)}")
 
 
 if __name__ == "__main__":
