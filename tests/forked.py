@@ -10,13 +10,13 @@ runs a torch operation (no thread pool exists yet; checked). Several children ma
 job (conftest.start) while the test runs another command.
 
 With fork_workers, the child is the `accelerate launch` launcher and torchrun forks its workers from it as well,
-instead of starting `python -u SCRIPT` (fork_torchrun_workers): a 2-rank job's fixed cost drops from about 16 s to
-about 7 s there. The workers are real processes of torchrun's, in sessions of their own, with torchrun's environment,
-running the real script; what differs is what /proc shows of them (the server's command line and initial
-environment), so the tests that find workers by command line or RANK (kills, signals) start their jobs with
-conftest.start, whose workers are fresh interpreters. Bitwise comparisons between a forked 2-rank job and a fresh
-one-process run hold (tests/test_distributed.py, test_checkpoint.py); forking is not used on a machine with CUDA,
-whose driver must not be initialised before a fork.
+instead of starting `python -u SCRIPT` (fork_torchrun_workers; docs/performance.md has what it saves). The workers
+are real processes of torchrun's, in sessions of their own, with torchrun's environment, running the real script;
+what differs is what /proc shows of them (the server's command line and initial environment), so the tests that
+find workers by command line or RANK (kills, signals) start their jobs with conftest.start, whose workers are fresh
+interpreters. Bitwise comparisons between a forked 2-rank job and a fresh one-process run hold
+(tests/test_distributed.py, test_checkpoint.py). Not used on a machine with CUDA, whose driver must not be
+initialised before a fork.
 
 Protocol, one JSON line per request on stdin: {"argv", "env", "cwd", "stdout", "stderr", "fork_workers"}; the server
 answers `started PID` at once and `ended PID STATUS` when the child has ended (STATUS as subprocess reports it: -N
@@ -46,6 +46,9 @@ import torch
 import torch.distributed.tensor  # noqa: F401  what accelerate's prepare imports
 import torchvision  # noqa: F401  (it also imports torch._dynamo)
 
+# The server's sys.path after its own folder, less what its own $PYTHONPATH put there
+BASE_PATH = [p for p in sys.path[1:]
+             if p not in {os.path.abspath(q) for q in os.environ.get("PYTHONPATH", "").split(os.pathsep) if q}]
 POLL = 0.02  # seconds between the server's checks for ended children
 # The signal handlers a fresh interpreter starts with (what a forked worker restores; the rest SIG_DFL)
 PYTHON_SIGNALS = {signal.SIGINT: signal.default_int_handler, signal.SIGPIPE: signal.SIG_IGN}
@@ -71,12 +74,15 @@ def become(argv: list[str], env: dict, cwd: str) -> int:
     if env.get("OMP_NUM_THREADS"):  # a fresh interpreter's OpenMP reads it as torch loads; here torch is loaded
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     reopen_stdio(unbuffered=bool(env.get("PYTHONUNBUFFERED")))
+    # sys.path as the interpreter builds it: the script's folder (-m: the working directory), $PYTHONPATH, the rest
+    first = cwd if argv[0] == "-m" else os.path.dirname(os.path.abspath(argv[0]))
+    sys.path[:] = [first, *(os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p), *BASE_PATH]
     try:
         if argv[0] == "-m":
-            sys.argv, sys.path[0] = argv[1:], cwd
+            sys.argv = argv[1:]
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         else:
-            sys.argv, sys.path[0] = argv, os.path.dirname(os.path.abspath(argv[0]))
+            sys.argv = argv
             runpy.run_path(argv[0], run_name="__main__")
         status = 0
     except SystemExit as e:
