@@ -206,9 +206,9 @@ def _answer(deadline: float) -> tuple[str, int] | None:
 
 class Forked:
     """`python <argv>` in the repository, started in the background in a fresh process forked from tests/forked.py,
-    which has imported torch and accelerate already (its docstring says why and when that is the same; about 4 s
-    less per command on a slow CPU): what the tests use of subprocess.Popen (text mode, stdout and stderr
-    captured). fork_workers: argv is `-m accelerate.commands.launch ...`, whose workers are forked too."""
+    which has imported torch and accelerate already (its docstring says why, and when that is the same): what the
+    tests use of subprocess.Popen (text mode, stdout and stderr captured). fork_workers: argv is
+    `-m accelerate.commands.launch ...`, whose workers are forked too."""
 
     def __init__(self, argv: list[str], env: dict, fork_workers: bool = False):
         self._tmp = tempfile.TemporaryDirectory()
