@@ -66,14 +66,15 @@ def run(argv: list[str], env: dict, cwd: str, stdout: str, stderr: str, fork_wor
     return become(argv, env, cwd)
 
 
-def become(argv: list[str], env: dict, cwd: str) -> int:
-    """Run `python <argv>` in this process, its stdio set already: the exit status the interpreter would give."""
+def become(argv: list[str], env: dict, cwd: str, unbuffered: bool = False) -> int:
+    """Run `python <argv>` in this process, its stdio set already: the exit status the interpreter would give.
+    unbuffered: as `python -u` (as PYTHONUNBUFFERED in env, without setting it for the processes this one starts)."""
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
     if env.get("OMP_NUM_THREADS"):  # a fresh interpreter's OpenMP reads it as torch loads; here torch is loaded
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-    reopen_stdio(unbuffered=bool(env.get("PYTHONUNBUFFERED")))
+    reopen_stdio(unbuffered=unbuffered or bool(env.get("PYTHONUNBUFFERED")))
     # sys.path as the interpreter builds it: the script's folder (-m: the working directory), $PYTHONPATH, the rest
     first = cwd if argv[0] == "-m" else os.path.dirname(os.path.abspath(argv[0]))
     sys.path[:] = [first, *(os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p), *BASE_PATH]
@@ -139,7 +140,7 @@ def fork_torchrun_workers() -> None:
     from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import SubprocessHandler
 
     def popen(handler, args: tuple, env: dict) -> ForkedWorker:
-        argv = [a for a in args[1:] if a != "-u"]  # args[0] is the interpreter; -u: stdio is unbuffered below
+        argv = [a for a in args[1:] if a != "-u"]  # args[0] is the interpreter; -u: become(unbuffered=True)
         sys.stdout.flush()
         sys.stderr.flush()
         with warnings.catch_warnings():  # Python 3.12+ warns of forking a process with threads (torchrun's store)
@@ -157,7 +158,7 @@ def fork_torchrun_workers() -> None:
                 if file is not None:
                     os.dup2(file.fileno(), fd)
             os.closerange(3, os.sysconf("SC_OPEN_MAX"))
-            status = become(argv, {**env, "PYTHONUNBUFFERED": "1"}, os.getcwd())  # -u
+            status = become(argv, env, os.getcwd(), unbuffered=True)
         finally:
             os._exit(status)
 
