@@ -298,10 +298,10 @@ def read_summary(output_dir: Path) -> dict:
 
 
 def start(args, launch: list[str], script: Path = REPO / "train_cifar.py", env=None) -> Forked:
-    """A launched job in the background (for signals and kills): `accelerate launch <launch>` with a free port. The
-    launcher is forked; its workers are fresh interpreters, with their own command lines and environments."""
+    """A launched job in the background (for signals and kills): `accelerate launch <launch>` with a free port, forked
+    as run_train's are (workers() finds its workers)."""
     argv = ["-m", "accelerate.commands.launch", *launch, "--main_process_port", "0", str(script), *args]
-    return Forked(argv, env or script_env())
+    return Forked(argv, env or script_env(), fork_workers=not CUDA)
 
 
 def wait_for_checkpoint(out: Path, proc: subprocess.Popen, step: int, timeout: float = 300) -> None:
@@ -313,10 +313,16 @@ def wait_for_checkpoint(out: Path, proc: subprocess.Popen, step: int, timeout: f
         time.sleep(0.02)
 
 
-def workers(proc: subprocess.Popen) -> list[psutil.Process]:
-    """The training processes of a launched job (torchrun's workers)."""
-    return [c for c in psutil.Process(proc.pid).children(recursive=True)
-            if any(name in " ".join(c.cmdline()) for name in ("train_cifar.py", "probe_train.py", "train_vit.py"))]
+def workers(proc: subprocess.Popen) -> dict[int, psutil.Process]:
+    """The training processes of a launched job (torchrun's workers) by rank: forked ones by the name tests/forked.py
+    gives them (rankN), started ones by their command line and RANK."""
+    found = {}
+    for child in psutil.Process(proc.pid).children(recursive=False):
+        if child.name().startswith("rank"):
+            found[int(child.name()[4:])] = child
+        elif any(name in " ".join(child.cmdline()) for name in ("train_cifar.py", "probe_train.py", "train_vit.py")):
+            found[int(child.environ()["RANK"])] = child
+    return found
 
 
 def assert_same_state(a: Path, b: Path) -> None:

@@ -5,18 +5,19 @@ torch, torchvision and accelerate. This server (`python tests/forked.py`, starte
 them once, then for each request forks a fresh process that runs the script or module as `__main__`, the way the
 interpreter would: its own process (and process group), environment, working directory, argv, stdout/stderr files,
 thread count (OMP_NUM_THREADS) and exit status. Only the imported libraries are shared; the project's own modules are
-imported in the child, after its environment is set. Forking after these imports is safe because the server never
-runs a torch operation (no thread pool exists yet; checked). Several children may run at once: a test's background
-job (conftest.start) while the test runs another command.
+imported in the child, after its environment is set (as are datasets and huggingface_hub, which read HF_* variables at
+import; the server imports only their dependencies that read none). Forking after these imports is safe because the
+server never runs a torch operation (no thread pool exists yet; checked); the imported objects are frozen out of the
+children's garbage collections (gc.freeze), which would otherwise scan them all at every full collection. Several
+children may run at once: a test's background job (conftest.start) while the test runs another command.
 
-With fork_workers, the child is the `accelerate launch` launcher and torchrun forks its workers from it as well,
-instead of starting `python -u SCRIPT` (fork_torchrun_workers; docs/performance.md has what it saves). The workers
-are real processes of torchrun's, in sessions of their own, with torchrun's environment, running the real script;
-what differs is what /proc shows of them (the server's command line and initial environment), so the tests that
-find workers by command line or RANK (kills, signals) start their jobs with conftest.start, whose workers are fresh
-interpreters. Bitwise comparisons between a forked 2-rank job and a fresh one-process run hold
-(tests/test_distributed.py, test_checkpoint.py). Not used on a machine with CUDA, whose driver must not be
-initialised before a fork.
+With fork_workers, the child is the `accelerate launch` launcher and torchrun forks its workers from it as well, instead
+of starting `python -u SCRIPT` (fork_torchrun_workers; docs/performance.md has what it saves). The workers are real
+processes of torchrun's, in sessions of their own, with torchrun's environment, running the real script; what differs is
+what /proc shows of them: the server's command line and initial environment, and the name `rankN` (comm), by which
+conftest.workers finds them for the tests that signal or kill one. Bitwise comparisons between a forked 2-rank job and a
+fresh one-process run hold (tests/test_distributed.py, test_checkpoint.py). Not used on a machine with CUDA, whose
+driver must not be initialised before a fork.
 
 Protocol, one JSON line per request on stdin: {"argv", "env", "cwd", "stdout", "stderr", "fork_workers"}; the server
 answers `started PID` at once and `ended PID STATUS` when the child has ended (STATUS as subprocess reports it: -N
@@ -27,6 +28,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
+import importlib
 import io
 import json
 import os
@@ -45,6 +48,13 @@ import safetensors.torch  # noqa: F401
 import torch
 import torch.distributed.tensor  # noqa: F401  what accelerate's prepare imports
 import torchvision  # noqa: F401  (it also imports torch._dynamo)
+
+# What `datasets` imports that reads no environment variable at import (datasets and huggingface_hub themselves read
+# HF_HOME, HF_HUB_OFFLINE and others then, which tests set per run: the child imports those two)
+for _name in ("pandas", "pyarrow.parquet", "fsspec", "httpx2", "trio", "anyio", "filelock", "multiprocess", "xxhash",
+              "cloudpickle"):
+    with contextlib.suppress(ImportError):  # a version of datasets that needs fewer of them
+        importlib.import_module(_name)
 
 # The server's sys.path after its own folder, less what its own $PYTHONPATH put there
 BASE_PATH = [p for p in sys.path[1:]
@@ -111,6 +121,14 @@ def reopen_stdio(unbuffered: bool) -> None:
                                             write_through=unbuffered))
 
 
+def name_process(name: str) -> None:
+    """Sets what /proc/PID/comm (psutil's name(), `ps -o comm`) shows for this process: a forked worker's command
+    line and initial environment are the server's, so conftest.workers finds it and its rank by this name."""
+    import ctypes
+
+    ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # 15: PR_SET_NAME (Linux)
+
+
 class ForkedWorker:
     """What torchrun's agent uses of a worker's subprocess.Popen (pid, poll, wait), for a worker forked from it."""
 
@@ -151,6 +169,7 @@ def fork_torchrun_workers() -> None:
         status = 1
         try:
             os.setsid()
+            name_process(f"rank{env.get('RANK', '')}")
             for number in set(signal.valid_signals()) - {signal.SIGKILL, signal.SIGSTOP}:
                 with contextlib.suppress(OSError, ValueError):
                     signal.signal(number, PYTHON_SIGNALS.get(number, signal.SIG_DFL))
@@ -169,6 +188,7 @@ def serve() -> None:
     """Requests on stdin, answers on stdout, until stdin closes; many children may run at once (a test's background
     job while it runs another). A child that ends is reaped within POLL seconds."""
     assert threading.active_count() == 1, "an import started a thread: forking this process would not be safe"
+    gc.freeze()  # the imports' objects live as long as the server: a child's collections need not scan them
     pending, running = b"", set()
 
     def answer(line: str) -> None:

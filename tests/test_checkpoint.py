@@ -178,7 +178,7 @@ def test_preemption_signal_checkpoints_at_the_next_step_and_resume_is_exact(refe
     if how.startswith("SIGTERM"):
         proc.send_signal(signal.SIGTERM)  # torchrun forwards it to the workers, as SLURM's to srun's tasks
     else:
-        for worker in workers(proc):
+        for worker in workers(proc).values():
             worker.send_signal(signal.SIGUSR1)
     _, stderr = proc.communicate(timeout=60)
     assert time.time() - sent < 30, "the job must stop within seconds"
@@ -207,7 +207,7 @@ def test_workers_whose_launcher_is_killed_checkpoint_and_exit_and_resume_is_exac
     out = tmp_path / "orphaned"
     proc = start(job_args(cifar_dir, cache_dir, out), TWO_RANKS)
     wait_for_checkpoint(out, proc, 3)
-    job = workers(proc)
+    job = list(workers(proc).values())
     assert len(job) == 2
     killed = time.time()
     proc.kill()
@@ -301,7 +301,7 @@ def test_dead_peer_fails_the_job_instead_of_hanging(cifar_dir, cache_dir, tmp_pa
     out = tmp_path / "dead_peer"
     proc = start(job_args(cifar_dir, cache_dir, out, "--dist-timeout", "30"), TWO_RANKS)
     wait_for_checkpoint(out, proc, 3)
-    victim = next(w for w in workers(proc) if w.environ().get("RANK") == "1")
+    victim = workers(proc)[1]
     victim.kill()
     started = time.time()
     _, stderr = proc.communicate(timeout=120)
@@ -521,8 +521,8 @@ def test_second_job_in_a_busy_output_dir_stops_naming_the_first_and_a_dead_jobs_
     out = tmp_path / "busy"
     first = start(job_args(cifar_dir, cache_dir, out), TWO_RANKS)
     wait_for_checkpoint(out, first, 3)
-    holder = next(w for w in workers(first) if w.environ().get("RANK") == "0")
-    for worker in workers(first):
+    holder = workers(first)[0]
+    for worker in workers(first).values():
         worker.suspend()  # alive and holding the lock, but it cannot finish while the second job starts
     second = run_train(job_args(cifar_dir, cache_dir, out, "--resume", "auto"), launch=TWO_RANKS)
     errors = [line for line in second.stderr.splitlines() if line.startswith("error:")]
@@ -578,10 +578,10 @@ def test_hung_peer_stops_the_others_after_dist_timeout_with_one_line(cifar_dir, 
     out = tmp_path / "hung"
     proc = start(job_args(cifar_dir, tmp_path / "cache", out, "--dist-timeout", "10"), TWO_RANKS)
     wait_for_checkpoint(out, proc, 3)
-    ranks = {w.environ().get("RANK"): w for w in workers(proc)}
-    ranks["1"].suspend()  # SIGSTOP: alive, holding its connections, answering nothing
+    ranks = workers(proc)
+    ranks[1].suspend()  # SIGSTOP: alive, holding its connections, answering nothing
     stopped = time.time()
-    psutil.wait_procs([ranks["0"]], timeout=60)
+    psutil.wait_procs([ranks[0]], timeout=60)
     waited = time.time() - stopped
     for process in [*psutil.Process(proc.pid).children(recursive=True)]:
         process.kill()

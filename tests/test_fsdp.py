@@ -131,7 +131,7 @@ def test_fsdp_checkpoints_are_sharded_per_rank_and_a_preempted_job_resumes_on_on
     out = tmp_path / "preempted"
     proc = start(job_args(cifar_dir, cache_dir, out), FSDP)
     wait_for_checkpoint(out, proc, 3)
-    for worker in workers(proc):
+    for worker in workers(proc).values():
         worker.send_signal(signal.SIGUSR1)
     _, stderr = proc.communicate(timeout=120)
     assert not (out / "summary.json").exists(), "the job should have stopped early"

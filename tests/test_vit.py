@@ -172,7 +172,7 @@ def test_preempted_fsdp_vit_resumes_from_its_shards_and_exports_a_plain_vit_with
     args = job_args(cifar_dir, cache_dir, out, *JOB)
     proc = start(args, [*FSDP, "--mixed_precision", "no"], script=VIT)
     wait_for_checkpoint(out, proc, 2)
-    for worker in workers(proc):
+    for worker in workers(proc).values():
         worker.send_signal(signal.SIGUSR1)
     _, stderr = proc.communicate(timeout=120)
     assert not (out / "summary.json").exists(), "the job should have stopped early"
