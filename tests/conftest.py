@@ -281,8 +281,9 @@ def run_train(args: list[str], launch: list[str] | None = None, env: dict | None
               script: Path = REPO / "train_cifar.py", fork: bool = False):
     """train_cifar.py (or the probe around it) in real processes: plain `python`, or `accelerate launch <launch>`
     with a free port. The launcher is forked from tests/forked.py, and without CUDA so are its workers (its docstring
-    says what is the same and what differs). A one-process run is a fresh interpreter, as the user's would be;
-    fork=True forks it too, for runs whose numbers no test compares bitwise with another process's."""
+    says what is the same and what differs). A one-process run is a fresh interpreter, as the user's would be, unless
+    fork=True: fresh where a test compares its numbers bitwise with a forked job's (the evidence that forking
+    changes none), forked elsewhere."""
     if launch is None:
         argv = [str(script), *args]
     else:

@@ -4,14 +4,12 @@ CPU-runnable ones launched (cpu.yaml runs in most tests; the multi-node file run
 from __future__ import annotations
 
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
-from conftest import REPO, cpu_bf16_native_here, read_summary, script_env
+from conftest import CUDA, REPO, Forked, cpu_bf16_native_here, read_summary, run_python, script_env
 
 CONFIGS = sorted((REPO / "accelerate_configs").glob("*.yaml"))
 
@@ -74,13 +72,12 @@ def launch_two_machines(script: Path, args: list[str], num_processes=(2, 2), tim
     (exit status, stdout, stderr) per machine."""
     port, launchers = _free_port(), []
     for rank, processes in enumerate(num_processes):
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+        cmd = ["-m", "accelerate.commands.launch", "--config_file",
                str(REPO / "accelerate_configs" / "2node_16gpu.yaml"),
                "--num_machines", "2", "--num_processes", str(processes), "--machine_rank", str(rank),
                "--main_process_ip", "127.0.0.1",
                "--main_process_port", str(port), "--mixed_precision", "no", str(script), *args]
-        launchers.append(subprocess.Popen(cmd, cwd=REPO, env=script_env(), stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True))
+        launchers.append(Forked(cmd, script_env(), fork_workers=not CUDA))
     return [(p.wait(timeout), *p.communicate()) for p in launchers]
 
 
@@ -113,10 +110,10 @@ def test_machines_launched_with_different_process_counts_stop_training(cifar_dir
 
 @pytest.mark.slow
 def test_doctor_reports_a_healthy_two_rank_cpu_setup():
-    result = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                             str(REPO / "accelerate_configs" / "cpu.yaml"),
-                             "--main_process_port", "0", str(REPO / "doctor.py"), "--timeout", "30", "--size-mb", "8"],
-                            cwd=REPO, env=script_env(), capture_output=True, text=True, timeout=120)
+    result = run_python(["-m", "accelerate.commands.launch", "--config_file",
+                         str(REPO / "accelerate_configs" / "cpu.yaml"), "--main_process_port", "0",
+                         str(REPO / "doctor.py"), "--timeout", "30", "--size-mb", "8"],
+                        script_env(), timeout=120, fork_workers=not CUDA)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     lines = result.stdout.splitlines()
     assert sum(line.strip().startswith("rank ") and "gloo" in line for line in lines) == 2
@@ -145,8 +142,7 @@ def _doctor_alone(port: int, timeout: float, rank: int = 0):
     """One rank of 2 started without its peer (as srun or a hand launch does when the other task never starts)."""
     env = script_env(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     started = time.time()
-    result = subprocess.run([sys.executable, str(REPO / "doctor.py"), "--timeout", str(timeout)], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=120)
+    result = run_python([str(REPO / "doctor.py"), "--timeout", str(timeout)], env, timeout=120)
     return result, time.time() - started
 
 

@@ -311,14 +311,14 @@ def test_an_out_of_memory_error_in_the_middle_of_a_step_redoes_the_step_from_its
     flags = ["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), *COMMON, "--global-batch-size", "32"]
     redone, first, resumed = tmp_path / "redone", tmp_path / "first", tmp_path / "resumed"
     result = run_train([*flags, "--batch-size", "16", "--output-dir", str(redone)], script=PROBE,
-                       env=script_env(PROBE_OOM_AT_FORWARD="14"))
+                       env=script_env(PROBE_OOM_AT_FORWARD="14"), fork=True)
     assert result.returncode == 0, result.stderr[-4000:]
     assert ("out of memory in training step 7 at a micro-batch of 16: redoing it with 8 x 1 processes x 4 "
             "accumulation, the same global batch of 32") in result.stdout
     for args in (["--batch-size", "16", "--output-dir", str(first)],
                  ["--batch-size", "8", "--output-dir", str(resumed), "--resume",
                   str(first / "checkpoints" / "step-00000006")]):
-        result = run_train([*flags, *args])
+        result = run_train([*flags, *args], fork=True)
         assert result.returncode == 0, result.stderr[-4000:]
     assert read_summary(redone)["global_step"] == read_summary(resumed)["global_step"] == 12
     a, b = load_file(redone / "model.safetensors"), load_file(resumed / "model.safetensors")

@@ -94,7 +94,7 @@ def test_one_process_bf16_from_the_launcher_with_accumulation_and_offline_wandb(
     result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out),
                         "--model", "resnet18_imagenet", "--train-subset", "1024", "--eval-subset", "200",
                         "--batch-size", "32", "--grad-accum", "2", "--max-steps", "6", "--optimizer", "adamw",
-                        "--lr", "1e-3", "--channels-last", "--tracker", "wandb"], env=env)
+                        "--lr", "1e-3", "--channels-last", "--tracker", "wandb"], env=env, fork=True)
     assert result.returncode == 0, result.stderr[-4000:]
     s = read_summary(out)
     assert (s["world_size"], s["mixed_precision"], s["wrapper"]) == (1, "bf16", "ResNet")
