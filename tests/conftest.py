@@ -333,14 +333,14 @@ def assert_same_state(a: Path, b: Path) -> None:
     assert not differ, f"{len(differ)} tensors differ, e.g. {differ[:3]}"
 
 
-# The checkpoint/resume job (tests/test_checkpoint.py, tests/test_fsdp.py, tests/test_ema.py): 512 images, micro-batch
-# 32, global batch 64 (2 processes x 1 or 1 process x 2 accumulation steps) -> 8 optimizer steps per epoch, 2 epochs, a
+# The checkpoint/resume job (tests/test_checkpoint.py, tests/test_fsdp.py, tests/test_ema.py): 256 images, micro-batch
+# 16, global batch 32 (2 processes x 1 or 1 process x 2 accumulation steps) -> 8 optimizer steps per epoch, 2 epochs, a
 # checkpoint and an evaluation every 3 steps (and at each epoch's end), the weights' EMA at decay 0.9, mixup and cutmix
 # (the mixing drawn per image, so resume stays exact), NCHW (the layout
 # evaluate_checkpoint.py and FSDP2 use), train/loss logged at every step. SGD at lr 0.01 without clipping:
 # tests/test_fsdp.py's docstring says why FSDP's comparison with DDP needs both.
-CHECKPOINT_JOB = ["--model", "resnet18_imagenet", "--train-subset", "512", "--eval-subset", "100",
-                  "--batch-size", "32", "--global-batch-size", "64", "--epochs", "2", "--checkpoint-every-steps", "3",
+CHECKPOINT_JOB = ["--model", "resnet18_imagenet", "--train-subset", "256", "--eval-subset", "100",
+                  "--batch-size", "16", "--global-batch-size", "32", "--epochs", "2", "--checkpoint-every-steps", "3",
                   "--eval-every-steps", "3", "--ema-decay", "0.9", "--mixup", "0.2", "--cutmix", "1.0",
                   "--deterministic", "--tracker", "none",
                   "--lr", "0.01", "--grad-clip", "0", "--log-every", "1", "--no-channels-last"]

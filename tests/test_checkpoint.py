@@ -1,7 +1,7 @@
 """Checkpoints, exact resume and faults, on 2 gloo ranks: kill -9, SIGTERM/SIGUSR1, corrupt checkpoints,
 a dead peer, a NaN loss; and bad resume input.
 
-The 2-rank job (cpu.yaml): 512 images, micro-batch 32, global batch 64 -> 8 optimizer steps per epoch, 2 epochs, a
+The 2-rank job (cpu.yaml): 256 images, micro-batch 16, global batch 32 -> 8 optimizer steps per epoch, 2 epochs, a
 checkpoint and an evaluation every 3 steps (3, 6, 9, 12, 15) and at each epoch end (8, 16), the weights' EMA in every
 checkpoint; augmentation on (keyed by sample, so the
 same on any process count); fp32 on CPU, so "exact" means bitwise. A kill -9 resumes on the other process count:
@@ -63,7 +63,7 @@ def test_checkpoints_are_rotated_keeping_the_last_two_and_the_best(reference):
     state = json.loads((reference / "checkpoints" / "step-00000015" / "trainer_state.json").read_text())
     assert state["progress"]["epoch"] == 1 and state["progress"]["batches_in_epoch"] == 7  # mid-epoch position
     assert state["config"]["model"] == "resnet18_imagenet" and state["world_size"] == 2
-    assert state["batch"] == {"micro": 32, "processes": 2, "accumulation": 1, "halvings": 0} and state["format"] == 2
+    assert state["batch"] == {"micro": 16, "processes": 2, "accumulation": 1, "halvings": 0} and state["format"] == 2
     assert {"model.safetensors", "optimizer.bin", "random_states_0.pkl", "random_states_1.pkl",
             "ema.safetensors"} <= set(state["files"])
     assert not any("rank" in name for name in state["files"])  # no per-rank augmentation stream any more
@@ -96,17 +96,17 @@ def test_kill_9_mid_epoch_on_two_processes_then_resume_on_one_matches_the_uninte
     s = read_summary(out)
     resumed_at = int(Path(s["resumed_from"]).name[5:])
     assert resumed_at % 8 != 0, "the kill should land mid-epoch (8 steps per epoch)"
-    assert ("resuming on 1 process(es), the checkpoint's run had 2: accumulation 1 -> 2 micro-batches of 32 per "
-            "step, global batch 64") in result.stdout
-    epoch, images = resumed_at // 8 + 1, resumed_at % 8 * 64  # the position, in this run's terms
+    assert ("resuming on 1 process(es), the checkpoint's run had 2: accumulation 1 -> 2 micro-batches of 16 per "
+            "step, global batch 32") in result.stdout
+    epoch, images = resumed_at // 8 + 1, resumed_at % 8 * 32  # the position, in this run's terms
     assert f"epoch {epoch} after {images} of its images, step {resumed_at}" in result.stdout
-    assert s["world_size"] == 1 and s["grad_accum"] == 2 and s["global_batch"] == 64
+    assert s["world_size"] == 1 and s["grad_accum"] == 2 and s["global_batch"] == 32
     logs = [json.loads(line) for line in (out / "probe-logs-rank0.jsonl").read_text().splitlines()]
     assert max(first_life) > resumed_at  # the first life logged steps it did not checkpoint ...
     assert [step for step, values in logs if "train/loss" in values] == list(range(1, 17))  # ... logged once each
     assert [step for step, values in logs if "eval/ema_top1" in values] == EVALUATED_AT  # also each evaluation
     assert [step for step, _ in logs] == sorted(step for step, _ in logs)  # the tracker's step never goes back
-    assert s["global_step"] == 16 and s["train_images_seen"] == 16 * 64  # the first life's images counted too
+    assert s["global_step"] == 16 and s["train_images_seen"] == 16 * 32  # the first life's images counted too
     assert_same_parameters(out, reference)  # BatchNorm's running statistics: 1 process saw every micro-batch
     assert_same_parameters(out, reference, file="model_ema.safetensors")  # the EMA resumed from the step-3 checkpoint
 
@@ -132,7 +132,7 @@ def test_kill_9_mid_epoch_on_one_process_then_resume_on_two_matches_the_uninterr
 
 # docs/reproducibility.md's replay commands, scaled to a CPU job: 2 gloo processes for 8 GPUs, a global batch of 128
 # for 512 (2 x 64, accumulation 1; one process accumulates 2), a checkpoint every 2 steps for 500 and the step-2
-# checkpoint (mid-epoch 1 of 4 steps) for step 1000. Every other word runs as printed, --keep-last included.
+# checkpoint (mid-epoch 1 of 3 steps) for step 1000. Every other word runs as printed, --keep-last included.
 REPLAY_SCALED = {"--num_processes 8": "--num_processes 2", "--global-batch-size 512": "--global-batch-size 128",
                  "--checkpoint-every-steps 500": "--checkpoint-every-steps 2", "step-00001000": "step-00000002"}
 
@@ -142,7 +142,7 @@ def test_the_replay_commands_run_as_printed_and_end_with_the_same_weights(cifar_
     commands = [c for _, c in doc_commands(REPO / "docs" / "reproducibility.md") if "--global-batch-size 512" in c]
     assert len(commands) == 3 and all(any(k in c for c in commands) for k in REPLAY_SCALED), commands
     small = ["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--model", "resnet18_imagenet",
-             "--train-subset", "512", "--eval-subset", "100", "--epochs", "2", "--deterministic", "--tracker", "none"]
+             "--train-subset", "384", "--eval-subset", "100", "--epochs", "2", "--deterministic", "--tracker", "none"]
     env = script_env(HF_HOME=str(tmp_path / "hf"))  # no user's default accelerate config for the flag-only launch
     outputs = []
     for command in commands:
@@ -161,7 +161,7 @@ def test_the_replay_commands_run_as_printed_and_end_with_the_same_weights(cifar_
     (original, _), (replay, _), (continued, said) = outputs
     runs = [read_summary(out) for out, _ in outputs]
     assert [(s["world_size"], s["grad_accum"], s["global_batch"], s["global_step"]) for s in runs] == [
-        (2, 1, 128, 8), (1, 2, 128, 8), (1, 2, 128, 8)]
+        (2, 1, 128, 6), (1, 2, 128, 6), (1, 2, 128, 6)]
     assert runs[2]["resumed_from"].endswith("step-00000002")
     assert "resuming on 1 process(es), the checkpoint's run had 2: accumulation 1 -> 2" in said
     assert_same_parameters(replay, original)

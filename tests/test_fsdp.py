@@ -1,17 +1,17 @@
-"""FSDP2 for real on 2 CPU gloo ranks (accelerate_configs/fsdp_cpu.yaml): sharded parameters, the same training
-as DDP, sharded checkpoints that resume exactly (on another process count too), and full exported weights.
+"""FSDP2 for real on 2 CPU gloo ranks (accelerate_configs/fsdp_cpu.yaml): sharded parameters, the same training as DDP,
+sharded checkpoints that resume exactly (on another process count too), and full exported weights.
 
-The job (both wrappers, through tests/probe_train.py): 512 images, global batch 64 -> 8 optimizer steps per
-epoch, 2 epochs, a checkpoint every 3 steps, SGD at lr 0.01, augmentation on, fp32, --deterministic, train/loss
-logged at every step, and no gradient clipping. Why no clipping: the clip factor divides by the global gradient
-norm, which FSDP sums in another order (per shard, then across ranks) than DDP (per tensor): one float32 ulp in
-the factor. Without it, the two wrappers do the same arithmetic: with 2 ranks the gradient average (g0 + g1) / 2
-is exact in DDP's all-reduce and in FSDP's reduce-scatter, and the gathered parameters are the same numbers.
-Measured on the first CI machine: bitwise equal losses and weights. On a later one (AVX-512 with AMX) a kernel
-rounds one step differently from step 13 (FSDP's gathered parameters sit elsewhere in memory); at lr 0.05 the
-chaotic first epoch (loss up to 5.6) amplified that to 1.6e-4 in the loss, at lr 0.01 it stays 2.4e-7 in the loss
-and 4.8e-7 in the weights. Hence lr 0.01 and a tolerance of 1e-5; a 1% error in the gradient scale moves both by
-more than 1e-4.
+The job (both wrappers, through tests/probe_train.py): 256 images, global batch 32 -> 8 optimizer steps per epoch, 2
+epochs, a checkpoint every 3 steps, SGD at lr 0.01, augmentation on, fp32, --deterministic, train/loss logged at
+every step, and no gradient clipping. Why no clipping: the clip factor divides by the global gradient norm, which
+FSDP sums in another order (per shard, then across ranks) than DDP (per tensor): one float32 ulp in the factor.
+Without it, the two wrappers do the same arithmetic: with 2 ranks the gradient average (g0 + g1) / 2 is exact in
+DDP's all-reduce and in FSDP's reduce-scatter, and the gathered parameters are the same numbers. Measured on the
+first CI machine: bitwise equal losses and weights. On a later one (AVX-512 with AMX, this job at 512 images and
+global batch 64) a kernel rounds one step differently from step 13 (FSDP's gathered parameters sit elsewhere in
+memory); at lr 0.05 the chaotic first epoch (loss up to 5.6) amplified that to 1.6e-4 in the loss, at lr 0.01 it
+stays 2.4e-7 in the loss and 4.8e-7 in the weights. Hence lr 0.01 and a tolerance of 1e-5; a 1% error in the
+gradient scale moves both by more than 1e-4.
 """
 
 from __future__ import annotations
