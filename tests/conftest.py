@@ -305,7 +305,7 @@ def start(args, launch: list[str], script: Path = REPO / "train_cifar.py", env=N
     return Forked(argv, env or script_env(), fork_workers=not CUDA)
 
 
-def wait_for_checkpoint(out: Path, proc: subprocess.Popen, step: int, timeout: float = 300) -> None:
+def wait_for_checkpoint(out: Path, proc: Forked, step: int, timeout: float = 300) -> None:
     done = out / "checkpoints" / f"step-{step:08d}" / "trainer_state.json"
     deadline = time.time() + timeout
     while not done.exists():
@@ -314,7 +314,7 @@ def wait_for_checkpoint(out: Path, proc: subprocess.Popen, step: int, timeout: f
         time.sleep(0.02)
 
 
-def workers(proc: subprocess.Popen) -> dict[int, psutil.Process]:
+def workers(proc: Forked) -> dict[int, psutil.Process]:
     """The training processes of a launched job (torchrun's workers) by rank: forked ones by the name tests/forked.py
     gives them (rankN), started ones by their command line and RANK."""
     found = {}

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import gc
 import importlib
 import io
@@ -124,8 +125,6 @@ def reopen_stdio(unbuffered: bool) -> None:
 def name_process(name: str) -> None:
     """Sets what /proc/PID/comm (psutil's name(), `ps -o comm`) shows for this process: a forked worker's command
     line and initial environment are the server's, so conftest.workers finds it and its rank by this name."""
-    import ctypes
-
     ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # 15: PR_SET_NAME (Linux)
 
 

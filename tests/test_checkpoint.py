@@ -29,6 +29,7 @@ from conftest import (
     CPU_YAML,
     PROBE,
     REPO,
+    Forked,
     assert_same_parameters,
     assert_same_state,
     read_summary,
@@ -69,7 +70,7 @@ def test_checkpoints_are_rotated_keeping_the_last_two_and_the_best(reference):
     assert not any("rank" in name for name in state["files"])  # no per-rank augmentation stream any more
 
 
-def _kill_after_checkpoint(out: Path, proc: subprocess.Popen, step: int) -> None:
+def _kill_after_checkpoint(out: Path, proc: Forked, step: int) -> None:
     """Waits for checkpoint `step` and for the job to log past it (as a real job would before it dies), then kills
     every process of the job (the workers run in sessions of their own), as a node loss would."""
     wait_for_checkpoint(out, proc, step)
