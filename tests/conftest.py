@@ -282,8 +282,8 @@ def run_train(args: list[str], launch: list[str] | None = None, env: dict | None
     """train_cifar.py (or the probe around it) in real processes: plain `python`, or `accelerate launch <launch>`
     with a free port. The launcher is forked from tests/forked.py, and without CUDA so are its workers (its docstring
     says what is the same and what differs). A one-process run is a fresh interpreter, as the user's would be, unless
-    fork=True: fresh where a test compares its numbers bitwise with a forked job's (the evidence that forking
-    changes none), forked elsewhere."""
+    fork=True: fresh in tests/test_distributed.py's ddp_jobs, whose one-process runs are compared bitwise with forked
+    2-rank jobs (the evidence that forking changes no number), forked elsewhere."""
     if launch is None:
         argv = [str(script), *args]
     else:
@@ -335,11 +335,11 @@ def assert_same_state(a: Path, b: Path) -> None:
 
 # The checkpoint/resume job (tests/test_checkpoint.py, tests/test_fsdp.py, tests/test_ema.py): 256 images, micro-batch
 # 16, global batch 32 (2 processes x 1 or 1 process x 2 accumulation steps) -> 8 optimizer steps per epoch, 2 epochs, a
-# checkpoint and an evaluation every 3 steps (and at each epoch's end), the weights' EMA at decay 0.9, mixup and cutmix
-# (the mixing drawn per image, so resume stays exact), NCHW (the layout
+# checkpoint and an evaluation of the weights and their EMA (decay 0.9) on 50 test images every 3 steps (and at each
+# epoch's end), mixup and cutmix (the mixing drawn per image, so resume stays exact), NCHW (the layout
 # evaluate_checkpoint.py and FSDP2 use), train/loss logged at every step. SGD at lr 0.01 without clipping:
 # tests/test_fsdp.py's docstring says why FSDP's comparison with DDP needs both.
-CHECKPOINT_JOB = ["--model", "resnet18_imagenet", "--train-subset", "256", "--eval-subset", "100",
+CHECKPOINT_JOB = ["--model", "resnet18_imagenet", "--train-subset", "256", "--eval-subset", "50",
                   "--batch-size", "16", "--global-batch-size", "32", "--epochs", "2", "--checkpoint-every-steps", "3",
                   "--eval-every-steps", "3", "--ema-decay", "0.9", "--mixup", "0.2", "--cutmix", "1.0",
                   "--deterministic", "--tracker", "none",

@@ -16,7 +16,7 @@ of starting `python -u SCRIPT` (fork_torchrun_workers; docs/performance.md has w
 processes of torchrun's, in sessions of their own, with torchrun's environment, running the real script; what differs is
 what /proc shows of them: the server's command line and initial environment, and the name `rankN` (comm), by which
 conftest.workers finds them for the tests that signal or kill one. Bitwise comparisons between a forked 2-rank job and a
-fresh one-process run hold (tests/test_distributed.py, test_checkpoint.py). Not used on a machine with CUDA, whose
+fresh one-process run hold (tests/test_distributed.py's ddp_jobs). Not used on a machine with CUDA, whose
 driver must not be initialised before a fork.
 
 Protocol, one JSON line per request on stdin: {"argv", "env", "cwd", "stdout", "stderr", "fork_workers"}; the server

@@ -340,7 +340,8 @@ def test_an_out_of_memory_error_that_cannot_be_halved_away_stops_with_one_line(c
     """Under FSDP2 (2 ranks: the redo is not safe there) and at an odd micro-batch (1 process: 6 -> 3, and 3 still
     does not fit)."""
     result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), *COMMON, *flags, "--output-dir",
-                        str(tmp_path / "out")], launch=launch, script=PROBE, env=script_env(PROBE_OOM_ABOVE="2"))
+                        str(tmp_path / "out")], launch=launch, script=PROBE, env=script_env(PROBE_OOM_ABOVE="2"),
+                       fork=True)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode == (1 if launch else 2) and errors == [f"error: {message}"], result.stderr[-3000:]
     assert "Traceback" not in "\n".join(line for line in result.stderr.splitlines() if launch is None or "[rank" in

@@ -86,8 +86,8 @@ def test_fsdp_loss_trajectory_and_weights_match_ddp(fsdp_jobs):
     assert a.keys() == b.keys()  # the EMA: of the shards, gathered like the weights; BatchNorm's averaged rank 0's
     assert max((a[k].double() - b[k].double()).abs().max().item() for k in a) <= TOLERANCE
     s, d = read_summary(fsdp_jobs["fsdp"]), read_summary(fsdp_jobs["ddp"])
-    assert s["eval_examples"] == d["eval_examples"] == 100
-    assert abs(s["eval_top1"] - d["eval_top1"]) <= 1.0  # top-1 is in %: at most 1 of the 100 answers flips
+    assert s["eval_examples"] == d["eval_examples"] == 50
+    assert abs(s["eval_top1"] - d["eval_top1"]) <= 2.0  # top-1 is in %: at most 1 of the 50 answers flips
     assert abs(s["eval_loss"] - d["eval_loss"]) <= 1e-5
 
 

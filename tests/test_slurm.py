@@ -14,7 +14,7 @@ import pytest
 from conftest import REPO, read_summary, script_env
 
 SLURM = REPO / "slurm"
-JOB = ["--model", "resnet18_imagenet", "--train-subset", "512", "--eval-subset", "50", "--batch-size", "32",
+JOB = ["--model", "resnet18_imagenet", "--train-subset", "256", "--eval-subset", "50", "--batch-size", "32",
        "--epochs", "2", "--checkpoint-every-steps", "2", "--tracker", "none"]
 
 
@@ -96,7 +96,7 @@ def test_sbatch_script_checkpoints_and_requeues_on_the_preemption_signal(fake_sl
     again = subprocess.run(args, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)  # the requeued job
     assert again.returncode == 0, again.stderr[-3000:]
     s = read_summary(out)
-    assert s["resumed_from"] and s["global_step"] == 2 * 512 // 64 and s["world_size"] == 2
+    assert s["resumed_from"] and s["global_step"] == 2 * 256 // 64 and s["world_size"] == 2
 
 
 def test_seed_array_gives_each_task_its_seed_group_folder_and_port_and_requeues_on_the_signal(fake_slurm, tmp_path):

@@ -107,7 +107,8 @@ def test_each_templates_config_takes_the_shared_groups_as_defined_once(module):
 # ----------------------------------------------------------------------------------------------------
 # The copier's contracts: a copy of train_cifar.py with its own model or its own loader, run for real
 # ----------------------------------------------------------------------------------------------------
-SMALL_JOB = ["--train-subset", "256", "--eval-subset", "64", "--batch-size", "32", "--epochs", "1", "--tracker", "none"]
+SMALL_JOB = ["--model", "resnet18_imagenet", "--train-subset", "256", "--eval-subset", "64", "--batch-size", "32",
+             "--epochs", "1", "--tracker", "none"]  # the model where the copy keeps build_model: the cheapest
 OWN_MODEL = {"import torch\n": "import torch\nimport torchvision\n",
              'model = build_model(cfg.model, len(data["classes"]), sync_bn=cfg.sync_bn)':
              'model = torchvision.models.mobilenet_v3_small(num_classes=len(data["classes"]))'}
@@ -135,7 +136,7 @@ def copy_of_train_cifar(tmp_path, replacements: dict[str, str]) -> Path:
 
 def run_copy(script: Path, cifar_dir, cache_dir, out: Path, launch=None):
     env = script_env(PYTHONPATH=str(REPO))
-    return run_train(job_args(cifar_dir, cache_dir, out, *SMALL_JOB), launch=launch, env=env, script=script)
+    return run_train(job_args(cifar_dir, cache_dir, out, *SMALL_JOB), launch=launch, env=env, script=script, fork=True)
 
 
 @pytest.mark.slow

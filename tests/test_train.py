@@ -40,7 +40,8 @@ def two_rank_run(cifar_dir, cache_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("two_ranks")
     result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out),
                         "--model", "resnet18_imagenet", "--train-subset", "2048", "--eval-subset", str(EVAL_SUBSET),
-                        "--epochs", "3", "--batch-size", "64", "--lr", "0.05", "--tracker", "none"],
+                        "--epochs", "2", "--warmup-epochs", "0.25", "--batch-size", "64", "--lr", "0.05",
+                        "--tracker", "none"],
                        launch=["--config_file", str(CPU_YAML)])
     assert result.returncode == 0, result.stderr[-4000:]
     return out, result
@@ -51,11 +52,12 @@ def test_two_ranks_from_cpu_yaml_train_well_above_chance(two_rank_run):
     s = read_summary(out)
     assert (s["world_size"], s["distributed_type"], s["wrapper"]) == (2, "MULTI_CPU", "DistributedDataParallel")
     assert s["mixed_precision"] == "no" and s["config"]["channels_last"]  # cpu.yaml's and the script's defaults
-    assert s["epochs_completed"] == 3 and s["global_step"] == 3 * (2048 // 128)
-    assert s["train_images_seen"] == 3 * 2048
-    assert s["eval_top1"] > 25.0, s  # chance is 10%; 36.5% measured on a 2-core Zen 3 (lr 0.1: 32.1%, less smoothly)
+    assert s["epochs_completed"] == 2 and s["global_step"] == 2 * (2048 // 128)
+    assert s["train_images_seen"] == 2 * 2048
+    # chance is 10%; on a 2-core Zen 3: 32.9% (seeds 1 and 2: 31.5%, 30.0%; a whole warmup epoch instead: 25.9%)
+    assert s["eval_top1"] > 25.0, s
     assert s["eval_top5"] > s["eval_top1"] and s["best_eval_top1"] >= s["eval_top1"]
-    assert len([line for line in result.stdout.splitlines() if line.startswith("epoch ")]) == 3  # once, not per rank
+    assert len([line for line in result.stdout.splitlines() if line.startswith("epoch ")]) == 2  # once, not per rank
 
 
 def test_two_rank_eval_counts_each_test_image_exactly_once(two_rank_run):
@@ -92,14 +94,14 @@ def test_one_process_bf16_from_the_launcher_with_accumulation_and_offline_wandb(
     env = script_env(ACCELERATE_MIXED_PRECISION="bf16", HOME=str(tmp_path))  # no W&B credentials in this HOME
     del env["WANDB_MODE"]
     result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out),
-                        "--model", "resnet18_imagenet", "--train-subset", "1024", "--eval-subset", "200",
-                        "--batch-size", "32", "--grad-accum", "2", "--max-steps", "6", "--optimizer", "adamw",
+                        "--model", "resnet18_imagenet", "--train-subset", "1024", "--eval-subset", "100",
+                        "--batch-size", "16", "--grad-accum", "2", "--max-steps", "6", "--optimizer", "adamw",
                         "--lr", "1e-3", "--channels-last", "--tracker", "wandb"], env=env, fork=True)
     assert result.returncode == 0, result.stderr[-4000:]
     s = read_summary(out)
     assert (s["world_size"], s["mixed_precision"], s["wrapper"]) == (1, "bf16", "ResNet")
-    assert s["global_step"] == 6 and s["train_images_seen"] == 6 * 2 * 32  # 2 micro-batches per step
-    assert s["eval_examples"] == 200 and s["config"]["grad_accum"] == 2
+    assert s["global_step"] == 6 and s["train_images_seen"] == 6 * 2 * 16  # 2 micro-batches per step
+    assert s["eval_examples"] == 100 and s["config"]["grad_accum"] == 2
     assert "logging offline" in result.stderr
     assert len(list(out.glob("wandb/offline-run-*/run-*.wandb"))) == 1
     state = load_file(out / "model.safetensors")
