@@ -421,13 +421,13 @@ def test_weights_and_summary_are_written_by_rank_zero_only(ddp_jobs):
 # 9. Mixed precision from the YAML --------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def bf16_jobs(cifar_dir, cache_dir, tmp_path_factory) -> dict[str, tuple[Run, str]]:
-    """2 ranks, cpu.yaml with --mixed_precision bf16 on the launcher, 2 steps: with the default bf16 gradient sync and
-    with --no-bf16-grad-sync; each run and its stdout."""
+    """2 ranks, cpu.yaml with --mixed_precision bf16 on the launcher, 2 steps and an evaluation of 32 images: with the
+    default bf16 gradient sync and with --no-bf16-grad-sync; each run and its stdout."""
     done = {}
     for name, extra in (("bf16", []), ("bf16_fp32_sync", ["--no-bf16-grad-sync"])):
         out = tmp_path_factory.mktemp(name)
         result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out),
-                            *COMMON, "--batch-size", "32", "--max-steps", "2", *extra],
+                            *COMMON, "--batch-size", "32", "--max-steps", "2", "--eval-subset", "32", *extra],
                            launch=BF16_TWO_RANKS, script=PROBE)
         assert result.returncode == 0, result.stderr[-4000:]
         done[name] = Run(out), result.stdout
@@ -464,7 +464,7 @@ def test_a_compiled_ddp_model_passes_the_ddp_check_and_keeps_its_bf16_all_reduce
     dynamo without inductor's code generation, so this takes seconds on a CPU."""
     out = tmp_path / "compiled"
     result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out),
-                        *COMMON, "--batch-size", "32", "--max-steps", "2"],
+                        *COMMON, "--batch-size", "32", "--max-steps", "2", "--eval-subset", "32"],
                        launch=[*BF16_TWO_RANKS, "--dynamo_backend", "eager"], script=PROBE)
     assert result.returncode == 0, result.stderr[-4000:]
     run = Run(out)

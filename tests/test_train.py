@@ -259,7 +259,7 @@ def test_a_folder_of_mixed_sizes_grayscale_and_rgba_trains_end_to_end_at_image_s
 # Own data on 2 ranks: an image folder, and a Hub dataset by name without a test split ------------------------------
 @pytest.mark.slow
 def test_two_ranks_train_on_a_png_folder_of_cifar_exactly_as_on_the_same_parquet_rows(cifar_dir, cache_dir, tmp_path):
-    """The first 512 / 128 CIFAR-10 images as a PNG folder, and the original parquet rows (JPEG bytes) of the same
+    """The first 256 / 64 CIFAR-10 images as a PNG folder, and the original parquet rows (JPEG bytes) of the same
     images in the order the folder is loaded in (shuffled class folders): the two 2-rank jobs decode, normalise,
     train and evaluate the same, to the bit."""
     import pyarrow as pa
@@ -267,7 +267,7 @@ def test_two_ranks_train_on_a_png_folder_of_cifar_exactly_as_on_the_same_parquet
 
     accelerator = Accelerator(cpu=True)
     cifar = load_data(str(cifar_dir), str(cache_dir), accelerator)
-    sizes = {"train": 512, "test": 128}
+    sizes = {"train": 256, "test": 64}
     export_png_folder(tmp_path / "folder", {s: (cifar[s][0][:n], cifar[s][1][:n]) for s, n in sizes.items()})
     folder = load_data(str(tmp_path / "folder"), str(tmp_path / "probe-cache"), accelerator)
     (tmp_path / "parquet").mkdir()
@@ -289,7 +289,7 @@ def test_two_ranks_train_on_a_png_folder_of_cifar_exactly_as_on_the_same_parquet
     a, b = summaries["folder"], summaries["parquet"]
     assert (a["dataset"]["kind"], b["dataset"]["kind"], a["world_size"]) == ("imagefolder", "parquet", 2)
     assert a["classes"] == b["classes"] == sorted(a["classes"]) and len(a["classes"]) == 10
-    assert a["global_step"] == b["global_step"] == 512 // 128 and a["eval_examples"] == 128
+    assert a["global_step"] == b["global_step"] == 256 // 128 and a["eval_examples"] == 64
     for key in ("train_loss", "eval_loss", "eval_top1", "eval_top5", "eval_confusion", "eval_class_top1"):
         assert a[key] == b[key], key
     assert_same_state(tmp_path / "run-folder" / "model.safetensors", tmp_path / "run-parquet" / "model.safetensors")
