@@ -1,4 +1,5 @@
-"""A fork server for the tests: `python SCRIPT ARGS` and `python -m MODULE ARGS` without paying for the imports.
+"""A fork server for the tests: `python SCRIPT ARGS`, `python -m MODULE ARGS` and `python -c CODE ARGS` without paying
+for the imports.
 
 A full run of the suite starts about 200 Python processes, and on a slow 2-core CPU each spends about 8 s importing
 torch, torchvision and accelerate. This server (`python tests/forked.py`, started once by conftest's Forked) imports
@@ -86,13 +87,16 @@ def become(argv: list[str], env: dict, cwd: str, unbuffered: bool = False) -> in
     if env.get("OMP_NUM_THREADS"):  # a fresh interpreter's OpenMP reads it as torch loads; here torch is loaded
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     reopen_stdio(unbuffered=unbuffered or bool(env.get("PYTHONUNBUFFERED")))
-    # sys.path as the interpreter builds it: the script's folder (-m: the working directory), $PYTHONPATH, the rest
-    first = cwd if argv[0] == "-m" else os.path.dirname(os.path.abspath(argv[0]))
+    # sys.path as the interpreter builds it: the script's folder (-m, -c: the working directory), $PYTHONPATH, the rest
+    first = cwd if argv[0] in ("-m", "-c") else os.path.dirname(os.path.abspath(argv[0]))
     sys.path[:] = [first, *(os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p), *BASE_PATH]
     try:
         if argv[0] == "-m":
             sys.argv = argv[1:]
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        elif argv[0] == "-c":
+            sys.argv = ["-c", *argv[2:]]
+            exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
         else:
             sys.argv = argv
             runpy.run_path(argv[0], run_name="__main__")

@@ -14,8 +14,6 @@ import json
 import shlex
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -33,6 +31,7 @@ from conftest import (
     assert_same_parameters,
     assert_same_state,
     read_summary,
+    run_python,
     run_train,
     script_env,
     small_tmpfs,
@@ -332,13 +331,12 @@ def test_exported_weights_evaluate_to_the_reported_top1(reference, cifar_dir, ca
     s = read_summary(reference)
     expected = {"model.safetensors": s["eval_top1"], "best.safetensors": s["best_eval_top1"],
                 "model_ema.safetensors": s["eval_ema_top1"]}
-    # One fresh single-threaded process evaluates the three files through the tool's main(), as its command line would.
+    # One single-threaded process evaluates the three files through the tool's main(), as its command line would.
     argv = [[str(reference / name), "--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--batch-size", "50"]
             for name in expected]
     code = ("import json, sys, evaluate_checkpoint; "
             "print(json.dumps([evaluate_checkpoint.main(args) for args in json.loads(sys.argv[1])]))")
-    result = subprocess.run([sys.executable, "-c", code, json.dumps(argv)], cwd=REPO,
-                            env=script_env(OMP_NUM_THREADS="1"), capture_output=True, text=True)
+    result = run_python(["-c", code, json.dumps(argv)], script_env(OMP_NUM_THREADS="1"), timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     for name, got in zip(expected, json.loads(result.stdout.strip().splitlines()[-1]), strict=True):
         assert got["examples"] == 50 and got["top1"] == expected[name], (name, got, expected[name])
@@ -548,7 +546,7 @@ def test_second_job_in_a_busy_output_dir_stops_naming_the_first_and_a_dead_jobs_
 def test_every_form_of_a_collective_timeout_reads_as_the_dist_timeout_in_one_line():
     """gloo's and NCCL's timeout messages carry the limit; gloo's broadcast (DDP's buffer sync at a forward) says only
     "Application timeout caused pair closure", so the limit comes from the process group (here a 1-process gloo group
-    with a 7 s timeout, in a fresh interpreter)."""
+    with a 7 s timeout, in a process of its own)."""
     code = """
 import datetime, os, torch.distributed as dist
 from utils.launch import peer_failure
@@ -561,7 +559,7 @@ print(peer_failure("Watchdog caught collective operation timeout: WorkNCCL(OpTyp
 print(peer_failure("CUDA out of memory"))
 dist.destroy_process_group()
 """
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = run_python(["-c", code], script_env(), timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     tail = "(it hangs, or its machine is unreachable)"
     assert result.stdout.splitlines() == [

@@ -12,7 +12,7 @@ import textwrap
 import psutil
 import pytest
 import torch
-from conftest import REPO, script_env
+from conftest import REPO, run_python, script_env
 
 from bench.gpu_check import Part, cuda_test_files, pytest_outcome, run_parts
 from bench.gpu_race import datasheet_tflops, time_to_target, train_flops_per_image, without_compile
@@ -39,8 +39,7 @@ def test_gpu_check_without_cuda_stops_at_once_with_one_line_and_writes_nothing(t
     assert result.returncode == 1
     assert result.stderr.strip() == "bench/gpu_check.sh needs a CUDA GPU, and torch sees none here; nothing was run."
     assert not (tmp_path / "out").exists() and not (tmp_path / "work").exists()
-    race = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_race.py")], cwd=REPO, env=script_env(),
-                          capture_output=True, text=True, timeout=120)
+    race = run_python([str(REPO / "bench" / "gpu_race.py")], script_env(), timeout=120)
     assert race.returncode == 1 and race.stderr.strip() == "bench/gpu_race.py needs a CUDA GPU."
 
 
@@ -87,9 +86,8 @@ def test_the_cuda_test_files_collect_without_wandb_or_notebook_packages():
     files = cuda_test_files()
     assert files == ["tests/test_cuda.py", "tests/test_data.py", "tests/test_distributed.py"]
     blocked = "import sys; [sys.modules.__setitem__(m, None) for m in ('wandb', 'nbclient', 'nbformat')]; "
-    collect = subprocess.run([sys.executable, "-c", blocked + "import pytest; sys.exit(pytest.main(sys.argv[1:]))",
-                              "--collect-only", "-q", "-m", "cuda", "-p", "no:cacheprovider", *files], cwd=REPO,
-                             env=script_env(), capture_output=True, text=True, timeout=300)
+    collect = run_python(["-c", blocked + "import pytest; sys.exit(pytest.main(sys.argv[1:]))", "--collect-only", "-q",
+                          "-m", "cuda", "-p", "no:cacheprovider", *files], script_env(), timeout=300)
     assert collect.returncode == 0, collect.stdout[-3000:]
     assert pytest_outcome(collect.stdout) is None  # --collect-only prints no "passed" line
     assert "11/" in collect.stdout.splitlines()[-1], collect.stdout[-500:]  # 11 CUDA cases selected

@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -25,7 +23,9 @@ from conftest import (
     assert_same_state,
     job_args,
     read_summary,
+    run_python,
     run_train,
+    script_env,
     start,
     wait_for_checkpoint,
     workers,
@@ -187,9 +187,8 @@ def test_preempted_fsdp_vit_resumes_from_its_shards_and_exports_a_plain_vit_with
 
     model = build_model("vit_micro")
     model.load_state_dict(load_file(out / "model.safetensors"), strict=True)  # a plain ViT, every key
-    evaluated = subprocess.run([sys.executable, str(REPO / "evaluate_checkpoint.py"), str(out / "model.safetensors"),
-                                "--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir)],
-                               cwd=REPO, capture_output=True, text=True, timeout=300)
+    evaluated = run_python([str(REPO / "evaluate_checkpoint.py"), str(out / "model.safetensors"), "--data-dir",
+                            str(cifar_dir), "--cache-dir", str(cache_dir)], script_env(), timeout=300)
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     metrics = json.loads(evaluated.stdout.strip().splitlines()[-1])
     assert metrics["model"] == "vit_micro" and metrics["examples"] == 128
