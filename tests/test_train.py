@@ -211,7 +211,7 @@ def test_fast_recipe_trains_resnet9_with_the_data_on_the_device(cifar_dir, cache
 
 
 @pytest.mark.slow
-def test_a_hundred_class_parquet_with_image_and_fine_label_columns_trains_resnet18_for_its_classes(tmp_path, cache_dir):
+def test_a_hundred_class_parquet_with_image_and_fine_label_columns_trains_a_resnet_for_its_classes(tmp_path, cache_dir):
     """The classes come from the data: the model's head, the metrics, the confusion matrix and summary.json. With
     more than 20 classes the tracker gets no per-class keys (summary.json keeps them all)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -224,7 +224,8 @@ def test_a_hundred_class_parquet_with_image_and_fine_label_columns_trains_resnet
                       class_names=names, columns=("image", "fine_label"))
     out = tmp_path / "run"
     result = run_train(["--data-dir", str(data), "--cache-dir", str(cache_dir), "--output-dir", str(out), "--model",
-                        "resnet18", "--batch-size", "64", "--max-steps", "3", "--tracker", "tensorboard"], fork=True)
+                        "resnet18_imagenet", "--batch-size", "64", "--max-steps", "3", "--tracker", "tensorboard"],
+                       fork=True)
     assert result.returncode == 0, result.stderr[-3000:]
     s = read_summary(out)
     assert s["classes"] == list(names) and s["image_size"] == 32 and s["dataset"]["kind"] == "parquet"
