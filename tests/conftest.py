@@ -208,7 +208,7 @@ class Forked:
     """`python <argv>` in the repository, started in the background in a fresh process forked from tests/forked.py,
     which has imported torch and accelerate already (its docstring says why, and when that is the same): what the
     tests use of subprocess.Popen (text mode, stdout and stderr captured). fork_workers: argv is
-    `-m accelerate.commands.launch ...`, whose workers are forked too."""
+    `-m accelerate.commands.launch ...`, whose workers are forked too, except with CUDA (forked.py says why)."""
 
     def __init__(self, argv: list[str], env: dict, fork_workers: bool = False):
         self._tmp = tempfile.TemporaryDirectory()
@@ -218,7 +218,7 @@ class Forked:
         self.args, self.returncode = argv, None
         self.stdout, self.stderr = out.open(), err.open()
         request = {"argv": argv, "env": env, "cwd": str(REPO), "stdout": str(out), "stderr": str(err),
-                   "fork_workers": fork_workers}
+                   "fork_workers": fork_workers and not CUDA}
         _fork_server().stdin.write((json.dumps(request) + "\n").encode())
         deadline = time.time() + 120
         while (answer := _answer(deadline)) is not None and answer[0] != "started":
@@ -278,18 +278,18 @@ def pytest_unconfigure(config):
 
 
 def run_train(args: list[str], launch: list[str] | None = None, env: dict | None = None, timeout: int = 600,
-              script: Path = REPO / "train_cifar.py", fork: bool = False):
+              script: Path = REPO / "train_cifar.py", fork: bool = True):
     """train_cifar.py (or the probe around it) in real processes: plain `python`, or `accelerate launch <launch>`
     with a free port. The launcher is forked from tests/forked.py, and without CUDA so are its workers (its docstring
-    says what is the same and what differs). A one-process run is a fresh interpreter, as the user's would be, unless
-    fork=True: fresh in tests/test_distributed.py's ddp_jobs, whose one-process runs are compared bitwise with forked
-    2-rank jobs (the evidence that forking changes no number), forked elsewhere."""
+    says what is the same and what differs). A one-process run is forked too, unless fork=False: a fresh interpreter,
+    as the user's would be (tests/test_distributed.py's ddp_jobs, whose one-process runs are compared bitwise with
+    forked 2-rank jobs: the evidence that forking changes no number)."""
     if launch is None:
         argv = [str(script), *args]
     else:
         argv = ["-m", "accelerate.commands.launch", *launch, "--main_process_port", "0", str(script), *args]
     if launch is not None or fork:
-        return run_python(argv, env or script_env(), timeout, fork_workers=launch is not None and not CUDA)
+        return run_python(argv, env or script_env(), timeout, fork_workers=launch is not None)
     return subprocess.run([sys.executable, *argv], cwd=REPO, env=env or script_env(), capture_output=True, text=True,
                           timeout=timeout)
 
@@ -302,7 +302,7 @@ def start(args, launch: list[str], script: Path = REPO / "train_cifar.py", env=N
     """A launched job in the background (for signals and kills): `accelerate launch <launch>` with a free port, forked
     as run_train's are (workers() finds its workers)."""
     argv = ["-m", "accelerate.commands.launch", *launch, "--main_process_port", "0", str(script), *args]
-    return Forked(argv, env or script_env(), fork_workers=not CUDA)
+    return Forked(argv, env or script_env(), fork_workers=True)
 
 
 def wait_for_checkpoint(out: Path, proc: Forked, step: int, timeout: float = 300) -> None:
@@ -399,7 +399,7 @@ def tracked_runs(cifar_dir, cache_dir, tmp_path_factory) -> dict[str, Path]:
     for name, (extra, launch, env) in specs.items():
         out[name] = root / name
         result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out[name]),
-                            *TRACKED_JOB, *extra], launch=launch, env=script_env(**env), fork=True)
+                            *TRACKED_JOB, *extra], launch=launch, env=script_env(**env))
         assert result.returncode == 0, result.stderr[-3000:]
         (out[name] / "stdout.txt").write_text(result.stdout)
     return out

@@ -33,7 +33,7 @@ def _fails_cleanly(tmp_path: Path, args: list[str], message: str, launch=None, e
     (out / "model.safetensors").write_bytes(b"weights of an earlier run")
     before = _digest(tmp_path)
     result = run_train(["--output-dir", str(out), "--cache-dir", str(tmp_path / "cache"), "--tracker", "none", *args],
-                       launch=launch, env=env, fork=True)
+                       launch=launch, env=env)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode == (2 if launch is None else 1), result.stderr[-3000:]
     assert len(errors) == 1 and message in errors[0], result.stderr[-3000:]
@@ -149,8 +149,7 @@ def test_eval_subset_larger_than_the_split(tmp_path, small_data):
 def test_output_dir_that_cannot_be_written(tmp_path, small_data):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")  # root may write anywhere, but not below a regular file
-    result = run_train(["--data-dir", str(small_data), "--output-dir", str(blocker / "run"), "--tracker", "none"],
-                       fork=True)
+    result = run_train(["--data-dir", str(small_data), "--output-dir", str(blocker / "run"), "--tracker", "none"])
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith(f"error: --output-dir {blocker / 'run'} cannot be written")
     assert blocker.read_text() == "not a folder"

@@ -155,7 +155,7 @@ def test_the_replay_commands_run_as_printed_and_end_with_the_same_weights(cifar_
             result = run_train([*script.training_script_args, *small], launch=launcher, env=env)
         else:
             assert words[:2] == ["python", "train_cifar.py"], command
-            result = run_train([*words[2:], *small], env=env, fork=True)
+            result = run_train([*words[2:], *small], env=env)
         assert result.returncode == 0, f"{command}\n{result.stderr[-3000:]}"
         outputs.append((Path(words[words.index("--output-dir") + 1]), result.stdout))
     (original, _), (replay, _), (continued, said) = outputs
@@ -349,7 +349,7 @@ def small_run(tmp_path_factory) -> tuple[Path, Path]:
     out = data.parent / "run"
     result = run_train(["--data-dir", str(data), "--output-dir", str(out), "--model", "resnet18_imagenet",
                         "--batch-size", "16", "--epochs", "1", "--tracker", "none", "--cache-dir",
-                        str(data.parent / "cache")], fork=True)
+                        str(data.parent / "cache")])
     assert result.returncode == 0, result.stderr[-3000:]
     return data, out
 
@@ -372,7 +372,7 @@ def test_bad_resume_input_stops_with_one_line_and_deletes_nothing(small_run, ext
     args = [a.format(data=data, ckpt=checkpoint) for a in extra]
     before = _tree(out)
     result = run_train(["--data-dir", str(data), "--output-dir", str(out), "--batch-size", "16", "--epochs", "1",
-                        "--tracker", "none", "--cache-dir", str(data.parent / "cache"), *args], fork=True)
+                        "--tracker", "none", "--cache-dir", str(data.parent / "cache"), *args])
     assert result.returncode == 2, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], result.stderr[-3000:]
@@ -390,7 +390,7 @@ def test_a_checkpoint_from_before_sample_keyed_augmentation_is_refused_in_one_li
     before = _tree(old)
     result = run_train(["--data-dir", str(data), "--output-dir", str(old), "--model", "resnet18_imagenet",
                         "--batch-size", "16", "--epochs", "1", "--tracker", "none", "--cache-dir",
-                        str(data.parent / "cache"), "--resume", "auto"], fork=True)
+                        str(data.parent / "cache"), "--resume", "auto"])
     assert result.returncode == 2, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "was written by an earlier version of this template" in errors[0], errors
@@ -403,7 +403,7 @@ def test_overwrite_deletes_the_earlier_runs_checkpoints_and_starts_fresh(small_r
     shutil.copytree(earlier, out)
     result = run_train(["--data-dir", str(data), "--output-dir", str(out), "--model", "resnet18_imagenet",
                         "--batch-size", "16", "--epochs", "1", "--tracker", "none", "--cache-dir",
-                        str(data.parent / "cache"), "--lr", "0.3", "--overwrite"], fork=True)
+                        str(data.parent / "cache"), "--lr", "0.3", "--overwrite"])
     assert result.returncode == 0, result.stderr[-3000:]
     s = read_summary(out)
     assert s["resumed_from"] is None and s["config"]["lr"] == 0.3 and s["global_step"] == 4  # 64 images / 16
@@ -418,7 +418,7 @@ def test_a_run_resumed_with_ema_decay_from_a_checkpoint_without_one_starts_the_e
     shutil.copytree(earlier, out)
     result = run_train(["--data-dir", str(data), "--output-dir", str(out), "--model", "resnet18_imagenet",
                         "--batch-size", "16", "--epochs", "2", "--tracker", "none", "--cache-dir",
-                        str(data.parent / "cache"), "--resume", "auto", "--ema-decay", "0.5"], fork=True,
+                        str(data.parent / "cache"), "--resume", "auto", "--ema-decay", "0.5"],
                        script=PROBE, env=script_env(PROBE_RECORD_WEIGHTS="fc.weight"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "holds no EMA (saved without --ema-decay); the EMA starts from its weights" in result.stdout
@@ -448,9 +448,9 @@ def test_resumed_run_continues_the_same_wandb_run(small_run, tmp_path):
     out = tmp_path / "tracked"
     common = ["--data-dir", str(data), "--output-dir", str(out), "--model", "resnet18_imagenet", "--batch-size", "16",
               "--tracker", "wandb", "--cache-dir", str(data.parent / "cache"), "--log-every", "1"]
-    first = run_train([*common, "--epochs", "1"], fork=True)
+    first = run_train([*common, "--epochs", "1"])
     assert first.returncode == 0, first.stderr[-3000:]
-    second = run_train([*common, "--epochs", "2", "--resume", "auto"], fork=True)
+    second = run_train([*common, "--epochs", "2", "--resume", "auto"])
     assert second.returncode == 0, second.stderr[-3000:]
     runs = sorted((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and runs[0].name.split("-")[-1] == runs[1].name.split("-")[-1]  # one W&B run id

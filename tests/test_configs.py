@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
-from conftest import CUDA, REPO, Forked, cpu_bf16_native_here, read_summary, run_python, script_env
+from conftest import REPO, Forked, cpu_bf16_native_here, read_summary, run_python, script_env
 
 CONFIGS = sorted((REPO / "accelerate_configs").glob("*.yaml"))
 
@@ -77,7 +77,7 @@ def launch_two_machines(script: Path, args: list[str], num_processes=(2, 2), tim
                "--num_machines", "2", "--num_processes", str(processes), "--machine_rank", str(rank),
                "--main_process_ip", "127.0.0.1",
                "--main_process_port", str(port), "--mixed_precision", "no", str(script), *args]
-        launchers.append(Forked(cmd, script_env(), fork_workers=not CUDA))
+        launchers.append(Forked(cmd, script_env(), fork_workers=True))
     return [(p.wait(timeout), *p.communicate()) for p in launchers]
 
 
@@ -113,7 +113,7 @@ def test_doctor_reports_a_healthy_two_rank_cpu_setup():
     result = run_python(["-m", "accelerate.commands.launch", "--config_file",
                          str(REPO / "accelerate_configs" / "cpu.yaml"), "--main_process_port", "0",
                          str(REPO / "doctor.py"), "--timeout", "30", "--size-mb", "8"],
-                        script_env(), timeout=120, fork_workers=not CUDA)
+                        script_env(), timeout=120, fork_workers=True)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     lines = result.stdout.splitlines()
     assert sum(line.strip().startswith("rank ") and "gloo" in line for line in lines) == 2

@@ -86,7 +86,7 @@ def ddp_jobs(cifar_dir, cache_dir, tmp_path_factory) -> dict[str, Run]:
     for name, (launch, extra) in CONFIGS.items():
         out = tmp_path_factory.mktemp(name)
         result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out),
-                            *COMMON, *extra], launch=launch, script=PROBE)
+                            *COMMON, *extra], launch=launch, script=PROBE, fork=False)  # one process: fresh
         assert result.returncode == 0, result.stderr[-4000:]
         done[name] = Run(out)
     return done
@@ -311,14 +311,14 @@ def test_an_out_of_memory_error_in_the_middle_of_a_step_redoes_the_step_from_its
     flags = ["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), *COMMON, "--global-batch-size", "32"]
     redone, first, resumed = tmp_path / "redone", tmp_path / "first", tmp_path / "resumed"
     result = run_train([*flags, "--batch-size", "16", "--output-dir", str(redone)], script=PROBE,
-                       env=script_env(PROBE_OOM_AT_FORWARD="14"), fork=True)
+                       env=script_env(PROBE_OOM_AT_FORWARD="14"))
     assert result.returncode == 0, result.stderr[-4000:]
     assert ("out of memory in training step 7 at a micro-batch of 16: redoing it with 8 x 1 processes x 4 "
             "accumulation, the same global batch of 32") in result.stdout
     for args in (["--batch-size", "16", "--output-dir", str(first)],
                  ["--batch-size", "8", "--output-dir", str(resumed), "--resume",
                   str(first / "checkpoints" / "step-00000006")]):
-        result = run_train([*flags, *args], fork=True)
+        result = run_train([*flags, *args])
         assert result.returncode == 0, result.stderr[-4000:]
     assert read_summary(redone)["global_step"] == read_summary(resumed)["global_step"] == 12
     a, b = load_file(redone / "model.safetensors"), load_file(resumed / "model.safetensors")
@@ -340,8 +340,7 @@ def test_an_out_of_memory_error_that_cannot_be_halved_away_stops_with_one_line(c
     """Under FSDP2 (2 ranks: the redo is not safe there) and at an odd micro-batch (1 process: 6 -> 3, and 3 still
     does not fit)."""
     result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), *COMMON, *flags, "--output-dir",
-                        str(tmp_path / "out")], launch=launch, script=PROBE, env=script_env(PROBE_OOM_ABOVE="2"),
-                       fork=True)
+                        str(tmp_path / "out")], launch=launch, script=PROBE, env=script_env(PROBE_OOM_ABOVE="2"))
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode == (1 if launch else 2) and errors == [f"error: {message}"], result.stderr[-3000:]
     assert "Traceback" not in "\n".join(line for line in result.stderr.splitlines() if launch is None or "[rank" in
@@ -479,7 +478,7 @@ def test_fsdp_asked_for_but_not_set_up_stops(cifar_dir, cache_dir, tmp_path):
     """One process without a launcher: Accelerate sets up no distributed type at all, FSDP settings or not."""
     result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir",
                         str(tmp_path / "o"),
-                        "--tracker", "none"], env=script_env(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2"), fork=True)
+                        "--tracker", "none"], env=script_env(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2"))
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode != 0
     assert len(errors) == 1 and "asks for FSDP but Accelerate set up NO" in errors[0], result.stderr[-3000:]

@@ -272,7 +272,7 @@ def test_an_unknown_hub_metric_offline_stops_before_training_with_one_line(tmp_p
     result = run_train(["--data-dir", str(write_three_classes(tmp_path / "three")), "--output-dir", str(tmp_path / "o"),
                         "--batch-size", "32", "--model", "resnet9", "--tracker", "none",
                         "--metric", "no_such_metric_anywhere"],
-                       env=script_env(HF_HUB_OFFLINE="1"), fork=True)
+                       env=script_env(HF_HUB_OFFLINE="1"))
     assert result.returncode == 2 and "epoch 1/" not in result.stdout
     lines = result.stderr.strip().splitlines()
     assert lines[-1].startswith("error: --metric no_such_metric_anywhere: evaluate.load('no_such_metric_anywhere')")
@@ -328,7 +328,7 @@ def test_push_without_the_hub_stops_before_training_and_deletes_nothing(referenc
     shutil.copytree(reference, earlier)
     before = sorted(str(p.relative_to(earlier)) for p in earlier.rglob("*"))
     result = run_train(["--output-dir", str(earlier), "--overwrite", *CHECKPOINT_JOB, "--push-to-hub", "tester/x"],
-                       env=script_env(HF_HUB_OFFLINE="1"), fork=True)
+                       env=script_env(HF_HUB_OFFLINE="1"))
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1] == ("error: --push-to-hub tester/x needs the Hub, but HF_HUB_OFFLINE "
                                                       "is set; the run did not start.")

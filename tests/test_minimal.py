@@ -91,7 +91,7 @@ def test_minimal_script_refuses_to_start_over_an_earlier_run(cifar_dir, tmp_path
     (out / "checkpoints" / "checkpoint_0").mkdir(parents=True)
     (out / "checkpoints" / "checkpoint_0" / "model.safetensors").write_bytes(b"earlier")
     result = run_train([*["--data-dir", str(cifar_dir)], *JOB, "--output-dir", str(out)],
-                       script=REPO / "train_minimal.py", fork=True)
+                       script=REPO / "train_minimal.py")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"error: {out} holds checkpoints of an earlier run; pass --resume or use another --output-dir."]

@@ -136,7 +136,7 @@ def copy_of_train_cifar(tmp_path, replacements: dict[str, str]) -> Path:
 
 def run_copy(script: Path, cifar_dir, cache_dir, out: Path, launch=None):
     env = script_env(PYTHONPATH=str(REPO))
-    return run_train(job_args(cifar_dir, cache_dir, out, *SMALL_JOB), launch=launch, env=env, script=script, fork=True)
+    return run_train(job_args(cifar_dir, cache_dir, out, *SMALL_JOB), launch=launch, env=env, script=script)
 
 
 @pytest.mark.slow

@@ -183,7 +183,7 @@ def test_tensorboard_tracker_logs_the_same_metrics_and_the_gpu_race_reads_them_w
     out = tmp_path / "tb"
     result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out),
                         *TRACKED_JOB,
-                        "--tracker", "tensorboard", "--epochs", "2"], fork=True)
+                        "--tracker", "tensorboard", "--epochs", "2"])
     assert result.returncode == 0, result.stderr[-3000:]
     events = EventAccumulator(str(out / "cifar10-accelerate")).Reload()
     assert [e.step for e in events.Scalars("train/loss")] == list(range(2, 17, 2))
@@ -215,7 +215,7 @@ def test_wandb_dir_is_honoured_and_compare_runs_still_finds_the_run(cifar_dir, c
     out, scratch = tmp_path / "out", tmp_path / "scratch"
     scratch.mkdir()
     result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out),
-                        *TRACKED_JOB, "--epochs", "1"], env=script_env(WANDB_DIR=str(scratch)), fork=True)
+                        *TRACKED_JOB, "--epochs", "1"], env=script_env(WANDB_DIR=str(scratch)))
     assert result.returncode == 0, result.stderr[-3000:]
     folders = list((scratch / "wandb").glob("offline-run-*"))
     assert len(folders) == 1 and not (out / "wandb").exists()

@@ -96,7 +96,7 @@ def test_one_process_bf16_from_the_launcher_with_accumulation_and_offline_wandb(
     result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out),
                         "--model", "resnet18_imagenet", "--train-subset", "1024", "--eval-subset", "100",
                         "--batch-size", "16", "--grad-accum", "2", "--max-steps", "6", "--optimizer", "adamw",
-                        "--lr", "1e-3", "--channels-last", "--tracker", "wandb"], env=env, fork=True)
+                        "--lr", "1e-3", "--channels-last", "--tracker", "wandb"], env=env)
     assert result.returncode == 0, result.stderr[-4000:]
     s = read_summary(out)
     assert (s["world_size"], s["mixed_precision"], s["wrapper"]) == (1, "bf16", "ResNet")
@@ -160,7 +160,7 @@ def test_compiled_model_trains_and_exports_weights_without_the_orig_mod_prefix(c
     out = tmp_path / "compiled"
     result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out),
                         "--model", "resnet9", "--train-subset", "256", "--eval-subset", "64",
-                        "--batch-size", "64", "--max-steps", "2", "--compile", "--tracker", "none"], fork=True)
+                        "--batch-size", "64", "--max-steps", "2", "--compile", "--tracker", "none"])
     assert result.returncode == 0, result.stderr[-4000:]
     s = read_summary(out)
     assert s["wrapper"] == "OptimizedModule" and s["global_step"] == 2 and s["eval_examples"] == 64
@@ -202,7 +202,7 @@ def test_fast_recipe_trains_resnet9_with_the_data_on_the_device(cifar_dir, cache
     out = tmp_path / "fast"
     result = run_train(["--recipe", "fast", "--no-compile", "--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir),
                         "--output-dir", str(out), "--train-subset", "512", "--eval-subset", "250", "--epochs", "2",
-                        "--batch-size", "32", "--lr", "0.1", "--warmup-epochs", "1", "--tracker", "none"], fork=True)
+                        "--batch-size", "32", "--lr", "0.1", "--warmup-epochs", "1", "--tracker", "none"])
     assert result.returncode == 0, result.stderr[-4000:]
     s = read_summary(out)
     assert (s["config"]["model"], s["config"]["tta_flip"], s["config"]["data_on_device"]) == ("resnet9", True, True)
@@ -224,8 +224,7 @@ def test_a_hundred_class_parquet_with_image_and_fine_label_columns_trains_a_resn
                       class_names=names, columns=("image", "fine_label"))
     out = tmp_path / "run"
     result = run_train(["--data-dir", str(data), "--cache-dir", str(cache_dir), "--output-dir", str(out), "--model",
-                        "resnet18_imagenet", "--batch-size", "64", "--max-steps", "3", "--tracker", "tensorboard"],
-                       fork=True)
+                        "resnet18_imagenet", "--batch-size", "64", "--max-steps", "3", "--tracker", "tensorboard"])
     assert result.returncode == 0, result.stderr[-3000:]
     s = read_summary(out)
     assert s["classes"] == list(names) and s["image_size"] == 32 and s["dataset"]["kind"] == "parquet"
@@ -247,7 +246,7 @@ def test_a_folder_of_mixed_sizes_grayscale_and_rgba_trains_end_to_end_at_image_s
     out = tmp_path / "run"
     result = run_train(["--data-dir", str(folder), "--cache-dir", str(cache_dir), "--output-dir", str(out),
                         "--image-size", "48", "--model", "resnet18_imagenet", "--batch-size", "4", "--epochs", "2",
-                        "--no-channels-last", "--tracker", "none"], fork=True)
+                        "--no-channels-last", "--tracker", "none"])
     assert result.returncode == 0, result.stderr[-3000:]
     s = read_summary(out)
     assert (s["image_size"], s["classes"], s["dataset"]["kind"]) == (48, ["ant", "bee", "cow"], "imagefolder")
@@ -369,10 +368,10 @@ def test_the_early_stopping_count_survives_a_resume(cifar_dir, cache_dir, tmp_pa
     # 1 epoch: one evaluation without a gain; resumed for 6 epochs, the second evaluation is the second without a
     # gain, so the run stops there (with the count lost it would run to epoch 3)
     args = job_args(cifar_dir, cache_dir, tmp_path, *FROZEN_VIT)
-    first = run_train([*args, "--epochs", "1"], script=REPO / "train_vit.py", fork=True)
+    first = run_train([*args, "--epochs", "1"], script=REPO / "train_vit.py")
     assert first.returncode == 0, first.stderr[-3000:]
     assert (read_summary(tmp_path)["evals_without_gain"], read_summary(tmp_path)["stopped_early"]) == (1, False)
-    again = run_train([*args, "--epochs", "6", "--resume", "auto"], script=REPO / "train_vit.py", fork=True)
+    again = run_train([*args, "--epochs", "6", "--resume", "auto"], script=REPO / "train_vit.py")
     assert again.returncode == 0, again.stderr[-3000:]
     s = read_summary(tmp_path)
     assert (s["epochs_completed"], s["stopped_early"], s["evals_without_gain"]) == (2, True, 2)
