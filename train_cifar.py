@@ -82,7 +82,8 @@ class Config(HubConfig, LoggingConfig, CheckpointConfig, EvaluationConfig, DataC
                              "literature values, not measured here (RECIPES); flags still win", ("fast", "resnet18"))
     # --- model: the network and how it runs ---
     model: str = opt("resnet18", "resnet18: CIFAR stem (3x3 stride-1 conv, no max-pool); resnet18_imagenet: "
-                     "torchvision's as-is; resnet9: Myrtle.ai's fast CIFAR net", MODELS)
+                     "torchvision's as-is; resnet9: Myrtle.ai's fast CIFAR net; resnet8: He et al.'s CIFAR net at "
+                     "78k parameters, for a first run on a laptop", MODELS)
     channels_last: bool = opt(True, "NHWC memory format: faster convolutions with bf16 on GPUs and CPUs; "
                               "--no-channels-last: NCHW")
     compile: bool = opt(False, "torch.compile the model (through Accelerate's dynamo backend 'inductor')")

@@ -339,14 +339,14 @@ def assert_same_state(a: Path, b: Path) -> None:
 # epoch's end), mixup and cutmix (the mixing drawn per image, so resume stays exact), NCHW (the layout
 # evaluate_checkpoint.py and FSDP2 use), train/loss logged at every step. SGD at lr 0.01 without clipping:
 # tests/test_fsdp.py's docstring says why FSDP's comparison with DDP needs both.
-CHECKPOINT_JOB = ["--model", "resnet18_imagenet", "--train-subset", "256", "--eval-subset", "50",
+CHECKPOINT_JOB = ["--model", "resnet8", "--train-subset", "256", "--eval-subset", "50",
                   "--batch-size", "16", "--global-batch-size", "32", "--epochs", "2", "--checkpoint-every-steps", "3",
                   "--eval-every-steps", "3", "--ema-decay", "0.9", "--mixup", "0.2", "--cutmix", "1.0",
                   "--deterministic", "--tracker", "none",
                   "--lr", "0.01", "--grad-clip", "0", "--log-every", "1", "--no-channels-last"]
 # Tensors of the reference job's state recorded after every optimizer step (tests/test_ema.py): a convolution, the
 # stem's BatchNorm statistics, a late BatchNorm's weight and the head.
-RECORDED_WEIGHTS = ["conv1.weight", "bn1.running_mean", "bn1.running_var", "layer4.1.bn2.weight", "fc.weight",
+RECORDED_WEIGHTS = ["conv1.weight", "bn1.running_mean", "bn1.running_var", "layer3.0.bn2.weight", "fc.weight",
                     "fc.bias"]
 
 
@@ -377,14 +377,14 @@ def job_args(cifar_dir, cache_dir, out, *extra) -> list[str]:
     return ["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out), *extra]
 
 
-TRACKED_JOB = ["--model", "resnet18_imagenet", "--train-subset", "256", "--eval-subset", "64",
+TRACKED_JOB = ["--model", "resnet8", "--train-subset", "256", "--eval-subset", "64",
                "--batch-size", "16", "--global-batch-size", "32", "--epochs", "2", "--log-every", "2", "--tracker",
                "wandb"]
 
 
 @pytest.fixture(scope="session")
 def tracked_runs(cifar_dir, cache_dir, tmp_path_factory) -> dict[str, Path]:
-    """Three offline W&B runs (resnet18_imagenet, 256 training / 64 test images, micro-batch 16, global batch 32 -> 8
+    """Three offline W&B runs (resnet8, 256 training / 64 test images, micro-batch 16, global batch 32 -> 8
     steps per epoch, 2 epochs, log every 2 steps):
       a0  1 process, lr 0.05, seed 0, --group A
       a1  1 process, lr 0.05, seed 1, group A from $WANDB_RUN_GROUP (W&B's own variables keep working)

@@ -65,10 +65,10 @@ def logged(out, key: str) -> list[float]:
 
 def test_fsdp_config_shards_every_block_so_each_rank_holds_half_the_parameters(fsdp_jobs):
     s, ddp = read_summary(fsdp_jobs["fsdp"]), read_summary(fsdp_jobs["ddp"])
-    assert (s["world_size"], s["distributed_type"], s["wrapper"]) == (2, "FSDP", "FSDPResNet")
+    assert (s["world_size"], s["distributed_type"], s["wrapper"]) == (2, "FSDP", "FSDPResNet8")
     ranks = [probe(fsdp_jobs["fsdp"], r) for r in (0, 1)]
     for rec in ranks:
-        assert rec["fsdp_units"].count("FSDPBasicBlock") == 8, rec["fsdp_units"]  # the YAML's wrap policy
+        assert rec["fsdp_units"].count("FSDPBasicBlock") == 3, rec["fsdp_units"]  # the YAML's wrap policy
         assert rec["param_types"] == ["DTensor"]
     assert ranks[0]["local_numel"] + ranks[1]["local_numel"] == s["parameters"] == ddp["parameters"]  # stored once
     assert s["parameters_on_main_process"] == ranks[0]["local_numel"] < 0.51 * s["parameters"]
@@ -111,7 +111,7 @@ def test_fsdp_ranks_evaluate_with_rank_zeros_batchnorm_statistics_like_ddp(fsdp_
 
 
 def test_fsdp_exported_weights_load_into_a_plain_model(fsdp_jobs):
-    model = train_cifar.build_model("resnet18_imagenet")
+    model = train_cifar.build_model("resnet8")
     state = load_file(fsdp_jobs["fsdp"] / "model.safetensors")
     model.load_state_dict(state, strict=True)
     names = dict(model.named_parameters())
@@ -181,8 +181,7 @@ def test_fsdp_runs_with_the_default_channels_last_by_keeping_nchw(cifar_dir, cac
     """FSDP2 shards contiguous parameters only; channels_last (the script's default) is switched off under FSDP."""
     out = tmp_path / "default_layout"
     result = run_train(["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out),
-                        "--model",
-                        "resnet18_imagenet", "--train-subset", "128", "--eval-subset", "32", "--batch-size", "32",
+                        "--model", "resnet8", "--train-subset", "128", "--eval-subset", "32", "--batch-size", "32",
                         "--max-steps", "2", "--tracker", "none"], launch=FSDP)
     assert result.returncode == 0, result.stderr[-3000:]
     s = read_summary(out)
