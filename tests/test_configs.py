@@ -86,7 +86,7 @@ def test_two_machines_on_loopback_train_together_from_the_multinode_config(cifar
     out = tmp_path / "two_nodes"
     results = launch_two_machines(REPO / "train_cifar.py", [
         "--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--output-dir", str(out),
-        "--model", "resnet18_imagenet", "--train-subset", "256", "--eval-subset", "50", "--batch-size", "32",
+        "--model", "resnet8", "--train-subset", "256", "--eval-subset", "50", "--batch-size", "32",
         "--epochs", "1", "--tracker", "none"])
     assert [r[0] for r in results] == [0, 0], results[0][2][-3000:] + results[1][2][-3000:]
     s = read_summary(out)

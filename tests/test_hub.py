@@ -115,7 +115,7 @@ def fine_tuned(reference, cache_dir, tmp_path_factory) -> dict:
     pairs, uploads, out = root / "pairs", root / "uploads", root / "fine"
     pairs.mkdir()
     args = ["--data-dir", str(write_three_classes(root / "three")), "--cache-dir", str(cache_dir), "--output-dir",
-            str(out), "--model", "resnet18_imagenet", "--batch-size", "16", "--global-batch-size", "32",
+            str(out), "--model", "resnet8", "--batch-size", "16", "--global-batch-size", "32",
             "--epochs", "1", "--deterministic", "--tracker", "none", "--no-channels-last", "--log-every", "1",
             "--metric", str(root / "pairs.py")]
     env = {"HF_HUB_CACHE": str(cache), "PAIRS_OUT": str(pairs)}
@@ -142,7 +142,7 @@ def fine_tuned(reference, cache_dir, tmp_path_factory) -> dict:
 def test_fine_tuning_from_a_hub_repo_replaces_the_head_and_starts_every_rank_from_the_sources_weights(fine_tuned):
     source, init = fine_tuned["source"], fine_tuned["init"]
     assert init[0].keys() == source.keys()
-    assert init[0]["fc.weight"].shape == (3, 512) and source["fc.weight"].shape == (10, 512)
+    assert init[0]["fc.weight"].shape == (3, 64) and source["fc.weight"].shape == (10, 64)
     body = [k for k in source if not k.startswith("fc.")]
     assert len(body) == len(source) - 2
     assert all(torch.equal(init[0][k], source[k]) for k in body), "the loaded layers differ from the source"
@@ -295,7 +295,7 @@ def test_push_uploads_once_from_the_main_process_the_exports_summary_config_and_
     assert json.loads((up / "config.json").read_text()) == summary["config"]
     card = (up / "README.md").read_text()
     meta = yaml.safe_load(card.split("---")[1])
-    assert meta["pipeline_tag"] == "image-classification" and "resnet18_imagenet" in meta["tags"]
+    assert meta["pipeline_tag"] == "image-classification" and "resnet8" in meta["tags"]
     assert "Classes (3): ant, bee, cow." in card and f"| top-1 (%) | {summary['eval_top1']:.4g} |" in card
     assert f"| pairs_n | {summary['eval_pairs_n']} |" in card
     command = next(line.strip() for line in card.splitlines() if "--push-to-hub tester/three" in line)

@@ -132,7 +132,7 @@ def test_a_seed_array_task_trains_its_seed_in_the_group_into_its_own_folder(fake
     env = {**fake_slurm, "SLURM_NNODES": "1", "SLURM_NODEID": "0", "SLURM_GPUS_ON_NODE": "1",
            "SLURM_ARRAY_TASK_ID": "2", "GROUP": "lr0.1", "RUNS": str(tmp_path / "runs")}
     result = subprocess.run(["bash", str(SLURM / "train_seeds.sbatch"), "--data-dir", str(cifar_dir), "--cache-dir",
-                             str(cache_dir), "--model", "resnet18_imagenet", "--train-subset", "64", "--eval-subset",
+                             str(cache_dir), "--model", "resnet8", "--train-subset", "64", "--eval-subset",
                              "20", "--batch-size", "32", "--epochs", "1", "--tracker", "none"],
                             env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -107,7 +107,7 @@ def test_each_templates_config_takes_the_shared_groups_as_defined_once(module):
 # ----------------------------------------------------------------------------------------------------
 # The copier's contracts: a copy of train_cifar.py with its own model or its own loader, run for real
 # ----------------------------------------------------------------------------------------------------
-SMALL_JOB = ["--model", "resnet18_imagenet", "--train-subset", "256", "--eval-subset", "64", "--batch-size", "32",
+SMALL_JOB = ["--model", "resnet8", "--train-subset", "256", "--eval-subset", "64", "--batch-size", "32",
              "--epochs", "1", "--tracker", "none"]  # the model where the copy keeps build_model: the cheapest
 OWN_MODEL = {"import torch\n": "import torch\nimport torchvision\n",
              'model = build_model(cfg.model, len(data["classes"]), sync_bn=cfg.sync_bn)':
