@@ -47,7 +47,7 @@ def test_launch_from_notebook_trains_each_script_with_two_processes_and_shows_th
         script, cifar_dir, cache_dir, tmp_path, monkeypatch):
     out = tmp_path / "notebook_run"
     if script == "train_cifar.py":
-        subsets, extra = (256, 64), ["--model", "resnet18_imagenet", "--cache-dir", str(cache_dir), "--log-every", "5"]
+        subsets, extra = (256, 64), ["--model", "resnet8", "--cache-dir", str(cache_dir), "--log-every", "5"]
     elif script == "train_vit.py":
         subsets, extra = (128, 32), ["--model", "vit_micro", "--cache-dir", str(cache_dir), "--log-every", "1"]
     else:  # no --cache-dir: with a read-only data folder it caches under $XDG_CACHE_HOME (the kernel inherits it)

@@ -46,8 +46,8 @@ class ResNet8(nn.Module):
     """The CIFAR ResNet of He et al. (2016, section 4.2) at its smallest depth, 6n+2 with n = 1: a 3x3 stem of 16
     channels, then one of torchvision's BasicBlocks per stage at 16, 32 and 64 channels (stride 2 from the second,
     with torchvision's 1x1 projection shortcut), average-pooled to a linear head; 78k parameters. For tests and a
-    first run on a laptop: it trains about 5x faster per image on a CPU than resnet18_imagenet. Its parts are named
-    as torchvision's ResNet's (conv1, bn1, layer1-3, fc) and initialised as torchvision does."""
+    first run on a laptop: about 7x the images per second of resnet18_imagenet on a CPU (docs/performance.md). Its
+    parts are named as torchvision's ResNet's (conv1, bn1, layer1-3, fc) and initialised as torchvision does."""
 
     def __init__(self, num_classes: int):
         super().__init__()
