@@ -12,7 +12,7 @@ global batch 64) a kernel rounds one step differently from step 13 (FSDP's gathe
 memory); at lr 0.05 the chaotic first epoch (loss up to 5.6) amplified that to 1.6e-4 in the loss, at lr 0.01 it
 stays 2.4e-7 in the loss and 4.8e-7 in the weights. Hence lr 0.01 and a tolerance of 1e-5; a 1% error in the
 gradient scale moves both by more than 1e-4. The job trains resnet8 (conftest.CHECKPOINT_JOB); on a 2-core Zen 3 its
-two wrappers end bitwise equal, and the loss scaled by 1.01 under FSDP only moves the losses by 1.8e-3 and the
+two wrappers end bitwise equal, and scaling the loss by 1.01 in the FSDP job alone moves the losses by 1.8e-3 and the
 weights by 1.9e-2 (2026-12-03). The measurements above were of resnet18_imagenet.
 """
 
