@@ -34,7 +34,7 @@ JOB = ["--train-subset", str(TRAIN_SUBSET), "--eval-subset", str(EVAL_SUBSET), "
        "0.5", "--optimizer", "sgd", "--lr", "0.1", "--scale-lr", "--deterministic", "--log-every", "1", "--tracker",
        "none"]
 # ddp_jobs train resnet18_imagenet, on which the accumulation pair's tolerance was measured (on an AVX-512/AMX CPU too);
-# the jobs whose checks are bitwise, structural or about dtypes train resnet8, the cheapest model (5x faster here)
+# the jobs whose checks are bitwise, structural or about dtypes train resnet8, the cheapest model (docs/testing.md)
 COMMON, CHEAP = ["--model", "resnet18_imagenet", *JOB], ["--model", "resnet8", *JOB]
 TWO_RANKS = ["--config_file", str(CPU_YAML)]  # fp32 (cpu.yaml's), like the 1-process runs
 BF16_TWO_RANKS = [*TWO_RANKS, "--mixed_precision", "bf16"]
@@ -382,11 +382,13 @@ def test_the_logged_gradient_norm_is_the_norm_before_clipping(ddp_jobs):
 
 
 # 6. SyncBatchNorm ----------------------------------------------------------------------------------
-def test_sync_bn_converts_every_batchnorm_before_prepare():
-    plain = train_cifar.build_model("resnet18")
-    synced = train_cifar.build_model("resnet18", sync_bn=True)
+@pytest.mark.parametrize(("model", "batchnorms"), [("resnet18", 20), ("resnet18_imagenet", 20), ("resnet9", 8),
+                                                   ("resnet8", 9)])
+def test_sync_bn_converts_every_batchnorm_before_prepare(model, batchnorms):
+    plain = train_cifar.build_model(model)
+    synced = train_cifar.build_model(model, sync_bn=True)
     n_bn = sum(isinstance(m, torch.nn.BatchNorm2d) for m in plain.modules())
-    assert n_bn == 20
+    assert n_bn == batchnorms
     assert sum(isinstance(m, torch.nn.SyncBatchNorm) for m in synced.modules()) == n_bn
     assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in synced.modules())
 

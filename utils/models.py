@@ -23,8 +23,9 @@ def build_model(name: str, num_classes: int = 10, sync_bn: bool = False, image_s
     if name in VITS:
         return vit(name, num_classes, image_size)
     if name in ("resnet9", "resnet8"):
-        return resnet9(num_classes) if name == "resnet9" else ResNet8(num_classes)
-    model = torchvision.models.resnet18(num_classes=num_classes)
+        model = resnet9(num_classes) if name == "resnet9" else ResNet8(num_classes)
+    else:
+        model = torchvision.models.resnet18(num_classes=num_classes)
     if name == "resnet18":
         model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
         nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")  # as torchvision does
