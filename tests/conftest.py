@@ -204,13 +204,21 @@ def _answer(deadline: float) -> tuple[str, int] | None:
     return kind, int(pid)
 
 
+LAUNCHER = ["-m", "accelerate.commands.launch"]  # `accelerate launch`, as `python` arguments
+
+
+def launch_argv(launch: list[str], script: Path, args: list[str]) -> list[str]:
+    """`accelerate launch <launch> --main_process_port 0 SCRIPT ARGS` (a free port) as `python` arguments."""
+    return [*LAUNCHER, *launch, "--main_process_port", "0", str(script), *args]
+
+
 class Forked:
     """`python <argv>` in the repository, started in the background in a fresh process forked from tests/forked.py,
     which has imported torch and accelerate already (its docstring says why, and when that is the same): what the
-    tests use of subprocess.Popen (text mode, stdout and stderr captured). fork_workers: argv is
-    `-m accelerate.commands.launch ...`, whose workers are forked too, except with CUDA (forked.py says why)."""
+    tests use of subprocess.Popen (text mode, stdout and stderr captured). When argv is `-m accelerate.commands.launch
+    ...` (launch_argv), the launcher's workers are forked too, except with CUDA (forked.py says why)."""
 
-    def __init__(self, argv: list[str], env: dict, fork_workers: bool = False):
+    def __init__(self, argv: list[str], env: dict):
         self._tmp = tempfile.TemporaryDirectory()
         out, err = Path(self._tmp.name, "stdout"), Path(self._tmp.name, "stderr")
         out.touch()
@@ -218,7 +226,7 @@ class Forked:
         self.args, self.returncode = argv, None
         self.stdout, self.stderr = out.open(), err.open()
         request = {"argv": argv, "env": env, "cwd": str(REPO), "stdout": str(out), "stderr": str(err),
-                   "fork_workers": fork_workers and not CUDA}
+                   "fork_workers": argv[:2] == LAUNCHER and not CUDA}
         _fork_server().stdin.write((json.dumps(request) + "\n").encode())
         deadline = time.time() + 120
         while (answer := _answer(deadline)) is not None and answer[0] != "started":
@@ -256,9 +264,9 @@ class Forked:
         self.stderr.close()
 
 
-def run_python(argv: list[str], env: dict, timeout: float, fork_workers: bool = False) -> subprocess.CompletedProcess:
+def run_python(argv: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
     """`python <argv>` run to its end as a Forked process; on a timeout the process and what it started are killed."""
-    proc = Forked(argv, env, fork_workers)
+    proc = Forked(argv, env)
     try:
         proc.wait(timeout)
     except BaseException as e:  # the timeout, or pytest-timeout's
@@ -284,12 +292,9 @@ def run_train(args: list[str], launch: list[str] | None = None, env: dict | None
     says what is the same and what differs). A one-process run is forked too, unless fork=False: a fresh interpreter,
     as the user's would be (tests/test_distributed.py's ddp_jobs, whose one-process runs are compared bitwise with
     forked 2-rank jobs: the evidence that forking changes no number)."""
-    if launch is None:
-        argv = [str(script), *args]
-    else:
-        argv = ["-m", "accelerate.commands.launch", *launch, "--main_process_port", "0", str(script), *args]
+    argv = [str(script), *args] if launch is None else launch_argv(launch, script, args)
     if launch is not None or fork:
-        return run_python(argv, env or script_env(), timeout, fork_workers=launch is not None)
+        return run_python(argv, env or script_env(), timeout)
     return subprocess.run([sys.executable, *argv], cwd=REPO, env=env or script_env(), capture_output=True, text=True,
                           timeout=timeout)
 
@@ -301,8 +306,7 @@ def read_summary(output_dir: Path) -> dict:
 def start(args, launch: list[str], script: Path = REPO / "train_cifar.py", env=None) -> Forked:
     """A launched job in the background (for signals and kills): `accelerate launch <launch>` with a free port, forked
     as run_train's are (workers() finds its workers)."""
-    argv = ["-m", "accelerate.commands.launch", *launch, "--main_process_port", "0", str(script), *args]
-    return Forked(argv, env or script_env(), fork_workers=True)
+    return Forked(launch_argv(launch, script, args), env or script_env())
 
 
 def wait_for_checkpoint(out: Path, proc: Forked, step: int, timeout: float = 300) -> None:

@@ -9,7 +9,17 @@ from pathlib import Path
 
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
-from conftest import REPO, Forked, cpu_bf16_native_here, read_summary, run_python, script_env
+from conftest import (
+    CPU_YAML,
+    LAUNCHER,
+    REPO,
+    Forked,
+    cpu_bf16_native_here,
+    launch_argv,
+    read_summary,
+    run_python,
+    script_env,
+)
 
 CONFIGS = sorted((REPO / "accelerate_configs").glob("*.yaml"))
 
@@ -72,12 +82,12 @@ def launch_two_machines(script: Path, args: list[str], num_processes=(2, 2), tim
     (exit status, stdout, stderr) per machine."""
     port, launchers = _free_port(), []
     for rank, processes in enumerate(num_processes):
-        cmd = ["-m", "accelerate.commands.launch", "--config_file",
+        cmd = [*LAUNCHER, "--config_file",
                str(REPO / "accelerate_configs" / "2node_16gpu.yaml"),
                "--num_machines", "2", "--num_processes", str(processes), "--machine_rank", str(rank),
                "--main_process_ip", "127.0.0.1",
                "--main_process_port", str(port), "--mixed_precision", "no", str(script), *args]
-        launchers.append(Forked(cmd, script_env(), fork_workers=True))
+        launchers.append(Forked(cmd, script_env()))
     return [(p.wait(timeout), *p.communicate()) for p in launchers]
 
 
@@ -110,10 +120,8 @@ def test_machines_launched_with_different_process_counts_stop_training(cifar_dir
 
 @pytest.mark.slow
 def test_doctor_reports_a_healthy_two_rank_cpu_setup():
-    result = run_python(["-m", "accelerate.commands.launch", "--config_file",
-                         str(REPO / "accelerate_configs" / "cpu.yaml"), "--main_process_port", "0",
-                         str(REPO / "doctor.py"), "--timeout", "30", "--size-mb", "8"],
-                        script_env(), timeout=120, fork_workers=True)
+    result = run_python(launch_argv(["--config_file", str(CPU_YAML)], REPO / "doctor.py",
+                                    ["--timeout", "30", "--size-mb", "8"]), script_env(), timeout=120)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     lines = result.stdout.splitlines()
     assert sum(line.strip().startswith("rank ") and "gloo" in line for line in lines) == 2

@@ -22,10 +22,8 @@ def build_model(name: str, num_classes: int = 10, sync_bn: bool = False, image_s
     A name in VITS: vit() below, for image_size x image_size inputs (the ResNets take any size)."""
     if name in VITS:
         return vit(name, num_classes, image_size)
-    if name in ("resnet9", "resnet8"):
-        model = resnet9(num_classes) if name == "resnet9" else ResNet8(num_classes)
-    else:
-        model = torchvision.models.resnet18(num_classes=num_classes)
+    own = {"resnet9": resnet9, "resnet8": ResNet8}  # the rest are torchvision's resnet18
+    model = own[name](num_classes) if name in own else torchvision.models.resnet18(num_classes=num_classes)
     if name == "resnet18":
         model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
         nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")  # as torchvision does
