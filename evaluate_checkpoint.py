@@ -1,79 +1,97 @@
 """Evaluate exported weights (model.safetensors / best.safetensors) on the test set they were trained for.
 
-    python evaluate_checkpoint.py runs/cifar10/best.safetensors --data-dir ../shared/data/cifar10
+    python evaluate_checkpoint.py runs/cifar10/best.safetensors
     accelerate launch --config_file accelerate_configs/cpu.yaml evaluate_checkpoint.py runs/cifar10/model.safetensors
     python evaluate_checkpoint.py OWNER/NAME --data-dir ../shared/data/cifar10 --metric f1:average=macro  # from the Hub
 
-Loads the weights (a file, or the model.safetensors of a Hub model repo that --push-to-hub wrote) into a plain
-model from utils.models.build_model (strict: every key must match) and prints one JSON line with loss, top-1, top-5,
-the number of test images and any --metric. The model name, the data (folder or Hub dataset, columns, image size,
-held-out part) and the eval subset default to those in the summary.json beside the weights (or in the repo), so the
-numbers match what training reported.
+Rebuilds the run through the script that trained it: summary.json (beside the weights, or in the Hub repo) records
+the script (name, path, sha256) and its whole config; this tool imports that script (utils/scripts.py says which copy
+it trusts) and calls its build_model(cfg, num_classes) and load_data(cfg), so a copy of train_cifar.py with its own
+model and data evaluates unchanged. The weights load strictly (every key must match); the evaluation runs as training
+evaluated: the same eval subset, memory format, mixed precision, micro-batch and --tta-flip. Prints one JSON line
+with loss, top-1, top-5, the number of test images and any --metric.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 from safetensors.torch import load_file
 
-from utils import UserError
-from utils.batches import BatchTransform, make_loader
-from utils.decode import load_data
+from utils import UserError, first_line
+from utils.batches import BatchTransform, checked_data, make_loader, take_prefix
 from utils.evaluation import evaluate, load_metrics
-from utils.hub import locate_weights
+from utils.hub import hub_file, locate_weights
 from utils.launch import first_on_each_machine
-from utils.models import build_model
+from utils.scripts import find_script, import_script
+
+OVERRIDES = ("data_dir", "dataset", "cache_dir", "eval_subset", "image_size", "model")  # flags that replace the run's
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("weights", help="a .safetensors file written by train_cifar.py or train_vit.py, or a Hub "
-                        "model repo (owner/name[@revision]) that --push-to-hub wrote")
-    parser.add_argument("--data-dir", default=None, help="parquet or image folder, as for train_cifar.py; default: "
-                        "as in summary.json")
-    parser.add_argument("--dataset", default=None, help="Hub dataset, as for train_cifar.py; default: as in "
-                        "summary.json (else uoft-cs/cifar10)")
-    parser.add_argument("--cache-dir", default=None, help="decoded-tensor cache, as for train_cifar.py")
-    parser.add_argument("--model", default=None, help="default: the model in summary.json beside the weights")
-    parser.add_argument("--eval-subset", type=int, default=None, help="default: as in summary.json (else all)")
-    parser.add_argument("--image-size", type=int, default=None, help="default: as in summary.json (else the images' "
-                        "own size)")
-    parser.add_argument("--batch-size", type=int, default=500, help="images per process per batch")
+    parser.add_argument("weights", help="a .safetensors file written by a training script, or a Hub model repo "
+                        "(owner/name[@revision]) that --push-to-hub wrote")
+    parser.add_argument("--data-dir", default=None, help="parquet or image folder; default: the run's")
+    parser.add_argument("--dataset", default=None, help="Hub dataset; default: the run's")
+    parser.add_argument("--cache-dir", default=None, help="decoded-tensor cache; default: the run's")
+    parser.add_argument("--eval-subset", type=int, default=None, help="default: the run's (else all)")
+    parser.add_argument("--image-size", type=int, default=None, help="default: the run's")
+    parser.add_argument("--model", default=None, help="default: the run's (needed only for weights without a "
+                        "summary.json)")
+    parser.add_argument("--batch-size", type=int, default=None, help="images per process per batch; default: the "
+                        "run's micro-batch (the batches it evaluated)")
     parser.add_argument("--metric", action="append", default=None, help="also an `evaluate` metric, as for "
                         "train_cifar.py: NAME[:key=value,...] or a local metric script; once per metric")
+    parser.add_argument("--script", default=None, help="the training script to rebuild the model and data with; "
+                        "default: the one summary.json records, found locally with the same sha256")
+    parser.add_argument("--trust-remote-code", action="store_true", help="import a training script that came with "
+                        "the run folder or the Hub repo (it runs that script's code)")
     args = parser.parse_args(argv)
 
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    weights, summary_path = first_on_each_machine(accelerator, lambda: locate_weights(args.weights))
-    trained = json.loads(summary_path.read_text())["config"] if summary_path else {}
-    model_name = args.model or trained.get("model", "resnet18")
-    subset = args.eval_subset if args.eval_subset is not None else trained.get("eval_subset")
-    image_size = args.image_size if args.image_size is not None else trained.get("image_size")
-    if args.data_dir is None and args.dataset is None:  # the data it was trained on, and the same held-out part
-        args.data_dir, args.dataset = trained.get("data_dir"), trained.get("dataset")
+    weights, summary_path = first_on_each_machine(lambda: locate_weights(args.weights))
+    summary = json.loads(summary_path.read_text()) if summary_path else {}
+    downloaded = not Path(args.weights).exists()  # a Hub repo id
+    record = summary.get("script")
+    if downloaded and record:  # the script uploaded beside the weights, if any (imported only when trusted)
+        first_on_each_machine(lambda: hub_file(args.weights, record["name"], required=False))
+    run_dir = summary_path.parent if summary_path else weights.parent
+    template = "train_vit.py" if str(args.model or summary.get("model", "")).startswith("vit") else "train_cifar.py"
+    script = find_script(record, run_dir, downloaded, args.script, args.trust_remote_code, default=template)
+    module = import_script(script)
+    names = {f.name for f in dataclasses.fields(module.Config)}
+    trained = {k: v for k, v in summary.get("config", {}).items() if k in names}
+    given = {k: getattr(args, k) for k in OVERRIDES if getattr(args, k) is not None}
+    if {"data_dir", "dataset"} & given.keys():  # a new source replaces the run's, whichever kind it was
+        trained.pop("data_dir", None), trained.pop("dataset", None)
+    cfg = module.Config(**(trained | given))
 
-    data = load_data(args.data_dir, args.cache_dir, accelerator, image_size, args.dataset,
-                     (trained.get("image_column"), trained.get("label_column")), trained.get("val_fraction"))
-    model = build_model(model_name, len(data["classes"]), image_size=data["test"][0].shape[-1])
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=summary.get("mixed_precision"))
+    data = checked_data(module.load_data(cfg), f"{script.name}'s load_data")
+    model = module.build_model(cfg, len(data["classes"]))
     try:
         model.load_state_dict(load_file(weights), strict=True)
     except (RuntimeError, OSError) as e:
-        raise UserError(f"{args.weights} does not hold --model {model_name} weights for {len(data['classes'])} "
-                        f"classes: {str(e).strip().splitlines()[0]}") from None
-    images, labels = data["test"]
-    images, labels = (images[:subset], labels[:subset]) if subset else (images, labels)
-    model, loader = accelerator.prepare(model, make_loader(images, labels, args.batch_size, train=False))
-    transform = BatchTransform(accelerator.device, channels_last=False, mean=data["mean"],
-                               std=data["std"])  # the training data's normalisation, as the script used it
-    metrics = evaluate(model, loader, transform, accelerator, classes=data["classes"],
-                       metrics=load_metrics(args.metric, data["classes"], accelerator))
+        raise UserError(f"{args.weights} does not hold the weights {script.name}'s build_model builds for "
+                        f"{len(data['classes'])} classes (--model {getattr(cfg, 'model', '?')}): {first_line(e)}") \
+            from None
+    channels_last = summary.get("channels_last", False)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    images, labels = take_prefix(data["test"], cfg.eval_subset, "--eval-subset")
+    batch = args.batch_size or summary.get("batch_size_per_process", 500)
+    model, loader = accelerator.prepare(model, make_loader(images, labels, batch, train=False))
+    transform = BatchTransform(accelerator.device, channels_last=channels_last, mean=data["mean"], std=data["std"])
+    metrics = evaluate(model, loader, transform, accelerator, tta_flip=getattr(cfg, "tta_flip", False),
+                       classes=data["classes"], metrics=load_metrics(args.metric, data["classes"], accelerator))
     result = {k: v for k, v in metrics.items() if k != "class_top1"}
-    result |= {"weights": str(args.weights), "model": model_name}
+    result |= {"weights": str(args.weights), "script": script.name, "model": getattr(cfg, "model", None)}
     accelerator.print(json.dumps(result))
     return result
 

@@ -21,11 +21,11 @@ schedule, resume, the training loop, the end. The run's surroundings (tracking, 
 divergence, launcher quirks, the Hub) are small objects in utils/, each named where main() uses it.
 Fine-tuning from trained weights (--init-from), metrics by name (--metric), sharing on the Hub: docs/hub.md.
 
-Your own model: change `build_model` (utils/models.py), or call yours where main() does; keep `num_classes`.
-Your own data: a parquet folder, an image folder or a Hub dataset, any classes, any size (`--data-dir`, `--dataset`,
-`--image-size`; a source without a test split is evaluated on a held-out part, `--val-fraction`) works as is;
-else change `build_loaders` in utils/batches.py (DataLoaders of (uint8 images N x 3 x H x W, int64 labels) batches,
-with the class names and the per-channel mean and std: docs/customizing.md); sharding and resume stay as they are.
+Copy this file to start your own project. What a copy edits is here, below the Config: `build_model` (your
+network), `load_data` (your images: a parquet folder, an image folder or a Hub dataset work as they are, through
+`--data-dir` / `--dataset`), `build_optimizer`, and the loss, one line in main()'s loop. main() and the tools
+(evaluate_checkpoint.py) call them by name, so sharding, augmentation, exact resume, EMA, evaluation and export keep
+working with nothing changed in utils/ (the contracts: docs/customizing.md).
 Smaller starting point: train_minimal.py (the same training, under 200 lines, no surroundings).
 """
 
@@ -46,25 +46,26 @@ from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, se
 from tqdm.auto import tqdm
 
 from utils import UserError
-from utils.batches import BatchTransform, build_loaders, crop_padding
+from utils.batches import BatchTransform, build_loaders, checked_data, crop_padding
 from utils.checkpoint import Checkpointer, export_weights
 from utils.config import check_ranges, opt, parse
 from utils.config_groups import CheckpointConfig, DataConfig, EvaluationConfig, HubConfig, LoggingConfig
+from utils.decode import load_source
 from utils.ema import WeightEMA
 from utils.evaluation import Evaluator, evaluate, load_metrics
 from utils.guard import MemoryGuard, StopGuard, check_output_dir, lock_output_dir
 from utils.hub import check_can_push, init_weights, push_to_hub
 from utils.launch import (
-    check_fsdp_blocks,
     check_world,
     check_wrapper,
+    choose_fsdp_units,
     fsdp_plugin_from_launcher,
     make_deterministic,
     print_setup,
     run,
     shard_on_cpu_too,
 )
-from utils.models import MODELS, build_model
+from utils.models import MODELS, check_logits, named_model
 from utils.schedule import warmup_cosine
 from utils.tracking import Tracker, TrainMeter, peak_memory_gb, run_facts
 
@@ -139,8 +140,26 @@ def parse_config(argv: list[str] | None = None) -> Config:
 
 
 # ====================================================================================================
-# Optimizer (the model: utils/models.py; the data: utils/batches.build_loaders)
+# What a copy edits: the model, the data, the optimizer (and the loss: one line in main()'s loop)
 # ====================================================================================================
+def build_model(cfg: Config, num_classes: int) -> torch.nn.Module:
+    """The network: a float batch (N, 3, S, S), normalised, channels-last unless --no-channels-last, in; logits
+    (N, num_classes) out (checked before training). Built after set_seed, so every rank starts from the same weights.
+    Under FSDP, the block classes listed in its `_no_split_modules` are sharded one by one (none listed: a fallback,
+    docs/customizing.md). evaluate_checkpoint.py rebuilds the model through this function, with the run's config."""
+    return named_model(cfg.model, num_classes)  # the ready models: utils/models.py
+
+
+def load_data(cfg: Config) -> dict:
+    """{"train": (images, labels), "test": (images, labels), "classes": names}: uint8 images N x H x W x 3 or
+    N x 3 x H x W, square, as numpy arrays (memory-mapped is fine) or tensors; integer labels 0 .. C-1. Optional:
+    "mean" and "std" per channel in [0, 1] (computed from the training images when absent), "dataset" (a description
+    for summary.json). Called on every process, with the same result. The built-in source: --data-dir (parquet or an
+    image folder) or --dataset (the Hub), decoded once per machine into a cache that its other processes read."""
+    return load_source(cfg.data_dir, cfg.dataset, cfg.image_size, (cfg.image_column, cfg.label_column),
+                       cfg.val_fraction, cfg.cache_dir, cfg.decode_workers)
+
+
 def build_optimizer(cfg: Config, model: torch.nn.Module, lr: float, fused: bool = True) -> torch.optim.Optimizer:
     # fused: one kernel for the whole update, on CPU and CUDA (torch's default is a per-tensor loop on CPU,
     # foreach on GPUs). ResNet-18 on 1 CPU thread: SGD 24 ms per step (loop) / 10.8 (foreach) / 3.5 (fused),
@@ -183,18 +202,21 @@ def main(cfg: Config) -> dict:
     print_setup(accelerator, cfg, plan, lr)  # the config, then the processes, precision, device and batch
 
     # --- data: shuffled and augmented by (seed, epoch, sample); Accelerate shards and moves to the device ---
-    train_loader, eval_loader, data = build_loaders(cfg, accelerator, plan)  # data: classes, mean, std, size
+    data = checked_data(load_data(cfg))  # the contract checked; the training images' mean and std when absent
+    train_loader, eval_loader = build_loaders(data, cfg, accelerator, plan)  # --train-subset, --eval-subset, mixing
     memory = MemoryGuard(accelerator, checkpointer, fsdp is not None, train_loader)  # out of memory: smaller batches
 
     # --- model: same seed on every rank -> same initial weights (DDP also broadcasts rank 0's) ---
     set_seed(cfg.seed)
-    model = build_model(cfg.model, len(data["classes"]), sync_bn=cfg.sync_bn)  # SyncBN before prepare(), as DDP needs
+    model = build_model(cfg, len(data["classes"]))
+    check_logits(model, len(data["classes"]), data["image_size"])  # logits (N, classes) for the data's images
+    model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) if cfg.sync_bn else model  # before prepare()
     init = init_weights(model, cfg.init_from, cfg.model, accelerator, resume_from)  # --init-from, unless resumed
     channels_last = cfg.channels_last and fsdp is None  # FSDP2 shards contiguous parameters only: NCHW under FSDP
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     optimizer = build_optimizer(cfg, model, lr, fused=fsdp is None)
-    check_fsdp_blocks(fsdp, model)  # the block class FSDP shards is in the model (a copier's own model)
+    choose_fsdp_units(accelerator, fsdp, model)  # FSDP: the model's _no_split_modules, else by size; says which
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     check_wrapper(accelerator, model, cfg.bf16_grad_sync)  # DDP or FSDP really wraps it; bf16 all-reduce if asked
     transform = BatchTransform(accelerator.device, channels_last=channels_last, pad=crop_padding(data["image_size"]),
@@ -214,7 +236,7 @@ def main(cfg: Config) -> dict:
     # --- resume, on any process count: weights, optimizer, RNG (Accelerate), schedule, counters ---
     p = checkpointer.start(resume_from, scheduler, ema)  # fresh: --overwrite clears the old run only now
     accelerator.wait_for_everyone()
-    run_info = {**run_facts(accelerator, model, plan, total_steps, lr), "channels_last": channels_last, **init}
+    run_info = {**run_facts(accelerator, cfg, model, plan, total_steps, lr), "channels_last": channels_last, **init}
     p.tracker_run_id = tracker.start(accelerator, {**asdict(cfg), **run_info}, p.tracker_run_id, bool(resume_from))
     guard = StopGuard(accelerator, HEALTH_CHECK_EVERY, checkpointer)  # preemption signals and a non-finite loss
     evaluator = Evaluator(cfg, run_eval, accelerator, model, tracker, guard, ema)  # when; keeps the best; early stop
@@ -232,7 +254,9 @@ def main(cfg: Config) -> dict:
         for images, labels, *draws in bar:  # draws: each image's crop, flip, mixing; none from (images, labels)
             with accelerator.accumulate(model), memory.micro_step():  # no all-reduce on non-final micro-steps
                 inputs, targets = transform.train(images, labels, *draws)  # crop, flip, mix, normalise on the device
-                loss = F.cross_entropy(model(inputs), targets, label_smoothing=cfg.label_smoothing)  # soft if mixed
+                # the loss: a mean over the micro-batch; targets are labels (N,), or class probabilities (N, C)
+                # under --mixup / --cutmix, which F.cross_entropy takes as they are
+                loss = F.cross_entropy(model(inputs), targets, label_smoothing=cfg.label_smoothing)
                 accelerator.backward(loss)  # divides by grad_accum
                 if accelerator.sync_gradients and (cfg.grad_clip > 0 or tracker.logs_at(p.global_step + 1)):
                     meter.grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)

@@ -30,9 +30,9 @@ from accelerate.utils import ProjectConfiguration, set_seed
 
 from utils import UserError, process_count_problem
 from utils.batches import BatchTransform, check_one_batch, crop_padding, make_loader, take_prefix
-from utils.decode import load_data
+from utils.decode import load_source
 from utils.launch import run
-from utils.models import build_model
+from utils.models import named_model
 from utils.schedule import warmup_cosine
 from utils.tracking import wandb_offline_without_credentials
 
@@ -100,7 +100,7 @@ def main(args: argparse.Namespace) -> dict:
                       f"{accelerator.mixed_precision}; global batch {global_batch}, lr {lr:g}")
 
     # Data: whole splits as uint8 tensors (decoded once, cached); prepare() shards them over the processes.
-    data = load_data(args.data_dir, None, accelerator)  # one process per machine decodes and caches
+    data = load_source(args.data_dir)  # one process per machine decodes and caches
     train_split = take_prefix(data["train"], args.train_subset, "--train-subset")
     check_one_batch(train_split[1], args.batch_size, world, args.grad_accum)  # fewer would train nothing
     # PITFALL (no set_epoch): the sampler reshuffles every epoch (train_loader.set_epoch below) from the seed, the
@@ -112,7 +112,7 @@ def main(args: argparse.Namespace) -> dict:
                               train=False)
 
     set_seed(args.seed)  # PITFALL (different init per rank): same seed, same weights (and DDP broadcasts rank 0's)
-    model = build_model("resnet18", len(data["classes"]))  # torchvision's ResNet-18 with a CIFAR stem
+    model = named_model("resnet18", len(data["classes"]))  # torchvision's ResNet-18 with a CIFAR stem
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=5e-4,
                                 fused=True)
     # PITFALL (BN without SyncBN): DDP copies rank 0's BatchNorm statistics at the first forward after a training one

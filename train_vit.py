@@ -11,12 +11,12 @@ When FSDP: when the model's state (weights, gradients, AdamW's two moments: 16 b
 activations stop fitting one device. FSDP2 shards each transformer block over the processes (each holds 1/N of the
 state and gathers one block at a time); under `--mixed_precision bf16` it gathers bf16 copies of the fp32 shards and
 reduces gradients in fp32. `--activation-checkpointing` keeps only each block's input and recomputes the rest in
-backward. Same YAMLs as train_cifar.py: this script tells FSDP to shard ViT blocks (EncoderBlock) instead of the
-YAML's ResNet BasicBlock. For a model that fits, DDP is simpler and faster (docs/launching.md, "FSDP2").
+backward. Same YAMLs as train_cifar.py: the ViT declares its block (EncoderBlock) in `_no_split_modules`, which FSDP
+shards one by one. For a model that fits, DDP is simpler and faster (docs/launching.md, "FSDP2").
 
-Same structure as train_cifar.py (its docstring explains it); the differences: a ViT (utils/models.vit), AdamW without
-weight decay on biases, norms, the class token and position embeddings, FSDP2 bf16 parameters, activation
-checkpointing, no BatchNorm (no channels-last, no SyncBN).
+Same structure and edit points as train_cifar.py (its docstring explains them); the differences: a ViT
+(utils/models.vit), AdamW without weight decay on biases, norms, the class token and position embeddings, FSDP2 bf16
+parameters, activation checkpointing, no BatchNorm (no channels-last, no SyncBN).
 """
 
 from __future__ import annotations
@@ -36,31 +36,31 @@ from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, se
 from tqdm.auto import tqdm
 
 from utils import UserError
-from utils.batches import BatchTransform, build_loaders, crop_padding
+from utils.batches import BatchTransform, build_loaders, checked_data, crop_padding
 from utils.checkpoint import Checkpointer, export_weights
 from utils.config import check_ranges, opt, parse
 from utils.config_groups import CheckpointConfig, DataConfig, EvaluationConfig, HubConfig, LoggingConfig
+from utils.decode import load_source
 from utils.ema import WeightEMA
 from utils.evaluation import Evaluator, evaluate, load_metrics
 from utils.guard import MemoryGuard, StopGuard, check_output_dir, lock_output_dir
 from utils.hub import check_can_push, init_weights, push_to_hub
 from utils.launch import (
-    check_fsdp_blocks,
     check_world,
     check_wrapper,
+    choose_fsdp_units,
     fsdp_plugin_from_launcher,
     make_deterministic,
     print_setup,
     run,
     shard_on_cpu_too,
 )
-from utils.models import VITS, build_model, checkpoint_blocks
+from utils.models import VITS, check_logits, checkpoint_blocks, named_model
 from utils.schedule import warmup_cosine
 from utils.tracking import Tracker, TrainMeter, peak_memory_gb, run_facts
 
 REFERENCE_BATCH = 128  # --scale-lr: lr is given for this global batch and scaled linearly from it
 HEALTH_CHECK_EVERY = 10  # optimizer steps between the (collective) checks for preemption signals and NaN loss
-BLOCK = "EncoderBlock"  # the class FSDP shards one by one: torchvision's ViT block
 
 
 # ====================================================================================================
@@ -114,8 +114,22 @@ def parse_config(argv: list[str] | None = None) -> Config:
 
 
 # ====================================================================================================
-# Optimizer (the model: utils/models.vit; the data: utils/batches.build_loaders)
+# What a copy edits: the model, the data, the optimizer (and the loss: one line in main()'s loop)
 # ====================================================================================================
+def build_model(cfg: Config, num_classes: int) -> torch.nn.Module:
+    """The network: a normalised float batch (N, 3, S, S) in, logits (N, num_classes) out (checked before
+    training). torchvision's ViT is built for one image size: --image-size (32 when unset). Its block,
+    EncoderBlock, is in `_no_split_modules`: FSDP shards it one by one. evaluate_checkpoint.py rebuilds it here."""
+    return named_model(cfg.model, num_classes, image_size=cfg.image_size or 32)
+
+
+def load_data(cfg: Config) -> dict:
+    """{"train": (images, labels), "test": (images, labels), "classes": names}, as train_cifar.py's load_data (its
+    docstring and docs/customizing.md give the contract): here the built-in source, --data-dir or --dataset."""
+    return load_source(cfg.data_dir, cfg.dataset, cfg.image_size, (cfg.image_column, cfg.label_column),
+                       cfg.val_fraction, cfg.cache_dir, cfg.decode_workers)
+
+
 def build_optimizer(cfg: Config, model: torch.nn.Module, lr: float) -> torch.optim.AdamW:
     """AdamW with weight decay on the weight matrices only: decaying biases, LayerNorm scales, the class token and
     the position embeddings only pulls them to zero (the ViT/DeiT recipe). Built before prepare(); Accelerate then
@@ -139,7 +153,7 @@ def main(cfg: Config) -> dict:
     if cfg.deterministic:
         make_deterministic()
     tracker = Tracker(cfg, cfg.output_dir)  # the logging flags
-    fsdp = fsdp_plugin_from_launcher(blocks=[BLOCK], bf16_params=True)  # None unless the launch config asks for FSDP
+    fsdp = fsdp_plugin_from_launcher(bf16_params=True)  # None unless the launch config asks for FSDP
     accelerator = Accelerator(
         cpu=not torch.cuda.is_available(),  # without it, N launched CPU processes each train alone (no gloo group)
         log_with=tracker.log_with,
@@ -161,17 +175,19 @@ def main(cfg: Config) -> dict:
     print_setup(accelerator, cfg, plan, lr)  # the config, then the processes, precision, device and batch
 
     # --- data: shuffled and augmented by (seed, epoch, sample); Accelerate shards and moves to the device ---
-    train_loader, eval_loader, data = build_loaders(cfg, accelerator, plan)  # data: classes, mean, std, size
+    data = checked_data(load_data(cfg))  # the contract checked; the training images' mean and std when absent
+    train_loader, eval_loader = build_loaders(data, cfg, accelerator, plan)  # --train-subset, --eval-subset, mixing
     memory = MemoryGuard(accelerator, checkpointer, fsdp is not None, train_loader)  # out of memory: smaller batches
 
     # --- model: same seed on every rank -> same initial weights; blocks checkpointed before FSDP shards them ---
     set_seed(cfg.seed)
-    model = build_model(cfg.model, len(data["classes"]), image_size=data["image_size"])
+    model = build_model(cfg, len(data["classes"]))
+    check_logits(model, len(data["classes"]), data["image_size"])  # logits (N, classes) for the data's images
     init = init_weights(model, cfg.init_from, cfg.model, accelerator, resume_from)  # --init-from, unless resumed
     if cfg.activation_checkpointing:
         checkpoint_blocks(model)
     optimizer = build_optimizer(cfg, model, lr)
-    check_fsdp_blocks(fsdp, model)  # the block class FSDP shards is in the model (a copier's own model)
+    choose_fsdp_units(accelerator, fsdp, model)  # FSDP: the model's _no_split_modules, else by size; says which
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     check_wrapper(accelerator, model, cfg.bf16_grad_sync)  # DDP or FSDP really wraps it; bf16 all-reduce if asked
     transform = BatchTransform(accelerator.device, channels_last=False, pad=crop_padding(data["image_size"]),
@@ -190,7 +206,8 @@ def main(cfg: Config) -> dict:
     # --- resume, on any process count: weights, optimizer, RNG (Accelerate), schedule, counters ---
     p = checkpointer.start(resume_from, scheduler, ema)  # fresh: --overwrite clears the old run only now
     accelerator.wait_for_everyone()
-    run_info = {**run_facts(accelerator, model, plan, total_steps, lr), "fsdp_param_dtype": _param_dtype(fsdp), **init}
+    run_info = {**run_facts(accelerator, cfg, model, plan, total_steps, lr), "fsdp_param_dtype": _param_dtype(fsdp),
+                **init}
     p.tracker_run_id = tracker.start(accelerator, {**asdict(cfg), **run_info}, p.tracker_run_id, bool(resume_from))
     guard = StopGuard(accelerator, HEALTH_CHECK_EVERY, checkpointer)  # preemption signals and a non-finite loss
     evaluator = Evaluator(cfg, run_eval, accelerator, model, tracker, guard, ema)  # when; keeps the best; early stop
@@ -208,7 +225,9 @@ def main(cfg: Config) -> dict:
         for images, labels, *draws in bar:  # draws: each image's crop, flip, mixing; none from (images, labels)
             with accelerator.accumulate(model), memory.micro_step():  # no gradient sync on non-final micro-steps
                 inputs, targets = transform.train(images, labels, *draws)  # crop, flip, mix, normalise on the device
-                loss = F.cross_entropy(model(inputs), targets, label_smoothing=cfg.label_smoothing)  # soft if mixed
+                # the loss: a mean over the micro-batch; targets are labels (N,), or class probabilities (N, C)
+                # under --mixup / --cutmix, which F.cross_entropy takes as they are
+                loss = F.cross_entropy(model(inputs), targets, label_smoothing=cfg.label_smoothing)
                 accelerator.backward(loss)  # divides by grad_accum
                 if accelerator.sync_gradients and (cfg.grad_clip > 0 or tracker.logs_at(p.global_step + 1)):
                     meter.grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)

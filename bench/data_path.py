@@ -32,7 +32,7 @@ from torchvision import transforms
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import add_data_args, data_flags, header, report  # noqa: E402
 from utils.batches import MEAN, STD, BatchTransform, Mixing, make_loader  # noqa: E402
-from utils.decode import load_data  # noqa: E402
+from utils.decode import load_source  # noqa: E402
 
 
 class PilDataset(torch.utils.data.Dataset):
@@ -52,7 +52,7 @@ def measure(side: str, args) -> float:
     """Median images/s over `--passes` passes of one pipeline in this process, after one warm-up pass."""
     accelerator = Accelerator(cpu=not torch.cuda.is_available(),
                               dataloader_config=DataLoaderConfiguration(non_blocking=True))
-    images, labels = load_data(args.data_dir, args.cache_dir, accelerator)["train"]
+    images, labels = load_source(args.data_dir, cache_dir=args.cache_dir)["train"]
     if side == "ours":
         n = args.images
         # each batch with its crops and flips (drawn by sample, as train_cifar.py's); channels-last, its default

@@ -1,4 +1,4 @@
-"""P7: the first decode with --decode-workers N against 1 worker: images/s of load_data on a folder of CIFAR-10 PNGs
+"""P7: the first decode with --decode-workers N against 1 worker: images/s of load_source on a folder of CIFAR-10 PNGs
 (all 60,000 images of the parquet source, written once as lossless PNGs into a temporary image folder), each run
 into an empty cache folder, alternating, after one warm-up run (datasets' imagefolder builder lists the files
 once), and its decode alone. The caches written must be the same file, byte for byte.
@@ -22,12 +22,12 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import header, report  # noqa: E402
 from utils import decode as decode_module  # noqa: E402
-from utils.decode import CLASSES, load_data  # noqa: E402
+from utils.decode import CLASSES, load_source  # noqa: E402
 
 
 def png_folder(data_dir: str, root: Path) -> int:
     """The source's images as <split>/<class>/<row>.png; returns how many."""
-    data = load_data(data_dir, str(root / "parquet-cache"), decode_workers=1)
+    data = load_source(data_dir, cache_dir=str(root / "parquet-cache"), decode_workers=1)
     count = 0
     for split in ("train", "test"):
         images, labels = data[split]
@@ -40,7 +40,7 @@ def png_folder(data_dir: str, root: Path) -> int:
 
 
 def decode(folder: Path, cache: Path, workers: int) -> tuple[float, float, str]:
-    """Seconds of one load_data into an empty cache folder, of its decode_all alone (the part the workers share),
+    """Seconds of one load_source into an empty cache folder, of its decode_all alone (the part the workers share),
     and the cache file's sha256."""
     shutil.rmtree(cache, ignore_errors=True)
     timed, real = [], decode_module.decode_all
@@ -53,7 +53,7 @@ def decode(folder: Path, cache: Path, workers: int) -> tuple[float, float, str]:
     decode_module.decode_all = decode_all
     try:
         start = time.perf_counter()
-        load_data(str(folder), str(cache), decode_workers=workers)
+        load_source(str(folder), cache_dir=str(cache), decode_workers=workers)
         seconds = time.perf_counter() - start
     finally:
         decode_module.decode_all = real
@@ -80,7 +80,7 @@ def main() -> None:
                 rates[workers].append(count / seconds)
                 decoding[workers].append(count / decoding_seconds)
                 digests.add(digest)
-        print("load_data, end to end (listing and reading the folder through datasets, the decode, the statistics):")
+        print("load_source, end to end (listing and reading the folder through datasets, the decode, the statistics):")
         report(f"{args.workers} workers", rates[args.workers], "1 worker", rates[1])
         print("the decode alone (decode_all):")
         report(f"{args.workers} workers", decoding[args.workers], "1 worker", decoding[1])

@@ -55,14 +55,14 @@ def worker(args) -> None:
 
     import train_vit
     from utils.launch import check_world, fsdp_plugin_from_launcher, shard_on_cpu_too
-    from utils.models import build_model, checkpoint_blocks
+    from utils.models import checkpoint_blocks, named_model
 
     fsdp = fsdp_plugin_from_launcher(blocks=[train_vit.BLOCK], bf16_params=True)
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), fsdp_plugin=fsdp)
     shard_on_cpu_too(accelerator, fsdp)
     check_world(accelerator, fsdp_asked=fsdp is not None)
     torch.manual_seed(0)
-    model = build_model(args.model)
+    model = named_model(args.model)
     if args.activation_checkpointing:
         checkpoint_blocks(model)
     model, optimizer = accelerator.prepare(model, train_vit.build_optimizer(train_vit.Config(), model, 1e-4))

@@ -104,9 +104,9 @@ def train_flops_per_image(model_name: str, batch: int = 4) -> float:
     import torch.nn.functional as F
     from torch.utils.flop_counter import FlopCounterMode
 
-    from utils.models import build_model
+    from utils.models import named_model
 
-    model = build_model(model_name)
+    model = named_model(model_name)
     images, labels = torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,))
     with FlopCounterMode(display=False) as counter:
         F.cross_entropy(model(images), labels).backward()
@@ -211,11 +211,11 @@ def airbench(data_dir: str | None, cache_dir: str | None, work: Path) -> dict:
 
     if importlib.util.find_spec("airbench") is None:
         raise PartFailed("airbench is not installed (offline: carry its wheel, see docs/gpu-check.md)")
-    from utils.decode import load_data
+    from utils.decode import load_source
 
     folder = work / "airbench" / "cifar10"
     folder.mkdir(parents=True, exist_ok=True)
-    data = load_data(data_dir, cache_dir)
+    data = load_source(data_dir, cache_dir=cache_dir)
     for split, name in (("train", "train.pt"), ("test", "test.pt")):  # airbench's cache format: NHWC uint8
         images, labels = data[split]
         torch.save({"images": images.permute(0, 2, 3, 1).contiguous(), "labels": labels,

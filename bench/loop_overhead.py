@@ -17,14 +17,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from accelerate import Accelerator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train_cifar  # noqa: E402
 from bench.common import add_data_args, header, report  # noqa: E402
 from utils.batches import BatchTransform, augment_draws  # noqa: E402
-from utils.decode import load_data  # noqa: E402
-from utils.models import build_model  # noqa: E402
+from utils.decode import load_source  # noqa: E402
+from utils.models import named_model  # noqa: E402
 from utils.schedule import warmup_cosine  # noqa: E402
 
 
@@ -33,7 +32,7 @@ def bare_loop(cfg: train_cifar.Config, images: torch.Tensor, labels: torch.Tenso
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     images, labels = images.to(dev), labels.to(dev)
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model).to(dev)
+    model = named_model(cfg.model).to(dev)
     if cfg.channels_last:  # as train_cifar.py does (its default)
         model = model.to(memory_format=torch.channels_last)
     optimizer = train_cifar.build_optimizer(cfg, model, cfg.lr)
@@ -75,8 +74,7 @@ def main() -> None:
                              max_steps=args.steps, ema_decay=args.ema_decay,
                              warmup_epochs=1 / args.steps, tracker="none", overwrite=True, log_every=10)
     assert math.ceil(n / args.batch_size) == args.steps
-    images, labels = load_data(cfg.data_dir, cfg.cache_dir,
-                                  Accelerator(cpu=not torch.cuda.is_available()))["train"]
+    images, labels = load_source(cfg.data_dir, cache_dir=cfg.cache_dir)["train"]
     ours, bare = [], []
     for _ in range(args.repeats):
         ours.append(train_cifar.main(cfg)["train_images_per_sec"])

@@ -26,7 +26,7 @@ from torchvision.models import resnet18
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import add_data_args  # noqa: E402
 from bench.data_path import PilDataset  # noqa: E402
-from utils.decode import load_data  # noqa: E402
+from utils.decode import load_source  # noqa: E402
 
 
 def main():
@@ -46,7 +46,7 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loss_fn = nn.CrossEntropyLoss()
 
-    images, labels = load_data(args.data_dir, args.cache_dir)["train"]
+    images, labels = load_source(args.data_dir, cache_dir=args.cache_dir)["train"]
     ds = PilDataset(images[: args.images], labels[: args.images], transforms.Compose([transforms.ToTensor()]))
     sampler = DistributedSampler(ds, num_replicas=world_size, rank=rank, shuffle=True)
     loader = DataLoader(ds, batch_size=128, sampler=sampler, num_workers=args.num_workers, pin_memory=True)

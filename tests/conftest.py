@@ -22,7 +22,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from utils.models import build_model
+from utils.models import named_model
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_CIFAR = REPO.parent / "shared" / "data" / "cifar10"
@@ -372,7 +372,7 @@ def assert_same_parameters(a: Path, b: Path, atol: float = 0.0, file: str = "mod
     rank 0's, from its micro-batches only, so they differ between process counts by design)."""
     sa, sb = load_file(Path(a) / file), load_file(Path(b) / file)
     model = json.loads((Path(a) / "summary.json").read_text())["model"]
-    names = [n for n, _ in build_model(model).named_parameters()]
+    names = [n for n, _ in named_model(model).named_parameters()]
     differ = [n for n in names if not torch.allclose(sa[n], sb[n], rtol=0, atol=atol)]
     assert not differ, f"{len(differ)} of {len(names)} parameters differ, e.g. {differ[:3]}"
 

@@ -18,8 +18,8 @@ import torch
 from conftest import GPU_YAML, PROBE, REPO, assert_same_state, job_args, read_summary, run_train, script_env
 from safetensors.torch import load_file
 
-import train_cifar
 from utils.launch import make_deterministic
+from utils.models import named_model
 from utils.tracking import peak_memory_gb
 
 pytestmark = pytest.mark.cuda
@@ -61,7 +61,7 @@ def test_the_fast_recipe_compiled_on_a_gpu_trains_and_exports_weights_without_th
     state = load_file(out / "model.safetensors")
     assert not [k for k in state if k.startswith(("_orig_mod.", "module."))]
     assert {t.dtype for t in state.values() if t.is_floating_point()} == {torch.float32}  # bf16 was autocast only
-    train_cifar.build_model("resnet9").load_state_dict(state, strict=True)
+    named_model("resnet9").load_state_dict(state, strict=True)
 
 
 def test_sync_batchnorm_converts_and_trains_on_one_gpu(cifar_dir, cache_dir, tmp_path):
@@ -101,7 +101,7 @@ def test_two_deterministic_gpu_runs_end_with_the_same_weights(cifar_dir, cache_d
         assert result.returncode == 0, result.stderr[-4000:]
     assert_same_state(outs[0] / "model.safetensors", outs[1] / "model.safetensors")
     torch.manual_seed(0)  # the script's --seed 0, before it builds the model
-    initial = train_cifar.build_model("resnet18").state_dict()["conv1.weight"]
+    initial = named_model("resnet18").state_dict()["conv1.weight"]
     assert not torch.equal(load_file(outs[0] / "model.safetensors")["conv1.weight"], initial)  # it trained
 
 

@@ -24,7 +24,7 @@ from PIL import Image
 
 from utils import UserError, batches, decode
 from utils.batches import BatchTransform, augment_draws, make_loader
-from utils.decode import default_cache_dir, load_data
+from utils.decode import default_cache_dir, load_source
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def accelerator():
 def test_decoded_tensors_equal_pil_decoding_of_the_parquet_rows(cifar_dir, cache_dir, accelerator):
     import pyarrow.parquet as pq
 
-    data = load_data(str(cifar_dir), str(cache_dir), accelerator)
+    data = load_source(str(cifar_dir), cache_dir=str(cache_dir))
     train_file = sorted(cifar_dir.glob("train-*.parquet"))[0]
     table = pq.read_table(train_file).slice(0, 50)
     images, labels = data["train"]
@@ -54,7 +54,7 @@ def test_the_decoded_cache_gets_the_mode_the_umask_gives_any_new_file(tmp_path, 
         cache = tmp_path / f"cache-{umask:o}"
         old = os.umask(umask)
         try:
-            load_data(str(src), str(cache), accelerator)
+            load_source(str(src), cache_dir=str(cache))
         finally:
             os.umask(old)
         (written,) = cache.glob("images-*.safetensors")
@@ -64,20 +64,20 @@ def test_the_decoded_cache_gets_the_mode_the_umask_gives_any_new_file(tmp_path, 
 def test_second_load_reads_the_cache_and_a_changed_source_is_decoded_again(tmp_path, accelerator, monkeypatch):
     src = write_cifar_dir(tmp_path / "src", n_train=40, n_test=12)
     cache = tmp_path / "cache"
-    first = load_data(str(src), str(cache), accelerator)
+    first = load_source(str(src), cache_dir=str(cache))
     assert len(list(cache.glob("images-*.safetensors"))) == 1
 
     calls = []
     real_decode = decode.decode_all
     monkeypatch.setattr(decode, "decode_all", lambda rows, *rest: calls.extend(rows) or real_decode(rows, *rest))
-    second = load_data(str(src), str(cache), accelerator)
+    second = load_source(str(src), cache_dir=str(cache))
     assert calls == []  # served from the cache
     assert all(torch.equal(a, b) for s in ("train", "test") for a, b in zip(first[s], second[s]))
     assert all(d[s][0].is_contiguous(memory_format=torch.channels_last)
                for d in (first, second) for s in ("train", "test"))
 
     write_cifar_dir(src, n_train=48, n_test=12)  # replace the source files
-    third = load_data(str(src), str(cache), accelerator)
+    third = load_source(str(src), cache_dir=str(cache))
     assert calls == ["train", "test"]
     assert len(third["train"][1]) == 48
     assert len(list(cache.glob("images-*.safetensors"))) == 2
@@ -99,9 +99,9 @@ def test_every_process_reads_the_images_through_a_memory_map_of_the_cache_file_e
     """No process holds a copy of the images: the page cache holds them once per machine, and a dataset larger than
     memory is read from disk. The decoding process too maps the file it wrote (it decoded into the map)."""
     src = write_cifar_dir(tmp_path / "src", n_train=40, n_test=12)
-    decoded = load_data(str(src), str(tmp_path / "cache"), accelerator)  # the first run: decodes
+    decoded = load_source(str(src), cache_dir=str(tmp_path / "cache"))  # the first run: decodes
     (cache,) = (tmp_path / "cache").glob("images-*.safetensors")
-    read = load_data(str(src), str(tmp_path / "cache"), accelerator)  # a later run or another process: reads
+    read = load_source(str(src), cache_dir=str(tmp_path / "cache"))  # a later run or another process: reads
     for data in (decoded, read):
         for split in ("train", "test"):
             assert _mapped_file(data[split][0]) == str(cache), split
@@ -114,10 +114,10 @@ def test_a_cache_folder_that_cannot_be_written_decodes_into_a_temporary_file_and
     """A read-only filesystem (root could write into a folder without write bits): the images are decoded into a
     temporary file that is deleted once mapped; the folder stays empty and the next run decodes again."""
     src = write_cifar_dir(tmp_path / "src", n_train=40, n_test=12)
-    expected = load_data(str(src), str(tmp_path / "writable"), accelerator)
+    expected = load_source(str(src), cache_dir=str(tmp_path / "writable"))
     with small_tmpfs(tmp_path / "read-only", "1m,ro") as folder:
         with pytest.warns(UserWarning, match=f"cache folder {folder} is not writable; decoding into a temporary file"):
-            data = load_data(str(src), str(folder), accelerator)
+            data = load_source(str(src), cache_dir=str(folder))
         assert list(folder.iterdir()) == []
     for split in ("train", "test"):
         assert torch.equal(data[split][0], expected[split][0]) and torch.equal(data[split][1], expected[split][1])
@@ -127,7 +127,7 @@ def test_a_cache_folder_that_cannot_be_written_decodes_into_a_temporary_file_and
 def test_any_number_of_decode_workers_writes_the_same_cache_file_byte_for_byte(tmp_path, accelerator, monkeypatch):
     """An image folder without a test split: shuffled and held out by row orders before decoding, decoded in chunks
     of 16 rows by 1, 2 or 3 processes."""
-    parquet = load_data(str(write_cifar_dir(tmp_path / "src", n_train=200, n_test=8)), str(tmp_path / "c0"))
+    parquet = load_source(str(write_cifar_dir(tmp_path / "src", n_train=200, n_test=8)), cache_dir=str(tmp_path / "c0"))
     export_png_folder(tmp_path / "folder", {"train": parquet["train"]})
     monkeypatch.setattr(decode, "DECODE_CHUNK", 16)
     pids = tmp_path / "pids.txt"
@@ -142,7 +142,7 @@ def test_any_number_of_decode_workers_writes_the_same_cache_file_byte_for_byte(t
     files, seen = [], []
     for workers in (1, 2, 3):
         pids.write_text("")
-        data = load_data(str(tmp_path / "folder"), str(tmp_path / f"c{workers}"), accelerator, decode_workers=workers)
+        data = load_source(str(tmp_path / "folder"), cache_dir=str(tmp_path / f"c{workers}"), decode_workers=workers)
         assert (len(data["train"][1]), len(data["test"][1])) == (180, 20)  # 0.1 held out
         assert digests(torch.cat([data["train"][0], data["test"][0]]), torch.cat([data["train"][1],
                        data["test"][1]])) == digests(*parquet["train"])  # the same (image, label) pairs
@@ -166,7 +166,7 @@ def test_an_undecodable_image_stops_a_parallel_decode_with_the_first_bad_rows_li
     for workers in (1, 3):
         with pytest.raises(UserError, match=r"^the train split has an undecodable image at .*/c[14]/0\.png \(OSError: "
                                             r"image file is truncated\)\.$") as e:
-            load_data(str(tmp_path / "folder"), str(tmp_path / f"cache{workers}"), accelerator, decode_workers=workers)
+            load_source(str(tmp_path / "folder"), cache_dir=str(tmp_path / f"cache{workers}"), decode_workers=workers)
         messages.append(str(e.value))
         assert not list((tmp_path / f"cache{workers}").glob("*"))  # no cache, no temporary file
     assert messages[0] == messages[1]
@@ -175,11 +175,11 @@ def test_an_undecodable_image_stops_a_parallel_decode_with_the_first_bad_rows_li
 def test_truncated_cache_is_ignored_and_rewritten(tmp_path, accelerator):
     src = write_cifar_dir(tmp_path / "src", n_train=20, n_test=10)
     cache = tmp_path / "cache"
-    good = load_data(str(src), str(cache), accelerator)["train"][0].clone()  # a copy: the tensor maps the file,
+    good = load_source(str(src), cache_dir=str(cache))["train"][0].clone()  # a copy: the tensor maps the file,
     (path,) = cache.glob("images-*.safetensors")  # and reading a map past the end of a truncated file is SIGBUS
     path.write_bytes(path.read_bytes()[:100])
     with pytest.warns(UserWarning, match="unreadable cache"):
-        again = load_data(str(src), str(cache), accelerator)
+        again = load_source(str(src), cache_dir=str(cache))
     assert torch.equal(again["train"][0], good)
     assert path.stat().st_size > 100
 
@@ -322,7 +322,7 @@ def test_the_transform_on_cuda_gives_the_cpu_outputs_for_the_same_draws():
 def test_decoding_needs_no_network(tmp_path, accelerator, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     src = write_cifar_dir(tmp_path / "src", n_train=10, n_test=10, fmt="JPEG")
-    data = load_data(str(src), str(tmp_path / "cache"), accelerator)
+    data = load_source(str(src), cache_dir=str(tmp_path / "cache"))
     assert data["test"][0].shape == (10, 3, 32, 32)
     assert os.listdir(tmp_path / "cache")
 
@@ -338,11 +338,11 @@ def test_a_training_split_smaller_than_one_global_batch_stops_with_one_sentence(
 # Image folders (train/<class>/*.png, test/<class>/...), read through datasets' imagefolder builder ---------------
 def test_an_image_folder_of_cifar_pngs_decodes_to_the_parquets_tensors_and_labels(cifar_dir, cache_dir, tmp_path,
                                                                                    accelerator):
-    parquet = load_data(str(cifar_dir), str(cache_dir), accelerator)
+    parquet = load_source(str(cifar_dir), cache_dir=str(cache_dir))
     prefix = {"train": (parquet["train"][0][:2000], parquet["train"][1][:2000]),
               "test": (parquet["test"][0][:500], parquet["test"][1][:500])}
     export_png_folder(tmp_path / "folder", prefix, split_names={"test": "validation"})  # validation/: a test split
-    folder = load_data(str(tmp_path / "folder"), str(tmp_path / "cache"), accelerator)
+    folder = load_source(str(tmp_path / "folder"), cache_dir=str(tmp_path / "cache"))
     for split, (images, labels) in prefix.items():
         assert folder[split][0].shape == images.shape and folder[split][0].is_contiguous(
             memory_format=torch.channels_last)
@@ -351,14 +351,14 @@ def test_an_image_folder_of_cifar_pngs_decodes_to_the_parquets_tensors_and_label
         # class-balanced, as in the Hub's files: each class 5-20% of the first 200 images (unshuffled: 100% airplanes)
         counts = torch.bincount(folder[split][1][:200], minlength=10)
         assert counts.min() >= 10 and counts.max() <= 40, counts.tolist()
-    again = load_data(str(tmp_path / "folder"), str(tmp_path / "cache"), accelerator)  # from the cache
+    again = load_source(str(tmp_path / "folder"), cache_dir=str(tmp_path / "cache"))  # from the cache
     assert all(torch.equal(again[s][i], folder[s][i]) for s in ("train", "test") for i in (0, 1))
     assert len(list((tmp_path / "cache").glob("images-*.safetensors"))) == 1  # cached like a parquet source
 
 
 def _folder_error(tmp_path, accelerator) -> str:
     with pytest.raises(UserError) as e:
-        load_data(str(tmp_path / "folder"), str(tmp_path / "cache"), accelerator)
+        load_source(str(tmp_path / "folder"), cache_dir=str(tmp_path / "cache"))
     return str(e.value)
 
 
@@ -379,19 +379,19 @@ def test_image_folder_bad_input_is_named_in_one_sentence(tmp_path, accelerator):
     assert message.startswith(f"the train split has an undecodable image at {broken} ("), message
     broken.unlink()
     (folder / "test").rename(folder / "elsewhere")  # no test split: 1 of the 10 images held out; 0.05 holds out none
-    assert load_data(str(folder), str(tmp_path / "cache"), accelerator)["test"][0].shape == (1, 3, 32, 32)
+    assert load_source(str(folder), cache_dir=str(tmp_path / "cache"))["test"][0].shape == (1, 3, 32, 32)
     with pytest.raises(UserError, match=r"^--val-fraction 0\.05 of 10 training images holds out 0; both the training "
                                         r"and the held-out part need at least one image\.$"):
-        load_data(str(folder), str(tmp_path / "cache"), accelerator, val_fraction=0.05)
+        load_source(str(folder), cache_dir=str(tmp_path / "cache"), val_fraction=0.05)
 
 
 def test_an_image_folder_names_its_classes_from_its_folders(tmp_path, accelerator):
     write_image_folder(tmp_path / "folder", ("dogs", "cats", "birds"))
-    data = load_data(str(tmp_path / "folder"), str(tmp_path / "cache"), accelerator)
+    data = load_source(str(tmp_path / "folder"), cache_dir=str(tmp_path / "cache"))
     assert data["classes"] == ("birds", "cats", "dogs")  # the folders' names, sorted; label k is classes[k]
     by_label = {int(label): int(image[0, 0, 0]) for image, label in zip(*data["train"])}
     assert by_label == {0: 40, 1: 20, 2: 0}  # write_image_folder paints class folder k (given order) with k * 20
-    assert load_data(str(tmp_path / "folder"), str(tmp_path / "cache"), accelerator)["classes"] == data["classes"]
+    assert load_source(str(tmp_path / "folder"), cache_dir=str(tmp_path / "cache"))["classes"] == data["classes"]
 
 
 def test_images_of_mixed_sizes_and_modes_are_resized_to_rgb_image_size_or_stop_asking_for_it(tmp_path, accelerator):
@@ -399,7 +399,7 @@ def test_images_of_mixed_sizes_and_modes_are_resized_to_rgb_image_size_or_stop_a
     message = _folder_error(tmp_path, accelerator)
     assert message.startswith("the images do not share one square size (") and message.endswith(
         "pass --image-size S to resize every image to S x S."), message
-    data = load_data(str(folder), str(tmp_path / "cache"), accelerator, image_size=24)
+    data = load_source(str(folder), cache_dir=str(tmp_path / "cache"), image_size=24)
     images, labels = data["train"]
     assert images.shape == (9, 3, 24, 24) and images.is_contiguous(memory_format=torch.channels_last)
     gray = [im for im, k in zip(images, labels) if k == 1 and im[0, 0, 0] == im[1, 0, 0] == im[2, 0, 0] == 60]
@@ -414,7 +414,7 @@ def test_images_of_mixed_sizes_and_modes_are_resized_to_rgb_image_size_or_stop_a
 def test_cifar10_normalisation_from_the_data_is_the_published_constants(cifar_dir, cache_dir, accelerator):
     """The mean to 3 decimals; the standard deviation of this JPEG re-encoding of CIFAR-10 (../shared's copy) is up
     to 0.0018 lower than the lossless original's published values: JPEG smooths the pixels."""
-    data = load_data(str(cifar_dir), str(cache_dir), accelerator)
+    data = load_source(str(cifar_dir), cache_dir=str(cache_dir))
     if len(data["train"][1]) != 50_000:
         pytest.skip("needs the real CIFAR-10 training split")
     assert data["mean"] == pytest.approx((0.4914, 0.4822, 0.4465), abs=5e-4)
@@ -431,11 +431,11 @@ def test_integer_labels_without_class_names_make_classes_named_by_their_numbers(
     src.mkdir()
     write_parquet(src / "train-00000-of-00001.parquet", 12, labels=[2, 0, 1] * 4, class_names=None)
     write_parquet(src / "test-00000-of-00001.parquet", 3, labels=[1, 1, 0], class_names=None)
-    data = load_data(str(src), str(tmp_path / "cache"), accelerator)
+    data = load_source(str(src), cache_dir=str(tmp_path / "cache"))
     assert data["classes"] == ("0", "1", "2") and data["train"][1].tolist() == [2, 0, 1] * 4
     assert data["dataset"] == {"source": str(src), "kind": "parquet", "fingerprint": data["dataset"]["fingerprint"],
                                "eval_split": "test"}
-    assert load_data(str(src), str(tmp_path / "cache"), accelerator)["classes"] == ("0", "1", "2")  # cached
+    assert load_source(str(src), cache_dir=str(tmp_path / "cache"))["classes"] == ("0", "1", "2")  # cached
 
 
 def test_image_and_label_columns_are_found_by_name_and_a_missing_one_is_named():
@@ -473,7 +473,7 @@ def test_a_source_without_an_evaluation_split_holds_out_a_fixed_part_of_train_an
     src.mkdir()
     write_parquet(src / "train-00000-of-00001.parquet", 40, seed=3)
     whole = decode.decode_split(datasets_parquet(src / "train-00000-of-00001.parquet"), "train")  # the 40, in order
-    data = load_data(str(src), str(tmp_path / "cache"), accelerator)
+    data = load_source(str(src), cache_dir=str(tmp_path / "cache"))
     assert capsys.readouterr().out.splitlines()[-1] == (
         "no evaluation split: evaluating on 4 of the 40 training images, held out by --val-fraction 0.1 (a fixed "
         "shuffle: the same on every process and run); training on the other 36")
@@ -488,16 +488,16 @@ def test_a_source_without_an_evaluation_split_holds_out_a_fixed_part_of_train_an
     assert held_rows == sorted(held_rows) and held_rows != list(range(36, 40)) and held_rows != list(range(4))
     pixels = train_x.permute(0, 2, 3, 1).reshape(-1, 3).double() / 255  # normalised with the training part only
     assert data["mean"] == pytest.approx(tuple(pixels.mean(0).tolist()), abs=1e-9)
-    again = load_data(str(src), str(tmp_path / "other-cache"), accelerator)  # decoded afresh: another machine
+    again = load_source(str(src), cache_dir=str(tmp_path / "other-cache"))  # decoded afresh: another machine
     assert all(torch.equal(again[s][i], data[s][i]) for s in ("train", "test") for i in (0, 1))
     # An explicit fraction holds out of train even beside a test split, which then is not used.
     write_parquet(src / "test-00000-of-00001.parquet", 8, seed=4)
-    quarter = load_data(str(src), str(tmp_path / "cache"), accelerator, val_fraction=0.25)
+    quarter = load_source(str(src), cache_dir=str(tmp_path / "cache"), val_fraction=0.25)
     assert len(quarter["train"][1]) == 30 and len(quarter["test"][1]) == 10
     assert "no evaluation split used: evaluating on 10 of the 40" in capsys.readouterr().out
-    assert load_data(str(src), str(tmp_path / "cache"), accelerator)["dataset"]["eval_split"] == "test"
+    assert load_source(str(src), cache_dir=str(tmp_path / "cache"))["dataset"]["eval_split"] == "test"
     with pytest.raises(UserError, match=r"^--val-fraction must be between 0 and 1 \(got 1\)\.$"):
-        load_data(str(src), str(tmp_path / "cache"), accelerator, val_fraction=1.0)
+        load_source(str(src), cache_dir=str(tmp_path / "cache"), val_fraction=1.0)
 
 
 def datasets_parquet(path):
@@ -516,7 +516,7 @@ def test_a_hub_dataset_named_by_dataset_loads_its_splits_columns_and_class_names
                   columns=("image", "labels"), size=(16, 16))
     write_parquet(repo / "data" / "validation-00000-of-00001.parquet", 9, seed=6, class_names=names,
                   columns=("image", "labels"), size=(16, 16))
-    data = load_data(None, str(tmp_path / "cache"), accelerator, dataset=str(repo))
+    data = load_source(None, cache_dir=str(tmp_path / "cache"), dataset=str(repo))
     assert data["classes"] == names and data["train"][0].shape == (30, 3, 16, 16) and len(data["test"][1]) == 9
     assert data["dataset"] == {"source": str(repo), "kind": "hub", "fingerprint": data["dataset"]["fingerprint"],
                                "eval_split": "validation"}
@@ -524,7 +524,7 @@ def test_a_hub_dataset_named_by_dataset_loads_its_splits_columns_and_class_names
     assert torch.equal(data["test"][0], expected[0]) and torch.equal(data["test"][1], expected[1])
     with pytest.raises(UserError, match=r"^pass either --data-dir \(d\) or --dataset \(uoft-cs/cifar100\), "
                                         r"not both\.$"):
-        load_data("d", None, accelerator, dataset="uoft-cs/cifar100")
+        load_source("d", cache_dir=None, dataset="uoft-cs/cifar100")
 
 
 # --mixup / --cutmix ---------------------------------------------------------------------------------------------

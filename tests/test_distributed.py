@@ -27,7 +27,8 @@ from safetensors.torch import load_file
 
 import train_cifar
 from utils.batches import BatchTransform, make_loader
-from utils.decode import load_data
+from utils.decode import load_source
+from utils.models import named_model
 
 TRAIN_SUBSET, EVAL_SUBSET = 200, 101  # 200 = 3 global batches of 64 + 8 dropped; 101 is odd: eval shards are padded
 JOB = ["--train-subset", str(TRAIN_SUBSET), "--eval-subset", str(EVAL_SUBSET), "--epochs", "2", "--warmup-epochs",
@@ -58,7 +59,7 @@ class Run:
         """Trainable parameters only: BatchNorm running statistics differ by design between a 2-rank
         step (each rank normalises its own micro-batch) and the matching 1-rank accumulation step."""
         state = load_file(self.out / "model.safetensors")
-        names = [n for n, _ in train_cifar.build_model(self.summary["model"]).named_parameters()]
+        names = [n for n, _ in named_model(self.summary["model"]).named_parameters()]
         return {n: state[n] for n in names}
 
     def train_epochs(self, rank: int) -> list[list[list[int]]]:
@@ -100,7 +101,7 @@ def _compare(many: Run, one: Run) -> tuple[dict, dict]:
     assert many.summary["global_batch"] == one.summary["global_batch"]
     assert many.summary["global_step"] == one.summary["global_step"]
     pa, pb = many.parameters(), one.parameters()
-    start = dict(train_cifar.build_model("resnet18_imagenet").named_parameters())
+    start = dict(named_model("resnet18_imagenet").named_parameters())
     assert all(not torch.equal(pa[n], start[n]) for n in ("conv1.weight", "fc.weight"))  # training moved them
     return pa, pb
 
@@ -122,7 +123,7 @@ def test_two_ranks_with_accumulation_match_one_rank_with_double_accumulation(ddp
     # changes the update by 25% or more.
     pa, pb = _compare(ddp_jobs["two_ranks_accum2"], ddp_jobs["one_rank_accum4"])
     torch.manual_seed(0)  # the runs' --seed 0: their initial weights, from which each update is measured
-    start = dict(train_cifar.build_model("resnet18_imagenet").named_parameters())
+    start = dict(named_model("resnet18_imagenet").named_parameters())
     worst = {n: ((pa[n] - pb[n]).abs().max() / (pb[n] - start[n].detach()).abs().max()).item() for n in pa}
     assert max(worst.values()) < 1e-2, sorted(worst.items(), key=lambda kv: kv[1])[-3:]
 
@@ -157,10 +158,10 @@ def test_two_rank_eval_counts_each_image_once_and_equals_one_rank_eval_of_the_ex
     assert fetched[0] | fetched[1] == set(range(EVAL_SUBSET))
     assert len(fetched[0]) + len(fetched[1]) > EVAL_SUBSET  # Accelerate padded a shard: gather_for_metrics dropped it
 
-    model = train_cifar.build_model("resnet18_imagenet")
+    model = named_model("resnet18_imagenet")
     model.load_state_dict(load_file(run.out / "model.safetensors"), strict=True)
     accelerator = Accelerator(cpu=True)
-    images, labels = load_data(str(cifar_dir), str(cache_dir), accelerator)["test"]
+    images, labels = load_source(str(cifar_dir), cache_dir=str(cache_dir))["test"]
     loader = make_loader(images[:EVAL_SUBSET], labels[:EVAL_SUBSET], batch_size=32, train=False)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each launched rank
@@ -206,7 +207,7 @@ def test_every_rank_evaluates_with_the_exported_batchnorm_statistics(ddp_jobs):
     assert probes[0]["eval_forward_digest"] == probes[1]["eval_forward_digest"]
     assert len(probes[0]["eval_forward_digest"]) == run.summary["epochs_completed"]
     state = load_file(run.out / "model.safetensors")
-    names = [n for n, _ in train_cifar.build_model(run.summary["model"]).named_buffers()]
+    names = [n for n, _ in named_model(run.summary["model"]).named_buffers()]
     exported = hashlib.sha256(b"".join(state[n].float().numpy().tobytes() for n in names)).hexdigest()
     assert probes[1]["eval_forward_digest"][-1] == exported
 
@@ -385,8 +386,8 @@ def test_the_logged_gradient_norm_is_the_norm_before_clipping(ddp_jobs):
 @pytest.mark.parametrize(("model", "batchnorms"), [("resnet18", 20), ("resnet18_imagenet", 20), ("resnet9", 8),
                                                    ("resnet8", 9)])
 def test_sync_bn_converts_every_batchnorm_before_prepare(model, batchnorms):
-    plain = train_cifar.build_model(model)
-    synced = train_cifar.build_model(model, sync_bn=True)
+    plain = named_model(model)
+    synced = named_model(model, sync_bn=True)
     n_bn = sum(isinstance(m, torch.nn.BatchNorm2d) for m in plain.modules())
     assert n_bn == batchnorms
     assert sum(isinstance(m, torch.nn.SyncBatchNorm) for m in synced.modules()) == n_bn

@@ -72,15 +72,15 @@ def test_both_ranks_evaluate_the_ema_with_the_exported_batchnorm_statistics(refe
     evaluation, which follows the model's). 1e-4: kernels of another batch layout round differently; rank 1's own
     statistics moved its logits by 0.03."""
     from utils.batches import BatchTransform
-    from utils.decode import load_data
-    from utils.models import build_model
+    from utils.decode import load_source
+    from utils.models import named_model
 
     summary = read_summary(reference)
     recorded = json.loads((reference / "probe-rank0.json").read_text())["eval_outputs"][-1]  # the EMA's, at step 16
-    data = load_data(str(cifar_dir), str(cache_dir))
+    data = load_source(str(cifar_dir), cache_dir=str(cache_dir))
     images, labels = data["test"][0][:summary["eval_examples"]], data["test"][1][:summary["eval_examples"]]
     assert recorded["labels"] == labels.tolist()
-    model = build_model(summary["model"])
+    model = named_model(summary["model"])
     model.load_state_dict(load_file(reference / "model_ema.safetensors"))
     transform = BatchTransform(torch.device("cpu"), channels_last=False, mean=data["mean"], std=data["std"])
     with torch.no_grad():

@@ -37,7 +37,7 @@ from conftest import (
 )
 from safetensors.torch import load_file
 
-import train_cifar
+from utils.models import named_model
 
 JOB = CHECKPOINT_JOB  # NCHW, the layout FSDP2 keeps; lr 0.01 and no clipping, as the docstring says
 FSDP = ["--config_file", str(FSDP_CPU_YAML)]
@@ -113,7 +113,7 @@ def test_fsdp_ranks_evaluate_with_rank_zeros_batchnorm_statistics_like_ddp(fsdp_
 
 
 def test_fsdp_exported_weights_load_into_a_plain_model(fsdp_jobs):
-    model = train_cifar.build_model("resnet8")
+    model = named_model("resnet8")
     state = load_file(fsdp_jobs["fsdp"] / "model.safetensors")
     model.load_state_dict(state, strict=True)
     names = dict(model.named_parameters())

@@ -16,7 +16,7 @@ from conftest import REPO, run_python, script_env
 
 from bench.gpu_check import Part, cuda_test_files, pytest_outcome, run_parts
 from bench.gpu_race import datasheet_tflops, time_to_target, train_flops_per_image, without_compile
-from utils.models import build_model
+from utils.models import named_model
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a GPU")
 
@@ -104,7 +104,7 @@ def test_training_flops_per_image_count_each_conv_and_linear_three_times_but_the
     """An independent count: 2 x multiply-adds of every Conv2d and Linear from their shapes (forward hooks); training
     = forward + input gradient + weight gradient, each the forward's cost, except that the first convolution's
     input (the images) needs no gradient."""
-    model, forward = build_model("resnet18"), []
+    model, forward = named_model("resnet18"), []
 
     def count(module, inputs, output):
         if isinstance(module, torch.nn.Conv2d):

@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file
 from utils import UserError
 from utils.evaluation import metric_label, parse_metric
 from utils.hub import hub_folder, init_weights, model_card, push_to_hub
-from utils.models import build_model
+from utils.models import named_model
 
 THREE = ("ant", "bee", "cow")
 PER_CLASS = {"train": 64, "test": 16}
@@ -168,10 +168,10 @@ def accelerator():
 
 
 def test_weights_of_another_architecture_stop_with_one_line_naming_the_keys(tmp_path, accelerator):
-    save_file(build_model("resnet9").state_dict(), tmp_path / "model.safetensors")
+    save_file(named_model("resnet9").state_dict(), tmp_path / "model.safetensors")
     (tmp_path / "summary.json").write_text(json.dumps({"model": "resnet9"}))
     with pytest.raises(UserError) as e:
-        init_weights(build_model("resnet18"), str(tmp_path), "resnet18", accelerator)
+        init_weights(named_model("resnet18"), str(tmp_path), "resnet18", accelerator)
     line = str(e.value)
     assert "\n" not in line and "does not hold --model resnet18 weights (it was trained as --model resnet9)" in line
     assert "missing: bn1.bias" in line and "unexpected: 0.weight" in line
@@ -180,18 +180,18 @@ def test_weights_of_another_architecture_stop_with_one_line_naming_the_keys(tmp_
 def test_a_missing_or_unreadable_weights_file_stops_with_one_line(tmp_path, accelerator):
     (tmp_path / "broken.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(UserError, match="broken.safetensors is not a readable safetensors file") as e:
-        init_weights(build_model("resnet9"), str(tmp_path / "broken.safetensors"), "resnet9", accelerator)
+        init_weights(named_model("resnet9"), str(tmp_path / "broken.safetensors"), "resnet9", accelerator)
     assert "\n" not in str(e.value)
     with pytest.raises(UserError, match="no such file or folder"):
-        init_weights(build_model("resnet9"), str(tmp_path / "gone.safetensors"), "resnet9", accelerator)
+        init_weights(named_model("resnet9"), str(tmp_path / "gone.safetensors"), "resnet9", accelerator)
 
 
 def test_a_class_count_change_loads_every_tensor_but_the_head(tmp_path, accelerator):
     torch.manual_seed(1)
-    ten = build_model("resnet18", 10).state_dict()
+    ten = named_model("resnet18", 10).state_dict()
     save_file(ten, tmp_path / "w.safetensors")
     torch.manual_seed(2)
-    model = build_model("resnet18", 3)
+    model = named_model("resnet18", 3)
     own_head = model.fc.weight.detach().clone()
     info = init_weights(model, str(tmp_path / "w.safetensors"), "resnet18", accelerator)
     loaded = model.state_dict()
@@ -208,14 +208,14 @@ def test_torchvision_weights_without_network_stop_with_one_line(tmp_path, monkey
     monkeypatch.delenv("NO_PROXY", raising=False)
     monkeypatch.setenv("TORCH_HOME", str(tmp_path))
     with pytest.raises(UserError) as e:
-        init_weights(build_model("resnet18"), "torchvision:IMAGENET1K_V1", "resnet18", accelerator)
+        init_weights(named_model("resnet18"), "torchvision:IMAGENET1K_V1", "resnet18", accelerator)
     assert "\n" not in str(e.value)
     assert "cannot download https://download.pytorch.org/models/resnet18-" in str(e.value)
     assert f"put that file into {tmp_path}/hub/checkpoints/" in str(e.value)
     with pytest.raises(UserError, match="torchvision has no such ResNet-18 weights .it has torchvision:IMAGENET1K_V1"):
-        init_weights(build_model("resnet18"), "torchvision:IMAGENET2", "resnet18", accelerator)
+        init_weights(named_model("resnet18"), "torchvision:IMAGENET2", "resnet18", accelerator)
     with pytest.raises(UserError, match="fit --model resnet18 or resnet18_imagenet, not resnet9"):
-        init_weights(build_model("resnet9"), "torchvision:IMAGENET1K_V1", "resnet9", accelerator)
+        init_weights(named_model("resnet9"), "torchvision:IMAGENET1K_V1", "resnet9", accelerator)
 
 
 def test_torchvision_imagenet_weights_fill_the_cifar_resnet18_but_its_stem_and_head(tmp_path, monkeypatch, accelerator):
@@ -228,7 +228,7 @@ def test_torchvision_imagenet_weights_fill_the_cifar_resnet18_but_its_stem_and_h
     (tmp_path / "hub" / "checkpoints").mkdir(parents=True)
     torch.save(imagenet, tmp_path / "hub" / "checkpoints" / weights.url.split("/")[-1])
     monkeypatch.setenv("TORCH_HOME", str(tmp_path))
-    model = build_model("resnet18", 10)
+    model = named_model("resnet18", 10)
     stem = model.conv1.weight.detach().clone()
     info = init_weights(model, "torchvision:IMAGENET1K_V1", "resnet18", accelerator)
     loaded = model.state_dict()
@@ -376,7 +376,7 @@ def test_the_hub_folder_links_the_exports_instead_of_copying_them(tmp_path):
 @pytest.mark.slow
 def test_train_vit_under_fsdp_fine_tunes_from_a_file_with_a_new_head_and_a_metric(cache_dir, tmp_path):
     torch.manual_seed(4)
-    source = build_model("vit_micro", 10).state_dict()
+    source = named_model("vit_micro", 10).state_dict()
     save_file(source, tmp_path / "vit.safetensors")
     (tmp_path / "pairs.py").write_text(PAIRS_METRIC)
     (tmp_path / "pairs").mkdir()

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 import compare_runs
 import evaluate_checkpoint
-from utils.models import build_model
+from utils.models import named_model
 
 RECORD = REPO / "tests" / "record_losses.py"
 FP32_TWO_RANKS = ["--config_file", str(CPU_YAML)]  # cpu.yaml is fp32
@@ -62,7 +62,7 @@ def test_minimal_script_trains_exactly_like_train_cifar_and_resumes_exactly(cifa
     # tools read the minimal script's outputs as they read train_cifar.py's.
     weights = load_file(tmp_path / "minimal" / "model.safetensors")
     assert not [k for k in weights if k.startswith("module.")]
-    build_model("resnet18").load_state_dict(weights, strict=True)
+    named_model("resnet18").load_state_dict(weights, strict=True)
     evaluated = evaluate_checkpoint.main([str(tmp_path / "minimal" / "model.safetensors"), *data, "--cache-dir",
                                           str(cache_dir)])  # the model and test subset from summary.json
     assert (evaluated["model"], evaluated["examples"], evaluated["top1"]) == ("resnet18", 48, minimal["eval_top1"])

@@ -21,15 +21,13 @@ from utils.config_groups import CheckpointConfig, DataConfig, EvaluationConfig, 
 # (train_cifar.py's lines, train_vit.py's lines, why they differ): whole statements as ast.unparse writes them.
 ALLOWED = [
     (["fsdp = fsdp_plugin_from_launcher()"],
-     ["fsdp = fsdp_plugin_from_launcher(blocks=[BLOCK], bf16_params=True)"],
-     "the ViT names its block for FSDP (the YAMLs name ResNet's BasicBlock) and, having no BatchNorm, can gather "
-     "bf16 parameters"),
+     ["fsdp = fsdp_plugin_from_launcher(bf16_params=True)"],
+     "the ViT, having no BatchNorm, can gather bf16 parameters"),
     (["check_world(accelerator, fsdp_asked=fsdp is not None, sync_bn=cfg.sync_bn)"],
      ["check_world(accelerator, fsdp_asked=fsdp is not None)"],
      "the ViT has no BatchNorm, so no --sync-bn"),
-    (["model = build_model(cfg.model, len(data['classes']), sync_bn=cfg.sync_bn)"],
-     ["model = build_model(cfg.model, len(data['classes']), image_size=data['image_size'])"],
-     "the models: the ResNet may convert its BatchNorms to SyncBatchNorm; the ViT is sized for the image"),
+    (["model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) if cfg.sync_bn else model"], [],
+     "the ResNet may convert its BatchNorms to SyncBatchNorm; the ViT has none"),
     (["channels_last = cfg.channels_last and fsdp is None",
       "if channels_last:",
       "model = model.to(memory_format=torch.channels_last)",
@@ -49,9 +47,10 @@ ALLOWED = [
       "classes=data['classes'], metrics=load_metrics(cfg.metric, data['classes'], accelerator))"],
      "the ViT's patch embedding takes NCHW; flip test-time augmentation is the ResNet recipes' (the ViT has no "
      "--tta-flip)"),
-    (["run_info = {**run_facts(accelerator, model, plan, total_steps, lr), 'channels_last': channels_last, **init}"],
-     ["run_info = {**run_facts(accelerator, model, plan, total_steps, lr), 'fsdp_param_dtype': _param_dtype(fsdp), "
+    (["run_info = {**run_facts(accelerator, cfg, model, plan, total_steps, lr), 'channels_last': channels_last, "
       "**init}"],
+     ["run_info = {**run_facts(accelerator, cfg, model, plan, total_steps, lr), 'fsdp_param_dtype': "
+      "_param_dtype(fsdp), **init}"],
      "each run records its own layout fact: channels-last for the ResNet, FSDP's parameter dtype for the ViT"),
 ]
 # train_vit.py's Config redefines these fields of the shared groups, with these reasons.
@@ -110,7 +109,7 @@ def test_each_templates_config_takes_the_shared_groups_as_defined_once(module):
 SMALL_JOB = ["--model", "resnet8", "--train-subset", "256", "--eval-subset", "64", "--batch-size", "32",
              "--epochs", "1", "--tracker", "none"]  # the model where the copy keeps build_model: the cheapest
 OWN_MODEL = {"import torch\n": "import torch\nimport torchvision\n",
-             'model = build_model(cfg.model, len(data["classes"]), sync_bn=cfg.sync_bn)':
+             'model = named_model(cfg.model, len(data["classes"]), sync_bn=cfg.sync_bn)':
              'model = torchvision.models.mobilenet_v3_small(num_classes=len(data["classes"]))'}
 BUILT_LOADERS = "train_loader, eval_loader, data = build_loaders(cfg, accelerator, plan)"
 

@@ -29,7 +29,8 @@ import train_cifar
 from utils import UserError
 from utils.batches import BatchTransform, make_loader
 from utils.config import build_parser
-from utils.decode import load_data
+from utils.decode import load_source
+from utils.models import named_model
 from utils.progress import Progress
 
 EVAL_SUBSET = 1001  # not divisible by 2 ranks x 64: Accelerate pads the last batches, gather_for_metrics must drop it
@@ -71,10 +72,10 @@ def test_exported_weights_load_into_a_plain_model_and_reproduce_the_reported_top
     out, _ = two_rank_run
     state = load_file(out / "model.safetensors")
     assert not [k for k in state if k.startswith("module.")]
-    model = train_cifar.build_model("resnet8")
+    model = named_model("resnet8")
     model.load_state_dict(state, strict=True)
     accelerator = Accelerator(cpu=True)
-    data = load_data(str(cifar_dir), str(cache_dir), accelerator)
+    data = load_source(str(cifar_dir), cache_dir=str(cache_dir))
     images, labels = data["test"]
     loader = make_loader(images[:EVAL_SUBSET], labels[:EVAL_SUBSET], batch_size=250, train=False)
     model = model.to(memory_format=torch.channels_last)  # as trained: channels_last, fp32 (cpu.yaml)
@@ -166,7 +167,7 @@ def test_compiled_model_trains_and_exports_weights_without_the_orig_mod_prefix(c
     assert s["wrapper"] == "OptimizedModule" and s["global_step"] == 2 and s["eval_examples"] == 64
     state = load_file(out / "model.safetensors")
     assert not [k for k in state if k.startswith(("_orig_mod.", "module."))]
-    train_cifar.build_model("resnet9").load_state_dict(state, strict=True)
+    named_model("resnet9").load_state_dict(state, strict=True)
 
 
 def test_recipe_sets_its_defaults_and_explicit_flags_still_win():
@@ -179,10 +180,10 @@ def test_recipe_sets_its_defaults_and_explicit_flags_still_win():
 
 def test_flip_test_time_augmentation_averages_the_logits_of_each_image_and_its_mirror(cifar_dir, cache_dir):
     accelerator = Accelerator(cpu=True)
-    images, labels = load_data(str(cifar_dir), str(cache_dir))["test"]
+    images, labels = load_source(str(cifar_dir), cache_dir=str(cache_dir))["test"]
     images, labels = images[:64], labels[:64]
     torch.manual_seed(0)
-    model = train_cifar.build_model("resnet9").eval()
+    model = named_model("resnet9").eval()
     model[-1].factor = 50.0  # confident logits, so an image and its mirror give clearly different ones
     transform = BatchTransform(torch.device("cpu"), channels_last=False)
     loader = accelerator.prepare(make_loader(images, labels, 32, train=False))
@@ -265,11 +266,10 @@ def test_two_ranks_train_on_a_png_folder_of_cifar_exactly_as_on_the_same_parquet
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    accelerator = Accelerator(cpu=True)
-    cifar = load_data(str(cifar_dir), str(cache_dir), accelerator)
+    cifar = load_source(str(cifar_dir), cache_dir=str(cache_dir))
     sizes = {"train": 256, "test": 64}
     export_png_folder(tmp_path / "folder", {s: (cifar[s][0][:n], cifar[s][1][:n]) for s, n in sizes.items()})
-    folder = load_data(str(tmp_path / "folder"), str(tmp_path / "probe-cache"), accelerator)
+    folder = load_source(str(tmp_path / "folder"), cache_dir=str(tmp_path / "probe-cache"))
     (tmp_path / "parquet").mkdir()
     for split, n in sizes.items():
         row_of = {digests(im[None], y[None])[0]: i for i, (im, y) in enumerate(zip(*(t[:n] for t in cifar[split])))}

@@ -32,7 +32,7 @@ from conftest import (
 )
 from safetensors.torch import load_file
 
-from utils.models import build_model
+from utils.models import named_model
 
 VIT = REPO / "train_vit.py"
 RECORD = REPO / "tests" / "record_losses.py"
@@ -82,7 +82,7 @@ def test_vit_micro_has_the_parameters_its_shapes_give():
     d, mlp, layers, patches = 64, 128, 2, 64
     block = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * mlp + mlp) + (mlp * d + d)  # 2 norms, attention, MLP
     expected = (3 * 4 * 4 * d + d) + d + (patches + 1) * d + layers * block + 2 * d + (d * 10 + 10)
-    assert expected == MICRO_PARAMETERS == sum(p.numel() for p in build_model("vit_micro").parameters())
+    assert expected == MICRO_PARAMETERS == sum(p.numel() for p in named_model("vit_micro").parameters())
 
 
 # The DDP job's loss at every training forward of both ranks (16), checked in: a change that moves every run the same
@@ -185,7 +185,7 @@ def test_preempted_fsdp_vit_resumes_from_its_shards_and_exports_a_plain_vit_with
     for name in ("model.safetensors", "model_ema.safetensors", "best.safetensors"):  # as if never stopped
         assert_same_state(out / name, vit_jobs["fsdp"] / name)
 
-    model = build_model("vit_micro")
+    model = named_model("vit_micro")
     model.load_state_dict(load_file(out / "model.safetensors"), strict=True)  # a plain ViT, every key
     evaluated = run_python([str(REPO / "evaluate_checkpoint.py"), str(out / "model.safetensors"), "--data-dir",
                             str(cifar_dir), "--cache-dir", str(cache_dir)], script_env(), timeout=300)

@@ -6,11 +6,13 @@
   3. `BatchTransform` crops, flips and normalises the whole uint8 batch on the training device, after the (4x
      smaller than float) transfer. In NHWC a row of an image is one contiguous run of bytes, so a crop is a copy of
      S rows, not of S x S pixels.
-`build_loaders` puts them together for the scripts (the data itself: utils/decode.py).
+`checked_data` checks a template's load_data result (the data contract) and `build_loaders` puts the three
+together for the scripts (the built-in sources: utils/decode.py).
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from utils import UserError
-from utils.decode import load_data
 
+SPLITS = ("train", "test")  # load_data's splits: "test" is the one evaluated on
 MEAN = (0.4914, 0.4822, 0.4465)  # per-channel mean of the CIFAR-10 training images, in [0, 1]
 STD = (0.2470, 0.2435, 0.2616)
 
@@ -309,23 +311,94 @@ class BatchTransform:
 # ----------------------------------------------------------------------------------------------------
 # The scripts' loaders
 # ----------------------------------------------------------------------------------------------------
-def build_loaders(cfg, accelerator, plan):
-    """Training and test DataLoaders over whole splits held as uint8 tensors (decoded once, cached), and what the
-    data is (load_data's 'classes', 'dataset', and 'image_size'); prepare() then shards the loaders and moves
-    batches to the device. The training order and augmentation are keyed by --seed, the epoch and the sample, and
-    every epoch is whole optimizer steps of the plan's global batch (utils.launch.BatchPlan). cfg: a script's Config
-    (data_dir, cache_dir, train_subset, eval_subset, data_on_device, dataset, image_column, label_column,
-    val_fraction, decode_workers, seed, augment, mixup, cutmix, mix_prob). Your own data: return yours here."""
-    data = load_data(cfg.data_dir, cfg.cache_dir, accelerator, cfg.image_size, cfg.dataset,
-                     (cfg.image_column, cfg.label_column), cfg.val_fraction, cfg.decode_workers)
+def checked_data(data: dict, where: str = "load_data") -> dict:
+    """A template's load_data(cfg) result, checked and put in the form the loaders take. The contract (the edit point
+    of docs/customizing.md): 'train' and 'test', each a pair (images, labels): uint8 images N x H x W x 3 or
+    N x 3 x H x W, square, both splits the same size, as numpy arrays (memory-mapped is fine) or tensors; integer
+    labels 0 .. C-1; and 'classes', the C class names. Optional: 'mean' and 'std' (per channel, in [0, 1]; computed
+    from the training images when absent) and 'dataset' (a JSON-able description, for summary.json). Returns them
+    with the images as (N, 3, S, S) uint8 tensor views (no copy of NHWC input), int64 labels and 'image_size' S. A
+    broken contract: one line naming `where` and what is wrong."""
+    if not isinstance(data, dict) or not {"train", "test", "classes"} <= data.keys():
+        got = sorted(data) if isinstance(data, dict) else type(data).__name__
+        raise UserError(f"{where} must return a dict with 'train', 'test' and 'classes' (got {got}).")
+    classes = tuple(str(c) for c in data["classes"])
+    out = {"classes": classes, "dataset": data.get("dataset", {"source": where})}
+    for split in SPLITS:
+        try:
+            images, labels = data[split]
+        except (TypeError, ValueError):
+            raise UserError(f"{where}: data[{split!r}] must be a pair (images, labels).") from None
+        out[split] = _images(images, f"{where}: the {split} images"), _labels(labels, len(classes), where, split)
+        if len(out[split][0]) != len(out[split][1]):
+            raise UserError(f"{where}: the {split} split has {len(out[split][0])} images but {len(out[split][1])} "
+                            f"labels.")
+    size, test_size = out["train"][0].shape[-1], out["test"][0].shape[-1]
+    if size != test_size:
+        raise UserError(f"{where}: the train images are {size} px and the test images {test_size} px; give both "
+                        f"splits one size.")
+    if "mean" in data and "std" in data:
+        out["mean"], out["std"] = tuple(map(float, data["mean"])), tuple(map(float, data["std"]))
+    else:
+        out["mean"], out["std"] = channel_stats(out["train"][0])
+    return out | {"image_size": int(size)}
+
+
+def _images(images, what: str) -> torch.Tensor:
+    """uint8 N x H x W x 3 or N x 3 x H x W (numpy or torch) -> an (N, 3, S, S) tensor, a view where possible."""
+    if isinstance(images, np.ndarray):
+        with warnings.catch_warnings():  # a read-only memory map: torch warns that writing would be undefined
+            warnings.simplefilter("ignore", UserWarning)
+            images = torch.from_numpy(images)
+    if not isinstance(images, torch.Tensor) or images.dtype != torch.uint8 or images.dim() != 4:
+        kind = f"{images.dtype} {tuple(images.shape)}" if hasattr(images, "dtype") else type(images).__name__
+        raise UserError(f"{what} must be uint8 (0-255), N x H x W x 3 or N x 3 x H x W (got {kind}).")
+    if images.shape[1] != 3 and images.shape[3] == 3:
+        images = images.permute(0, 3, 1, 2)  # NHWC -> an NCHW view of channels-last memory
+    if images.shape[1] != 3 or images.shape[2] != images.shape[3]:
+        raise UserError(f"{what} must be square with 3 channels (got {tuple(images.shape)}).")
+    return images
+
+
+def _labels(labels, classes: int, where: str, split: str) -> torch.Tensor:
+    labels = torch.as_tensor(np.asarray(labels) if not isinstance(labels, torch.Tensor) else labels)
+    if labels.dim() != 1 or labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        raise UserError(f"{where}: the {split} labels must be integers, one per image (got {labels.dtype} "
+                        f"{tuple(labels.shape)}).")
+    labels = labels.to(torch.int64)
+    bad = torch.nonzero((labels < 0) | (labels >= classes)).flatten()
+    if len(bad):
+        raise UserError(f"{where}: the {split} split has label {int(labels[bad[0]])} at row {int(bad[0])}; with "
+                        f"{classes} classes, labels are 0-{classes - 1}.")
+    return labels
+
+
+def channel_stats(images: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per-channel mean and standard deviation (population) of uint8 (N, 3, S, S) images, in [0, 1]: what the
+    transform normalises with. Summed in float64, a few million pixels at a time."""
+    pixels = images.permute(0, 2, 3, 1).reshape(-1, 3)  # a view of channels-last memory
+    total, squares = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
+    for chunk in pixels.split(1 << 22):
+        chunk = chunk.double()
+        total += chunk.sum(0)
+        squares += (chunk * chunk).sum(0)
+    n = max(len(pixels), 1)
+    mean = total / n
+    std = (squares / n - mean * mean).clamp(min=0).sqrt()
+    return tuple((mean / 255).tolist()), tuple((std / 255).tolist())
+
+
+def build_loaders(data: dict, cfg, accelerator, plan):
+    """Training and evaluation DataLoaders over checked_data's splits; prepare() then shards them and moves batches
+    to the device. The training order and augmentation are keyed by --seed, the epoch and the sample, and every
+    epoch is whole optimizer steps of the plan's global batch (utils.launch.BatchPlan). cfg: the data group of a
+    script's Config (train_subset, eval_subset, data_on_device, seed, augment, mixup, cutmix, mix_prob)."""
     train_split = take_prefix(data["train"], cfg.train_subset, "--train-subset")
     eval_split = take_prefix(data["test"], cfg.eval_subset, "--eval-subset")
     check_one_batch(train_split[1], plan.micro, accelerator.num_processes, plan.accumulation)
     if cfg.data_on_device:  # GPU-resident: Accelerate's move to the device becomes a no-op
         train_split, eval_split = ([t.to(accelerator.device) for t in split] for split in (train_split, eval_split))
-    size = int(train_split[0].shape[-1])
-    about = {k: data[k] for k in ("classes", "dataset", "mean", "std")} | {"image_size": size}
     mixing = Mixing(cfg.mixup, cfg.cutmix, cfg.mix_prob) if cfg.mixup or cfg.cutmix else None
     train = make_loader(*train_split, plan.micro, train=True, seed=cfg.seed, augment=cfg.augment == "standard",
-                        pad=crop_padding(size), global_batch=plan.global_batch, mixing=mixing)
-    return train, make_loader(*eval_split, plan.micro, train=False), about
+                        pad=crop_padding(data["image_size"]), global_batch=plan.global_batch, mixing=mixing)
+    return train, make_loader(*eval_split, plan.micro, train=False)

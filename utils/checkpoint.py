@@ -41,6 +41,7 @@ from utils import UserError
 from utils.guard import free_space_warning
 from utils.launch import BatchPlan, batch_plan, share_bn_statistics
 from utils.progress import Progress
+from utils.scripts import script_record
 
 if TYPE_CHECKING:
     from utils.config_groups import CheckpointConfig
@@ -243,7 +244,7 @@ class Checkpointer:
     def __init__(self, accelerator, cfg: CheckpointConfig):
         """cfg: the script's Config; its checkpoint flags set the policy, and the whole of it goes into every
         checkpoint (to compare with on resume)."""
-        self.accelerator, self.config = accelerator, asdict(cfg)
+        self.accelerator, self.config, self.script = accelerator, asdict(cfg), script_record(cfg)
         self.root = Path(cfg.output_dir) / "checkpoints"
         self.keep_last, self.every_steps = cfg.keep_last, cfg.checkpoint_every_steps
         self.last: Path | None = None
@@ -355,7 +356,7 @@ class Checkpointer:
         if self.saved_step == progress.global_step:
             return self.last
         share_bn_statistics(self.accelerator, model)  # FSDP would save one arbitrary rank's
-        state = {"format": FORMAT, "progress": asdict(progress), "config": self.config,
+        state = {"format": FORMAT, "progress": asdict(progress), "config": self.config, "script": self.script,
                  "world_size": self.accelerator.num_processes, "batch": asdict(self.plan),
                  "scheduler": scheduler.state_dict()}
         extra = [self.ema] if self.ema is not None else []

@@ -6,7 +6,7 @@ images through a map of that file: a machine's processes share one copy in the p
 than memory trains from disk. This is the module to replace for data none of its sources covers; what its result
 must satisfy is utils/batches.py's contract (docs/customizing.md).
 
-`load_data` is the entry point: the first process of each machine reads and decodes, the others wait for it and then
+`load_source` is the entry point: the first process of each machine reads and decodes, the others wait for it and then
 read the cache. `datasets`' own builders (`parquet`, `imagefolder`, `load_dataset`) read the sources.
 """
 
@@ -27,10 +27,10 @@ import numpy as np
 import torch
 
 from utils import UserError, first_line
-from utils.launch import gather_errors
+from utils.batches import SPLITS, channel_stats
+from utils.launch import first_on_each_machine
 
 HUB_DATASET = "uoft-cs/cifar10"  # --dataset's default
-SPLITS = ("train", "test")  # the loaded data's keys: "test" is the evaluation split, whatever its source
 EVAL_SPLITS = ("test", "validation")  # the source's evaluation split: the first of these it has
 VAL_FRACTION = 0.1  # held out of train for evaluation when the source has no evaluation split
 CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
@@ -152,7 +152,7 @@ def decode_split(ds, split: str, size: int | None = None, columns: tuple[str | N
     label column of plain integers) from a datasets.Dataset with an image column (`img` or `image`) and a label
     column (`label`, `labels` or `fine_label`): a ClassLabel (the Hub's, an image folder's) or integers. columns:
     (image column, label column) instead of those names. Every image is converted to RGB and resized to S x S (size;
-    None: the split's own size, which all its images must share). In memory, one process (load_data decodes into
+    None: the split's own size, which all its images must share). In memory, one process (load_source decodes into
     the cache file, in parallel)."""
     rows = _rows(ds, split, columns)
     size, same_as = (size, None) if size else first_size({split: rows})
@@ -289,21 +289,6 @@ def decode_all(rows: dict[str, _Rows], outputs: dict[str, np.ndarray], size: int
     finally:
         pool.shutdown(cancel_futures=True)
         _JOB = None
-
-
-def channel_stats(images: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Per-channel mean and standard deviation (population) of uint8 (N, 3, S, S) images, in [0, 1]: what the
-    transform normalises with. Summed in float64, a few million pixels at a time."""
-    pixels = images.permute(0, 2, 3, 1).reshape(-1, 3)  # a view of channels-last memory
-    total, squares = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
-    for chunk in pixels.split(1 << 22):
-        chunk = chunk.double()
-        total += chunk.sum(0)
-        squares += (chunk * chunk).sum(0)
-    n = max(len(pixels), 1)
-    mean = total / n
-    std = (squares / n - mean * mean).clamp(min=0).sqrt()
-    return tuple((mean / 255).tolist()), tuple((std / 255).tolist())
 
 
 def _classes(rows: dict[str, _Rows], eval_name: str) -> tuple[str, ...]:
@@ -446,42 +431,33 @@ def _decode_into_cache(path: Path, rows: dict[str, _Rows], size: int, same_as: s
 # ----------------------------------------------------------------------------------------------------
 # The entry point: read, decode and cache once per machine, the others read the cache; the held-out split
 # ----------------------------------------------------------------------------------------------------
-def load_data(data_dir: str | None, cache_dir: str | None, accelerator=None, image_size: int | None = None,
-              dataset: str | None = None, columns: tuple[str | None, str | None] = (None, None),
-              val_fraction: float | None = None, decode_workers: int | None = None) -> dict:
-    """{'train': (images, labels), 'test': (images, labels)} on the CPU ('test': the evaluation split), with 'classes'
-    (the class names, label k names classes[k]), 'mean' and 'std' (per channel, of the training images, in [0, 1])
-    and 'dataset' (where it came from, the fingerprint of its files, which split is evaluated on). The images are
-    (N, 3, S, S) uint8 views of a memory map of the cache file (channels-last in memory): no process holds a copy.
+def load_source(data_dir: str | None, dataset: str | None = None, image_size: int | None = None,
+                columns: tuple[str | None, str | None] = (None, None), val_fraction: float | None = None,
+                cache_dir: str | None = None, decode_workers: int | None = None) -> dict:
+    """The built-in sources, as a template's load_data returns them: {'train': (images, labels), 'test': (images,
+    labels)} on the CPU ('test': the evaluation split), with 'classes' (the class names, label k names classes[k]),
+    'mean' and 'std' (per channel, of the training images, in [0, 1]) and 'dataset' (where it came from, the
+    fingerprint of its files, which split is evaluated on). The images are (N, 3, S, S) uint8 views of a memory map
+    of the cache file (channels-last in memory): the processes of a machine share one copy in the page cache.
 
     The source: data_dir (parquet files or an image folder), else the Hub dataset `dataset` (default HUB_DATASET).
     image_size: resize every image to that square size; None: the images' own size, which they must all share.
     columns: the (image, label) column names; None: found by name. val_fraction: evaluate on that fraction of the
     training images, held out (hold_out); None: the source's test (or validation) split, else VAL_FRACTION held out.
-    decode_workers: processes that decode (the first run); None: one per core this process may run on.
+    cache_dir: where the decoded cache goes (default_cache_dir). decode_workers: processes that decode (the first
+    run); None: one per core this process may run on.
 
-    The local main process of each machine downloads (the Hub), decodes and writes the cache while the others wait,
-    then they read it. An input error found there is raised on every process, so all exit with its message
-    (instead of the others dying in a barrier with a traceback).
+    The first process of each machine downloads (the Hub), decodes and writes the cache while the others wait, then
+    they read it (first_on_each_machine: an input error found there stops every process with its line). Where the
+    cache could not be written, each process decodes for itself with its share of the cores.
     """
     check_source(data_dir, dataset, val_fraction)
     settings = {"image_size": image_size, "columns": list(columns), "val_fraction": val_fraction}
-    source = (data_dir, dataset or HUB_DATASET)
     workers = decode_workers or len(os.sched_getaffinity(0))
-    if accelerator is None:  # one process, or a script without Accelerate (the benchmarks' seed copy)
-        return _load(*source, cache_dir, print, settings, workers)
-    data = error = None
-    if accelerator.is_local_main_process:
-        try:
-            data = _load(*source, cache_dir, accelerator.print, settings, workers)
-        except UserError as e:
-            error = str(e)
-    errors = [e for e in gather_errors(error) if e]  # also the barrier the other processes wait at
-    if errors:
-        raise UserError(errors[0])
-    # The others read the cache; where it could not be written, each decodes for itself with its share of the cores.
-    share = max(1, workers // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    return data if data is not None else _load(*source, cache_dir, accelerator.print, settings, share)
+    log = print if int(os.environ.get("RANK", "0")) == 0 else (lambda *_: None)
+    if int(os.environ.get("LOCAL_RANK", "0")) > 0:
+        workers = max(1, workers // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    return first_on_each_machine(lambda: _load(data_dir, dataset or HUB_DATASET, cache_dir, log, settings, workers))
 
 
 def check_source(data_dir: str | None, dataset: str | None, val_fraction: float | None) -> None:

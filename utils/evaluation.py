@@ -149,7 +149,7 @@ class Metric:
     def __init__(self, spec: str, accelerator):
         self.name, self.kwargs = parse_metric(spec)
         self.label = metric_label(self.name, self.kwargs)
-        self.module = first_on_each_machine(accelerator, lambda: self._load(spec))
+        self.module = first_on_each_machine(lambda: self._load(spec))
 
     def _load(self, spec: str):
         import evaluate

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from utils import UserError, first_line
 from utils.evaluation import BUILT_IN
-from utils.launch import first_on_each_machine, gather_errors
+from utils.launch import first_on_each_machine, raise_if_any
 
 REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")  # owner/name
 TORCHVISION = "torchvision:"  # torchvision:IMAGENET1K_V1 -> torchvision.models.ResNet18_Weights.IMAGENET1K_V1
@@ -38,11 +38,11 @@ def init_weights(model: torch.nn.Module, source: str | None, model_name: str, ac
             accelerator.print(f"--init-from {source}: not loaded, the run continues from {resume_from}")
         return {}
     if source.startswith(TORCHVISION):
-        state, origin = first_on_each_machine(accelerator, lambda: torchvision_weights(source, model_name)), source
+        state, origin = first_on_each_machine(lambda: torchvision_weights(source, model_name)), source
         summary = None
         allowed_new = {"conv1.weight"} if model_name == "resnet18" else set()
     else:
-        path, summary = first_on_each_machine(accelerator, lambda: locate_weights(source))
+        path, summary = first_on_each_machine(lambda: locate_weights(source))
         try:
             state, origin, allowed_new = load_file(path), str(path), set()
         except (SafetensorError, OSError) as e:
@@ -149,9 +149,7 @@ def check_can_push(repo_id: str | None, accelerator) -> None:
             except (OSError, HfHubHTTPError) as e:  # LocalTokenNotFoundError is an OSError
                 error = (f"--push-to-hub {repo_id} needs the Hub and a token (`hf auth login` or $HF_TOKEN): "
                          f"{first_line(e)}; the run did not start.")
-    errors = [e for e in gather_errors(error) if e]
-    if errors:
-        raise UserError(errors[0])
+    raise_if_any(error)
 
 
 def push_to_hub(repo_id: str | None, accelerator, output_dir: str, summary: dict) -> None:
@@ -175,9 +173,7 @@ def push_to_hub(repo_id: str | None, accelerator, output_dir: str, summary: dict
         except (OSError, HfHubHTTPError, ValueError) as e:
             error = (f"the run finished and its outputs are saved, but the upload to {repo_id} failed "
                      f"({first_line(e)}); retry with: hf upload {repo_id} {folder} .")
-    errors = [e for e in gather_errors(error) if e]
-    if errors:
-        raise UserError(errors[0])
+    raise_if_any(error)
 
 
 def hub_folder(output_dir: Path, summary: dict, repo_id: str) -> Path:

@@ -22,6 +22,7 @@ from accelerate import FullyShardedDataParallelPlugin, PartialState
 from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs, DistributedType
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 
 from utils import UserError, process_count_problem
 from utils.guard import watch_launcher
@@ -39,13 +40,11 @@ def make_deterministic() -> None:
         torch.set_num_threads(1)  # launched processes get OMP_NUM_THREADS=1
 
 
-def fsdp_plugin_from_launcher(blocks: list[str] | None = None,
-                              bf16_params: bool = False) -> FullyShardedDataParallelPlugin | None:
+def fsdp_plugin_from_launcher(bf16_params: bool = False) -> FullyShardedDataParallelPlugin | None:
     """The launcher's FSDP settings (its FSDP_* variables), None without FSDP. FSDP2 only: its checkpoints and
     full-weight export are what the tests prove.
 
-    blocks: the module classes to shard one by one, instead of the launch config's fsdp_transformer_layer_cls_to_wrap
-    (the YAMLs name ResNet's BasicBlock; train_vit.py passes EncoderBlock, so one YAML serves both scripts).
+    What it shards one unit at a time: choose_fsdp_units (the YAMLs name no class; each model declares its own).
     Mixed precision: by default parameters stay fp32 in FSDP and `--mixed_precision bf16` is autocast (as under
     DDP). FSDP's own bf16 policy casts BatchNorm's weights to bf16 while its running statistics stay fp32, a mix
     BatchNorm refuses (on CPU and CUDA alike); the price is fp32 all-gathers, nothing for a ResNet whose activations
@@ -60,7 +59,7 @@ def fsdp_plugin_from_launcher(blocks: list[str] | None = None,
     bf16 = bf16_params and os.environ.get("ACCELERATE_MIXED_PRECISION", "no") == "bf16"
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else \
         MixedPrecisionPolicy()
-    return FullyShardedDataParallelPlugin(mixed_precision_policy=policy, transformer_cls_names_to_wrap=blocks)
+    return FullyShardedDataParallelPlugin(mixed_precision_policy=policy)
 
 
 def shard_on_cpu_too(accelerator, plugin: FullyShardedDataParallelPlugin | None) -> None:
@@ -78,17 +77,33 @@ def shard_on_cpu_too(accelerator, plugin: FullyShardedDataParallelPlugin | None)
     accelerator.state.fsdp_plugin = plugin
 
 
-def check_fsdp_blocks(plugin: FullyShardedDataParallelPlugin | None, model: torch.nn.Module) -> None:
-    """Under FSDP, the block classes to shard (the launch config's fsdp_transformer_layer_cls_to_wrap, or the
-    script's `blocks`) must be in the model: Accelerate's own error for a missing one is a traceback on every rank
-    ("Could not find the transformer layer class BasicBlock in the model"), which a copier's own model meets first."""
-    names = (plugin.transformer_cls_names_to_wrap or []) if plugin is not None else []
+def choose_fsdp_units(accelerator, plugin: FullyShardedDataParallelPlugin | None, model: torch.nn.Module) -> None:
+    """Under FSDP, what FSDP2 shards one unit at a time (each unit is gathered, used and freed on its own); the
+    model as a whole is the last unit. In order: the block classes the launch config names
+    (fsdp_transformer_layer_cls_to_wrap), else those the model declares in `_no_split_modules` (the convention
+    Accelerate reads; the ready models in utils/models.py declare theirs), else, for a model that declares none,
+    every module holding more than 1/16 of its parameters, innermost first (Accelerate's size-based policy).
+    Prints one line that says which. A named class that is not in the model: one line here, instead of
+    Accelerate's traceback on every rank. Without FSDP: nothing."""
+    if plugin is None:
+        return None
+    named = plugin.transformer_cls_names_to_wrap
+    declared = getattr(model, "_no_split_modules", None)
+    if plugin.auto_wrap_policy is transformer_auto_wrap_policy and named is None and not declared:
+        plugin.auto_wrap_policy = size_based_auto_wrap_policy
+        plugin.min_num_params = max(1, sum(p.numel() for p in model.parameters()) // 16)
+        accelerator.print(f"FSDP units: every module of more than {plugin.min_num_params:,} parameters (1/16 of the "
+                          f"model, which declares no _no_split_modules), then the whole model")
+        return
+    classes = named or declared or []
     present = {type(m).__name__ for m in model.modules()}
-    missing = [name for name in names if name not in present]
+    missing = [name for name in classes if name not in present]
     if missing:
         raise UserError(f"the FSDP launch config shards blocks of class {', '.join(missing)}, which this model does "
-                        f"not have: name your model's block class in the YAML's fsdp_transformer_layer_cls_to_wrap, "
-                        f"or in the script's fsdp_plugin_from_launcher(blocks=[...]) call (docs/customizing.md).")
+                        f"not have: delete fsdp_transformer_layer_cls_to_wrap from the YAML (the model's "
+                        f"_no_split_modules then decides), or name a class of your model there (docs/customizing.md).")
+    where = "the launch config's fsdp_transformer_layer_cls_to_wrap" if named else "the model's _no_split_modules"
+    accelerator.print(f"FSDP units: each {', '.join(classes)} ({where}), then the whole model")
 
 
 def check_world(accelerator, fsdp_asked: bool, sync_bn: bool = False) -> None:
@@ -225,20 +240,29 @@ def gather_errors(error: str | None) -> list:
     return gathered
 
 
-def first_on_each_machine(accelerator, job):
-    """job() on each machine's first process (a download into a cache), then on the others, which find it cached.
-    A UserError there is raised on every process, so all exit with its line; Accelerate's main_process_first would
-    leave the others waiting at its barrier for the process that failed."""
+def raise_if_any(error: str | None) -> None:
+    """Every process calls it at the same point with its own error (None: none); every process then raises the first
+    one as a UserError, so all of them exit with the same line (instead of the others dying in the next collective
+    with a traceback). Also the barrier for the processes that had nothing to do."""
+    errors = [e for e in gather_errors(error) if e]
+    if errors:
+        raise UserError(errors[0])
+
+
+def first_on_each_machine(job):
+    """job() on each machine's first process (a download or a decode into a cache), then on the others, which find it
+    cached. A UserError there is raised on every process (raise_if_any); Accelerate's main_process_first would
+    leave the others waiting at its barrier for the process that failed. Needs no Accelerator: the launcher's
+    LOCAL_RANK says which process is first (none set: one process)."""
     result = error = None
-    if accelerator.is_local_main_process:
+    first = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    if first:
         try:
             result = job()
         except UserError as e:
             error = str(e)
-    errors = [e for e in gather_errors(error) if e]
-    if errors:
-        raise UserError(errors[0])
-    return result if accelerator.is_local_main_process else job()
+    raise_if_any(error)
+    return result if first else job()
 
 
 def run(job) -> int:

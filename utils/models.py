@@ -1,12 +1,17 @@
 """The image classifiers the scripts train: torchvision's ResNet-18 (with a CIFAR stem, or as-is), Myrtle.ai's
 ResNet-9 and He et al.'s CIFAR ResNet-8 (train_cifar.py), and torchvision's VisionTransformer sized for 32 px images
-(train_vit.py). Your own model: add it to build_model(), or build it where the script calls build_model()."""
+(train_vit.py): the ready models a template's build_model(cfg, num_classes) picks from by name. Each declares the
+blocks FSDP shards one at a time in `_no_split_modules` (the convention Accelerate reads; see
+utils.launch.choose_fsdp_units).
+Your own model: build it in your copy's build_model; it need not come from here."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 import torchvision
+
+from utils import UserError
 
 MODELS = ("resnet18", "resnet18_imagenet", "resnet9", "resnet8")
 # ViT presets for 32 x 32 images, patch 4 (64 patches + the class token): (layers, heads, hidden width, MLP width).
@@ -15,11 +20,10 @@ VITS = {"vit_micro": (2, 2, 64, 128), "vit_tiny": (12, 3, 192, 768), "vit_s": (1
         "vit_b": (12, 12, 768, 3072), "vit_l": (24, 16, 1024, 4096)}
 
 
-def build_model(name: str, num_classes: int = 10, sync_bn: bool = False, image_size: int = 32) -> nn.Module:
-    """torchvision's ResNet-18; 'resnet18' swaps the ImageNet stem (7x7 stride-2 conv + max-pool, which
-    shrinks 32x32 inputs to 8x8 before the first block) for a 3x3 stride-1 conv; or 'resnet9' or 'resnet8' (below).
-    sync_bn turns every BatchNorm into a SyncBatchNorm (statistics over all ranks' batches; CUDA only).
-    A name in VITS: vit() below, for image_size x image_size inputs (the ResNets take any size)."""
+def named_model(name: str, num_classes: int = 10, image_size: int = 32) -> nn.Module:
+    """A ready model by name: torchvision's ResNet-18; 'resnet18' swaps the ImageNet stem (7x7 stride-2 conv +
+    max-pool, which shrinks 32x32 inputs to 8x8 before the first block) for a 3x3 stride-1 conv; or 'resnet9' or
+    'resnet8' (below). A name in VITS: vit() below, for image_size x image_size inputs (the ResNets take any size)."""
     if name in VITS:
         return vit(name, num_classes, image_size)
     own = {"resnet9": resnet9, "resnet8": ResNet8}  # the rest are torchvision's resnet18
@@ -28,17 +32,21 @@ def build_model(name: str, num_classes: int = 10, sync_bn: bool = False, image_s
         model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
         nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")  # as torchvision does
         model.maxpool = nn.Identity()
-    return nn.SyncBatchNorm.convert_sync_batchnorm(model) if sync_bn else model
+    if name.startswith("resnet18"):
+        model._no_split_modules = ["BasicBlock"]  # torchvision's class declares none
+    return model
 
 
 def resnet9(num_classes: int) -> nn.Module:
     """The 'ResNet-9' of Myrtle.ai's DAWNBench CIFAR-10 record (6.5M parameters): 3 pooled stages of 3x3 convs,
     two with a residual pair, max-pooled to a scaled linear classifier; far fewer FLOPs than ResNet-18."""
-    return nn.Sequential(*conv_bn(3, 64), *conv_bn(64, 128, pool=True),
-                         Residual(*conv_bn(128, 128), *conv_bn(128, 128)),
-                         *conv_bn(128, 256, pool=True), *conv_bn(256, 512, pool=True),
-                         Residual(*conv_bn(512, 512), *conv_bn(512, 512)), nn.AdaptiveMaxPool2d(1), nn.Flatten(),
-                         nn.Linear(512, num_classes, bias=False), Scale(0.125))
+    model = nn.Sequential(*conv_bn(3, 64), *conv_bn(64, 128, pool=True),
+                          Residual(*conv_bn(128, 128), *conv_bn(128, 128)),
+                          *conv_bn(128, 256, pool=True), *conv_bn(256, 512, pool=True),
+                          Residual(*conv_bn(512, 512), *conv_bn(512, 512)), nn.AdaptiveMaxPool2d(1), nn.Flatten(),
+                          nn.Linear(512, num_classes, bias=False), Scale(0.125))
+    model._no_split_modules = ["Residual"]
+    return model
 
 
 class ResNet8(nn.Module):
@@ -47,6 +55,7 @@ class ResNet8(nn.Module):
     with torchvision's 1x1 projection shortcut), average-pooled to a linear head; 78k parameters. For tests and a
     first run on a laptop: about 7x the images per second of resnet18_imagenet on a CPU (docs/performance.md). Its
     parts are named as torchvision's ResNet's (conv1, bn1, layer1-3, fc) and initialised as torchvision does."""
+    _no_split_modules = ["BasicBlock"]
 
     def __init__(self, num_classes: int):
         super().__init__()
@@ -96,8 +105,10 @@ def vit(name: str, num_classes: int = 10, image_size: int = 32, patch_size: int 
     """torchvision's VisionTransformer (pre-norm blocks, class token, learned position embeddings) at a VITS size;
     its transformer blocks are torchvision.models.vision_transformer.EncoderBlock, the unit FSDP shards."""
     layers, heads, hidden, mlp = VITS[name]
-    return torchvision.models.VisionTransformer(image_size, patch_size, layers, heads, hidden, mlp,
-                                                num_classes=num_classes)
+    model = torchvision.models.VisionTransformer(image_size, patch_size, layers, heads, hidden, mlp,
+                                                 num_classes=num_classes)
+    model._no_split_modules = ["EncoderBlock"]
+    return model
 
 
 def checkpoint_blocks(model: nn.Module) -> None:
@@ -110,3 +121,24 @@ def checkpoint_blocks(model: nn.Module) -> None:
     blocks = model.encoder.layers
     for i, block in enumerate(blocks):
         blocks[i] = checkpoint_wrapper(block)
+
+
+def check_logits(model: nn.Module, num_classes: int, image_size: int, where: str = "build_model") -> None:
+    """The model contract, checked before training: a float batch (N, 3, S, S) in, logits (N, num_classes) out. One
+    forward of two blank images in eval mode (no gradient, no random draw, no BatchNorm statistics changed); a model
+    that fails it stops with one line instead of a traceback on every rank at the first step."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model(torch.zeros(2, 3, image_size, image_size))
+    except Exception as e:  # noqa: BLE001 -- whatever the copier's model raises on the data's shape: one line
+        text = str(e).strip().splitlines()
+        raise UserError(f"the model from {where} does not take the data's {image_size} x {image_size} px images "
+                        f"({type(e).__name__}: {text[0] if text else ''}).") from None
+    finally:
+        model.train(was_training)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (2, num_classes) or not out.is_floating_point():
+        got = f"{out.dtype} {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise UserError(f"the model from {where} must return logits (N, {num_classes}) for {num_classes} classes "
+                        f"(got {got} for N = 2).")

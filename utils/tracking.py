@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from utils.scripts import script_record
+
 if TYPE_CHECKING:
     from utils.config_groups import LoggingConfig
 
@@ -270,10 +272,10 @@ def wandb_confusion_matrix(confusion: list[list[int]], classes: list[str]) -> di
         y_true=[t for t, _ in pairs], preds=[q for _, q in pairs], class_names=list(classes))}
 
 
-def run_facts(accelerator, model, plan, total_steps: int, lr: float) -> dict:
+def run_facts(accelerator, cfg, model, plan, total_steps: int, lr: float) -> dict:
     """What the run is, for the tracker's config and summary.json: processes, precision, the batch plan, the planned
-    optimizer steps, the learning rate as scaled, the wrapper and parameter counts, the launch command, library
-    versions, commit."""
+    optimizer steps, the learning rate as scaled, the wrapper and parameter counts, the training script (its name,
+    path and sha256: utils.scripts), the launch command, library versions, commit."""
     from torch.distributed.tensor import DTensor
 
     return {"world_size": accelerator.num_processes, "distributed_type": accelerator.distributed_type.value,
@@ -283,7 +285,7 @@ def run_facts(accelerator, model, plan, total_steps: int, lr: float) -> dict:
             "parameters": sum(q.numel() for q in model.parameters()),  # DTensors count in full
             "parameters_on_main_process": sum((q.to_local() if isinstance(q, DTensor) else q).numel()
                                               for q in model.parameters()),  # FSDP2: this process's shards
-            "command": launch_command(), **environment()}
+            "script": script_record(cfg), "command": launch_command(), **environment()}
 
 
 def launch_command() -> str:
