@@ -8,15 +8,38 @@ from __future__ import annotations
 
 import ast
 import difflib
+import json
+import subprocess
 from dataclasses import fields
 from pathlib import Path
 
+import numpy as np
+import psutil
 import pytest
-from conftest import CPU_YAML, FSDP_CPU_YAML, REPO, job_args, read_summary, run_train, script_env
+import torch
+from accelerate.utils import set_seed
+from conftest import (
+    CPU_YAML,
+    FSDP_CPU_YAML,
+    REPO,
+    assert_same_state,
+    job_args,
+    read_summary,
+    run_python,
+    run_train,
+    script_env,
+    start,
+    wait_for_checkpoint,
+)
+from safetensors.torch import load_file
 
 import train_cifar
 import train_vit
+from utils import UserError
 from utils.config_groups import CheckpointConfig, DataConfig, EvaluationConfig, HubConfig, LoggingConfig
+from utils.decode import load_source
+from utils.models import named_model
+from utils.scripts import find_script, sha256
 
 # (train_cifar.py's lines, train_vit.py's lines, why they differ): whole statements as ast.unparse writes them.
 ALLOWED = [
@@ -104,70 +127,219 @@ def test_each_templates_config_takes_the_shared_groups_as_defined_once(module):
 
 
 # ----------------------------------------------------------------------------------------------------
-# The copier's contracts: a copy of train_cifar.py with its own model or its own loader, run for real
+# The copier's edits: a copy of train_cifar.py that changes one edit point only, run for real
 # ----------------------------------------------------------------------------------------------------
 SMALL_JOB = ["--model", "resnet8", "--train-subset", "256", "--eval-subset", "64", "--batch-size", "32",
-             "--epochs", "1", "--tracker", "none"]  # the model where the copy keeps build_model: the cheapest
-OWN_MODEL = {"import torch\n": "import torch\nimport torchvision\n",
-             'model = named_model(cfg.model, len(data["classes"]), sync_bn=cfg.sync_bn)':
-             'model = torchvision.models.mobilenet_v3_small(num_classes=len(data["classes"]))'}
-BUILT_LOADERS = "train_loader, eval_loader, data = build_loaders(cfg, accelerator, plan)"
+             "--epochs", "1", "--tracker", "none"]
+MOBILENET = ("def build_model(cfg, num_classes):\n"
+             "    from torchvision.models import mobilenet_v3_small\n"
+             "    return mobilenet_v3_small(num_classes=num_classes)\n")
+NPZ_DATA = ("def load_data(cfg):\n"
+            "    import numpy as np\n"
+            "    arrays = np.load(cfg.data_dir)  # x_* uint8 N x 32 x 32 x 3, y_* int64\n"
+            "    return {'train': (arrays['x_train'], arrays['y_train']),\n"
+            "            'test': (arrays['x_test'], arrays['y_test']),\n"
+            "            'classes': [str(name) for name in arrays['classes']]}\n")
+# SGD with Nesterov momentum 0.9 and L2 weight decay, as torch.optim.SGD computes it, written out by hand; it counts
+# its updates in its state ("updates"), which the checkpoint's optimizer.bin then holds.
+HAND_WRITTEN_SGD = ("def build_optimizer(cfg, model, lr, fused=True):\n"
+                    "    class HandSGD(torch.optim.Optimizer):\n"
+                    "        def __init__(self, params, lr, weight_decay):\n"
+                    "            super().__init__(params, dict(lr=lr, weight_decay=weight_decay))\n"
+                    "\n"
+                    "        @torch.no_grad()\n"
+                    "        def step(self, closure=None):\n"
+                    "            for group in self.param_groups:\n"
+                    "                for p in group['params']:\n"
+                    "                    if p.grad is None:\n"
+                    "                        continue\n"
+                    "                    state = self.state[p]\n"
+                    "                    g = p.grad + group['weight_decay'] * p\n"
+                    "                    buf = state['momentum'] = (state['momentum'] * 0.9 + g) if state else g\n"
+                    "                    state['updates'] = state.get('updates', 0) + 1\n"
+                    "                    p.sub_(group['lr'] * (g + 0.9 * buf))\n"
+                    "\n"
+                    "    return HandSGD(model.parameters(), lr, cfg.weight_decay)\n")
+LOSS_LINE = "loss = F.cross_entropy(model(inputs), targets, label_smoothing=cfg.label_smoothing)"
+# The same L2 penalty as SGD's weight decay 0.05, as an auxiliary loss term: 0.5 x 0.05 x |w|^2 has gradient 0.05 w.
+AUX_LOSS = LOSS_LINE + "\n                loss = loss + 0.5 * 0.05 * sum(p.pow(2).sum() for p in model.parameters())"
 
 
-def own_loader(dtype: str) -> dict[str, str]:
-    """The copier's own training loader: a plain DataLoader of (images, labels) pairs, shuffled by torch."""
-    pairs = (f"pairs = torch.utils.data.TensorDataset(train_loader.dataset.images.to(torch.{dtype}), "
-             "train_loader.dataset.labels)")
-    loader = "train_loader = torch.utils.data.DataLoader(pairs, batch_size=plan.micro, shuffle=True, drop_last=True)"
-    return {BUILT_LOADERS: f"{BUILT_LOADERS}\n    {pairs}\n    {loader}"}
-
-
-def copy_of_train_cifar(tmp_path, replacements: dict[str, str]) -> Path:
-    """train_cifar.py as a copier edits it, saved outside the repository (it imports utils/ through PYTHONPATH)."""
+def edited_copy(tmp_path, function: str | None = None, new: str = "", line: tuple[str, str] | None = None) -> Path:
+    """train_cifar.py as a copier edits it: one module-level function replaced by `new`, or one line of main()
+    replaced (line: (old, new)); saved outside the repository as my_train.py (it imports utils/ through
+    PYTHONPATH). Checks that the copy differs from the template there and nowhere else."""
     text = (REPO / "train_cifar.py").read_text()
-    for old, new in replacements.items():
-        assert old in text, f"train_cifar.py no longer has {old!r}: update this test"
-        text = text.replace(old, new)
+    if function is not None:
+        node = next(n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef) and n.name == function)
+        lines = text.splitlines(keepends=True)
+        text = "".join(lines[:node.lineno - 1]) + new + "".join(lines[node.end_lineno:])
+    else:
+        assert text.count(line[0]) == 1, f"train_cifar.py no longer has {line[0]!r} once: update this test"
+        text = text.replace(line[0], line[1])
+    template, copy = ast.parse((REPO / "train_cifar.py").read_text()).body, ast.parse(text).body
+    changed = [ast.unparse(b) for a, b in zip(template, copy) if ast.unparse(a) != ast.unparse(b)]
+    edited = function or "main"
+    assert len(template) == len(copy) and len(changed) == 1 and changed[0].startswith(f"def {edited}("), changed
     path = tmp_path / "my_train.py"
     path.write_text(text)
     return path
 
 
-def run_copy(script: Path, cifar_dir, cache_dir, out: Path, launch=None):
-    env = script_env(PYTHONPATH=str(REPO))
-    return run_train(job_args(cifar_dir, cache_dir, out, *SMALL_JOB), launch=launch, env=env, script=script)
+def relative_distance(weights: dict, reference: dict) -> float:
+    """|weights - reference| / |reference - initial weights|, over all trainable parameters of resnet8 (L2 norms):
+    how far two runs ended apart, relative to how far training moved the reference (from --seed 0's weights)."""
+    set_seed(0)  # as main() does before build_model
+    start = {n: p.detach() for n, p in named_model("resnet8").named_parameters()}
+    apart = sum((weights[n] - reference[n]).double().pow(2).sum() for n in start)
+    moved = sum((reference[n] - start[n]).double().pow(2).sum() for n in start)
+    return float((apart / moved).sqrt())
+
+
+def run_copy(script: Path, args: list[str], launch=None):
+    result = run_train(args, launch=launch, env=script_env(PYTHONPATH=str(REPO)), script=script)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def evaluate_checkpoint(weights: Path, *flags: str) -> subprocess.CompletedProcess:
+    """python evaluate_checkpoint.py WEIGHTS FLAGS, as a user runs it from the repository."""
+    return run_python([str(REPO / "evaluate_checkpoint.py"), str(weights), *flags], script_env(), timeout=300)
+
+
+def evaluated(weights: Path, *flags: str) -> dict:
+    result = evaluate_checkpoint(weights, *flags)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
-def test_a_copy_with_its_own_model_trains_under_ddp_and_stops_under_fsdp_naming_the_block_setting(
+def test_a_copy_with_torchvisions_mobilenet_trains_under_ddp_and_fsdp_resumes_and_evaluates_to_its_top1(
         cifar_dir, cache_dir, tmp_path):
-    script = copy_of_train_cifar(tmp_path, OWN_MODEL)
-    result = run_copy(script, cifar_dir, cache_dir, tmp_path / "ddp", launch=["--config_file", str(CPU_YAML)])
-    assert result.returncode == 0, result.stderr[-3000:]
+    """A copy whose build_model returns torchvision's mobilenet_v3_small (no _no_split_modules): 2 ranks under
+    cpu.yaml (DDP) and fsdp_cpu.yaml (FSDP2 by the size fallback, each rank holding 45-55% of the parameters), the
+    FSDP run resumed for a second epoch; evaluate_checkpoint.py, given only the weights, rebuilds the copy's model and
+    reproduces each run's reported top-1 exactly (DDP: channels-last, as trained)."""
+    script = edited_copy(tmp_path, "build_model", MOBILENET)
+    ddp = job_args(cifar_dir, cache_dir, tmp_path / "ddp", *SMALL_JOB)
+    run_copy(script, ddp, launch=["--config_file", str(CPU_YAML)])
     s = read_summary(tmp_path / "ddp")
-    assert (s["world_size"], s["wrapper"], s["global_step"]) == (2, "DistributedDataParallel", 256 // 64)
-    result = run_copy(script, cifar_dir, cache_dir, tmp_path / "fsdp", launch=["--config_file", str(FSDP_CPU_YAML)])
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert result.returncode == 1 and len(errors) == 1, result.stderr[-3000:]
-    assert "blocks of class BasicBlock" in errors[0] and "fsdp_transformer_layer_cls_to_wrap" in errors[0]
-    assert "Could not find the transformer layer class" not in result.stderr  # Accelerate's traceback never comes
+    assert (s["world_size"], s["wrapper"], s["global_step"], s["channels_last"]) == (2, "DistributedDataParallel", 4,
+                                                                                    True)
+    assert s["script"]["name"] == "my_train.py" and s["parameters"] == 1_528_106  # mobilenet_v3_small, 10 classes
+    fsdp = job_args(cifar_dir, cache_dir, tmp_path / "fsdp", *SMALL_JOB)
+    result = run_copy(script, fsdp, launch=["--config_file", str(FSDP_CPU_YAML)])
+    assert "FSDP units: every module of more than 95,506 parameters" in result.stdout
+    f = read_summary(tmp_path / "fsdp")
+    assert (f["world_size"], f["wrapper"], f["global_step"]) == (2, "FSDPMobileNetV3", 4)
+    assert 0.45 < f["parameters_on_main_process"] / f["parameters"] < 0.55
+    run_copy(script, [*fsdp, "--epochs", "2", "--resume", "auto"], launch=["--config_file", str(FSDP_CPU_YAML)])
+    f = read_summary(tmp_path / "fsdp")
+    assert Path(f["resumed_from"]).name == "step-00000004" and f["global_step"] == 8
+    for run, summary in (("ddp", s), ("fsdp", f)):
+        got = evaluated(tmp_path / run / "model.safetensors")
+        assert (got["script"], got["examples"]) == ("my_train.py", 64)
+        assert got["top1"] == summary["eval_top1"], run
+        assert got["loss"] == pytest.approx(summary["eval_loss"], rel=1e-5), run
 
 
 @pytest.mark.slow
-def test_a_copy_with_a_loader_of_images_and_labels_trains_without_augmentation(cifar_dir, cache_dir, tmp_path):
-    script = copy_of_train_cifar(tmp_path, own_loader("uint8"))
-    result = run_copy(script, cifar_dir, cache_dir, tmp_path / "out")
-    assert result.returncode == 0, result.stderr[-3000:]
-    s = read_summary(tmp_path / "out")
-    assert s["global_step"] == 256 // 32 and s["train_images_seen"] == 256 and s["eval_examples"] == 64
+def test_a_copy_whose_loss_adds_an_l2_term_trains_as_sgd_weight_decay_does(cifar_dir, cache_dir, tmp_path):
+    """The loss line plus 0.5 x 0.05 x |w|^2 without weight decay, against the template with --weight-decay 0.05: the
+    same gradients, so after 16 SGD steps (1 process, lr 0.01, --grad-clip 0) the two runs' weights are apart by
+    less than 5% of how far training moved them (relative_distance); without either, by more than 50%."""
+    job = [*SMALL_JOB, "--batch-size", "16", "--lr", "0.01", "--grad-clip", "0", "--deterministic"]
+    run_copy(REPO / "train_cifar.py", job_args(cifar_dir, cache_dir, tmp_path / "decay", *job, "--weight-decay", "0.05"))
+    script = edited_copy(tmp_path, line=(LOSS_LINE, AUX_LOSS))
+    run_copy(script, job_args(cifar_dir, cache_dir, tmp_path / "aux", *job, "--weight-decay", "0"))
+    run_copy(REPO / "train_cifar.py", job_args(cifar_dir, cache_dir, tmp_path / "none", *job, "--weight-decay", "0"))
+    runs = {name: load_file(tmp_path / name / "model.safetensors") for name in ("decay", "aux", "none")}
+    assert relative_distance(runs["aux"], runs["decay"]) < 0.05  # another summation order; measured: 0.012
+    assert relative_distance(runs["none"], runs["decay"]) > 0.5  # without the term: another run (measured: 0.92)
 
 
 @pytest.mark.slow
-def test_a_copy_whose_loader_gives_float_images_stops_with_one_line_naming_uint8(cifar_dir, cache_dir, tmp_path):
-    script = copy_of_train_cifar(tmp_path, own_loader("float32"))
-    result = run_copy(script, cifar_dir, cache_dir, tmp_path / "out")
+def test_a_copy_with_a_hand_written_optimizer_trains_with_it_and_checkpoints_its_state(cifar_dir, cache_dir, tmp_path):
+    """build_optimizer returns a hand-written Nesterov SGD (torch.optim.Optimizer subclass): 16 steps on 1 process
+    (lr 0.01) end apart from the template's fused SGD by less than 5% of how far training moved the weights
+    (relative_distance; another summation order); the checkpoint holds
+    its own state (16 updates per parameter) and the warmup-cosine schedule drove its learning rate."""
+    job = [*SMALL_JOB, "--batch-size", "16", "--lr", "0.01", "--grad-clip", "0", "--warmup-epochs", "0.25",
+           "--deterministic"]
+    run_copy(REPO / "train_cifar.py", job_args(cifar_dir, cache_dir, tmp_path / "torch", *job))
+    script = edited_copy(tmp_path, "build_optimizer", HAND_WRITTEN_SGD)
+    run_copy(script, job_args(cifar_dir, cache_dir, tmp_path / "hand", *job))
+    ours, theirs = (load_file(tmp_path / name / "model.safetensors") for name in ("hand", "torch"))
+    assert relative_distance(ours, theirs) < 0.05
+    state = torch.load(tmp_path / "hand" / "checkpoints" / "step-00000016" / "optimizer.bin", weights_only=False)
+    assert {v["updates"] for v in state["state"].values()} == {16}
+    assert state["param_groups"][0]["lr"] == 0.0  # the schedule's end: 4 warmup steps, then cosine to 0 at step 16
+
+
+@pytest.mark.slow
+def test_a_copy_reading_an_npz_file_trains_on_two_ranks_resumes_exactly_after_kill_9_and_evaluates_to_its_top1(
+        cifar_dir, cache_dir, tmp_path):
+    """load_data returns NHWC uint8 arrays from a .npz file (the first 256 / 64 CIFAR-10 images; mean and std then
+    computed by the machinery): 2 ranks, kill -9 after the step-3 checkpoint and --resume auto end with weights
+    bitwise equal to the uninterrupted run's; evaluate_checkpoint.py rebuilds the data through the copy and gives
+    the reported top-1 exactly."""
+    cifar = load_source(str(cifar_dir), cache_dir=str(cache_dir))
+    arrays = {f"{x}_{split}": t[:n].permute(0, 2, 3, 1).numpy() if x == "x" else t[:n].numpy()
+              for split, n in (("train", 256), ("test", 64)) for x, t in zip("xy", cifar[split])}
+    np.savez(tmp_path / "cifar.npz", classes=np.array(cifar["classes"]), **arrays)
+    script = edited_copy(tmp_path, "load_data", NPZ_DATA)
+    job = ["--data-dir", str(tmp_path / "cifar.npz"), "--model", "resnet8", "--eval-subset", "50", "--batch-size",
+           "16", "--epochs", "2", "--checkpoint-every-steps", "3", "--deterministic", "--tracker", "none"]
+    two = ["--config_file", str(CPU_YAML)]
+    run_copy(script, [*job, "--output-dir", str(tmp_path / "whole")], launch=two)
+    s = read_summary(tmp_path / "whole")
+    assert (s["world_size"], s["global_step"], s["eval_examples"]) == (2, 16, 50)
+    assert s["dataset"] == {"source": "load_data"} and s["classes"] == list(cifar["classes"])
+    out = tmp_path / "killed"
+    proc = start([*job, "--output-dir", str(out)], two, script=script, env=script_env(PYTHONPATH=str(REPO)))
+    wait_for_checkpoint(out, proc, 3)
+    for process in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
+        process.kill()
+    proc.wait()
+    assert not (out / "summary.json").exists()
+    run_copy(script, [*job, "--output-dir", str(out), "--resume", "auto"], launch=two)
+    assert read_summary(out)["resumed_from"] is not None
+    assert_same_state(out / "model.safetensors", tmp_path / "whole" / "model.safetensors")
+    got = evaluated(tmp_path / "whole" / "model.safetensors")
+    assert (got["top1"], got["examples"]) == (s["eval_top1"], 50)
+
+
+@pytest.mark.slow
+def test_a_copy_whose_load_data_gives_float_images_stops_with_one_line_naming_uint8(cifar_dir, cache_dir, tmp_path):
+    float_data = NPZ_DATA.replace("arrays['x_train']", "arrays['x_train'].astype('float32')")
+    cifar = load_source(str(cifar_dir), cache_dir=str(cache_dir))
+    np.savez(tmp_path / "cifar.npz", classes=np.array(cifar["classes"]), x_train=np.zeros((64, 32, 32, 3), np.uint8),
+             y_train=np.zeros(64, np.int64), x_test=np.zeros((8, 32, 32, 3), np.uint8), y_test=np.zeros(8, np.int64))
+    script = edited_copy(tmp_path, "load_data", float_data)
+    result = run_train(["--data-dir", str(tmp_path / "cifar.npz"), "--output-dir", str(tmp_path / "out"), *SMALL_JOB],
+                       env=script_env(PYTHONPATH=str(REPO)), script=script)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode == 2 and errors == [
-        "error: the loader gave float32 images; the transform takes uint8 images (0-255), as utils/batches.py's "
-        "loaders give them (docs/customizing.md)."], result.stderr[-3000:]
-    assert "Traceback" not in result.stderr
+        "error: load_data: the train images must be uint8 (0-255), N x H x W x 3 or N x 3 x H x W (got float32 "
+        "(64, 32, 32, 3))."], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and not (tmp_path / "out" / "summary.json").exists()
+
+
+def test_evaluate_checkpoint_imports_only_the_script_that_trained_and_a_script_from_the_run_only_when_trusted(
+        tmp_path):
+    """find_script: the recorded path with the same sha256 is taken; a changed script is refused with one line; a
+    copy that lies inside the run folder is imported only with --trust-remote-code."""
+    run = tmp_path / "runs" / "a"
+    run.mkdir(parents=True)
+    script = tmp_path / "my_train.py"
+    script.write_text("print('hello')\n")
+    record = {"name": "my_train.py", "path": "../../my_train.py", "sha256": sha256(script)}
+    assert find_script(record, run, downloaded=False) == script.resolve()
+    script.write_text("print('changed')\n")
+    with pytest.raises(UserError, match=r"trained by my_train.py \(sha256 [0-9a-f]{12}\), but .*my_train.py has "
+                                        r"changed since; pass --script PATH"):
+        find_script(record, run, downloaded=False)
+    (run / "my_train.py").write_text("print('hello')\n")  # the original, shipped inside the run folder
+    with pytest.raises(UserError, match="came with the run, not from this checkout.*--trust-remote-code"):
+        find_script(record, run, downloaded=False)
+    assert find_script(record, run, downloaded=False, trust_remote_code=True) == run / "my_train.py"

@@ -351,7 +351,8 @@ def _images(images, what: str) -> torch.Tensor:
             warnings.simplefilter("ignore", UserWarning)
             images = torch.from_numpy(images)
     if not isinstance(images, torch.Tensor) or images.dtype != torch.uint8 or images.dim() != 4:
-        kind = f"{images.dtype} {tuple(images.shape)}" if hasattr(images, "dtype") else type(images).__name__
+        kind = (f"{str(images.dtype).removeprefix('torch.')} {tuple(images.shape)}" if isinstance(images, torch.Tensor)
+                else type(images).__name__)
         raise UserError(f"{what} must be uint8 (0-255), N x H x W x 3 or N x 3 x H x W (got {kind}).")
     if images.shape[1] != 3 and images.shape[3] == 3:
         images = images.permute(0, 3, 1, 2)  # NHWC -> an NCHW view of channels-last memory
@@ -363,7 +364,8 @@ def _images(images, what: str) -> torch.Tensor:
 def _labels(labels, classes: int, where: str, split: str) -> torch.Tensor:
     labels = torch.as_tensor(np.asarray(labels) if not isinstance(labels, torch.Tensor) else labels)
     if labels.dim() != 1 or labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
-        raise UserError(f"{where}: the {split} labels must be integers, one per image (got {labels.dtype} "
+        raise UserError(f"{where}: the {split} labels must be integers, one per image (got "
+                        f"{str(labels.dtype).removeprefix('torch.')} "
                         f"{tuple(labels.shape)}).")
     labels = labels.to(torch.int64)
     bad = torch.nonzero((labels < 0) | (labels >= classes)).flatten()
