@@ -13,6 +13,7 @@ Configurations (same seed, SGD, standard augmentation, fp32, --deterministic, th
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import math
@@ -22,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 from accelerate import Accelerator
-from conftest import CPU_YAML, FSDP_CPU_YAML, PROBE, cpu_bf16_native_here, read_summary, run_train, script_env
+from conftest import CPU_YAML, FSDP_CPU_YAML, PROBE, REPO, cpu_bf16_native_here, read_summary, run_train, script_env
 from safetensors.torch import load_file
 
 import train_cifar
@@ -385,10 +386,21 @@ def test_the_logged_gradient_norm_is_the_norm_before_clipping(ddp_jobs):
 # 6. SyncBatchNorm ----------------------------------------------------------------------------------
 @pytest.mark.parametrize(("model", "batchnorms"), [("resnet18", 20), ("resnet18_imagenet", 20), ("resnet9", 8),
                                                    ("resnet8", 9)])
-def test_sync_bn_converts_every_batchnorm_before_prepare(model, batchnorms):
-    plain = named_model(model)
-    synced = named_model(model, sync_bn=True)
+def test_sync_bn_converts_every_batchnorm_of_what_build_model_returns_before_prepare(model, batchnorms):
+    """main()'s --sync-bn line, run on what train_cifar.build_model returns: it comes after build_model and before
+    prepare() (DDP needs the conversion first), and turns every BatchNorm into a SyncBatchNorm."""
+    main = next(n for n in ast.parse((REPO / "train_cifar.py").read_text()).body
+                if isinstance(n, ast.FunctionDef) and n.name == "main")
+    lines = [ast.unparse(node) for node in main.body]
+    at = next(i for i, line in enumerate(lines) if "convert_sync_batchnorm" in line)
+    built = next(i for i, line in enumerate(lines) if line.startswith("model = build_model("))
+    prepared = next(i for i, line in enumerate(lines) if "accelerator.prepare(" in line)
+    assert built < at < prepared
+    namespace = {"torch": torch, "cfg": train_cifar.Config(model=model, sync_bn=True)}
+    plain = namespace["model"] = train_cifar.build_model(namespace["cfg"], 10)
     n_bn = sum(isinstance(m, torch.nn.BatchNorm2d) for m in plain.modules())
+    exec(lines[at], namespace)  # noqa: S102 -- main()'s own statement
+    synced = namespace["model"]
     assert n_bn == batchnorms
     assert sum(isinstance(m, torch.nn.SyncBatchNorm) for m in synced.modules()) == n_bn
     assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in synced.modules())

@@ -249,7 +249,8 @@ def test_a_copy_whose_loss_adds_an_l2_term_trains_as_sgd_weight_decay_does(cifar
     same gradients, so after 16 SGD steps (1 process, lr 0.01, --grad-clip 0) the two runs' weights are apart by
     less than 5% of how far training moved them (relative_distance); without either, by more than 50%."""
     job = [*SMALL_JOB, "--batch-size", "16", "--lr", "0.01", "--grad-clip", "0", "--deterministic"]
-    run_copy(REPO / "train_cifar.py", job_args(cifar_dir, cache_dir, tmp_path / "decay", *job, "--weight-decay", "0.05"))
+    run_copy(REPO / "train_cifar.py", job_args(cifar_dir, cache_dir, tmp_path / "decay", *job, "--weight-decay",
+                                               "0.05"))
     script = edited_copy(tmp_path, line=(LOSS_LINE, AUX_LOSS))
     run_copy(script, job_args(cifar_dir, cache_dir, tmp_path / "aux", *job, "--weight-decay", "0"))
     run_copy(REPO / "train_cifar.py", job_args(cifar_dir, cache_dir, tmp_path / "none", *job, "--weight-decay", "0"))
@@ -271,7 +272,7 @@ def test_a_copy_with_a_hand_written_optimizer_trains_with_it_and_checkpoints_its
     run_copy(script, job_args(cifar_dir, cache_dir, tmp_path / "hand", *job))
     ours, theirs = (load_file(tmp_path / name / "model.safetensors") for name in ("hand", "torch"))
     assert relative_distance(ours, theirs) < 0.05
-    state = torch.load(tmp_path / "hand" / "checkpoints" / "step-00000016" / "optimizer.bin", weights_only=False)
+    state = torch.load(tmp_path / "hand" / "checkpoints" / "step-00000016" / "optimizer.bin", weights_only=True)
     assert {v["updates"] for v in state["state"].values()} == {16}
     assert state["param_groups"][0]["lr"] == 0.0  # the schedule's end: 4 warmup steps, then cosine to 0 at step 16
 
