@@ -57,7 +57,7 @@ def worker(args) -> None:
     from utils.launch import check_world, fsdp_plugin_from_launcher, shard_on_cpu_too
     from utils.models import checkpoint_blocks, named_model
 
-    fsdp = fsdp_plugin_from_launcher(blocks=[train_vit.BLOCK], bf16_params=True)
+    fsdp = fsdp_plugin_from_launcher(bf16_params=True)
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), fsdp_plugin=fsdp)
     shard_on_cpu_too(accelerator, fsdp)
     check_world(accelerator, fsdp_asked=fsdp is not None)
@@ -118,7 +118,7 @@ def launch(args, model: str, wrapper: str, checkpointed: bool) -> dict:
         if wrapper == "fsdp":
             config = ["--use_fsdp", "--fsdp_version", "2", "--num_processes", str(args.gpus), "--mixed_precision",
                       args.mixed_precision, "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP",
-                      "--fsdp_transformer_layer_cls_to_wrap", "EncoderBlock", "--fsdp_reshard_after_forward", "true"]
+                      "--fsdp_reshard_after_forward", "true"]  # the blocks: the ViT's _no_split_modules
     else:
         yaml = "fsdp_cpu.yaml" if wrapper == "fsdp" else "cpu.yaml"
         config = ["--config_file", str(REPO / "accelerate_configs" / yaml), "--mixed_precision", args.mixed_precision]

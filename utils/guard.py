@@ -21,6 +21,7 @@ import torch
 from accelerate.utils import broadcast_object_list
 
 from utils import UserError
+from utils.batches import rebatched
 
 LOCK_FILE = ".lock"
 
@@ -104,8 +105,6 @@ class MemoryGuard:
         acc.print(f"{where}: redoing it with {new.micro} x {new.processes} processes x {new.accumulation} "
                   f"accumulation, the same global batch of {new.global_batch}")
         self.shrunk = True
-        from utils.batches import rebatched  # here: utils.batches imports utils.launch, which imports this module
-
         return acc.prepare(rebatched(self.loader, new.micro)), new
 
 

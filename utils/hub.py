@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from utils import UserError, first_line
 from utils.evaluation import BUILT_IN
 from utils.launch import first_on_each_machine, raise_if_any
+from utils.scripts import sha256
 
 REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")  # owner/name
 TORCHVISION = "torchvision:"  # torchvision:IMAGENET1K_V1 -> torchvision.models.ResNet18_Weights.IMAGENET1K_V1
@@ -178,16 +179,22 @@ def push_to_hub(repo_id: str | None, accelerator, output_dir: str, summary: dict
 
 def hub_folder(output_dir: Path, summary: dict, repo_id: str) -> Path:
     """<output-dir>/hub, what --push-to-hub uploads: model.safetensors (and best.safetensors) linked from the run's
-    exports, summary.json, config.json (the run's flags) and README.md, the model card."""
+    exports, summary.json, config.json (the run's flags), the training script that built the weights (under its
+    recorded name, when its sha256 still matches) and README.md, the model card."""
     folder = output_dir / HUB_FOLDER
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir()
-    for name in ("model.safetensors", "best.safetensors", "summary.json"):
-        if (output_dir / name).is_file():
+    script = summary.get("script") or {}
+    trained_by = (output_dir / script["path"]).resolve() if script else None
+    files = {name: output_dir / name for name in ("model.safetensors", "best.safetensors", "summary.json")}
+    if trained_by is not None and trained_by.is_file() and sha256(trained_by) == script["sha256"]:
+        files[script["name"]] = trained_by
+    for name, source in files.items():
+        if source.is_file():
             try:
-                os.link(output_dir / name, folder / name)
-            except OSError:  # a filesystem without hard links
-                shutil.copy2(output_dir / name, folder / name)
+                os.link(source, folder / name)
+            except OSError:  # a filesystem without hard links, or another one
+                shutil.copy2(source, folder / name)
     (folder / "config.json").write_text(json.dumps(summary["config"], indent=2) + "\n")
     (folder / "README.md").write_text(model_card(summary, repo_id))
     return folder
@@ -209,7 +216,8 @@ def model_card(summary: dict, repo_id: str) -> str:
             *extra.items()]
     versions = ", ".join(f"{k} {v}" for k, v in summary.get("versions", {}).items())
     wandb = summary.get("wandb_run") or {}
-    script = "train_vit.py" if summary["model"].startswith("vit") else "train_cifar.py"
+    recorded = summary.get("script") or {}
+    script = recorded.get("name") or ("train_vit.py" if summary["model"].startswith("vit") else "train_cifar.py")
     lines = [
         f"---\n{data.to_yaml()}\n---", "",
         f"# {repo_id.split('/')[-1]}", "",
@@ -227,10 +235,13 @@ def model_card(summary: dict, repo_id: str) -> str:
         f"{'; started from ' + cfg['init_from'] if cfg.get('init_from') else ''}. The launch command:", "",
         f"    {summary.get('command', '')}", "",
         f"Library versions: {versions}; code commit {summary.get('git_commit')}.", "",
+        *([f"Built by `{script}` (sha256 {recorded['sha256']}), uploaded beside the weights.", ""] if recorded else []),
         *([f"W&B run: {wandb.get('url') or wandb.get('id')} (project {wandb.get('project')}).", ""] if wandb else []),
         "## Use", "",
-        f"`model.safetensors` (the final weights; `best.safetensors`: those of the best evaluation) loads into "
-        f"`build_model({summary['model']!r}, {len(summary['classes'])})` of utils/models.py (`load_state_dict`):", "",
+        f"`model.safetensors` (the final weights; `best.safetensors`: those of the best evaluation) loads into what "
+        f"`build_model(cfg, {len(summary['classes'])})` of `{script}` returns with this config (`load_state_dict`); "
+        f"evaluate_checkpoint.py rebuilds it so (it imports `{script}` from a checkout with the same sha256, or the "
+        f"uploaded copy with --trust-remote-code):", "",
         f"    python evaluate_checkpoint.py {repo_id} --data-dir DATA", f"    python {script} --init-from "
         f"{repo_id} --model {summary['model']} --data-dir YOUR_IMAGES   # fine-tune on your own classes", "",
     ]
