@@ -288,15 +288,17 @@ def test_push_uploads_once_from_the_main_process_the_exports_summary_config_and_
     up = fine_tuned["uploads"] / "rank0" / "tester/three"
     out = fine_tuned["out"]
     assert sorted(p.name for p in up.iterdir()) == ["README.md", "best.safetensors", "config.json",
-                                                    "model.safetensors", "summary.json"]
+                                                    "model.safetensors", "summary.json", "train_cifar.py"]
     for name in ("model.safetensors", "best.safetensors", "summary.json"):
         assert (up / name).read_bytes() == (out / name).read_bytes()
+    assert (up / "train_cifar.py").read_bytes() == (REPO / "train_cifar.py").read_bytes()  # the script that trained
     summary = read_summary(out)
     assert json.loads((up / "config.json").read_text()) == summary["config"]
     card = (up / "README.md").read_text()
     meta = yaml.safe_load(card.split("---")[1])
     assert meta["pipeline_tag"] == "image-classification" and "resnet8" in meta["tags"]
     assert "Classes (3): ant, bee, cow." in card and f"| top-1 (%) | {summary['eval_top1']:.4g} |" in card
+    assert f"Built by `train_cifar.py` (sha256 {summary['script']['sha256']})" in card
     assert f"| pairs_n | {summary['eval_pairs_n']} |" in card
     command = next(line.strip() for line in card.splitlines() if "--push-to-hub tester/three" in line)
     assert command.startswith("accelerate launch --config_file") and "--main_process_port 0" in command

@@ -48,13 +48,12 @@ def find_script(record: dict | None, run_dir: Path, downloaded: bool, given: str
         return path
     if record is None:  # a run that recorded no script: the template its model comes from
         return TOOLS / default
-    candidates = [] if downloaded else [(run_dir / record["path"]).resolve()]
-    candidates += [TOOLS / record["name"], run_dir / record["name"]]
+    candidates = [] if downloaded else [(run_dir / record["path"]).resolve()]  # a download's path means nothing
+    candidates += [TOOLS / record["name"], (run_dir / record["name"]).resolve()]
     for path in dict.fromkeys(candidates):
         if not path.is_file() or sha256(path) != record["sha256"]:
             continue
-        remote = downloaded or path.is_relative_to(run_dir.resolve())
-        if remote and not trust_remote_code:
+        if path.is_relative_to(run_dir.resolve()) and not trust_remote_code:  # it came with the run, or the Hub
             raise UserError(f"{path} came with the run, not from this checkout: importing it runs its code. Read it, "
                             f"then pass --trust-remote-code (or --script PATH to a copy you trust).")
         return path
