@@ -16,7 +16,7 @@ def runtime_imports() -> dict[str, dict[str, list[int]]]:
     for path in sorted((REPO / "utils").glob("*.py")):
         tree, found = ast.parse(path.read_text()), {}
 
-        def visit(node, in_function: bool) -> None:
+        def visit(node, in_function: bool, found: dict = found) -> None:
             if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
                 return
             if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "utils":
@@ -24,7 +24,7 @@ def runtime_imports() -> dict[str, dict[str, list[int]]]:
                 found.setdefault(name, []).append(-node.lineno if in_function else node.lineno)
             inner = in_function or isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
             for child in ast.iter_child_nodes(node):
-                visit(child, inner)
+                visit(child, inner, found)
 
         visit(tree, False)
         found.pop(path.stem, None)
