@@ -10,10 +10,10 @@ DDP's all-reduce and in FSDP's reduce-scatter, and the gathered parameters are t
 first CI machine: bitwise equal losses and weights. On a later one (AVX-512 with AMX, this job at 512 images and
 global batch 64) a kernel rounds one step differently from step 13 (FSDP's gathered parameters sit elsewhere in
 memory); at lr 0.05 the chaotic first epoch (loss up to 5.6) amplified that to 1.6e-4 in the loss, at lr 0.01 it
-stays 2.4e-7 in the loss and 4.8e-7 in the weights. Hence lr 0.01 and a tolerance of 1e-5; a 1% error in the
-gradient scale moves both by more than 1e-4. The job trains resnet8 (conftest.CHECKPOINT_JOB); on a 2-core Zen 3 its
-two wrappers end bitwise equal, and scaling the loss by 1.01 in the FSDP job alone moves the losses by 1.8e-3 and the
-weights by 1.9e-2 (2026-12-03). The measurements above were of resnet18_imagenet.
+stays 2.4e-7 in the loss and 4.8e-7 in the weights (those measurements were of resnet18_imagenet). The job trains
+resnet8 (conftest.CHECKPOINT_JOB): on a 2-core Zen 3 its two wrappers end bitwise equal, and scaling the loss by 1.01
+in the FSDP job alone moves the losses by 1.8e-3 and the weights by 1.9e-2; on a 2-core Xeon with AVX-512 a kernel
+rounds differently from step 12 and the two end 3.3e-5 apart (TOLERANCE says how that sets the tolerances).
 """
 
 from __future__ import annotations
@@ -41,7 +41,13 @@ from utils.models import named_model
 
 JOB = CHECKPOINT_JOB  # NCHW, the layout FSDP2 keeps; lr 0.01 and no clipping, as the docstring says
 FSDP = ["--config_file", str(FSDP_CPU_YAML)]
-TOLERANCE = 1e-5
+# Losses, weights and EMA: absolute. On 2-core Zen 3 machines the two wrappers end bitwise equal; on a 2-core Xeon with
+# AVX-512 (2026-12-03) the losses are bitwise to step 11, then 1.1e-5 apart at step 16, the weights 3.3e-5 and the EMA
+# 1.2e-5; scaling the FSDP job's loss by 1.01 moves them by more than 1e-3 (the break-check in the module docstring).
+TOLERANCE = 2e-4
+# The logged gradient norms, relative: FSDP sums the norm per shard, so it differs by an ulp from step 1, and the
+# steps after the weights part amplify it (measured on that Xeon: 6e-4 at step 16); the 1.01 loss scale moves it 1e-2.
+GRAD_NORM_RTOL = 3e-3
 
 
 def job_args(cifar_dir, cache_dir, out, *extra):
@@ -102,7 +108,7 @@ def test_the_logged_gradient_norm_is_the_norm_of_the_averaged_gradients_under_dd
         assert len(norms) == len(independent) == 16
         assert norms == pytest.approx(independent, rel=1e-5), name
     assert logged(fsdp_jobs["fsdp"], "train/grad_norm") == pytest.approx(logged(fsdp_jobs["ddp"], "train/grad_norm"),
-                                                                         rel=TOLERANCE)
+                                                                         rel=GRAD_NORM_RTOL)
 
 
 def test_fsdp_ranks_evaluate_with_rank_zeros_batchnorm_statistics_like_ddp(fsdp_jobs):
