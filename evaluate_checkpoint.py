@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
     module = import_script(script)
     names = {f.name for f in dataclasses.fields(module.Config)}
     trained = {k: v for k, v in summary.get("config", {}).items() if k in names}
-    given = {k: getattr(args, k) for k in OVERRIDES if getattr(args, k) is not None}
+    given = {k: getattr(args, k) for k in OVERRIDES if getattr(args, k) is not None and k in names}
     if {"data_dir", "dataset"} & given.keys():  # a new source replaces the run's, whichever kind it was
         trained.pop("data_dir", None), trained.pop("dataset", None)
     cfg = module.Config(**(trained | given))
