@@ -100,7 +100,7 @@ def main(args: argparse.Namespace) -> dict:
                       f"{accelerator.mixed_precision}; global batch {global_batch}, lr {lr:g}")
 
     # Data: whole splits as uint8 tensors (decoded once, cached); prepare() shards them over the processes.
-    data = load_source(args.data_dir)  # one process per machine decodes and caches
+    data = load_source(args.data_dir, None if args.data_dir else "uoft-cs/cifar10")  # decoded once per machine
     train_split = take_prefix(data["train"], args.train_subset, "--train-subset")
     check_one_batch(train_split[1], args.batch_size, world, args.grad_accum)  # fewer would train nothing
     # PITFALL (no set_epoch): the sampler reshuffles every epoch (train_loader.set_epoch below) from the seed, the

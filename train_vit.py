@@ -43,7 +43,7 @@ from utils.config_groups import CheckpointConfig, DataConfig, EvaluationConfig, 
 from utils.decode import load_source
 from utils.ema import WeightEMA
 from utils.evaluation import Evaluator, evaluate, load_metrics
-from utils.guard import MemoryGuard, StopGuard, check_output_dir, lock_output_dir
+from utils.guard import MemoryGuard, StopGuard
 from utils.hub import check_can_push, init_weights, push_to_hub
 from utils.launch import (
     check_world,
@@ -56,6 +56,7 @@ from utils.launch import (
     shard_on_cpu_too,
 )
 from utils.models import VITS, check_logits, checkpoint_blocks, named_model
+from utils.output_dir import check_output_dir, lock_output_dir
 from utils.schedule import warmup_cosine
 from utils.tracking import Tracker, TrainMeter, peak_memory_gb, run_facts
 
@@ -126,7 +127,8 @@ def build_model(cfg: Config, num_classes: int) -> torch.nn.Module:
 def load_data(cfg: Config) -> dict:
     """{"train": (images, labels), "test": (images, labels), "classes": names}, as train_cifar.py's load_data (its
     docstring and docs/customizing.md give the contract): here the built-in source, --data-dir or --dataset."""
-    return load_source(cfg.data_dir, cfg.dataset, cfg.image_size, (cfg.image_column, cfg.label_column),
+    dataset = cfg.dataset or (None if cfg.data_dir else "uoft-cs/cifar10")  # neither flag: CIFAR-10 from the Hub
+    return load_source(cfg.data_dir, dataset, cfg.image_size, (cfg.image_column, cfg.label_column),
                        cfg.val_fraction, cfg.cache_dir, cfg.decode_workers)
 
 
@@ -166,122 +168,123 @@ def main(cfg: Config) -> dict:
     shard_on_cpu_too(accelerator, fsdp)  # Accelerate alone would run DDP for an FSDP config on CPU
     check_world(accelerator, fsdp_asked=fsdp is not None)  # one line if the setup is wrong
     check_can_push(cfg.push_to_hub, accelerator)  # --push-to-hub: the Hub and a token, or one line now
-    _lock = lock_output_dir(accelerator, cfg.output_dir)  # one job per output folder, until main() returns
-    checkpointer = Checkpointer(accelerator, cfg)  # the checkpoint flags; saves the whole config
-    resume_from = checkpointer.resume_point()
-    # micro-batch x processes x accumulation; a resume on another process count keeps the global batch
-    plan = checkpointer.batch_plan(resume_from, cfg.batch_size, cfg.global_batch_size, cfg.grad_accum)
-    lr = cfg.lr * plan.global_batch / REFERENCE_BATCH if cfg.scale_lr else cfg.lr
-    print_setup(accelerator, cfg, plan, lr)  # the config, then the processes, precision, device and batch
+    with lock_output_dir(accelerator, cfg.output_dir):  # one job per output folder, until the job ends
+        checkpointer = Checkpointer(accelerator, cfg)  # the checkpoint flags; saves the whole config
+        resume_from = checkpointer.resume_point()
+        # micro-batch x processes x accumulation; a resume on another process count keeps the global batch
+        plan = checkpointer.batch_plan(resume_from, cfg.batch_size, cfg.global_batch_size, cfg.grad_accum)
+        lr = cfg.lr * plan.global_batch / REFERENCE_BATCH if cfg.scale_lr else cfg.lr
+        print_setup(accelerator, cfg, plan, lr)  # the config, then the processes, precision, device and batch
 
-    # --- data: shuffled and augmented by (seed, epoch, sample); Accelerate shards and moves to the device ---
-    data = checked_data(load_data(cfg))  # the contract checked; the training images' mean and std when absent
-    train_loader, eval_loader = build_loaders(data, cfg, accelerator, plan)  # --train-subset, --eval-subset, mixing
-    memory = MemoryGuard(accelerator, checkpointer, fsdp is not None, train_loader)  # out of memory: smaller batches
+        # --- data: shuffled and augmented by (seed, epoch, sample); Accelerate shards and moves to the device ---
+        data = checked_data(load_data(cfg))  # the contract checked; the training images' mean and std when absent
+        train_loader, eval_loader = build_loaders(data, cfg, accelerator, plan)  # --train-subset, --eval-subset, mixing
+        memory = MemoryGuard(accelerator, checkpointer, fsdp is not None, train_loader)  # out of memory: half batches
 
-    # --- model: same seed on every rank -> same initial weights; blocks checkpointed before FSDP shards them ---
-    set_seed(cfg.seed)
-    model = build_model(cfg, len(data["classes"]))
-    check_logits(model, len(data["classes"]), data["image_size"])  # logits (N, classes) for the data's images
-    init = init_weights(model, cfg.init_from, cfg.model, accelerator, resume_from)  # --init-from, unless resumed
-    if cfg.activation_checkpointing:
-        checkpoint_blocks(model)
-    optimizer = build_optimizer(cfg, model, lr)
-    choose_fsdp_units(accelerator, fsdp, model)  # FSDP: the model's _no_split_modules, else by size; says which
-    model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
-    check_wrapper(accelerator, model, cfg.bf16_grad_sync)  # DDP or FSDP really wraps it; bf16 all-reduce if asked
-    transform = BatchTransform(accelerator.device, channels_last=False, pad=crop_padding(data["image_size"]),
-                               mean=data["mean"], std=data["std"], num_classes=len(data["classes"]))
-    run_eval = partial(evaluate, model, eval_loader, transform, accelerator, tta_flip=False,  # each image once
-                       classes=data["classes"], metrics=load_metrics(cfg.metric, data["classes"], accelerator))
+        # --- model: same seed on every rank -> same initial weights; blocks checkpointed before FSDP shards them ---
+        set_seed(cfg.seed)
+        model = build_model(cfg, len(data["classes"]))
+        check_logits(model, len(data["classes"]), data["image_size"])  # logits (N, classes) for the data's images
+        init = init_weights(model, cfg.init_from, cfg.model, accelerator, resume_from)  # --init-from, unless resumed
+        if cfg.activation_checkpointing:
+            checkpoint_blocks(model)
+        optimizer = build_optimizer(cfg, model, lr)
+        choose_fsdp_units(accelerator, fsdp, model)  # FSDP: the model's _no_split_modules, else by size; says which
+        model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+        check_wrapper(accelerator, model, cfg.bf16_grad_sync)  # DDP or FSDP really wraps it; bf16 all-reduce if asked
+        transform = BatchTransform(accelerator.device, channels_last=False, pad=crop_padding(data["image_size"]),
+                                   mean=data["mean"], std=data["std"], num_classes=len(data["classes"]))
+        run_eval = partial(evaluate, model, eval_loader, transform, accelerator, tta_flip=False,  # each once
+                           classes=data["classes"], metrics=load_metrics(cfg.metric, data["classes"], accelerator))
 
-    ema = WeightEMA(accelerator, model, optimizer, cfg.ema_decay) if cfg.ema_decay else None  # each step, by a hook
+        ema = WeightEMA(accelerator, model, optimizer, cfg.ema_decay) if cfg.ema_decay else None  # each step, by a hook
 
-    # --- schedule, counted in optimizer steps; not prepared (Accelerate would step it once per process) ---
-    steps_per_epoch = len(train_loader) // plan.accumulation  # whole global batches only (EpochSampler)
-    total_steps = min(cfg.max_steps or math.inf, cfg.epochs * steps_per_epoch)
-    warmup_steps = min(round(cfg.warmup_epochs * steps_per_epoch), total_steps)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, warmup_cosine(warmup_steps, total_steps))
+        # --- schedule, counted in optimizer steps; not prepared (Accelerate would step it once per process) ---
+        steps_per_epoch = len(train_loader) // plan.accumulation  # whole global batches only (EpochSampler)
+        total_steps = min(cfg.max_steps or math.inf, cfg.epochs * steps_per_epoch)
+        warmup_steps = min(round(cfg.warmup_epochs * steps_per_epoch), total_steps)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, warmup_cosine(warmup_steps, total_steps))
 
-    # --- resume, on any process count: weights, optimizer, RNG (Accelerate), schedule, counters ---
-    p = checkpointer.start(resume_from, scheduler, ema)  # fresh: --overwrite clears the old run only now
-    accelerator.wait_for_everyone()
-    run_info = {**run_facts(accelerator, cfg, model, plan, total_steps, lr), "fsdp_param_dtype": _param_dtype(fsdp),
-                **init}
-    p.tracker_run_id = tracker.start(accelerator, {**asdict(cfg), **run_info}, p.tracker_run_id, bool(resume_from))
-    guard = StopGuard(accelerator, HEALTH_CHECK_EVERY, checkpointer)  # preemption signals and a non-finite loss
-    evaluator = Evaluator(cfg, run_eval, accelerator, model, tracker, guard, ema)  # when; keeps the best; early stop
+        # --- resume, on any process count: weights, optimizer, RNG (Accelerate), schedule, counters ---
+        p = checkpointer.start(resume_from, scheduler, ema)  # fresh: --overwrite clears the old run only now
+        accelerator.wait_for_everyone()
+        run_info = {**run_facts(accelerator, cfg, model, plan, total_steps, lr), "fsdp_param_dtype": _param_dtype(fsdp),
+                    **init}
+        p.tracker_run_id = tracker.start(accelerator, {**asdict(cfg), **run_info}, p.tracker_run_id, bool(resume_from))
+        guard = StopGuard(accelerator, HEALTH_CHECK_EVERY, checkpointer)  # preemption signals and a non-finite loss
+        evaluator = Evaluator(cfg, run_eval, accelerator, model, tracker, guard, ema)  # when, best weights, early stop
 
-    metrics, train_loss = None, float("nan")
-    while p.epoch < cfg.epochs and p.global_step < total_steps and not p.stopped_early:
-        model.train()
-        epoch_number = p.epoch + 1
-        train_loader.set_epoch(p.epoch)  # new shuffle and augmentation each epoch, same on every rank
-        skip = p.batches_in_epoch  # resuming in the middle of an epoch: the batches already trained
-        batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
-        bar = tqdm(batches, f"epoch {epoch_number}/{cfg.epochs}", len(train_loader), initial=skip,
-                   leave=False, disable=None if accelerator.is_local_main_process else True)  # None: off without a tty
-        meter = TrainMeter(accelerator.device, plan.micro * plan.processes)
-        for images, labels, *draws in bar:  # draws: each image's crop, flip, mixing; none from (images, labels)
-            with accelerator.accumulate(model), memory.micro_step():  # no gradient sync on non-final micro-steps
-                inputs, targets = transform.train(images, labels, *draws)  # crop, flip, mix, normalise on the device
-                # the loss: a mean over the micro-batch; targets are labels (N,), or class probabilities (N, C)
-                # under --mixup / --cutmix, which F.cross_entropy takes as they are
-                loss = F.cross_entropy(model(inputs), targets, label_smoothing=cfg.label_smoothing)
-                accelerator.backward(loss)  # divides by grad_accum
-                if accelerator.sync_gradients and (cfg.grad_clip > 0 or tracker.logs_at(p.global_step + 1)):
-                    meter.grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
-                optimizer.step()  # the prepared optimizer only steps on the final micro-step
-                optimizer.zero_grad(set_to_none=True)
-            if memory.hit:  # out of memory (every rank): half the micro-batch, twice the accumulation, the step again
-                train_loader, plan = memory.shrink(p, optimizer)
+        metrics, train_loss = None, float("nan")
+        while p.epoch < cfg.epochs and p.global_step < total_steps and not p.stopped_early:
+            model.train()
+            epoch_number = p.epoch + 1
+            train_loader.set_epoch(p.epoch)  # new shuffle and augmentation each epoch, same on every rank
+            skip = p.batches_in_epoch  # resuming in the middle of an epoch: the batches already trained
+            batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
+            bar = tqdm(batches, f"epoch {epoch_number}/{cfg.epochs}", len(train_loader), initial=skip,
+                       leave=False, disable=None if accelerator.is_local_main_process else True)  # no bar without a tty
+            meter = TrainMeter(accelerator.device, plan.micro * plan.processes)
+            for images, labels, *draws in bar:  # draws: each image's crop, flip, mixing; none from (images, labels)
+                with accelerator.accumulate(model), memory.micro_step():  # no gradient sync on non-final micro-steps
+                    inputs, targets = transform.train(images, labels, *draws)  # crop, flip, mix, normalise on device
+                    # the loss: a mean over the micro-batch; targets are labels (N,), or class probabilities (N, C)
+                    # under --mixup / --cutmix, which F.cross_entropy takes as they are
+                    loss = F.cross_entropy(model(inputs), targets, label_smoothing=cfg.label_smoothing)
+                    accelerator.backward(loss)  # divides by grad_accum
+                    if accelerator.sync_gradients and (cfg.grad_clip > 0 or tracker.logs_at(p.global_step + 1)):
+                        meter.grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
+                    optimizer.step()  # the prepared optimizer only steps on the final micro-step
+                    optimizer.zero_grad(set_to_none=True)
+                if memory.hit:  # out of memory (every rank): half the micro-batch, twice the accumulation
+                    train_loader, plan = memory.shrink(p, optimizer)
+                    break
+                guard.observe(loss, p.global_step + 1)  # on the device: no sync per step
+                meter.add(loss)
+                p.took_batch()
+                if not accelerator.sync_gradients:
+                    continue
+                if not optimizer.step_was_skipped:  # fp16 overflow steps leave the schedule where it was
+                    scheduler.step()
+                p.took_step()
+                tracker.after_step(p, meter, scheduler.get_last_lr()[0], bar)  # every --log-every steps: syncs and logs
+                if p.global_step >= total_steps:
+                    break
+                evaluated = evaluator.after_step(p, meter, len(train_loader))  # every --eval-every-steps in the epoch
+                if checkpointer.after_step(p, meter, guard, model, scheduler, len(train_loader), evaluated):
+                    break  # preempted (saved where every rank stopped), or stopped early
+            if guard.preempted:
                 break
-            guard.observe(loss, p.global_step + 1)  # on the device: no sync per step
-            meter.add(loss)
-            p.took_batch()
-            if not accelerator.sync_gradients:
+            if memory.shrunk:  # the epoch goes on at the interrupted step's first micro-batch, the new size
                 continue
-            if not optimizer.step_was_skipped:  # fp16 overflow steps leave the schedule where it was
-                scheduler.step()
-            p.took_step()
-            tracker.after_step(p, meter, scheduler.get_last_lr()[0], bar)  # every --log-every steps: syncs and logs
-            if p.global_step >= total_steps:
-                break
-            evaluated = evaluator.after_step(p, meter, len(train_loader))  # every --eval-every-steps in the epoch
-            if checkpointer.after_step(p, meter, guard, model, scheduler, len(train_loader), evaluated):
-                break  # preempted (saved where every rank stopped), or stopped early
+            train_loss, epoch_images, epoch_seconds = meter.end_epoch(accelerator)  # syncs
+            bar.close()
+            p.end_epoch(epoch_images, epoch_seconds, len(train_loader))
+
+            metrics = evaluator(p)  # raises on a non-finite loss first; best.safetensors; eval/*; an early stop
+            tracker.log_epoch(epoch_number, p.global_step, train_loss, epoch_images, epoch_seconds, metrics)
+            checkpointer.save(p, model, scheduler)
+
+        # --- the end, one path. Preempted: the checkpoint just saved is where to continue. Finished: the outputs,
+        # written once by the main process; full fp32 weights that load into a plain ViT
         if guard.preempted:
-            break
-        if memory.shrunk:  # the epoch goes on at the interrupted step's first micro-batch, the new size
-            continue
-        train_loss, epoch_images, epoch_seconds = meter.end_epoch(accelerator)  # syncs
-        bar.close()
-        p.end_epoch(epoch_images, epoch_seconds, len(train_loader))
-
-        metrics = evaluator(p)  # raises on a non-finite loss first; best.safetensors; eval/*; an early stop
-        tracker.log_epoch(epoch_number, p.global_step, train_loss, epoch_images, epoch_seconds, metrics)
-        checkpointer.save(p, model, scheduler)
-
-    # --- the end, one path. Preempted: the checkpoint just saved is where to continue. Finished: the outputs,
-    # written once by the main process; full fp32 weights that load into a plain ViT
-    if guard.preempted:
-        accelerator.print(f"preempted ({guard.reason()}): saved {checkpointer.last}; continue with --resume auto")
-        summary = {"preempted": True, "checkpoint": str(checkpointer.last)}
-    else:
-        metrics = metrics or evaluator.metrics()  # None: resumed from a checkpoint of a finished run
-        export_weights(accelerator, model, Path(cfg.output_dir) / "model.safetensors")
-        if ema is not None:
-            ema.export(Path(cfg.output_dir) / "model_ema.safetensors")
-        summary = {**run_info, "model": cfg.model, "dataset": data["dataset"], "classes": list(data["classes"]),
-                   "image_size": data["image_size"], **p.summary(), "train_loss": train_loss,
-                   **{f"eval_{k}": v for k, v in metrics.items()}, "peak_memory_gb": peak_memory_gb(accelerator.device),
-                   "last_checkpoint": str(checkpointer.last), "resumed_from": str(resume_from) if resume_from else None,
-                   "wall_seconds": time.time() - started, "batch_plan": asdict(plan), "config": asdict(cfg)}
-        tracker.finish(summary)  # summary.json, and the W&B run's summary
-        push_to_hub(cfg.push_to_hub, accelerator, cfg.output_dir, summary)  # --push-to-hub: with a model card
-    accelerator.wait_for_everyone()
-    accelerator.end_training()  # trackers, process group; utils.launch.run() frees the rest once main() returns
-    return summary
+            accelerator.print(f"preempted ({guard.reason()}): saved {checkpointer.last}; continue with --resume auto")
+            summary = {"preempted": True, "checkpoint": str(checkpointer.last)}
+        else:
+            metrics = metrics or evaluator.metrics()  # None: resumed from a checkpoint of a finished run
+            export_weights(accelerator, model, Path(cfg.output_dir) / "model.safetensors")
+            if ema is not None:
+                ema.export(Path(cfg.output_dir) / "model_ema.safetensors")
+            summary = {**run_info, "model": cfg.model, "dataset": data["dataset"], "classes": list(data["classes"]),
+                       "image_size": data["image_size"], **p.summary(), "train_loss": train_loss,
+                       **{f"eval_{k}": v for k, v in metrics.items()},
+                       "peak_memory_gb": peak_memory_gb(accelerator.device), "last_checkpoint": str(checkpointer.last),
+                       "resumed_from": str(resume_from) if resume_from else None,
+                       "wall_seconds": time.time() - started, "batch_plan": asdict(plan), "config": asdict(cfg)}
+            tracker.finish(summary)  # summary.json, and the W&B run's summary
+            push_to_hub(cfg.push_to_hub, accelerator, cfg.output_dir, summary)  # --push-to-hub: with a model card
+        accelerator.wait_for_everyone()
+        accelerator.end_training()  # trackers, process group; utils.launch.run() frees the rest once main() returns
+        return summary
 
 
 def _param_dtype(fsdp) -> str | None:

@@ -22,7 +22,9 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import header, report  # noqa: E402
 from utils import decode as decode_module  # noqa: E402
-from utils.decode import CLASSES, load_source  # noqa: E402
+from utils.decode import load_source  # noqa: E402
+
+CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 
 
 def png_folder(data_dir: str, root: Path) -> int:

@@ -198,7 +198,7 @@ def test_datasets_cache_on_a_full_disk_says_so_and_where(tmp_path):
 
 
 def test_image_folder_whose_image_cannot_be_decoded_names_the_file(tmp_path):
-    from utils.decode import CLASSES
+    from conftest import CIFAR_CLASSES as CLASSES
 
     write_image_folder(tmp_path / "folder", CLASSES)
     broken = tmp_path / "folder" / "test" / "cat" / "1.jpg"

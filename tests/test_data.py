@@ -11,6 +11,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 from conftest import (
+    CIFAR_CLASSES,
     DEVICES,
     digests,
     export_png_folder,
@@ -364,7 +365,7 @@ def _folder_error(tmp_path, accelerator) -> str:
 
 def test_image_folder_bad_input_is_named_in_one_sentence(tmp_path, accelerator):
     folder = tmp_path / "folder"
-    write_image_folder(folder, decode.CLASSES)
+    write_image_folder(folder, CIFAR_CLASSES)
     (folder / "train" / "zebra").mkdir()
     assert _folder_error(tmp_path, accelerator) == f"the class folder {folder / 'train' / 'zebra'} holds no image " \
                                                    f"({', '.join(decode.IMAGE_SUFFIXES)})."
@@ -447,11 +448,11 @@ def test_image_and_label_columns_are_found_by_name_and_a_missing_one_is_named():
         buf = io.BytesIO()
         Image.fromarray(arr).save(buf, format="PNG")
         pngs.append({"bytes": buf.getvalue(), "path": None})
-    features = datasets.Features({"image": datasets.Image(), "fine_label": datasets.ClassLabel(names=decode.CLASSES)})
+    features = datasets.Features({"image": datasets.Image(), "fine_label": datasets.ClassLabel(names=CIFAR_CLASSES)})
     ds = datasets.Dataset.from_dict({"image": pngs, "fine_label": [3, 0, 9]}, features=features)
     images, labels, names = decode.decode_split(ds, "train")
     assert torch.equal(images, torch.from_numpy(pixels).permute(0, 3, 1, 2)) and labels.tolist() == [3, 0, 9]
-    assert names == decode.CLASSES
+    assert names == CIFAR_CLASSES
     renamed = ds.rename_column("fine_label", "target")
     with pytest.raises(UserError, match=r"^the test split has columns \['image', 'target'\]; expected a label column "
                                         r"named 'label' or 'labels' or 'fine_label' "

@@ -23,7 +23,17 @@ import numpy as np
 import pytest
 import torch
 from accelerate import Accelerator
-from conftest import CPU_YAML, FSDP_CPU_YAML, PROBE, REPO, cpu_bf16_native_here, read_summary, run_train, script_env
+from conftest import (
+    CIFAR_CLASSES,
+    CPU_YAML,
+    FSDP_CPU_YAML,
+    PROBE,
+    REPO,
+    cpu_bf16_native_here,
+    read_summary,
+    run_train,
+    script_env,
+)
 from safetensors.torch import load_file
 
 import train_cifar
@@ -167,7 +177,8 @@ def test_two_rank_eval_counts_each_image_once_and_equals_one_rank_eval_of_the_ex
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each launched rank
     try:
-        metrics = train_cifar.evaluate(model, loader, BatchTransform(torch.device("cpu"), False), accelerator)
+        metrics = train_cifar.evaluate(model, loader, BatchTransform(torch.device("cpu"), False), accelerator,
+                                       CIFAR_CLASSES)
     finally:
         torch.set_num_threads(threads)
     assert metrics["examples"] == EVAL_SUBSET
@@ -391,7 +402,8 @@ def test_sync_bn_converts_every_batchnorm_of_what_build_model_returns_before_pre
     prepare() (DDP needs the conversion first), and turns every BatchNorm into a SyncBatchNorm."""
     main = next(n for n in ast.parse((REPO / "train_cifar.py").read_text()).body
                 if isinstance(n, ast.FunctionDef) and n.name == "main")
-    lines = [ast.unparse(node) for node in main.body]
+    simple = sorted((n for n in ast.walk(main) if isinstance(n, ast.Assign | ast.Expr)), key=lambda n: n.lineno)
+    lines = [ast.unparse(node) for node in simple]
     at = next(i for i, line in enumerate(lines) if "convert_sync_batchnorm" in line)
     built = next(i for i, line in enumerate(lines) if line.startswith("model = build_model("))
     prepared = next(i for i, line in enumerate(lines) if "accelerator.prepare(" in line)

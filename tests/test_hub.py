@@ -33,7 +33,7 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 
 from utils import UserError
-from utils.evaluation import metric_label, parse_metric
+from utils.config_groups import metric_label, parse_metric
 from utils.hub import hub_folder, init_weights, model_card, push_to_hub
 from utils.models import named_model
 

@@ -11,13 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import CIFAR_CLASSES as CLASSES
 from conftest import REPO, TRACKED_JOB, read_summary, run_train, script_env
 from PIL import Image
 
 import compare_runs
 from utils import UserError
 from utils.config_groups import LoggingConfig
-from utils.decode import CLASSES
 from utils.tracking import LOGGED_STEP_FILE, Tracker
 
 

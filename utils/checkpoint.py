@@ -38,8 +38,8 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.api import CheckpointException
 
 from utils import UserError
-from utils.guard import free_space_warning
 from utils.launch import BatchPlan, batch_plan, share_bn_statistics
+from utils.output_dir import free_space_warning
 from utils.progress import Progress
 from utils.scripts import script_record
 

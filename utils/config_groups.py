@@ -7,14 +7,17 @@ the script. Each group checks its own fields in `validate()` and then hands on t
 
 from __future__ import annotations
 
+import ast
 import importlib.util
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from utils import UserError
 from utils.config import check_ranges, opt
-from utils.decode import check_source
-from utils.evaluation import metric_label, parse_metric
-from utils.hub import REPO_ID
+
+REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")  # a Hub repo id: owner/name
+BUILT_IN = ("loss", "top1", "top5", "examples", "class_top1", "confusion")  # evaluate()'s metrics
 
 
 @dataclass
@@ -145,3 +148,43 @@ class HubConfig(Group):
         if self.push_to_hub is not None and not REPO_ID.fullmatch(self.push_to_hub):
             raise UserError(f"--push-to-hub takes a Hub model repo id, owner/name (got {self.push_to_hub!r}).")
         super().validate()
+
+
+# The validators' helpers (also used by utils/decode.py and utils/evaluation.py) -------------------------------
+def check_source(data_dir: str | None, dataset: str | None, val_fraction: float | None) -> None:
+    """One line for source flags that contradict each other or are out of range (the data group's validate() and
+    utils.decode.load_source)."""
+    if data_dir is not None and dataset is not None:
+        raise UserError(f"pass either --data-dir ({data_dir}) or --dataset ({dataset}), not both.")
+    if val_fraction is not None and not 0 < val_fraction < 1:
+        raise UserError(f"--val-fraction must be between 0 and 1 (got {val_fraction:g}).")
+
+
+# --metric NAME[:key=value,...] ------------------------------------------------------------------------------------
+def parse_metric(spec: str) -> tuple[str, dict]:
+    """'f1:average=macro' -> ('f1', {'average': 'macro'}): the name (or a local script's path) and the keyword
+    arguments of the metric's compute(); a value is a Python literal (1, 0.5, None, True) or else a string."""
+    name, _, options = spec.partition(":")
+    kwargs = {}
+    for option in filter(None, options.split(",")):
+        key, eq, value = option.partition("=")
+        if not eq or not key.isidentifier():
+            raise UserError(f"--metric {spec}: options are key=value pairs separated by commas, e.g. "
+                            f"f1:average=macro.")
+        try:
+            kwargs[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            kwargs[key] = value
+    if not name:
+        raise UserError(f"--metric {spec!r} names no metric (e.g. --metric f1:average=macro).")
+    return name, kwargs
+
+
+def metric_label(name: str, kwargs: dict) -> str:
+    """The key a metric is logged under (eval/<label>): its name, or a script's file name without .py, then the
+    option values: f1:average=macro -> f1_macro. The built-in keys are taken."""
+    stem = Path(name).stem if name.endswith(".py") else Path(name).name
+    label = re.sub(r"\W+", "_", "_".join([stem, *map(str, kwargs.values())])).strip("_").lower()
+    if label in BUILT_IN:
+        raise UserError(f"--metric {name}: {label} is a built-in metric already (eval/{label}).")
+    return label

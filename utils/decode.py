@@ -28,12 +28,11 @@ import torch
 
 from utils import UserError, first_line
 from utils.batches import SPLITS, channel_stats
+from utils.config_groups import check_source
 from utils.launch import first_on_each_machine
 
-HUB_DATASET = "uoft-cs/cifar10"  # --dataset's default
 EVAL_SPLITS = ("test", "validation")  # the source's evaluation split: the first of these it has
 VAL_FRACTION = 0.1  # held out of train for evaluation when the source has no evaluation split
-CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 CACHE_FORMAT = 6  # bump when the cache file changes (4: class names, mean and std; 5: held-out splits; 6: mean and
 # std as tensors, labels first: decoded into through a memory map)
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
@@ -58,7 +57,7 @@ def find_source(data_dir: str | Path) -> tuple[str, dict[str, list[Path]]]:
         return "imagefolder", _image_folder_files(root)
     raise UserError(
         f"--data-dir {root} holds no train-*.parquet file and no image folder (train/<class>/*.png, "
-        f"test/<class>/...); expected the parquet layout of a Hub dataset such as {HUB_DATASET}, or such a folder."
+        f"test/<class>/...); expected the parquet layout of a Hub dataset (data/train-*.parquet), or such a folder."
     )
 
 
@@ -440,7 +439,7 @@ def load_source(data_dir: str | None, dataset: str | None = None, image_size: in
     fingerprint of its files, which split is evaluated on). The images are (N, 3, S, S) uint8 views of a memory map
     of the cache file (channels-last in memory): the processes of a machine share one copy in the page cache.
 
-    The source: data_dir (parquet files or an image folder), else the Hub dataset `dataset` (default HUB_DATASET).
+    The source: data_dir (parquet files or an image folder), or the Hub dataset `dataset` (one of the two).
     image_size: resize every image to that square size; None: the images' own size, which they must all share.
     columns: the (image, label) column names; None: found by name. val_fraction: evaluate on that fraction of the
     training images, held out (hold_out); None: the source's test (or validation) split, else VAL_FRACTION held out.
@@ -452,20 +451,14 @@ def load_source(data_dir: str | None, dataset: str | None = None, image_size: in
     cache could not be written, each process decodes for itself with its share of the cores.
     """
     check_source(data_dir, dataset, val_fraction)
+    if data_dir is None and dataset is None:
+        raise UserError("no data: pass --data-dir (a local folder) or --dataset (a Hub dataset id).")
     settings = {"image_size": image_size, "columns": list(columns), "val_fraction": val_fraction}
     workers = decode_workers or len(os.sched_getaffinity(0))
     log = print if int(os.environ.get("RANK", "0")) == 0 else (lambda *_: None)
     if int(os.environ.get("LOCAL_RANK", "0")) > 0:
         workers = max(1, workers // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    return first_on_each_machine(lambda: _load(data_dir, dataset or HUB_DATASET, cache_dir, log, settings, workers))
-
-
-def check_source(data_dir: str | None, dataset: str | None, val_fraction: float | None) -> None:
-    """One line for flags that contradict each other or are out of range (the scripts call it before any output)."""
-    if data_dir is not None and dataset is not None:
-        raise UserError(f"pass either --data-dir ({data_dir}) or --dataset ({dataset}), not both.")
-    if val_fraction is not None and not 0 < val_fraction < 1:
-        raise UserError(f"--val-fraction must be between 0 and 1 (got {val_fraction:g}).")
+    return first_on_each_machine(lambda: _load(data_dir, dataset, cache_dir, log, settings, workers))
 
 
 def _load(data_dir, dataset: str, cache_dir, log, settings: dict, workers: int):

@@ -6,8 +6,6 @@ kept, when to stop early)."""
 
 from __future__ import annotations
 
-import ast
-import re
 import warnings
 from contextlib import nullcontext
 from pathlib import Path
@@ -18,14 +16,12 @@ import torch.nn.functional as F
 
 from utils import UserError, first_line
 from utils.checkpoint import export_weights
-from utils.decode import CLASSES
+from utils.config_groups import metric_label, parse_metric
 from utils.launch import first_on_each_machine, share_bn_statistics
-
-BUILT_IN = ("loss", "top1", "top5", "examples", "class_top1", "confusion")
 
 
 @torch.no_grad()
-def evaluate(model, loader, transform, accelerator, tta_flip: bool = False, classes=CLASSES, metrics=()) -> dict:
+def evaluate(model, loader, transform, accelerator, classes, tta_flip: bool = False, metrics=()) -> dict:
     """Every rank evaluates its shard; gather_for_metrics drops the padding Accelerate adds to make shards even,
     so each test image counts exactly once. All ranks use rank 0's BatchNorm statistics, the exported ones
     (share_bn_statistics: DDP's broadcast_buffers misses an evaluation that follows another). `transform(images)`
@@ -110,36 +106,6 @@ class Evaluator:
             self(progress)
         self.model.train()
         return True
-
-
-# --metric NAME[:key=value,...] ------------------------------------------------------------------------------------
-def parse_metric(spec: str) -> tuple[str, dict]:
-    """'f1:average=macro' -> ('f1', {'average': 'macro'}): the name (or a local script's path) and the keyword
-    arguments of the metric's compute(); a value is a Python literal (1, 0.5, None, True) or else a string."""
-    name, _, options = spec.partition(":")
-    kwargs = {}
-    for option in filter(None, options.split(",")):
-        key, eq, value = option.partition("=")
-        if not eq or not key.isidentifier():
-            raise UserError(f"--metric {spec}: options are key=value pairs separated by commas, e.g. "
-                            f"f1:average=macro.")
-        try:
-            kwargs[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            kwargs[key] = value
-    if not name:
-        raise UserError(f"--metric {spec!r} names no metric (e.g. --metric f1:average=macro).")
-    return name, kwargs
-
-
-def metric_label(name: str, kwargs: dict) -> str:
-    """The key a metric is logged under (eval/<label>): its name, or a script's file name without .py, then the
-    option values: f1:average=macro -> f1_macro. The built-in keys are taken."""
-    stem = Path(name).stem if name.endswith(".py") else Path(name).name
-    label = re.sub(r"\W+", "_", "_".join([stem, *map(str, kwargs.values())])).strip("_").lower()
-    if label in BUILT_IN:
-        raise UserError(f"--metric {name}: {label} is a built-in metric already (eval/{label}).")
-    return label
 
 
 class Metric:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 
@@ -17,11 +16,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from utils import UserError, first_line
-from utils.evaluation import BUILT_IN
+from utils.config_groups import BUILT_IN, REPO_ID
 from utils.launch import first_on_each_machine, raise_if_any
 from utils.scripts import sha256
 
-REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")  # owner/name
 TORCHVISION = "torchvision:"  # torchvision:IMAGENET1K_V1 -> torchvision.models.ResNet18_Weights.IMAGENET1K_V1
 TORCHVISION_MODELS = ("resnet18", "resnet18_imagenet")  # the models torchvision's ResNet-18 weights fit
 HUB_FOLDER = "hub"  # <output-dir>/hub: what --push-to-hub uploads

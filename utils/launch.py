@@ -12,6 +12,7 @@ import json
 import os
 import re
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -25,7 +26,6 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 
 from utils import UserError, process_count_problem
-from utils.guard import watch_launcher
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -221,6 +221,31 @@ def share_bn_statistics(accelerator, model) -> None:
 # ----------------------------------------------------------------------------------------------------
 # End
 # ----------------------------------------------------------------------------------------------------
+LAUNCHER_GONE = threading.Event()  # set by watch_launcher(): this worker's launcher died
+LAUNCHER_WATCH_SECONDS = 1.0
+
+
+def watch_launcher() -> None:
+    """Under torchrun (the launcher of `accelerate launch` for several processes) each worker runs in a session of
+    its own, so a kill of the launcher, or of its process group, leaves the workers training with nobody watching.
+    A daemon thread notices that the parent process is gone (this process was reparented) and sets LAUNCHER_GONE;
+    utils.guard.StopGuard then takes the preemption path at its next collective check: a checkpoint, then exit.
+    Started when the process starts (run() below), so a launcher that dies during the first decode is noticed too.
+    Written by hand: neither torch nor Accelerate watches the parent (PR_SET_PDEATHSIG would fire when the parent's
+    spawning thread ends, not the parent). Under plain `python` the process is in its shell's process group: not
+    watched."""
+    if not os.environ.get("TORCHELASTIC_RUN_ID"):
+        return
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(LAUNCHER_WATCH_SECONDS)
+        LAUNCHER_GONE.set()
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+
+
 
 
 WAIT_TIMEOUT = timedelta(hours=12)  # how long the other processes wait for a machine's first one (decode, download)
@@ -270,7 +295,7 @@ def run(job) -> int:
     process raises it at the same point); 1 when a peer process died or hung (printed by every process that
     saw it). Other exceptions propagate with their traceback."""
     rank = int(os.environ.get("RANK", "0"))
-    watch_launcher()  # a worker whose launcher dies checkpoints and stops (utils.guard)
+    watch_launcher()  # a worker whose launcher dies checkpoints and stops (utils.guard.StopGuard)
     try:
         job()
         status = 0
