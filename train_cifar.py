@@ -48,7 +48,7 @@ from tqdm.auto import tqdm
 from utils import UserError
 from utils.batches import BatchTransform, build_loaders, checked_data, crop_padding
 from utils.checkpoint import Checkpointer, export_weights
-from utils.config import check_ranges, opt, parse
+from utils.cli import check_ranges, opt, parse
 from utils.config_groups import CheckpointConfig, DataConfig, EvaluationConfig, HubConfig, LoggingConfig
 from utils.decode import load_source
 from utils.ema import WeightEMA

@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 import train_cifar
 from utils import UserError
 from utils.batches import BatchTransform, make_loader
-from utils.config import build_parser
+from utils.cli import build_parser
 from utils.decode import load_source
 from utils.models import named_model
 from utils.progress import Progress

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from utils import UserError
-from utils.config import check_ranges, opt
+from utils.cli import check_ranges, opt
 
 REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")  # a Hub repo id: owner/name
 BUILT_IN = ("loss", "top1", "top5", "examples", "class_top1", "confusion")  # evaluate()'s metrics
