@@ -57,6 +57,7 @@ from utils.launch import (
 )
 from utils.models import VITS, check_logits, checkpoint_blocks, named_model
 from utils.output_dir import check_output_dir, lock_output_dir
+from utils.plan import plan_batches, use_plan
 from utils.schedule import warmup_cosine
 from utils.tracking import Tracker, TrainMeter, peak_memory_gb, run_facts
 
@@ -172,14 +173,16 @@ def main(cfg: Config) -> dict:
         checkpointer = Checkpointer(accelerator, cfg)  # the checkpoint flags; saves the whole config
         resume_from = checkpointer.resume_point()
         # micro-batch x processes x accumulation; a resume on another process count keeps the global batch
-        plan = checkpointer.batch_plan(resume_from, cfg.batch_size, cfg.global_batch_size, cfg.grad_accum)
+        plan = plan_batches(accelerator.num_processes, cfg.batch_size, cfg.global_batch_size, cfg.grad_accum,
+                            saved=checkpointer.saved_plan(resume_from), say=accelerator.print)
+        use_plan(accelerator, plan)  # Accelerate's accumulation steps
         lr = cfg.lr * plan.global_batch / REFERENCE_BATCH if cfg.scale_lr else cfg.lr
         print_setup(accelerator, cfg, plan, lr)  # the config, then the processes, precision, device and batch
 
         # --- data: shuffled and augmented by (seed, epoch, sample); Accelerate shards and moves to the device ---
         data = checked_data(load_data(cfg))  # the contract checked; the training images' mean and std when absent
         train_loader, eval_loader = build_loaders(data, cfg, accelerator, plan)  # --train-subset, --eval-subset, mixing
-        memory = MemoryGuard(accelerator, checkpointer, fsdp is not None, train_loader)  # out of memory: half batches
+        memory = MemoryGuard(accelerator, fsdp is not None, train_loader)  # out of memory: half batches
 
         # --- model: same seed on every rank -> same initial weights; blocks checkpointed before FSDP shards them ---
         set_seed(cfg.seed)
@@ -206,7 +209,7 @@ def main(cfg: Config) -> dict:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, warmup_cosine(warmup_steps, total_steps))
 
         # --- resume, on any process count: weights, optimizer, RNG (Accelerate), schedule, counters ---
-        p = checkpointer.start(resume_from, scheduler, ema)  # fresh: --overwrite clears the old run only now
+        p = checkpointer.start(resume_from, scheduler, plan, ema)  # fresh: --overwrite clears the old run only now
         accelerator.wait_for_everyone()
         run_info = {**run_facts(accelerator, cfg, model, plan, total_steps, lr), "fsdp_param_dtype": _param_dtype(fsdp),
                     **init}
@@ -236,7 +239,7 @@ def main(cfg: Config) -> dict:
                     optimizer.step()  # the prepared optimizer only steps on the final micro-step
                     optimizer.zero_grad(set_to_none=True)
                 if memory.hit:  # out of memory (every rank): half the micro-batch, twice the accumulation
-                    train_loader, plan = memory.shrink(p, optimizer)
+                    train_loader, plan = memory.shrink(p, optimizer, plan)
                     break
                 guard.observe(loss, p.global_step + 1)  # on the device: no sync per step
                 meter.add(loss)
@@ -250,7 +253,7 @@ def main(cfg: Config) -> dict:
                 if p.global_step >= total_steps:
                     break
                 evaluated = evaluator.after_step(p, meter, len(train_loader))  # every --eval-every-steps in the epoch
-                if checkpointer.after_step(p, meter, guard, model, scheduler, len(train_loader), evaluated):
+                if checkpointer.after_step(p, meter, guard, model, scheduler, plan, len(train_loader), evaluated):
                     break  # preempted (saved where every rank stopped), or stopped early
             if guard.preempted:
                 break
@@ -262,7 +265,7 @@ def main(cfg: Config) -> dict:
 
             metrics = evaluator(p)  # raises on a non-finite loss first; best.safetensors; eval/*; an early stop
             tracker.log_epoch(epoch_number, p.global_step, train_loss, epoch_images, epoch_seconds, metrics)
-            checkpointer.save(p, model, scheduler)
+            checkpointer.save(p, model, scheduler, plan)
 
         # --- the end, one path. Preempted: the checkpoint just saved is where to continue. Finished: the outputs,
         # written once by the main process; full fp32 weights that load into a plain ViT

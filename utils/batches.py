@@ -393,7 +393,7 @@ def channel_stats(images: torch.Tensor) -> tuple[tuple[float, ...], tuple[float,
 def build_loaders(data: dict, cfg, accelerator, plan):
     """Training and evaluation DataLoaders over checked_data's splits; prepare() then shards them and moves batches
     to the device. The training order and augmentation are keyed by --seed, the epoch and the sample, and every
-    epoch is whole optimizer steps of the plan's global batch (utils.launch.BatchPlan). cfg: the data group of a
+    epoch is whole optimizer steps of the plan's global batch (utils.plan.BatchPlan). cfg: the data group of a
     script's Config (train_subset, eval_subset, data_on_device, seed, augment, mixup, cutmix, mix_prob)."""
     train_split = take_prefix(data["train"], cfg.train_subset, "--train-subset")
     eval_split = take_prefix(data["test"], cfg.eval_subset, "--eval-subset")

@@ -11,7 +11,7 @@ previous one is used. Nothing here deletes a checkpoint it could not verify.
 
 A checkpoint resumes on any process count: the weights and optimizer state are whole under DDP and resharded by
 torch.distributed.checkpoint under FSDP2, the augmentation is keyed by the sample (utils.batches.augment_draws), the
-position in the epoch is converted through global samples and the global batch is kept (utils.launch.batch_plan).
+position in the epoch is converted through global samples and the global batch is kept (utils.plan.plan_batches).
 
 Written by hand because Accelerate's save_state/load_state (which this uses for the contents) has no notion
 of completeness, and its custom-object checkpointing pickles (`weights_only=False`), which we avoid.
@@ -38,8 +38,9 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.api import CheckpointException
 
 from utils import UserError
-from utils.launch import BatchPlan, batch_plan, share_bn_statistics
+from utils.launch import share_bn_statistics
 from utils.output_dir import free_space_warning
+from utils.plan import BatchPlan, use_plan
 from utils.progress import Progress
 from utils.scripts import script_record
 
@@ -248,7 +249,6 @@ class Checkpointer:
         self.root = Path(cfg.output_dir) / "checkpoints"
         self.keep_last, self.every_steps = cfg.keep_last, cfg.checkpoint_every_steps
         self.last: Path | None = None
-        self.plan: BatchPlan | None = None  # set by batch_plan(), saved with every checkpoint
         self.ema = None  # set by start(): the weights' EMA (--ema-decay), saved with every checkpoint
         self.saved_step: int | None = None  # the step this job last saved (a second save of it is skipped)
 
@@ -281,14 +281,12 @@ class Checkpointer:
         self.last = path
         return path
 
-    def batch_plan(self, folder: Path | None, batch_size: int, global_batch_size: int | None,
-                   grad_accum: int | None) -> BatchPlan:
-        """This run's utils.launch.batch_plan, given the plan of the checkpoint it resumes (`folder`, or None)."""
-        saved = read_state(folder).get("batch") if folder else None
-        self.plan = batch_plan(self.accelerator, batch_size, global_batch_size, grad_accum, saved)
-        return self.plan
+    @staticmethod
+    def saved_plan(folder: Path | None) -> dict | None:
+        """The batch plan checkpoint `folder` was saved with (None: a fresh start), for utils.plan.plan_batches."""
+        return read_state(folder).get("batch") if folder else None
 
-    def restore(self, folder: Path, scheduler) -> dict:
+    def restore(self, folder: Path, scheduler, plan: BatchPlan) -> dict:
         """Loads `folder` into the prepared objects and the scheduler; returns the saved progress counters, the
         position in the epoch converted to this run's micro-batches (through global samples: the same images come
         next on any process count). Warns about config values that differ from the run that saved it."""
@@ -299,7 +297,7 @@ class Checkpointer:
         if changed:
             self.accelerator.print(f"warning: resuming with a changed config: {', '.join(changed)}")
         scheduler.load_state_dict(saved["scheduler"])
-        progress, was, now = saved["progress"], saved["batch"], self.plan
+        progress, was, now = saved["progress"], saved["batch"], plan
         samples = progress["batches_in_epoch"] * was["micro"] * was["processes"]
         batches, rest = divmod(samples, now.micro * now.processes)
         if rest:
@@ -307,21 +305,21 @@ class Checkpointer:
                             f"micro-batches of {now.micro} on {now.processes} processes; resume with --batch-size "
                             f"{was['micro']}.")
         progress["batches_in_epoch"] = batches
-        # Accelerate's micro-step counter (sync when it reaches a multiple of the accumulation) comes from the saving
-        # run's rank files (none for a new rank); it counts the epoch's micro-batches: the converted position.
-        self.accelerator.step = batches
+        # Accelerate's micro-step counter comes from the saving run's rank files (none for a new rank); it counts the
+        # epoch's micro-batches: the converted position.
+        use_plan(self.accelerator, plan, micro_steps=batches)
         self.accelerator.print(f"resumed from {folder}: epoch {progress['epoch'] + 1} after {samples} of its images, "
                                f"step {progress['global_step']}")
         return progress
 
-    def start(self, folder: Path | None, scheduler, ema=None) -> Progress:
+    def start(self, folder: Path | None, scheduler, plan: BatchPlan, ema=None) -> Progress:
         """Where the run starts: the progress of checkpoint `folder`, restored with all it holds (`restore`; `ema`,
         utils.ema.WeightEMA or None, too), or a fresh Progress. --overwrite deletes the earlier run's checkpoints only
         here, once every check that could stop the job (flags, data, the launch) has passed with the old run
         intact."""
         self.ema = ema
         if folder:
-            return Progress(**self.restore(folder, scheduler))
+            return Progress(**self.restore(folder, scheduler, plan))
         if self.config["overwrite"]:
             self.clear()
         return Progress()
@@ -335,7 +333,7 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return bool(self.every_steps) and step % self.every_steps == 0
 
-    def after_step(self, progress, meter, guard, model, scheduler, batches_per_epoch: int,
+    def after_step(self, progress, meter, guard, model, scheduler, plan: BatchPlan, batches_per_epoch: int,
                    evaluated: bool = False) -> bool:
         """The loop's call after every optimizer step. Saves a mid-epoch checkpoint every --checkpoint-every-steps
         steps and after an evaluation within the epoch (`evaluated`: its best weights then have their checkpoint;
@@ -347,17 +345,17 @@ class Checkpointer:
         stop = guard.should_stop(progress.global_step, now=due)  # raises on a non-finite loss, before any save
         if stop or (due and progress.batches_in_epoch < batches_per_epoch):
             # the epoch's images so far are counted, so a job resumed from here reports every image it trained
-            self.save(progress.with_epoch_so_far(meter.images(), meter.seconds()), model, scheduler)
+            self.save(progress.with_epoch_so_far(meter.images(), meter.seconds()), model, scheduler, plan)
         return stop or progress.stopped_early
 
-    def save(self, progress, model, scheduler) -> Path:
+    def save(self, progress, model, scheduler, plan: BatchPlan) -> Path:
         """Collective: checkpoint at progress.global_step, then drop the old ones (keeping progress.best_checkpoint).
         A step this job saved already (an early stop within the epoch, then the epoch's end) is not saved again."""
         if self.saved_step == progress.global_step:
             return self.last
         share_bn_statistics(self.accelerator, model)  # FSDP would save one arbitrary rank's
         state = {"format": FORMAT, "progress": asdict(progress), "config": self.config, "script": self.script,
-                 "world_size": self.accelerator.num_processes, "batch": asdict(self.plan),
+                 "world_size": self.accelerator.num_processes, "batch": asdict(plan),
                  "scheduler": scheduler.state_dict()}
         extra = [self.ema] if self.ema is not None else []
         self.last = save(self.accelerator, self.root, progress.global_step, state, extra)

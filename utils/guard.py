@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import signal
-from dataclasses import replace
 
 import torch
 
 from utils import UserError
 from utils.batches import rebatched
 from utils.launch import LAUNCHER_GONE
+from utils.plan import BatchPlan, use_plan
 
 
 class MemoryGuard:
@@ -29,9 +29,9 @@ class MemoryGuard:
     its forward or backward leaves parameters gathered and hooks half-run, so there it stops with one line. Written
     by hand: Accelerate's find_executable_batch_size halves the batch itself, which changes the trajectory."""
 
-    def __init__(self, accelerator, checkpointer, fsdp: bool, loader):
+    def __init__(self, accelerator, fsdp: bool, loader):
         """loader: the training DataLoader before prepare(), whose dataset and sampler the smaller batches reuse."""
-        self.accelerator, self.checkpointer, self.fsdp, self.loader = accelerator, checkpointer, fsdp, loader
+        self.accelerator, self.fsdp, self.loader = accelerator, fsdp, loader
         self.hit = self.shrunk = False  # shrunk: since the last micro-step, the epoch loop is to start over
 
     @contextlib.contextmanager
@@ -42,10 +42,11 @@ class MemoryGuard:
         except torch.OutOfMemoryError:
             self.hit = True
 
-    def shrink(self, progress, optimizer):
-        """After `hit`, on every rank: returns (the prepared training loader of the new micro-batches, the new plan).
-        The position goes back to the start of the interrupted optimizer step (the epoch loop skips to it)."""
-        acc, old = self.accelerator, self.checkpointer.plan
+    def shrink(self, progress, optimizer, old: BatchPlan) -> tuple:
+        """After `hit`, on every rank: returns (the prepared training loader of the new micro-batches, the new plan:
+        `old` halved). The position goes back to the start of the interrupted optimizer step (the epoch loop skips
+        to it)."""
+        acc = self.accelerator
         steps = acc.gather(torch.tensor([progress.global_step], device=acc.device))  # all ranks meet here
         self.hit = False
         optimizer.zero_grad(set_to_none=True)  # the interrupted step's partial gradients
@@ -62,11 +63,9 @@ class MemoryGuard:
                             f"leaves its parameters in an unknown state): launch again with --batch-size "
                             f"{old.micro // 2} --global-batch-size {old.global_batch} (the same optimizer steps; "
                             f"--resume auto continues from the last checkpoint).")
-        new = replace(old, micro=old.micro // 2, accumulation=old.accumulation * 2, halvings=old.halvings + 1)
-        self.checkpointer.plan = new
-        acc.gradient_accumulation_steps = new.accumulation
+        new = old.halved()
         progress.batches_in_epoch = progress.batches_in_epoch // old.accumulation * new.accumulation
-        acc.step = progress.batches_in_epoch  # Accelerate's micro-step counter, as after a resume
+        use_plan(acc, new, micro_steps=progress.batches_in_epoch)  # Accelerate's counter, as after a resume
         acc.print(f"{where}: redoing it with {new.micro} x {new.processes} processes x {new.accumulation} "
                   f"accumulation, the same global batch of {new.global_batch}")
         self.shrunk = True

@@ -14,7 +14,7 @@ import re
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from datetime import timedelta
 
 import torch
@@ -133,64 +133,13 @@ def cpu_bf16_native(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
     return None if flags is None else bool({"avx512_bf16", "amx_bf16"} & set(flags))
 
 
-@dataclass(frozen=True)
-class BatchPlan:
-    """How each optimizer step's global batch is made: `micro` images per process per micro-step, `accumulation`
-    micro-steps, on `processes` processes; `halvings`: how often an out-of-memory error halved the micro-batch
-    (utils.guard.MemoryGuard)."""
-    micro: int
-    processes: int
-    accumulation: int
-    halvings: int = 0
-
-    @property
-    def global_batch(self) -> int:
-        return self.micro * self.processes * self.accumulation
-
-
-def print_setup(accelerator, cfg, plan: BatchPlan, lr: float) -> None:
+def print_setup(accelerator, cfg, plan, lr: float) -> None:
     """A run's first two lines, on the main process: its whole config, then what it runs on and its batch."""
     world = plan.processes
     accelerator.print(f"config: {json.dumps(asdict(cfg))}")
     accelerator.print(f"{world} process(es), {accelerator.distributed_type.value}, mixed precision "
                       f"{accelerator.mixed_precision}, device {accelerator.device}; global batch {plan.global_batch} ("
                       f"{plan.micro} x {world} processes x {plan.accumulation} accumulation), lr {lr:g}")
-
-
-def batch_plan(accelerator, batch_size: int, global_batch_size: int | None, grad_accum: int | None,
-               saved: dict | None = None) -> BatchPlan:
-    """--batch-size images per process per micro-step, and either --grad-accum micro-steps per optimizer step (1 if
-    unset) or a fixed --global-batch-size G, which the accumulation then absorbs: G / (batch_size x processes),
-    exactly. With G and the batch size fixed, every optimizer step trains the same micro-batches at any process
-    count (utils.batches.EpochSampler). `saved`: the plan of the checkpoint being resumed; on another process count its
-    global batch is kept (unless G is given) and what changed is printed; a micro-batch that out-of-memory errors
-    halved is kept too, with its global batch. Sets the Accelerator's accumulation."""
-    processes = accelerator.num_processes
-    if grad_accum is not None and global_batch_size is not None:
-        raise UserError("--grad-accum and --global-batch-size both set the accumulation steps: give one of them.")
-    halvings = saved.get("halvings", 0) if saved is not None and saved["micro"] < batch_size else 0
-    moved = saved is not None and (saved["processes"] != processes or halvings > 0)
-    fixed, what = global_batch_size, "--global-batch-size"
-    if fixed is None and moved:
-        fixed, what = saved["micro"] * saved["processes"] * saved["accumulation"], "the checkpoint's global batch"
-    if halvings:
-        accelerator.print(f"keeping the checkpoint's micro-batch of {saved['micro']} (--batch-size {batch_size} ran "
-                          f"out of memory)")
-        batch_size = saved["micro"]
-    if fixed is None:
-        plan = BatchPlan(batch_size, processes, grad_accum or 1)
-    else:
-        accumulation, rest = divmod(fixed, batch_size * processes)
-        if rest or accumulation == 0:
-            raise UserError(f"{what} {fixed} is not a whole number of micro-batches of --batch-size {batch_size} on "
-                            f"each of {processes} processes: it must be a multiple of {batch_size * processes}.")
-        plan = BatchPlan(batch_size, processes, accumulation, halvings)
-    if moved and saved["processes"] != processes:
-        accelerator.print(f"resuming on {processes} process(es), the checkpoint's run had {saved['processes']}: "
-                          f"accumulation {saved['accumulation']} -> {plan.accumulation} micro-batches of "
-                          f"{batch_size} per step, global batch {plan.global_batch}")
-    accelerator.gradient_accumulation_steps = plan.accumulation
-    return plan
 
 
 def check_wrapper(accelerator, model, bf16_grad_sync: bool) -> None:
