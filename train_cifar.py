@@ -230,7 +230,7 @@ def main(cfg: Config) -> dict:
         run_eval = partial(evaluate, model, eval_loader, transform, accelerator, tta_flip=cfg.tta_flip,  # each once
                            classes=data["classes"], metrics=load_metrics(cfg.metric, data["classes"], accelerator))
 
-        ema = WeightEMA(accelerator, model, optimizer, cfg.ema_decay) if cfg.ema_decay else None  # each step, by a hook
+        ema = WeightEMA(accelerator, model, cfg.ema_decay) if cfg.ema_decay else None  # updated after each step
 
         # --- schedule, counted in optimizer steps. Not passed to prepare(): Accelerate's prepared scheduler
         # steps num_processes times per optimizer step, which would end the schedule world-size times early.
@@ -276,14 +276,18 @@ def main(cfg: Config) -> dict:
                 p.took_batch()
                 if not accelerator.sync_gradients:
                     continue
-                if not optimizer.step_was_skipped:  # fp16 overflow steps leave the schedule where it was
+                if not optimizer.step_was_skipped:  # fp16 overflow steps: no schedule step, no EMA update
                     scheduler.step()
+                    if ema is not None:
+                        ema.update()  # the weights' moving average
                 p.took_step()
                 tracker.after_step(p, meter, scheduler.get_last_lr()[0], bar)  # every --log-every steps: syncs and logs
                 if p.global_step >= total_steps:
                     break
                 evaluated = evaluator.after_step(p, meter, len(train_loader))  # every --eval-every-steps in the epoch
-                if checkpointer.after_step(p, meter, guard, model, scheduler, plan, len(train_loader), evaluated):
+                stop = guard.should_stop(p.global_step, now=evaluated or checkpointer.due(p.global_step))  # all ranks
+                checkpointer.after_step(p, meter, model, scheduler, plan, len(train_loader), evaluated, stopping=stop)
+                if stop or p.stopped_early:
                     break  # preempted (saved where every rank stopped), or stopped early
             if guard.preempted:
                 break

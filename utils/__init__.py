@@ -1,7 +1,11 @@
-"""What the training scripts share: the data (utils.decode: read and decode once; utils.batches: order,
-augmentation, loaders), the Config groups (utils.config_groups), the models (utils.models), checkpoints
-(utils.checkpoint), tracking and the summary (utils.tracking), guards around a run (utils.guard), how processes
-start and end (utils.launch), the user-error type and the process-count check (the scripts and doctor.py)."""
+"""The machinery under the training scripts, a stack without import cycles (tests/test_structure.py), bottom up:
+the user-error type and the process-count check (here); the command line (utils.cli) and the shared flag groups
+(utils.config_groups); how processes start and end (utils.launch); the batch plan (utils.plan); batches, their
+order and augmentation and the data contract (utils.batches); the built-in data sources, decoded once (utils.decode);
+the ready models (utils.models); the output folder (utils.output_dir); progress (utils.progress); checkpoints
+(utils.checkpoint); the EMA (utils.ema); evaluation (utils.evaluation); the Hub (utils.hub); the guards around the
+loop (utils.guard); tracking and the summary (utils.tracking); the training script a run came from (utils.scripts).
+A copier edits the script, not these."""
 
 from __future__ import annotations
 

@@ -333,20 +333,16 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return bool(self.every_steps) and step % self.every_steps == 0
 
-    def after_step(self, progress, meter, guard, model, scheduler, plan: BatchPlan, batches_per_epoch: int,
-                   evaluated: bool = False) -> bool:
+    def after_step(self, progress, meter, model, scheduler, plan: BatchPlan, batches_per_epoch: int,
+                   evaluated: bool, stopping: bool) -> None:
         """The loop's call after every optimizer step. Saves a mid-epoch checkpoint every --checkpoint-every-steps
         steps and after an evaluation within the epoch (`evaluated`: its best weights then have their checkpoint;
-        the epoch's end saves its own, after evaluation), and asks the guard whether to stop: collectively every few
-        steps and at each of these checkpoints, so every rank stops at the same step. A job that stops (a preemption
-        signal on any rank) saves where it is first. True: stop now (preempted, or stopped early at this step's
-        evaluation)."""
+        the epoch's end saves its own, after evaluation), and where a job that is `stopping` (the guard's collective
+        decision, so every rank stops at the same step) stops."""
         due = self.due(progress.global_step) or evaluated
-        stop = guard.should_stop(progress.global_step, now=due)  # raises on a non-finite loss, before any save
-        if stop or (due and progress.batches_in_epoch < batches_per_epoch):
+        if stopping or (due and progress.batches_in_epoch < batches_per_epoch):
             # the epoch's images so far are counted, so a job resumed from here reports every image it trained
             self.save(progress.with_epoch_so_far(meter.images(), meter.seconds()), model, scheduler, plan)
-        return stop or progress.stopped_early
 
     def save(self, progress, model, scheduler, plan: BatchPlan) -> Path:
         """Collective: checkpoint at progress.global_step, then drop the old ones (keeping progress.best_checkpoint).

@@ -34,8 +34,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class WeightEMA:
-    """The EMA of a prepared model's parameters and floating-point buffers, updated after each optimizer step by a
-    post-step hook on the optimizer (so a step that fp16's loss scaler skips is not averaged either).
+    """The EMA of a prepared model's parameters and floating-point buffers; the loop calls `update()` after each
+    optimizer step that was taken (not one that fp16's loss scaler skipped).
 
     Decay: update t (from 1) uses min(decay, (1 + t) / (10 + t)), the warmup of TensorFlow's ExponentialMovingAverage
     with num_updates: early updates follow the weights, so a short run's average is not its initial weights. The
@@ -46,12 +46,10 @@ class WeightEMA:
     them at each forward, FSDP2 through utils.launch.share_bn_statistics). Integer buffers (BatchNorm's batch
     counter) are not averaged: the model's count serves both."""
 
-    def __init__(self, accelerator, model: torch.nn.Module, optimizer, decay: float):
+    def __init__(self, accelerator, model: torch.nn.Module, decay: float):
         self.accelerator, self.model, self.decay, self.updates = accelerator, model, decay, 0
         self.sharded = accelerator.distributed_type == DistributedType.FSDP
         self.shadow = [t.detach().clone() for t in self._live()]
-        inner = getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper steps the torch optimizer inside
-        inner.register_step_post_hook(lambda *_: self.update())
 
     def _live(self) -> list[torch.Tensor]:
         """The model's tensors the EMA follows, this rank's part of each; fetched at each use (a resume may give
