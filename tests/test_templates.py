@@ -219,14 +219,16 @@ def test_a_copy_with_torchvisions_mobilenet_trains_under_ddp_and_fsdp_resumes_an
     """A copy whose build_model returns torchvision's mobilenet_v3_small (no _no_split_modules): 2 ranks under
     cpu.yaml (DDP) and fsdp_cpu.yaml (FSDP2 by the size fallback, each rank holding 45-55% of the parameters), the
     FSDP run resumed for a second epoch; evaluate_checkpoint.py, given only the weights, rebuilds the copy's model and
-    reproduces each run's reported top-1 exactly (DDP: channels-last, as trained)."""
+    reproduces each run's reported top-1 exactly and its loss to 1e-5 (DDP: channels-last with --tta-flip, as
+    trained)."""
     script = edited_copy(tmp_path, "build_model", MOBILENET)
-    ddp = job_args(cifar_dir, cache_dir, tmp_path / "ddp", *SMALL_JOB)
+    ddp = job_args(cifar_dir, cache_dir, tmp_path / "ddp", *SMALL_JOB, "--tta-flip")
     run_copy(script, ddp, launch=["--config_file", str(CPU_YAML)])
     s = read_summary(tmp_path / "ddp")
     assert (s["world_size"], s["wrapper"], s["global_step"], s["channels_last"]) == (2, "DistributedDataParallel", 4,
                                                                                     True)
     assert s["script"]["name"] == "my_train.py" and s["parameters"] == 1_528_106  # mobilenet_v3_small, 10 classes
+    assert s["config"]["tta_flip"]
     fsdp = job_args(cifar_dir, cache_dir, tmp_path / "fsdp", *SMALL_JOB)
     result = run_copy(script, fsdp, launch=["--config_file", str(FSDP_CPU_YAML)])
     assert "FSDP units: every module of more than 95,506 parameters" in result.stdout

@@ -179,6 +179,42 @@ def test_recipe_sets_its_defaults_and_explicit_flags_still_win():
     assert set(train_cifar.RECIPES["fast"]) <= {f.name for f in fields(train_cifar.Config)}  # every key is a real flag
 
 
+def test_evaluate_checkpoint_evaluates_as_the_run_did_with_flip_tta_in_channels_last(cifar_dir, cache_dir, tmp_path):
+    """A run folder of train_cifar.py with --tta-flip, channels-last and 64 test images, holding resnet9 weights with a
+    1000x head (confident logits, so an image and its mirror differ): evaluate_checkpoint.py's loss (to 1e-5) and
+    top-1 are those of the mean logits of each image and its mirror, computed here from the same weights; the plain
+    logits' loss is more than 1e-3 away (measured 2e-3)."""
+    import json
+    from dataclasses import asdict
+
+    from safetensors.torch import save_file
+
+    import evaluate_checkpoint
+    from utils.scripts import script_record
+
+    torch.manual_seed(0)
+    model = named_model("resnet9").eval()
+    with torch.no_grad():
+        model[-2].weight.mul_(1000.0)
+    save_file(model.state_dict(), tmp_path / "model.safetensors")
+    cfg = train_cifar.Config(model="resnet9", data_dir=str(cifar_dir), cache_dir=str(cache_dir), eval_subset=64,
+                             tta_flip=True, output_dir=str(tmp_path))
+    (tmp_path / "summary.json").write_text(json.dumps({
+        "model": "resnet9", "script": script_record(cfg), "config": asdict(cfg), "mixed_precision": "no",
+        "channels_last": True, "batch_size_per_process": 32}))
+    got = evaluate_checkpoint.main([str(tmp_path / "model.safetensors")])
+    data = load_source(str(cifar_dir), cache_dir=str(cache_dir))
+    images, labels = (t[:64] for t in data["test"])
+    x = BatchTransform(torch.device("cpu"), channels_last=False, mean=data["mean"], std=data["std"])(images)
+    with torch.no_grad():
+        plain, mirrored = model(x), model(x.flip(3))
+    logits = (plain + mirrored) / 2
+    assert got["examples"] == 64 and got["script"] == "train_cifar.py"
+    assert got["loss"] == pytest.approx(torch.nn.functional.cross_entropy(logits, labels).item(), rel=1e-5)
+    assert got["top1"] == pytest.approx(100.0 * (logits.argmax(1) == labels).float().mean().item())
+    assert abs(torch.nn.functional.cross_entropy(plain, labels).item() - got["loss"]) > 1e-3 * got["loss"]  # 2e-3
+
+
 def test_flip_test_time_augmentation_averages_the_logits_of_each_image_and_its_mirror(cifar_dir, cache_dir):
     accelerator = Accelerator(cpu=True)
     images, labels = load_source(str(cifar_dir), cache_dir=str(cache_dir))["test"]
