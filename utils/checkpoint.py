@@ -32,13 +32,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from accelerate.utils import gather_object
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.api import CheckpointException
 
 from utils import UserError
-from utils.launch import share_bn_statistics
+from utils.launch import first_error, share_bn_statistics
 from utils.output_dir import free_space_warning
 from utils.plan import BatchPlan, use_plan
 from utils.progress import Progress
@@ -193,15 +192,15 @@ def _raise_if_any_failed(accelerator, error: BaseException | None, target: Path,
                          remove: Path) -> None:
     """Collective: every rank learns whether any rank failed to write `target`; then all raise one UserError
     (printed once) naming the last good checkpoint, after the main process removed the partial `remove`."""
-    problems = [p for p in gather_object([_describe(error, target) if error is not None else None]) if p]
-    if not problems:
+    problem = first_error(_describe(error, target) if error is not None else None)
+    if problem is None:
         return
     if accelerator.is_main_process and remove.is_dir():
         shutil.rmtree(remove, ignore_errors=True)
     elif accelerator.is_main_process:
         remove.unlink(missing_ok=True)
     last = newest_sound(root, warn=lambda message: None)
-    raise UserError(f"{problems[0]}; last good checkpoint: {last or 'none'}")
+    raise UserError(f"{problem}; last good checkpoint: {last or 'none'}")
 
 
 def _describe(error: BaseException, target: Path) -> str:

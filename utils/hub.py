@@ -148,7 +148,7 @@ def check_can_push(repo_id: str | None, accelerator) -> None:
             except (OSError, HfHubHTTPError) as e:  # LocalTokenNotFoundError is an OSError
                 error = (f"--push-to-hub {repo_id} needs the Hub and a token (`hf auth login` or $HF_TOKEN): "
                          f"{first_line(e)}; the run did not start.")
-    raise_if_any(error)
+    raise_if_any(error, long_wait=True)
 
 
 def push_to_hub(repo_id: str | None, accelerator, output_dir: str, summary: dict) -> None:
@@ -172,7 +172,7 @@ def push_to_hub(repo_id: str | None, accelerator, output_dir: str, summary: dict
         except (OSError, HfHubHTTPError, ValueError) as e:
             error = (f"the run finished and its outputs are saved, but the upload to {repo_id} failed "
                      f"({first_line(e)}); retry with: hf upload {repo_id} {folder} .")
-    raise_if_any(error)
+    raise_if_any(error, long_wait=True)
 
 
 def hub_folder(output_dir: Path, summary: dict, repo_id: str) -> Path:

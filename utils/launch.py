@@ -200,27 +200,29 @@ def watch_launcher() -> None:
 WAIT_TIMEOUT = timedelta(hours=12)  # how long the other processes wait for a machine's first one (decode, download)
 
 
-def gather_errors(error: str | None) -> list:
-    """Every process's error (None: none), once the slow processes are done: also the barrier the others wait at.
-    Decoding a large dataset or downloading weights can take longer than --dist-timeout, the limit of the default
-    process group's collectives, so the waiting happens in a gloo group of its own whose limit is WAIT_TIMEOUT (a
-    dead process still ends the job: the launcher sees it)."""
+def first_error(error: str | None, long_wait: bool = False) -> str | None:
+    """Every process calls it at the same point with its own error (None: none) and gets the first one any process
+    had (None: none had one): the one primitive behind "one rank tries, every rank stops with the same line". Also
+    the barrier for the processes that had nothing to do, within --dist-timeout (the default group's limit: a hung
+    peer fails the job). long_wait: for the others to wait on a slow first process (decoding a large dataset,
+    downloading, uploading), in a gloo group of its own whose limit is WAIT_TIMEOUT (a dead process still ends the
+    job: the launcher sees it)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [error]
-    group = dist.new_group(backend="gloo", timeout=WAIT_TIMEOUT)
+        return error
+    group = dist.new_group(backend="gloo", timeout=WAIT_TIMEOUT) if long_wait else None
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, error, group=group)
-    dist.destroy_process_group(group)
-    return gathered
+    if group is not None:
+        dist.destroy_process_group(group)
+    return next((e for e in gathered if e), None)
 
 
-def raise_if_any(error: str | None) -> None:
-    """Every process calls it at the same point with its own error (None: none); every process then raises the first
-    one as a UserError, so all of them exit with the same line (instead of the others dying in the next collective
-    with a traceback). Also the barrier for the processes that had nothing to do."""
-    errors = [e for e in gather_errors(error) if e]
-    if errors:
-        raise UserError(errors[0])
+def raise_if_any(error: str | None, long_wait: bool = False) -> None:
+    """first_error(error, long_wait), raised on every process as a UserError, so all of them exit with the same line
+    (instead of the others dying in the next collective with a traceback)."""
+    found = first_error(error, long_wait)
+    if found:
+        raise UserError(found)
 
 
 def first_on_each_machine(job):
@@ -235,7 +237,7 @@ def first_on_each_machine(job):
             result = job()
         except UserError as e:
             error = str(e)
-    raise_if_any(error)
+    raise_if_any(error, long_wait=True)
     return result if first else job()
 
 
