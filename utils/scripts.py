@@ -53,7 +53,8 @@ def find_script(record: dict | None, run_dir: Path, downloaded: bool, given: str
     for path in dict.fromkeys(candidates):
         if not path.is_file() or sha256(path) != record["sha256"]:
             continue
-        if path.is_relative_to(run_dir.resolve()) and not trust_remote_code:  # it came with the run, or the Hub
+        came_with_run = path.is_relative_to(run_dir.resolve()) and path.parent != TOOLS  # or with the Hub repo
+        if came_with_run and not trust_remote_code:
             raise UserError(f"{path} came with the run, not from this checkout: importing it runs its code. Read it, "
                             f"then pass --trust-remote-code (or --script PATH to a copy you trust).")
         return path
