@@ -162,12 +162,12 @@ HAND_WRITTEN_SGD = ("def build_optimizer(cfg, model, lr, fused=True):\n"
                     "    return HandSGD(model.parameters(), lr, cfg.weight_decay)\n")
 LOSS_LINE = "loss = F.cross_entropy(model(inputs), targets, label_smoothing=cfg.label_smoothing)"
 # The same L2 penalty as SGD's weight decay 0.05, as an auxiliary loss term: 0.5 x 0.05 x |w|^2 has gradient 0.05 w.
-AUX_LOSS = LOSS_LINE + "\n                loss = loss + 0.5 * 0.05 * sum(p.pow(2).sum() for p in model.parameters())"
+AUX_LOSS = LOSS_LINE + "\nloss = loss + 0.5 * 0.05 * sum(p.pow(2).sum() for p in model.parameters())"
 
 
 def edited_copy(tmp_path, function: str | None = None, new: str = "", line: tuple[str, str] | None = None) -> Path:
     """train_cifar.py as a copier edits it: one module-level function replaced by `new`, or one line of main()
-    replaced (line: (old, new)); saved outside the repository as my_train.py (it imports utils/ through
+    replaced (line: (old, new); new's lines get old's indentation); saved outside the repository as my_train.py (it imports utils/ through
     PYTHONPATH). Checks that the copy differs from the template there and nowhere else."""
     text = (REPO / "train_cifar.py").read_text()
     if function is not None:
@@ -176,7 +176,9 @@ def edited_copy(tmp_path, function: str | None = None, new: str = "", line: tupl
         text = "".join(lines[:node.lineno - 1]) + new + "".join(lines[node.end_lineno:])
     else:
         assert text.count(line[0]) == 1, f"train_cifar.py no longer has {line[0]!r} once: update this test"
-        text = text.replace(line[0], line[1])
+        start = text.index(line[0])
+        indent = text[text.rindex("\n", 0, start) + 1:start]  # the line's own, for each line of the new text
+        text = text.replace(line[0], line[1].replace("\n", "\n" + indent))
     template, copy = ast.parse((REPO / "train_cifar.py").read_text()).body, ast.parse(text).body
     changed = [ast.unparse(b) for a, b in zip(template, copy) if ast.unparse(a) != ast.unparse(b)]
     edited = function or "main"
