@@ -167,8 +167,8 @@ AUX_LOSS = LOSS_LINE + "\nloss = loss + 0.5 * 0.05 * sum(p.pow(2).sum() for p in
 
 def edited_copy(tmp_path, function: str | None = None, new: str = "", line: tuple[str, str] | None = None) -> Path:
     """train_cifar.py as a copier edits it: one module-level function replaced by `new`, or one line of main()
-    replaced (line: (old, new); new's lines get old's indentation); saved outside the repository as my_train.py (it imports utils/ through
-    PYTHONPATH). Checks that the copy differs from the template there and nowhere else."""
+    replaced (line: (old, new); new's lines get old's indentation); saved outside the repository as my_train.py (it
+    imports utils/ through PYTHONPATH). Checks that the copy differs from the template there and nowhere else."""
     text = (REPO / "train_cifar.py").read_text()
     if function is not None:
         node = next(n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef) and n.name == function)
