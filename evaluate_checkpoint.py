@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> dict:
     images, labels = take_prefix(data["test"], cfg.eval_subset, "--eval-subset")
     batch = args.batch_size or summary.get("batch_size_per_process", 500)
     model, loader = accelerator.prepare(model, make_loader(images, labels, batch, train=False))
-    transform = BatchTransform(accelerator.device, channels_last=channels_last, mean=data["mean"], std=data["std"])
+    transform = BatchTransform.for_data(data, accelerator.device, channels_last)
     metrics = evaluate(model, loader, transform, accelerator, tta_flip=getattr(cfg, "tta_flip", False),
                        classes=data["classes"], metrics=load_metrics(args.metric, data["classes"], accelerator))
     result = {k: v for k, v in metrics.items() if k != "class_top1"}

@@ -23,11 +23,9 @@ from __future__ import annotations
 
 import math
 import sys
-import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from functools import partial
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -36,13 +34,14 @@ from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, se
 from tqdm.auto import tqdm
 
 from utils import UserError
-from utils.batches import BatchTransform, build_loaders, checked_data, crop_padding
-from utils.checkpoint import Checkpointer, export_weights
+from utils.batches import BatchTransform, build_loaders, checked_data, data_facts
+from utils.checkpoint import Checkpointer
 from utils.cli import check_ranges, opt, parse
 from utils.config_groups import CheckpointConfig, DataConfig, EvaluationConfig, HubConfig, LoggingConfig
 from utils.decode import load_source
 from utils.ema import WeightEMA
 from utils.evaluation import Evaluator, evaluate, load_metrics
+from utils.export import export_model
 from utils.guard import MemoryGuard, StopGuard
 from utils.hub import check_can_push, init_weights, push_to_hub
 from utils.launch import (
@@ -59,7 +58,7 @@ from utils.models import VITS, check_logits, checkpoint_blocks, named_model
 from utils.output_dir import check_output_dir, lock_output_dir
 from utils.plan import plan_batches, use_plan
 from utils.schedule import warmup_cosine
-from utils.tracking import Tracker, TrainMeter, peak_memory_gb, run_facts
+from utils.tracking import StepProfiler, Tracker, TrainMeter, peak_memory_gb, run_facts
 
 REFERENCE_BATCH = 128  # --scale-lr: lr is given for this global batch and scaled linearly from it
 HEALTH_CHECK_EVERY = 10  # optimizer steps between the (collective) checks for preemption signals and NaN loss
@@ -151,7 +150,6 @@ def build_optimizer(cfg: Config, model: torch.nn.Module, lr: float) -> torch.opt
 # Training
 # ====================================================================================================
 def main(cfg: Config) -> dict:
-    started = time.time()
     check_output_dir(cfg.output_dir)
     if cfg.deterministic:
         make_deterministic()
@@ -159,8 +157,7 @@ def main(cfg: Config) -> dict:
     fsdp = fsdp_plugin_from_launcher(bf16_params=True)  # None unless the launch config asks for FSDP
     accelerator = Accelerator(
         cpu=not torch.cuda.is_available(),  # without it, N launched CPU processes each train alone (no gloo group)
-        log_with=tracker.log_with,
-        project_dir=cfg.output_dir,
+        log_with=tracker.log_with, project_dir=cfg.output_dir,  # the tracker; the checkpoints' folder
         dynamo_backend="inductor" if cfg.compile else None,  # None: whatever the launcher configured
         dataloader_config=DataLoaderConfiguration(non_blocking=True),  # the order: utils.batches.EpochSampler
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout))],
@@ -195,11 +192,9 @@ def main(cfg: Config) -> dict:
         choose_fsdp_units(accelerator, fsdp, model)  # FSDP: the model's _no_split_modules, else by size; says which
         model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
         check_wrapper(accelerator, model, cfg.bf16_grad_sync)  # DDP or FSDP really wraps it; bf16 all-reduce if asked
-        transform = BatchTransform(accelerator.device, channels_last=False, pad=crop_padding(data["image_size"]),
-                                   mean=data["mean"], std=data["std"], num_classes=len(data["classes"]))
+        transform = BatchTransform.for_data(data, accelerator.device, channels_last=False)  # mean, std, size, classes
         run_eval = partial(evaluate, model, eval_loader, transform, accelerator, tta_flip=False,  # each once
                            classes=data["classes"], metrics=load_metrics(cfg.metric, data["classes"], accelerator))
-
         ema = WeightEMA(accelerator, model, cfg.ema_decay) if cfg.ema_decay else None  # updated after each step
 
         # --- schedule, counted in optimizer steps; not prepared (Accelerate would step it once per process) ---
@@ -216,8 +211,9 @@ def main(cfg: Config) -> dict:
         p.tracker_run_id = tracker.start(accelerator, {**asdict(cfg), **run_info}, p.tracker_run_id, bool(resume_from))
         guard = StopGuard(accelerator, HEALTH_CHECK_EVERY, checkpointer)  # preemption signals and a non-finite loss
         evaluator = Evaluator(cfg, run_eval, accelerator, model, tracker, guard, ema)  # when, best weights, early stop
+        profiler = StepProfiler(accelerator, cfg.output_dir, enabled=cfg.profile)  # --profile: a trace of a few steps
 
-        metrics, train_loss = None, float("nan")
+        metrics = None
         while p.epoch < cfg.epochs and p.global_step < total_steps and not p.stopped_early:
             model.train()
             epoch_number = p.epoch + 1
@@ -251,6 +247,7 @@ def main(cfg: Config) -> dict:
                     if ema is not None:
                         ema.update()  # the weights' moving average
                 p.took_step()
+                profiler.step()  # --profile: traces optimizer steps 6-8
                 tracker.after_step(p, meter, scheduler.get_last_lr()[0], bar)  # every --log-every steps: syncs and logs
                 if p.global_step >= total_steps:
                     break
@@ -265,28 +262,24 @@ def main(cfg: Config) -> dict:
                 continue
             train_loss, epoch_images, epoch_seconds = meter.end_epoch(accelerator)  # syncs
             bar.close()
-            p.end_epoch(epoch_images, epoch_seconds, len(train_loader))
+            p.end_epoch(train_loss, epoch_images, epoch_seconds, len(train_loader))
 
             metrics = evaluator(p)  # raises on a non-finite loss first; best.safetensors; eval/*; an early stop
             tracker.log_epoch(epoch_number, p.global_step, train_loss, epoch_images, epoch_seconds, metrics)
             checkpointer.save(p, model, scheduler, plan)
 
-        # --- the end, one path. Preempted: the checkpoint just saved is where to continue. Finished: the outputs,
-        # written once by the main process; full fp32 weights that load into a plain ViT
+        # --- the end. Preempted: the checkpoint just saved is where to continue. Finished: the outputs (full fp32
+        # weights that load into a plain ViT) ---
         if guard.preempted:
             accelerator.print(f"preempted ({guard.reason()}): saved {checkpointer.last}; continue with --resume auto")
             summary = {"preempted": True, "checkpoint": str(checkpointer.last)}
         else:
             metrics = metrics or evaluator.metrics()  # None: resumed from a checkpoint of a finished run
-            export_weights(accelerator, model, Path(cfg.output_dir) / "model.safetensors")
-            if ema is not None:
-                ema.export(Path(cfg.output_dir) / "model_ema.safetensors")
-            summary = {**run_info, "model": cfg.model, "dataset": data["dataset"], "classes": list(data["classes"]),
-                       "image_size": data["image_size"], **p.summary(), "train_loss": train_loss,
-                       **{f"eval_{k}": v for k, v in metrics.items()},
-                       "peak_memory_gb": peak_memory_gb(accelerator.device), "last_checkpoint": str(checkpointer.last),
-                       "resumed_from": str(resume_from) if resume_from else None,
-                       "wall_seconds": time.time() - started, "batch_plan": asdict(plan), "config": asdict(cfg)}
+            export_model(accelerator, model, ema, data, cfg.output_dir)  # the weights (EMA's too), how to feed them
+            summary = {**run_info, "model": cfg.model, **data_facts(data), **p.summary(),
+                       **{f"eval_{k}": v for k, v in metrics.items()}, "last_checkpoint": str(checkpointer.last),
+                       "peak_memory_gb": peak_memory_gb(accelerator.device), "batch_plan": asdict(plan),
+                       "resumed_from": resume_from and str(resume_from), "config": asdict(cfg)}
             tracker.finish(summary)  # summary.json, and the W&B run's summary
             push_to_hub(cfg.push_to_hub, accelerator, cfg.output_dir, summary)  # --push-to-hub: with a model card
         accelerator.wait_for_everyone()

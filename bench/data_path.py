@@ -31,7 +31,7 @@ from torchvision import transforms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import add_data_args, data_flags, header, report  # noqa: E402
-from utils.batches import MEAN, STD, BatchTransform, Mixing, make_loader  # noqa: E402
+from utils.batches import BatchTransform, Mixing, make_loader  # noqa: E402
 from utils.decode import load_source  # noqa: E402
 
 
@@ -52,18 +52,19 @@ def measure(side: str, args) -> float:
     """Median images/s over `--passes` passes of one pipeline in this process, after one warm-up pass."""
     accelerator = Accelerator(cpu=not torch.cuda.is_available(),
                               dataloader_config=DataLoaderConfiguration(non_blocking=True))
-    images, labels = load_source(args.data_dir, cache_dir=args.cache_dir)["train"]
+    data = load_source(args.data_dir, cache_dir=args.cache_dir)
+    (images, labels), mean, std = data["train"], data["mean"], data["std"]
     if side == "ours":
         n = args.images
         # each batch with its crops and flips (drawn by sample, as train_cifar.py's); channels-last, its default
         mixing = Mixing(args.mixup, args.cutmix) if args.mixup or args.cutmix else None  # and the soft targets
         loader = accelerator.prepare(make_loader(images[:n], labels[:n], args.batch_size, train=True, augment=True,
                                                  mixing=mixing))
-        transform = BatchTransform(accelerator.device, channels_last=True)
+        transform = BatchTransform(accelerator.device, channels_last=True, mean=mean, std=std)
         step = lambda batch: transform.train(*batch)[0]  # noqa: E731
     else:
         seed_tf = transforms.Compose([transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip(),
-                                      transforms.ToTensor(), transforms.Normalize(MEAN, STD)])
+                                      transforms.ToTensor(), transforms.Normalize(mean, std)])
         n = args.seed_images
         loader = torch.utils.data.DataLoader(PilDataset(images[:n], labels[:n], seed_tf),
                                              batch_size=args.batch_size, shuffle=True, drop_last=True)

@@ -27,7 +27,7 @@ from utils.models import named_model  # noqa: E402
 from utils.schedule import warmup_cosine  # noqa: E402
 
 
-def bare_loop(cfg: train_cifar.Config, images: torch.Tensor, labels: torch.Tensor) -> float:
+def bare_loop(cfg: train_cifar.Config, images: torch.Tensor, labels: torch.Tensor, mean, std) -> float:
     """Images/s of the plainest loop doing the same work: index, augment, forward, backward, clip, step."""
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     images, labels = images.to(dev), labels.to(dev)
@@ -37,7 +37,7 @@ def bare_loop(cfg: train_cifar.Config, images: torch.Tensor, labels: torch.Tenso
         model = model.to(memory_format=torch.channels_last)
     optimizer = train_cifar.build_optimizer(cfg, model, cfg.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(1, cfg.max_steps))
-    transform = BatchTransform(dev, channels_last=cfg.channels_last)
+    transform = BatchTransform(dev, channels_last=cfg.channels_last, mean=mean, std=std)
     order = torch.randperm(len(labels))  # on the host, as the sampler's
     model.train()
     start = time.perf_counter()
@@ -74,11 +74,12 @@ def main() -> None:
                              max_steps=args.steps, ema_decay=args.ema_decay,
                              warmup_epochs=1 / args.steps, tracker="none", overwrite=True, log_every=10)
     assert math.ceil(n / args.batch_size) == args.steps
-    images, labels = load_source(cfg.data_dir, cache_dir=cfg.cache_dir)["train"]
+    data = load_source(cfg.data_dir, cache_dir=cfg.cache_dir)
+    images, labels = data["train"]
     ours, bare = [], []
     for _ in range(args.repeats):
         ours.append(train_cifar.main(cfg)["train_images_per_sec"])
-        bare.append(bare_loop(cfg, images[:n], labels[:n]))
+        bare.append(bare_loop(cfg, images[:n], labels[:n], data["mean"], data["std"]))
     print(f"model {args.model}, batch {args.batch_size}, {args.steps} optimizer steps per run, "
           f"{torch.get_num_threads()} threads, ours with --ema-decay {args.ema_decay}")
     ratio = report("train_cifar.py loop", ours, "bare loop", bare)

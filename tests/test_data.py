@@ -27,6 +27,7 @@ from utils import UserError, batches, decode
 from utils.batches import BatchTransform, augment_draws, make_loader
 from utils.decode import default_cache_dir, load_source
 
+MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)  # per channel, CIFAR-10's training images, in [0, 1]
 
 @pytest.fixture(scope="module")
 def accelerator():
@@ -244,7 +245,7 @@ def _on(device, draws):
 def test_crop_and_flip_gives_each_image_exactly_its_drawn_crop_or_that_crops_mirror(device):
     gen = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (64, 3, 32, 32), dtype=torch.uint8, generator=gen)
-    transform = BatchTransform(torch.device(device), channels_last=False)
+    transform = BatchTransform(torch.device(device), channels_last=False, mean=MEAN, std=STD)
     mirrored, crop = augment_draws(seed=1, epoch=0, indices=range(100, 164), pad=4)
     out = transform.crop_and_flip(images.to(device), _on(device, (mirrored, crop))).cpu()
     for i, (src, got) in enumerate(zip(images, out, strict=True)):
@@ -264,7 +265,7 @@ def test_each_image_is_mirrored_with_probability_half_and_shifted_uniformly(devi
     image = torch.stack([r.view(32, 1).expand(32, 32), r.view(1, 32).expand(32, 32),
                          torch.zeros(32, 32, dtype=torch.uint8)])
     batch = image.expand(64, 3, 32, 32).to(device)
-    transform = BatchTransform(torch.device(device), channels_last=True)
+    transform = BatchTransform(torch.device(device), channels_last=True, mean=MEAN, std=STD)
     # 50 batches of 64 consecutive sample indices, as the draws of one epoch of 3,200 images (seed 3, epoch 2)
     outs = [transform.crop_and_flip(batch, _on(device, augment_draws(3, 2, range(64 * k, 64 * k + 64), 4)))
             .to("cpu", copy=True) for k in range(50)]  # each call reuses its buffer
@@ -282,10 +283,10 @@ def test_each_image_is_mirrored_with_probability_half_and_shifted_uniformly(devi
 
 def test_normalised_output_and_draws_keyed_by_seed_epoch_and_index_whatever_batch_they_come_in():
     images = torch.randint(0, 256, (32, 3, 32, 32), dtype=torch.uint8)
-    transform = BatchTransform(torch.device("cpu"), channels_last=True)
+    transform = BatchTransform(torch.device("cpu"), channels_last=True, mean=MEAN, std=STD)
     plain = transform(images)
-    mean = torch.tensor(batches.MEAN).view(1, 3, 1, 1) * 255
-    std = torch.tensor(batches.STD).view(1, 3, 1, 1) * 255
+    mean = torch.tensor(MEAN).view(1, 3, 1, 1) * 255
+    std = torch.tensor(STD).view(1, 3, 1, 1) * 255
     assert torch.allclose(plain, (images.float() - mean) / std, rtol=0, atol=1e-6)  # x * (1/std) - mean/std, rounded
     assert plain.is_contiguous(memory_format=torch.channels_last)
 
@@ -307,8 +308,8 @@ def test_the_transform_on_cuda_gives_the_cpu_outputs_for_the_same_draws():
     (index_select on the unfold view with out=, index_copy, flip, non-contiguous copies), and the normalised floats
     agree to rounding. Batches of two sizes, so the canvas is rebuilt once."""
     gen = torch.Generator().manual_seed(0)
-    cpu = BatchTransform(torch.device("cpu"), channels_last=True)
-    cuda = BatchTransform(torch.device("cuda"), channels_last=True)
+    cpu = BatchTransform(torch.device("cpu"), channels_last=True, mean=MEAN, std=STD)
+    cuda = BatchTransform(torch.device("cuda"), channels_last=True, mean=MEAN, std=STD)
     for n in (128, 128, 37):
         images = torch.randint(0, 256, (n, 3, 32, 32), dtype=torch.uint8, generator=gen)
         images = images.contiguous(memory_format=torch.channels_last)  # as the loader delivers them
@@ -571,7 +572,7 @@ def test_mixed_pixels_and_soft_targets_are_exact_for_drawn_images(channels_last)
     gen = torch.Generator().manual_seed(1)
     images = torch.randint(0, 256, (16, 3, 32, 32), dtype=torch.uint8, generator=gen)
     labels = torch.arange(16) % 10
-    transform = BatchTransform(torch.device("cpu"), channels_last=channels_last, num_classes=10)
+    transform = BatchTransform(torch.device("cpu"), channels_last=channels_last, mean=MEAN, std=STD, num_classes=10)
     draws = augment_draws(7, 0, range(16), 4) + batches.mix_draws(7, 0, range(16), 32, batches.Mixing(0.4, 1.0))
     inputs, targets = transform.train(images, labels, draws)
     plain = transform(images, draws[:2]).clone()  # cropped, flipped, normalised, unmixed

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import io
 import json
 import math
 from pathlib import Path
@@ -172,18 +173,54 @@ def test_two_rank_eval_counts_each_image_once_and_equals_one_rank_eval_of_the_ex
     model = named_model("resnet18_imagenet")
     model.load_state_dict(load_file(run.out / "model.safetensors"), strict=True)
     accelerator = Accelerator(cpu=True)
-    images, labels = load_source(str(cifar_dir), cache_dir=str(cache_dir))["test"]
+    data = load_source(str(cifar_dir), cache_dir=str(cache_dir))
+    images, labels = data["test"]
     loader = make_loader(images[:EVAL_SUBSET], labels[:EVAL_SUBSET], batch_size=32, train=False)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each launched rank
     try:
-        metrics = train_cifar.evaluate(model, loader, BatchTransform(torch.device("cpu"), False), accelerator,
+        metrics = train_cifar.evaluate(model, loader, BatchTransform(torch.device("cpu"), False, mean=data["mean"],
+                                                                                std=data["std"]), accelerator,
                                        CIFAR_CLASSES)
     finally:
         torch.set_num_threads(threads)
     assert metrics["examples"] == EVAL_SUBSET
     assert metrics["top1"] == run.summary["eval_top1"]
     assert metrics["class_top1"] == run.summary["eval_class_top1"]
+
+
+def test_a_plain_torchvision_client_fed_by_preprocessor_config_predicts_what_the_run_evaluated(ddp_jobs, cifar_dir):
+    """The outputs say how to feed the model. A client that uses only torchvision, PIL and the run folder's
+    model.safetensors and preprocessor_config.json (none of this repository's code) decodes the test parquet's first
+    101 images, resizes, scales and normalises them as the file says, and runs torchvision's resnet18 (what
+    --model resnet18_imagenet is): its logits are within 1e-3 (absolute) of those the run's last evaluation gathered,
+    it predicts the same class for every image, and so its top-1 equals summary.json's eval_top1 exactly."""
+    import pyarrow.parquet as pq
+    import torchvision
+    from PIL import Image
+    from torchvision.transforms import InterpolationMode, v2
+
+    run = ddp_jobs["two_ranks"]
+    pre = json.loads((run.out / "preprocessor_config.json").read_text())
+    assert pre["image_mean"] == run.summary["image_mean"] and pre["image_std"] == run.summary["image_std"]
+    assert pre["size"] == {"height": 32, "width": 32} and pre["resample"] == Image.Resampling.BICUBIC
+    size = (pre["size"]["height"], pre["size"]["width"])
+    feed = v2.Compose([v2.ToImage(), v2.Resize(size, interpolation=InterpolationMode.BICUBIC),
+                       v2.ToDtype(torch.float32, scale=pre["do_rescale"]),
+                       v2.Normalize(pre["image_mean"], pre["image_std"])])
+    rows = pq.read_table(sorted(cifar_dir.glob("test-*.parquet"))[0]).slice(0, EVAL_SUBSET).to_pylist()
+    images = torch.stack([feed(Image.open(io.BytesIO(row["img"]["bytes"])).convert("RGB")) for row in rows])
+    model = torchvision.models.resnet18(num_classes=pre["num_classes"]).eval()
+    model.load_state_dict(load_file(run.out / "model.safetensors"))
+    with torch.no_grad():
+        logits = model(images)
+    gathered = run.probes[0]["eval_outputs"][-1]
+    assert gathered["labels"] == [row["label"] for row in rows]
+    assert torch.allclose(logits, torch.tensor(gathered["logits"]), rtol=0, atol=1e-3)
+    predicted = logits.argmax(1)
+    assert predicted.tolist() == torch.tensor(gathered["logits"]).argmax(1).tolist()
+    correct = (predicted == torch.tensor(gathered["labels"])).sum().item()
+    assert 100.0 * correct / EVAL_SUBSET == run.summary["eval_top1"]
 
 
 def test_reported_metrics_match_an_independent_computation_from_the_gathered_logits(ddp_jobs):

@@ -7,6 +7,7 @@ huggingface_hub itself reads it on an offline node."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -162,6 +163,19 @@ def test_a_resumed_run_keeps_its_checkpoint_and_never_reads_init_from(fine_tuned
     assert read_summary(fine_tuned["out"])["global_step"] == 6  # the finished run, not a new one
 
 
+def test_rerunning_a_finished_run_to_push_it_keeps_its_training_loss_and_sums_its_wall_time(fine_tuned):
+    """`--resume auto --push-to-hub` on a finished run trains nothing: the summary.json it writes (and uploads) keeps
+    the run's training loss (finite, equal to the first job's), counters and top-1, and its wall_seconds is summed
+    over the jobs: at least the wall time its last checkpoint recorded, which is positive."""
+    first, again = fine_tuned["summary"], read_summary(fine_tuned["out"])
+    assert math.isfinite(first["train_loss"]) and again["train_loss"] == first["train_loss"]
+    for key in ("global_step", "epochs_completed", "train_images_seen", "eval_top1", "best_eval_top1"):
+        assert again[key] == first[key], key
+    saved = json.loads((Path(again["last_checkpoint"]) / "trainer_state.json").read_text())["progress"]
+    assert saved["train_loss"] == first["train_loss"]
+    assert 0 < saved["wall_seconds"] <= first["wall_seconds"] and saved["wall_seconds"] <= again["wall_seconds"]
+
+
 @pytest.fixture(scope="module")
 def accelerator():
     return Accelerator(cpu=True)
@@ -288,8 +302,9 @@ def test_push_uploads_once_from_the_main_process_the_exports_summary_config_and_
     up = fine_tuned["uploads"] / "rank0" / "tester/three"
     out = fine_tuned["out"]
     assert sorted(p.name for p in up.iterdir()) == ["README.md", "best.safetensors", "config.json",
-                                                    "model.safetensors", "summary.json", "train_cifar.py"]
-    for name in ("model.safetensors", "best.safetensors", "summary.json"):
+                                                    "model.safetensors", "preprocessor_config.json", "summary.json",
+                                                    "train_cifar.py"]
+    for name in ("model.safetensors", "best.safetensors", "summary.json", "preprocessor_config.json"):
         assert (up / name).read_bytes() == (out / name).read_bytes()
     assert (up / "train_cifar.py").read_bytes() == (REPO / "train_cifar.py").read_bytes()  # the script that trained
     summary = read_summary(out)
@@ -303,6 +318,8 @@ def test_push_uploads_once_from_the_main_process_the_exports_summary_config_and_
     command = next(line.strip() for line in card.splitlines() if "--push-to-hub tester/three" in line)
     assert command.startswith("accelerate launch --config_file") and "--main_process_port 0" in command
     assert f"torch {torch.__version__}" in card and "on 2 processes (DistributedDataParallel)" in card
+    mean = ", ".join(f"{m:.4f}" for m in summary["image_mean"])
+    assert f"Inputs: RGB, 32 x 32 px, scaled to [0, 1], normalised with the per-channel mean ({mean})" in card
     assert f"pushed {out / 'hub'} to https://huggingface.co/tester/three/commit/0" in fine_tuned["again"].stdout
 
 

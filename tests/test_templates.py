@@ -52,20 +52,17 @@ ALLOWED = [
     (["model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) if cfg.sync_bn else model"], [],
      "the ResNet may convert its BatchNorms to SyncBatchNorm; the ViT has none"),
     (["channels_last = cfg.channels_last and fsdp is None",
-      "if channels_last:",
-      "model = model.to(memory_format=torch.channels_last)",
+      "model = model.to(memory_format=torch.channels_last) if channels_last else model",
       "optimizer = build_optimizer(cfg, model, lr, fused=fsdp is None)"],
      ["if cfg.activation_checkpointing:",
       "checkpoint_blocks(model)",
       "optimizer = build_optimizer(cfg, model, lr)"],
      "the ResNet runs channels-last (not under FSDP2) with fused SGD; the ViT may checkpoint its blocks, and uses "
      "its own AdamW parameter groups"),
-    (["transform = BatchTransform(accelerator.device, channels_last=channels_last, "
-      "pad=crop_padding(data['image_size']), mean=data['mean'], std=data['std'], num_classes=len(data['classes']))",
+    (["transform = BatchTransform.for_data(data, accelerator.device, channels_last)",
       "run_eval = partial(evaluate, model, eval_loader, transform, accelerator, tta_flip=cfg.tta_flip, "
       "classes=data['classes'], metrics=load_metrics(cfg.metric, data['classes'], accelerator))"],
-     ["transform = BatchTransform(accelerator.device, channels_last=False, pad=crop_padding(data['image_size']), "
-      "mean=data['mean'], std=data['std'], num_classes=len(data['classes']))",
+     ["transform = BatchTransform.for_data(data, accelerator.device, channels_last=False)",
       "run_eval = partial(evaluate, model, eval_loader, transform, accelerator, tta_flip=False, "
       "classes=data['classes'], metrics=load_metrics(cfg.metric, data['classes'], accelerator))"],
      "the ViT's patch embedding takes NCHW; flip test-time augmentation is the ResNet recipes' (the ViT has no "

@@ -217,12 +217,12 @@ def test_evaluate_checkpoint_evaluates_as_the_run_did_with_flip_tta_in_channels_
 
 def test_flip_test_time_augmentation_averages_the_logits_of_each_image_and_its_mirror(cifar_dir, cache_dir):
     accelerator = Accelerator(cpu=True)
-    images, labels = load_source(str(cifar_dir), cache_dir=str(cache_dir))["test"]
-    images, labels = images[:64], labels[:64]
+    data = load_source(str(cifar_dir), cache_dir=str(cache_dir))
+    images, labels = data["test"][0][:64], data["test"][1][:64]
     torch.manual_seed(0)
     model = named_model("resnet9").eval()
     model[-1].factor = 50.0  # confident logits, so an image and its mirror give clearly different ones
-    transform = BatchTransform(torch.device("cpu"), channels_last=False)
+    transform = BatchTransform(torch.device("cpu"), channels_last=False, mean=data["mean"], std=data["std"])
     loader = accelerator.prepare(make_loader(images, labels, 32, train=False))
     plain, flipped = (train_cifar.evaluate(model, loader, transform, accelerator, CIFAR_CLASSES, tta_flip=t)
                        for t in (False, True))

@@ -22,8 +22,6 @@ import torch.nn.functional as F
 from utils import UserError
 
 SPLITS = ("train", "test")  # load_data's splits: "test" is the one evaluated on
-MEAN = (0.4914, 0.4822, 0.4465)  # per-channel mean of the CIFAR-10 training images, in [0, 1]
-STD = (0.2470, 0.2435, 0.2616)
 
 
 def crop_padding(size: int) -> int:
@@ -214,13 +212,14 @@ def rebatched(loader: torch.utils.data.DataLoader, batch_size: int) -> torch.uti
 
 
 class BatchTransform:
-    """uint8 (B, 3, S, S) on the device -> normalised float batch (per-channel mean and std in [0, 1]: the data's,
-    CIFAR-10's by default); given a training batch's draws (`augment_draws`), first a crop of each image (zero padding
-    of `pad` pixels: crop_padding(S)) and its horizontal flip. Works in NHWC (channels-last) memory, which the
-    loader delivers; --no-channels-last gets NCHW at the end. Holds no random state: the draws come with the batch."""
+    """uint8 (B, 3, S, S) on the device -> normalised float batch (the data's per-channel mean and std, in [0, 1]);
+    given a training batch's draws (`augment_draws`), first a crop of each image (zero padding of `pad` pixels:
+    crop_padding(S)) and its horizontal flip. Works in NHWC (channels-last) memory, which the loader delivers;
+    --no-channels-last gets NCHW at the end. Holds no random state: the draws come with the batch. `num_classes`:
+    the width of the soft targets under mixing."""
 
-    def __init__(self, device: torch.device, channels_last: bool, pad: int = 4, mean: tuple[float, ...] = MEAN,
-                 std: tuple[float, ...] = STD, num_classes: int = 10):
+    def __init__(self, device: torch.device, channels_last: bool, *, mean: tuple[float, ...], std: tuple[float, ...],
+                 pad: int = 4, num_classes: int | None = None):
         self.channels_last, self.pad, self.num_classes = channels_last, pad, num_classes
         # (x - mean) / std as one fused x * scale + shift over rows of W pixels x 3 channels: with a
         # per-channel (3,) operand the innermost loop would be 3 long (5x slower on CPU than this).
@@ -228,6 +227,12 @@ class BatchTransform:
         self.scale, self.shift = 1 / std, -mean / std
         self.row_scale_shift = {}  # width -> (scale, shift) tiled along a row
         self.canvas = None  # (2B, H + 2 pad, W + 2 pad, 3) uint8 with a zero border, kept between batches
+
+    @classmethod
+    def for_data(cls, data: dict, device: torch.device, channels_last: bool) -> BatchTransform:
+        """The transform for `checked_data`'s dict: its mean and std, its image size's crop padding, its classes."""
+        return cls(device, channels_last, mean=data["mean"], std=data["std"], pad=crop_padding(data["image_size"]),
+                   num_classes=len(data["classes"]))
 
     def __call__(self, images: torch.Tensor, draws: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         if images.dtype != torch.uint8:  # float images would be divided by 255 x std: training on near-zero inputs
@@ -342,6 +347,13 @@ def checked_data(data: dict, where: str = "load_data") -> dict:
     else:
         out["mean"], out["std"] = channel_stats(out["train"][0])
     return out | {"image_size": int(size)}
+
+
+def data_facts(data: dict) -> dict:
+    """For summary.json: where the data came from, its classes and what the model takes (image size; the per-channel
+    mean and std the inputs are normalised with)."""
+    return {"dataset": data["dataset"], "classes": list(data["classes"]), "image_size": data["image_size"],
+            "image_mean": [float(m) for m in data["mean"]], "image_std": [float(s) for s in data["std"]]}
 
 
 def _images(images, what: str) -> torch.Tensor:

@@ -31,9 +31,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
 from safetensors import SafetensorError
-from safetensors.torch import save_file
 from torch.distributed.checkpoint.api import CheckpointException
 
 from utils import UserError
@@ -118,7 +116,7 @@ TORCH_WRITE_FAILURE = re.compile(r"iostream error|file write failed|PytorchStrea
                                  re.IGNORECASE)
 
 
-def _write_error(error: BaseException) -> BaseException:
+def write_error(error: BaseException) -> BaseException:
     """`error` itself when it is a failed write; any other RuntimeError (a bug, a peer that died) is raised again."""
     chain = f"{error} {error.__context__} {error.__cause__}"
     if isinstance(error, RuntimeError) and not TORCH_WRITE_FAILURE.search(chain):
@@ -144,8 +142,8 @@ def save(accelerator, root: Path, step: int, state: dict, extra=()) -> Path:
         for obj in extra:
             obj.save(tmp)
     except WRITE_ERRORS as e:
-        error = _write_error(e)
-    _raise_if_any_failed(accelerator, error, tmp, root, remove=tmp)
+        error = write_error(e)
+    raise_if_write_failed(accelerator, error, tmp, root, remove=tmp)
     try:  # the main process completes the checkpoint
         if accelerator.is_main_process:
             state = {**state, "files": _manifest(tmp)}
@@ -157,8 +155,8 @@ def save(accelerator, root: Path, step: int, state: dict, extra=()) -> Path:
                 final.rename(root / f"{name}.{'unsound' if problem(final) else 'replaced'}-{int(time.time())}")
             os.replace(tmp, final)
     except WRITE_ERRORS as e:
-        error = _write_error(e)
-    _raise_if_any_failed(accelerator, error, tmp, root, remove=tmp)
+        error = write_error(e)
+    raise_if_write_failed(accelerator, error, tmp, root, remove=tmp)
     if accelerator.is_main_process:
         size = sum(size for size, _ in state["files"].values())
         low = free_space_warning(root, size)
@@ -167,28 +165,7 @@ def save(accelerator, root: Path, step: int, state: dict, extra=()) -> Path:
     return final
 
 
-def export_weights(accelerator, model, path: Path) -> None:
-    """Full, unwrapped weights (no 'module.' or '_orig_mod.' prefix) as safetensors, written by the main process
-    (atomically; a failed write stops every rank with one line naming the last good checkpoint). Collective."""
-    state = accelerator.get_state_dict(accelerator.unwrap_model(model, keep_torch_compile=False))
-    write_weights(accelerator, state, path, root=Path(path).parent / "checkpoints")
-
-
-def write_weights(accelerator, state: dict[str, torch.Tensor], path: Path, root: Path) -> None:
-    """Exported weights as safetensors, written by the main process to a temporary name and renamed, so a failed
-    write leaves the previous file whole; a failure raises the same UserError on every rank (collective)."""
-    path, error = Path(path), None
-    tmp = path.with_name(f".tmp-{path.name}")
-    if accelerator.is_main_process:
-        try:
-            save_file({k: v.contiguous() for k, v in state.items()}, tmp)
-            os.replace(tmp, path)
-        except WRITE_ERRORS as e:
-            error = _write_error(e)
-    _raise_if_any_failed(accelerator, error, path, root, remove=tmp)
-
-
-def _raise_if_any_failed(accelerator, error: BaseException | None, target: Path, root: Path,
+def raise_if_write_failed(accelerator, error: BaseException | None, target: Path, root: Path,
                          remove: Path) -> None:
     """Collective: every rank learns whether any rank failed to write `target`; then all raise one UserError
     (printed once) naming the last good checkpoint, after the main process removed the partial `remove`."""
@@ -349,7 +326,7 @@ class Checkpointer:
         if self.saved_step == progress.global_step:
             return self.last
         share_bn_statistics(self.accelerator, model)  # FSDP would save one arbitrary rank's
-        state = {"format": FORMAT, "progress": asdict(progress), "config": self.config, "script": self.script,
+        state = {"format": FORMAT, "progress": progress.state(), "config": self.config, "script": self.script,
                  "world_size": self.accelerator.num_processes, "batch": asdict(plan),
                  "scheduler": scheduler.state_dict()}
         extra = [self.ema] if self.ema is not None else []

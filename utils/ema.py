@@ -21,7 +21,6 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 
-from utils.checkpoint import export_weights
 from utils.launch import share_bn_statistics
 
 CHECKPOINT_FILE = "ema.safetensors"  # in each checkpoint folder: the whole EMA (DDP, one process)
@@ -82,11 +81,6 @@ class WeightEMA:
             with torch.no_grad():
                 torch._foreach_copy_(self.shadow, live)
                 torch._foreach_copy_(live, training)
-
-    def export(self, path: Path) -> None:
-        """Collective: the EMA as full, unwrapped safetensors weights, written as the training weights are."""
-        with self.applied():
-            export_weights(self.accelerator, self.model, path)
 
     def save(self, folder: Path) -> None:
         """Collective: the EMA into a checkpoint folder, as the model's own weights are saved there. Under FSDP2 each

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from utils import UserError, first_line
-from utils.checkpoint import export_weights
 from utils.config_groups import metric_label, parse_metric
+from utils.export import export_weights
 from utils.launch import first_on_each_machine, share_bn_statistics
 
 

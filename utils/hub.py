@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from utils import UserError, first_line
 from utils.config_groups import BUILT_IN, REPO_ID
+from utils.export import PREPROCESSOR_FILE
 from utils.launch import first_on_each_machine, raise_if_any
 from utils.scripts import sha256
 
@@ -177,14 +178,16 @@ def push_to_hub(repo_id: str | None, accelerator, output_dir: str, summary: dict
 
 def hub_folder(output_dir: Path, summary: dict, repo_id: str) -> Path:
     """<output-dir>/hub, what --push-to-hub uploads: model.safetensors (and best.safetensors) linked from the run's
-    exports, summary.json, config.json (the run's flags), the training script that built the weights (under its
-    recorded name, when its sha256 still matches) and README.md, the model card."""
+    exports, summary.json, preprocessor_config.json (how to feed the model), config.json (the run's flags), the
+    training script that built the weights (under its recorded name, when its sha256 still matches) and README.md,
+    the model card."""
     folder = output_dir / HUB_FOLDER
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir()
     script = summary.get("script") or {}
     trained_by = (output_dir / script["path"]).resolve() if script else None
-    files = {name: output_dir / name for name in ("model.safetensors", "best.safetensors", "summary.json")}
+    files = {name: output_dir / name for name in ("model.safetensors", "best.safetensors", "summary.json",
+                                                  PREPROCESSOR_FILE)}
     if trained_by is not None and trained_by.is_file() and sha256(trained_by) == script["sha256"]:
         files[script["name"]] = trained_by
     for name, source in files.items():
@@ -196,6 +199,10 @@ def hub_folder(output_dir: Path, summary: dict, repo_id: str) -> Path:
     (folder / "config.json").write_text(json.dumps(summary["config"], indent=2) + "\n")
     (folder / "README.md").write_text(model_card(summary, repo_id))
     return folder
+
+
+def fmt(values: list[float]) -> str:
+    return "(" + ", ".join(f"{v:.4f}" for v in values) + ")"
 
 
 def model_card(summary: dict, repo_id: str) -> str:
@@ -236,6 +243,10 @@ def model_card(summary: dict, repo_id: str) -> str:
         *([f"Built by `{script}` (sha256 {recorded['sha256']}), uploaded beside the weights.", ""] if recorded else []),
         *([f"W&B run: {wandb.get('url') or wandb.get('id')} (project {wandb.get('project')}).", ""] if wandb else []),
         "## Use", "",
+        *([f"Inputs: RGB, {summary['image_size']} x {summary['image_size']} px, scaled to [0, 1], normalised with the "
+           f"per-channel mean {fmt(summary['image_mean'])} and std {fmt(summary['image_std'])}, channels first "
+           f"(`{PREPROCESSOR_FILE}` says the same in the keys of Hugging Face's image processors).", ""]
+          if "image_mean" in summary else []),
         f"`model.safetensors` (the final weights; `best.safetensors`: those of the best evaluation) loads into what "
         f"`build_model(cfg, {len(summary['classes'])})` of `{script}` returns with this config (`load_state_dict`); "
         f"evaluate_checkpoint.py rebuilds it so (it imports `{script}` from a checkout with the same sha256, or the "

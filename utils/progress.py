@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import math
+import time
+from dataclasses import asdict, dataclass, replace
 
 
 @dataclass
@@ -19,6 +21,20 @@ class Progress:
     evals_without_gain: int = 0  # evaluations in a row that did not beat gain_top1 by --early-stop-min-delta
     gain_top1: float = 0.0  # the top-1 of the last evaluation that did (a gain)
     stopped_early: bool = False  # --early-stop-patience ended the run
+    train_loss: float = math.nan  # the mean training loss of the last epoch trained (or its part before a stop)
+    wall_seconds: float = 0.0  # wall time of the run's earlier jobs, from their start of training to their last save
+
+    def __post_init__(self):
+        self._clock = time.monotonic()  # this job's share of the wall time counts from here (not a field: not saved)
+
+    def wall(self) -> float:
+        """The run's wall time so far, over all its jobs: the earlier ones' (to their last checkpoint) and this one's
+        (from its start of training: after its data and model are ready)."""
+        return self.wall_seconds + time.monotonic() - self._clock
+
+    def state(self) -> dict:
+        """What a checkpoint saves: the fields, with the wall time up to now."""
+        return {**asdict(self), "wall_seconds": self.wall()}
 
     def epoch_number(self) -> int:
         """The epoch (from 1) the run is in, or has just completed at an epoch's end."""
@@ -37,19 +53,22 @@ class Progress:
     def with_epoch_so_far(self, images: int, seconds: float) -> Progress:
         """A copy that also counts the current epoch's images and time so far: what a mid-epoch checkpoint stores,
         so a job resumed from it reports every image it trained (this object counts them at the epoch's end)."""
-        return replace(self, images_seen=self.images_seen + images, train_seconds=self.train_seconds + seconds)
+        return replace(self, images_seen=self.images_seen + images, train_seconds=self.train_seconds + seconds,
+                       wall_seconds=self.wall())
 
-    def end_epoch(self, images: int, seconds: float, batches_per_epoch: int) -> None:
-        """Counts the epoch's training images and time; moves to the next epoch if this one is complete (not after a
-        --max-steps stop in its middle)."""
+    def end_epoch(self, loss: float, images: int, seconds: float, batches_per_epoch: int) -> None:
+        """Counts the epoch's mean loss, training images and time; moves to the next epoch if this one is complete
+        (not after a --max-steps stop in its middle)."""
         self.trained(images, seconds)
+        self.train_loss = loss
         if self.batches_in_epoch == batches_per_epoch:
             self.epoch += 1
             self.batches_in_epoch = 0
 
     def summary(self) -> dict:
-        return {"epochs_completed": self.epoch, "global_step": self.global_step, "train_images_seen": self.images_seen,
-                "train_images_per_sec": self.images_seen / max(self.train_seconds, 1e-9),
+        return {"epochs_completed": self.epoch, "global_step": self.global_step, "train_loss": self.train_loss,
+                "train_images_seen": self.images_seen,
+                "train_images_per_sec": self.images_seen / max(self.train_seconds, 1e-9), "wall_seconds": self.wall(),
                 "best_eval_top1": self.best_top1, "best_checkpoint": self.best_checkpoint,
                 "evals_without_gain": self.evals_without_gain, "stopped_early": self.stopped_early}
 

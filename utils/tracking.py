@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from accelerate.utils import ProfileKwargs
 
 from utils.scripts import script_record
 
@@ -48,7 +49,6 @@ class Tracker:
                            "name": cfg.run_name, "group": cfg.group,  # None: W&B's own default / WANDB_*
                            "tags": cfg.tags.split(",") if cfg.tags else None}
         self.accelerator, self.wandb_run, self.already_logged = None, None, 0
-        self.profile, self.profiler = cfg.profile, None
         if self.kind == "wandb":
             wandb_offline_without_credentials()
 
@@ -56,7 +56,6 @@ class Tracker:
         """Starts (or, with the `run_id` of a resumed job, continues) the run; returns its id for the checkpoints.
         `config`: the run's flags and facts, including epochs, total_steps and global_batch (for the console)."""
         self.accelerator = accelerator
-        self.profiler = StepProfiler(accelerator, self.output_dir) if self.profile else None  # --profile
         self.epochs, self.total_steps = config["epochs"], config["total_steps"]
         self.global_batch = config["global_batch"]
         if self.kind == "tensorboard":  # its hparams take numbers, strings and booleans only
@@ -83,9 +82,7 @@ class Tracker:
 
     def after_step(self, progress, meter, lr: float, bar) -> None:
         """The loop's call after every optimizer step: every --log-every steps, the window's mean loss over all
-        processes (a sync) and speed to the tracker and the progress bar; with --profile, the profiler's step."""
-        if self.profiler is not None:
-            self.profiler = self.profiler.step()
+        processes (a sync) and speed to the tracker and the progress bar."""
         if not self.logs_at(progress.global_step):
             return
         loss, speed = meter.window(self.accelerator)
@@ -155,28 +152,27 @@ class StepProfiler:
     PROFILE["warmup"] + 1 on (after warm-up: the first steps, compilation, the profiler's own warm-up step) for
     PROFILE["active"] steps. Then each rank's Chrome trace goes to <output-dir>/profile/profile_<rank>.json and the
     main process prints the ten ops that took the most time on the device (self time). A run with fewer steps writes
-    no trace. Built only with --profile: otherwise nothing of it runs."""
+    no trace. Without --profile (`enabled` False) nothing of it runs: `step()` returns at once."""
 
-    def __init__(self, accelerator, output_dir: Path):
-        from accelerate.utils import ProfileKwargs
-
+    def __init__(self, accelerator, output_dir: str | Path, enabled: bool):
         self.cuda = accelerator.device.type == "cuda"
-        handler = ProfileKwargs(activities=["cpu", "cuda"] if self.cuda else ["cpu"], schedule_option=PROFILE,
-                                on_trace_ready=self.report if accelerator.is_main_process else None,
-                                output_trace_dir=str(output_dir / "profile"))
-        self.context = accelerator.profile(handler)
-        self.steps_left = PROFILE["wait"] + PROFILE["warmup"] + PROFILE["active"]
-        self.profiler = self.context.__enter__()
+        self.steps_left = PROFILE["wait"] + PROFILE["warmup"] + PROFILE["active"] if enabled else 0
+        if enabled:
+            handler = ProfileKwargs(activities=["cpu", "cuda"] if self.cuda else ["cpu"], schedule_option=PROFILE,
+                                    on_trace_ready=self.report if accelerator.is_main_process else None,
+                                    output_trace_dir=str(Path(output_dir) / "profile"))
+            self.context = accelerator.profile(handler)
+            self.profiler = self.context.__enter__()
 
-    def step(self) -> StepProfiler | None:
-        """After an optimizer step: the profiler's step; after the last traced one, the traces are written (every
-        rank, then a barrier) and None is returned: profiling is over."""
+    def step(self) -> None:
+        """The loop's call after every optimizer step: the profiler's step; after the last traced one, the traces are
+        written (every rank, then a barrier) and profiling is over."""
+        if not self.steps_left:
+            return
         self.profiler.step()
         self.steps_left -= 1
-        if self.steps_left:
-            return self
-        self.context.__exit__(None, None, None)
-        return None
+        if not self.steps_left:
+            self.context.__exit__(None, None, None)
 
     def report(self, profiler) -> None:
         sort = "self_cuda_time_total" if self.cuda else "self_cpu_time_total"
