@@ -43,15 +43,15 @@ def parse_config(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data-dir", help="folder with the Hub's parquet files; unset: download uoft-cs/cifar10")
     p.add_argument("--output-dir", default="runs/minimal", help="checkpoints, summary.json, model.safetensors")
-    p.add_argument("--epochs", type=int, default=30)
+    p.add_argument("--epochs", type=int, default=30, help="passes over the training set")
     p.add_argument("--batch-size", type=int, default=128, help="images per process per micro-step")
     p.add_argument("--lr", type=float, default=0.1, help=f"peak lr for a global batch of {REFERENCE_BATCH}")
     p.add_argument("--train-subset", type=int, help="train on the first N training images only")
     p.add_argument("--eval-subset", type=int, help="evaluate on the first N test images only")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="weights, data order and augmentation")
     p.add_argument("--tracker", default="wandb" if importlib.util.find_spec("wandb") else "none",
-                   choices=["wandb", "tensorboard", "none"])
+                   choices=["wandb", "tensorboard", "none"], help="wandb, tensorboard or none")
     p.add_argument("--resume", nargs="?", const="auto", choices=["auto"],
                    help="continue from the newest epoch checkpoint in --output-dir (fresh if none); `auto` optional")
     args = p.parse_args(argv)

@@ -18,7 +18,7 @@ head_node=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-localhost}" | head -n
 port=${MAIN_PORT:-29500}
 [ "${1:-}" = "--" ] && shift
 # exec: the launcher replaces this shell, so a SIGTERM sent to the job step reaches it, and it forwards
-# SIGTERM to the training processes, which checkpoint at the next step and exit.
+# SIGTERM to the training processes, which checkpoint at the next health check (every 10 optimizer steps) and exit.
 processes=$((nodes * per_node))
 multi=""
 [ "$processes" -gt 1 ] && multi=--multi_gpu  # one process (an array task on 1 GPU): Accelerate refuses --multi_gpu

@@ -56,6 +56,19 @@ def test_missing_data_dir(tmp_path):
     _fails_cleanly(tmp_path, ["--data-dir", str(tmp_path / "nope")], "does not exist")
 
 
+def test_a_missing_data_dir_is_the_only_output_and_creates_no_output_folder(tmp_path):
+    """A --data-dir that does not exist is checked when the flags are parsed: the one line is all the job prints (no
+    config dump, no setup line, stdout empty), it says how to get the data, and no output folder is created."""
+    out = tmp_path / "new-run"
+    result = run_train(["--data-dir", str(tmp_path / "nope"), "--output-dir", str(out), "--tracker", "none"])
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip().splitlines() == [
+        f"error: --data-dir {tmp_path / 'nope'} does not exist. --data-dir takes a folder of train-*.parquet / "
+        f"test-*.parquet files (a Hub dataset's layout) or an image folder (train/<class>/*.png, test/<class>/...); "
+        f"leave it out to download uoft-cs/cifar10 from the Hub, or pass --dataset OWNER/NAME."]
+    assert not out.exists()
+
+
 def test_empty_data_dir(tmp_path):
     (tmp_path / "empty").mkdir()
     _fails_cleanly(tmp_path, ["--data-dir", str(tmp_path / "empty")], "holds no train-*.parquet file")

@@ -86,6 +86,8 @@ def _kill_after_checkpoint(out: Path, proc: Forked, step: int) -> None:
 
 def test_kill_9_mid_epoch_on_two_processes_then_resume_on_one_matches_the_uninterrupted_run(reference, cifar_dir,
                                                                                             cache_dir, tmp_path):
+    """A 2-rank job killed with kill -9 mid-epoch and resumed on 1 process ends with the uninterrupted run's
+    trainable parameters and EMA bitwise (fp32, `--deterministic`), each step logged once."""
     out = tmp_path / "killed"
     proc = start(job_args(cifar_dir, cache_dir, out, "--log-every", "1"), TWO_RANKS, script=PROBE)
     _kill_after_checkpoint(out, proc, 3)
@@ -113,6 +115,8 @@ def test_kill_9_mid_epoch_on_two_processes_then_resume_on_one_matches_the_uninte
 
 def test_kill_9_mid_epoch_on_one_process_then_resume_on_two_matches_the_uninterrupted_run(reference, cifar_dir,
                                                                                             cache_dir, tmp_path):
+    """A 1-process job killed with kill -9 mid-epoch and resumed on 2 ranks ends with the uninterrupted run's
+    trainable parameters and EMA bitwise (fp32, `--deterministic`)."""
     out = tmp_path / "killed"
     proc = start(job_args(cifar_dir, cache_dir, out, "--log-every", "1"), ONE_PROCESS, script=PROBE)
     _kill_after_checkpoint(out, proc, 3)
@@ -139,6 +143,8 @@ REPLAY_SCALED = {"--num_processes 8": "--num_processes 2", "--global-batch-size 
 
 @pytest.mark.slow
 def test_the_replay_commands_run_as_printed_and_end_with_the_same_weights(cifar_dir, cache_dir, tmp_path):
+    """The replay commands of docs/reproducibility.md run as printed (scaled down: 2 processes for 8) and end with
+    the original's trainable parameters bitwise."""
     commands = [c for _, c in doc_commands(REPO / "docs" / "reproducibility.md") if "--global-batch-size 512" in c]
     assert len(commands) == 3 and all(any(k in c for c in commands) for k in REPLAY_SCALED), commands
     small = ["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--model", "resnet8",
@@ -171,6 +177,9 @@ def test_the_replay_commands_run_as_printed_and_end_with_the_same_weights(cifar_
 @pytest.mark.parametrize("how", ["SIGTERM to the launcher", "SIGUSR1 to every rank"])
 def test_preemption_signal_checkpoints_at_the_next_step_and_resume_is_exact(reference, cifar_dir, cache_dir, tmp_path,
                                                                             how):
+    """SIGTERM to the launcher, or SIGUSR1 to every rank, saves a checkpoint and stops the job within 30 s; resumed
+    after SIGTERM, the job ends with the uninterrupted run's weights, EMA and best weights bitwise (fp32,
+    `--deterministic`)."""
     out = tmp_path / "preempted"
     proc = start(job_args(cifar_dir, cache_dir, out), TWO_RANKS)
     wait_for_checkpoint(out, proc, 3)
@@ -231,10 +240,11 @@ def test_workers_whose_launcher_is_killed_checkpoint_and_exit_and_resume_is_exac
 
 def test_damaged_newest_checkpoint_and_a_crashed_save_are_skipped_and_resuming_in_epoch_two_is_exact(
         reference, cifar_dir, cache_dir, tmp_path):
-    """The newest checkpoint (16) truncated, and a newer `.tmp-step-00000017` (a save that crashed between
-    Accelerate's save_state and the manifest): resume takes 15. Also the test that needs set_epoch(): resuming at
-    step 15 (epoch 2 of 2) in a fresh process must replay epoch 2's shuffle; without the call the new loader starts
-    at epoch 0's (checked: 102 tensors differ)."""
+    """A truncated newest checkpoint and a crashed save are skipped with a warning, and the resume from the one
+    before ends bitwise equal. The newest checkpoint (16) truncated, and a newer `.tmp-step-00000017` (a save that
+    crashed between Accelerate's save_state and the manifest): resume takes 15. Also the test that needs
+    set_epoch(): resuming at step 15 (epoch 2 of 2) in a fresh process must replay epoch 2's shuffle; without the
+    call the new loader starts at epoch 0's (checked: 102 tensors differ)."""
     out = tmp_path / "corrupt"
     shutil.copytree(reference, out)
     (out / "summary.json").unlink()
@@ -471,6 +481,8 @@ def small_disk(tmp_path):
 
 def test_full_disk_stops_every_rank_with_one_line_and_the_last_good_checkpoint_resumes_exactly(
         reference, small_disk, cifar_dir, cache_dir, tmp_path):
+    """A full disk while saving stops every rank with one line naming the last good checkpoint, which resumes
+    bitwise equal."""
     out = small_disk / "run"
     result = run_train(job_args(cifar_dir, cache_dir, out), launch=TWO_RANKS)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
@@ -514,6 +526,7 @@ def test_full_disk_while_exporting_weights_keeps_the_previous_file_whole(small_d
 @pytest.mark.slow
 def test_second_job_in_a_busy_output_dir_stops_naming_the_first_and_a_dead_jobs_lock_is_taken_over(
         cifar_dir, cache_dir, tmp_path):
+    """A second job in a busy output folder stops with one line naming the first job."""
     import socket
 
     out = tmp_path / "busy"

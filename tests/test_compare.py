@@ -80,6 +80,8 @@ PAIRED_B = {0: 51.5, 1: 53.0, 2: 52.9}
 
 @pytest.mark.slow
 def test_groups_that_ran_the_same_seeds_get_the_paired_interval_and_a_verdict(tmp_path):
+    """`compare_runs.py` gives two groups that ran the same seeds the paired 95% interval of the difference, equal
+    to 2 decimals to the textbook formula with tabled t quantiles."""
     specs = {f"a{s}": ("lr0.1", {"seed": s, "lr": 0.1}, summary(v + 1, v)) for s, v in PAIRED_A.items()}
     specs |= {f"b{s}": ("lr0.2", {"seed": s, "lr": 0.2}, summary(v + 1, v, speed=990.0 + s)) for s, v in
               PAIRED_B.items()}

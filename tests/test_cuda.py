@@ -30,6 +30,7 @@ def read_probe(out: Path) -> dict:
     return json.loads((out / "probe-rank0.json").read_text())
 
 
+@pytest.mark.slow
 def test_a_one_gpu_bf16_job_with_the_data_on_the_gpu_trains_under_bf16_autocast(cifar_dir, cache_dir, tmp_path):
     out = tmp_path / "on_device"
     result = run_train(job_args(cifar_dir, cache_dir, out, "--model", "resnet18", "--data-on-device",
@@ -45,6 +46,7 @@ def test_a_one_gpu_bf16_job_with_the_data_on_the_gpu_trains_under_bf16_autocast(
     assert 0.05 < s["peak_memory_gb"] < 40, s["peak_memory_gb"]  # the CUDA allocator's peak, not the host's RSS
 
 
+@pytest.mark.slow
 def test_the_fast_recipe_compiled_on_a_gpu_trains_and_exports_weights_without_the_orig_mod_prefix(cifar_dir, cache_dir,
                                                                                                     tmp_path):
     """--recipe fast as the GPU race runs it (ResNet-9, inductor, channels_last, data on the GPU, flip TTA, batch 512:
@@ -64,6 +66,7 @@ def test_the_fast_recipe_compiled_on_a_gpu_trains_and_exports_weights_without_th
     named_model("resnet9").load_state_dict(state, strict=True)
 
 
+@pytest.mark.slow
 def test_sync_batchnorm_converts_and_trains_on_one_gpu(cifar_dir, cache_dir, tmp_path):
     out = tmp_path / "sync_bn"
     result = run_train(job_args(cifar_dir, cache_dir, out, "--model", "resnet18", "--sync-bn", "--train-subset", "1024",
@@ -91,6 +94,7 @@ def test_deterministic_settings_on_cuda_keep_the_thread_count_and_set_cublas_wor
         torch.use_deterministic_algorithms(False)
 
 
+@pytest.mark.slow
 def test_two_deterministic_gpu_runs_end_with_the_same_weights(cifar_dir, cache_dir, tmp_path):
     """--deterministic on one GPU, bf16: the same job twice gives bitwise the same trained model."""
     outs = [tmp_path / f"run{i}" for i in range(2)]

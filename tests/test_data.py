@@ -98,8 +98,9 @@ def _mapped_file(tensor: torch.Tensor) -> str | None:
 
 def test_every_process_reads_the_images_through_a_memory_map_of_the_cache_file_even_the_one_that_decoded(
         tmp_path, accelerator):
-    """No process holds a copy of the images: the page cache holds them once per machine, and a dataset larger than
-    memory is read from disk. The decoding process too maps the file it wrote (it decoded into the map)."""
+    """Every process, the decoding one included, reads the images through a memory map of the one cache file. No
+    process holds a copy of the images: the page cache holds them once per machine, and a dataset larger than memory
+    is read from disk. The decoding process too maps the file it wrote (it decoded into the map)."""
     src = write_cifar_dir(tmp_path / "src", n_train=40, n_test=12)
     decoded = load_source(str(src), cache_dir=str(tmp_path / "cache"))  # the first run: decodes
     (cache,) = (tmp_path / "cache").glob("images-*.safetensors")
@@ -127,8 +128,8 @@ def test_a_cache_folder_that_cannot_be_written_decodes_into_a_temporary_file_and
 
 
 def test_any_number_of_decode_workers_writes_the_same_cache_file_byte_for_byte(tmp_path, accelerator, monkeypatch):
-    """An image folder without a test split: shuffled and held out by row orders before decoding, decoded in chunks
-    of 16 rows by 1, 2 or 3 processes."""
+    """1, 2 or 3 decode workers write the same cache file, byte for byte. An image folder without a test split:
+    shuffled and held out by row orders before decoding, decoded in chunks of 16 rows by 1, 2 or 3 processes."""
     parquet = load_source(str(write_cifar_dir(tmp_path / "src", n_train=200, n_test=8)), cache_dir=str(tmp_path / "c0"))
     export_png_folder(tmp_path / "folder", {"train": parquet["train"]})
     monkeypatch.setattr(decode, "DECODE_CHUNK", 16)

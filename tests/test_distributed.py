@@ -119,12 +119,16 @@ def _compare(many: Run, one: Run) -> tuple[dict, dict]:
 
 
 def test_two_ranks_match_one_rank_weights(ddp_jobs):
+    """In fp32 with `--deterministic`, 2 ranks x micro-batch 32 and 1 process x 32 x 2 accumulation steps (global
+    batch 64, mixup and cutmix on) end with bitwise-equal trainable parameters."""
     pa, pb = _compare(ddp_jobs["two_ranks"], ddp_jobs["one_rank_accum2"])
     unequal = [n for n in pa if not torch.equal(pa[n], pb[n])]
     assert not unequal, f"{len(unequal)} parameters differ, e.g. {unequal[:3]}"
 
 
 def test_two_ranks_with_accumulation_match_one_rank_with_double_accumulation(ddp_jobs):
+    """In fp32 with `--deterministic`, 2 ranks x 2 accumulation steps and 1 process x 4 end with every trainable
+    parameter within 1% of its own update (the gradients are summed in another order)."""
     # Same micro-batches, but the gradient sum runs in another order: per rank (g0+g2), (g1+g3), then the
     # all-reduce, against ((g0+g1)+g2)+g3 in one process. Float addition is not associative, so this pair agrees to
     # rounding, not bitwise.
@@ -142,6 +146,8 @@ def test_two_ranks_with_accumulation_match_one_rank_with_double_accumulation(ddp
 
 # 2. Sharding ---------------------------------------------------------------------------------------
 def test_ranks_see_disjoint_shards_that_cover_the_training_set_each_epoch(ddp_jobs):
+    """In each epoch the 2 ranks train on disjoint images that together are every image of the epoch's whole global
+    batches."""
     run = ddp_jobs["two_ranks"]
     epochs = [run.train_epochs(r) for r in (0, 1)]
     assert len(epochs[0]) == len(epochs[1]) == 2
@@ -154,6 +160,8 @@ def test_ranks_see_disjoint_shards_that_cover_the_training_set_each_epoch(ddp_jo
 
 
 def test_data_order_changes_every_epoch_and_is_the_same_for_the_same_seed_at_any_world_size(ddp_jobs):
+    """The order of the training batches changes every epoch and is the same on 2 ranks as on 1 process with
+    accumulation."""
     two = ddp_jobs["two_ranks"].global_order()
     assert two[0] != two[1]  # reshuffled (set_epoch)
     assert two == ddp_jobs["one_rank_accum2"].global_order()  # 2 ranks x 32 == 1 rank x 32 x 2 micro-steps
@@ -164,6 +172,8 @@ def test_data_order_changes_every_epoch_and_is_the_same_for_the_same_seed_at_any
 # 3. Exact evaluation -------------------------------------------------------------------------------
 def test_two_rank_eval_counts_each_image_once_and_equals_one_rank_eval_of_the_exported_weights(ddp_jobs, cifar_dir,
                                                                                                cache_dir):
+    """A 2-rank evaluation counts each of 101 test images exactly once (Accelerate's padding dropped), and its top-1
+    and per-class accuracy equal a 1-process evaluation of the exported weights."""
     run = ddp_jobs["two_ranks"]
     assert run.summary["eval_examples"] == EVAL_SUBSET
     fetched = [set(i for d, b in p["batches"] if d == 1 for i in b) for p in run.probes]
@@ -224,8 +234,9 @@ def test_a_plain_torchvision_client_fed_by_preprocessor_config_predicts_what_the
 
 
 def test_reported_metrics_match_an_independent_computation_from_the_gathered_logits(ddp_jobs):
-    """top-1, top-5, loss, per-class accuracy and the confusion matrix (row = true class, column = predicted),
-    recomputed with numpy from the logits and labels the last evaluation gathered (the probe records them)."""
+    """The reported top-1, top-5, per-class accuracy and loss (to 1e-6, relative) and confusion matrix (exactly)
+    equal a numpy recomputation from the logits and labels the last evaluation gathered (the probe records them; the
+    confusion matrix's row is the true class, its column the predicted one)."""
     run = ddp_jobs["two_ranks"]
     gathered = run.probes[0]["eval_outputs"][-1]
     logits, labels = np.array(gathered["logits"], dtype=np.float64), np.array(gathered["labels"])
@@ -288,6 +299,8 @@ def draws_by_sample(run: Run) -> dict[tuple[int, int], tuple[bool, int]]:
 
 
 def test_each_image_is_augmented_by_seed_epoch_and_index_alone_the_same_on_any_rank_and_world_size(ddp_jobs):
+    """Each image's crop and flip equal an independent computation from (seed, epoch, image index) alone, on 2 ranks
+    as on 1 process, and are drawn anew each epoch."""
     two, one = draws_by_sample(ddp_jobs["two_ranks"]), draws_by_sample(ddp_jobs["one_rank_accum2"])
     assert len(two) == 2 * 192 and two == one  # 2 epochs of 3 global batches; every image got the same crop and flip
     assert all(draw == expected_draw(0, epoch, index) for (epoch, index), draw in two.items())
@@ -306,6 +319,8 @@ def test_every_rank_builds_the_same_initial_weights(ddp_jobs):
 
 # 5. Gradient accumulation ----------------------------------------------------------------------------
 def test_accumulation_all_reduces_only_on_the_final_micro_step(ddp_jobs):
+    """With 2 accumulation steps, DDP all-reduces gradients only on each optimizer step's final micro-step (and the
+    epoch's last); without accumulation, on every step."""
     accum = ddp_jobs["two_ranks_accum2"]
     micro = len(accum.train_epochs(0)[0])  # micro-batches per rank in the epoch: 3
     final = [k for k in range(1, micro + 1) if k % 2 == 0 or k == micro]  # 2, and 3 (the epoch's end syncs)
@@ -316,13 +331,15 @@ def test_accumulation_all_reduces_only_on_the_final_micro_step(ddp_jobs):
     assert sorted(set(plain.probes[0]["allreduce_at"])) == list(range(1, plain.summary["global_step"] + 1))
 
 
+@pytest.mark.slow
 def test_an_out_of_memory_error_halves_the_micro_batch_and_the_run_ends_bitwise_as_if_started_there(cifar_dir,
                                                                                                    cache_dir, tmp_path):
-    """--batch-size 32 where a forward of more than 8 images raises torch.OutOfMemoryError on both ranks (the probe's
-    PROBE_OOM_ABOVE, before the model computes anything): 32 -> 16 -> 8 at step 1, accumulation 1 -> 2 -> 4, the same
-    global batch of 64, so the run's weights equal, bit for bit, those of a run started with --batch-size 8. Resumed
-    from its step-2 checkpoint with --batch-size 32 again (and no error), it keeps the micro-batch of 8 and still
-    ends bitwise equal."""
+    """An out-of-memory error in a training step halves the micro-batch and redoes the step: the run ends with the
+    trainable parameters of a run started at the smaller micro-batch, bitwise. --batch-size 32 where a forward of
+    more than 8 images raises torch.OutOfMemoryError on both ranks (the probe's PROBE_OOM_ABOVE, before the model
+    computes anything): 32 -> 16 -> 8 at step 1, accumulation 1 -> 2 -> 4, the same global batch of 64, so the run's
+    weights equal, bit for bit, those of a run started with --batch-size 8. Resumed from its step-2 checkpoint with
+    --batch-size 32 again (and no error), it keeps the micro-batch of 8 and still ends bitwise equal."""
     flags = ["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), *CHEAP, "--global-batch-size", "64"]
     shrunk, started = tmp_path / "shrunk", tmp_path / "started-at-8"
     result = run_train([*flags, "--batch-size", "32", "--output-dir", str(shrunk), "--checkpoint-every-steps", "2",
@@ -354,6 +371,7 @@ def test_an_out_of_memory_error_halves_the_micro_batch_and_the_run_ends_bitwise_
     assert [n for n in pa if not torch.equal(weights[n], pb[n])] == []
 
 
+@pytest.mark.slow
 def test_an_out_of_memory_error_in_the_middle_of_a_step_redoes_the_step_from_its_start(cifar_dir, cache_dir, tmp_path):
     """One process, 16 x 2 accumulation, 6 steps an epoch: the 14th training forward (step 7's second micro-step,
     after the first one's gradients were accumulated) runs out of memory. The step is redone from its start at 8 x 4:
@@ -378,6 +396,7 @@ def test_an_out_of_memory_error_in_the_middle_of_a_step_redoes_the_step_from_its
     assert [n for n in differ if "running" not in n and "batches_tracked" not in n] == [], differ
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("launch", "flags", "message"), [
     (["--config_file", str(FSDP_CPU_YAML)], ["--batch-size", "16", "--global-batch-size", "64"],
      "out of memory in training step 1 at a micro-batch of 16; under FSDP2 the step cannot be redone (an error inside "
@@ -401,6 +420,8 @@ def test_an_out_of_memory_error_that_cannot_be_halved_away_stops_with_one_line(c
 
 # 8 (and 5). Learning rate ----------------------------------------------------------------------------
 def test_lr_follows_the_linear_scaling_rule_and_the_schedule_counts_optimizer_steps(ddp_jobs):
+    """The learning rate logged at every optimizer step equals values worked out by hand (linear scaling from a
+    global batch of 128, warmup, cosine to 0) to 1e-12, on 2 ranks and on 1 process alike."""
     # Worked out by hand (not with the script's REFERENCE_BATCH or warmup_cosine): --lr 0.1 is for a global batch
     # of 128, so 64 gets 0.05. 200 images in batches of 64 (or 32 x 2 micro-steps) = 3 optimizer steps per epoch,
     # 6 in 2 epochs, warmup 0.5 epoch = round(1.5) = 2 steps; the LR logged after step k is the one for step k + 1:
@@ -500,6 +521,8 @@ def bf16_jobs(cifar_dir, cache_dir, tmp_path_factory) -> dict[str, tuple[Run, st
 
 
 def test_mixed_precision_from_the_yaml_is_what_autocast_runs(ddp_jobs, bf16_jobs):
+    """The launcher's `--mixed_precision bf16` makes the final layer compute in bf16 on both ranks, `cpu.yaml`'s
+    fp32 in fp32, and a CPU without native bf16 prints one warning line."""
     run, stdout = bf16_jobs["bf16"]
     assert run.summary["mixed_precision"] == "bf16"  # the launcher's flag over the YAML's fp32
     assert all(set(p["fc_dtypes"]) == {"torch.bfloat16"} for p in run.probes)

@@ -6,6 +6,7 @@ README stays a front page. Unit checks: no training runs here (the replay comman
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import io
 import re
@@ -306,6 +307,108 @@ def test_the_flags_page_lists_every_option_of_train_cifar_and_train_minimal():
         parser, _ = parse_only(REPO / script, [])
         options = {a.option_strings[0] for a in parser._actions if a.option_strings and a.dest != "help"}
         assert options <= listed[script], f"docs/flags.md lacks {script}'s {sorted(options - listed[script])}"
+
+
+def help_text(parser, flag: str) -> str:
+    """The flag's help as --help prints it, without argparse's " (default: ...)" suffix, whitespace collapsed."""
+    action = parser._option_string_actions[flag]
+    text = " ".join(parser._get_formatter()._expand_help(action).split())
+    return re.sub(r" \(default: [^()]*\)$", "", text)
+
+
+def meaning(cell: str) -> str:
+    """A flags table's meaning cell as plain text: links to other pages dropped, backticks removed."""
+    cell = re.sub(r" ?\(\[[^\]]*\]\([^)]*\)\)", "", cell)
+    return " ".join(cell.replace("`", "").split())
+
+
+def meaning_problems(path: Path) -> list[str]:
+    parsers, problems = {}, []
+    for line, script, flags, _ in flag_tables(path):
+        if script not in parsers:
+            parsers[script] = parse_only(REPO / script, [])[0]
+        cell = path.read_text().splitlines()[line - 1].strip().strip("|").split("|", 2)[2].rsplit("|", 1)[0]
+        for flag in flags:
+            said = meaning(help_text(parsers[script], flag)) if flag in parsers[script]._option_string_actions else None
+            if said is not None and meaning(cell) != said:
+                problems.append(f"line {line}: {script} {flag}: the table says {meaning(cell)!r}, --help says {said!r}")
+    return problems
+
+
+def test_each_flag_rows_meaning_on_the_flags_page_is_what_its_help_says():
+    """docs/flags.md's meaning column, for train_cifar.py, train_vit.py and train_minimal.py: each row's cell, without
+    backticks and links to other pages, is the flag's --help text, so a meaning changed in the help and not on the
+    page (or the reverse) fails here."""
+    problems = meaning_problems(REPO / "docs" / "flags.md")
+    assert not problems, "\n".join(problems)
+    scripts = {script for _, script, _, _ in flag_tables(REPO / "docs" / "flags.md")}
+    assert scripts == {"train_cifar.py", "train_vit.py", "train_minimal.py"}
+
+
+GUARANTEE = re.compile(r"^(?P<claim>.*): (?P<tests>`test_\w+`(?:, `test_\w+`)*)\.$", re.S)
+
+
+def guarantees(text: str) -> list[tuple[str, str, list[str]]]:
+    """(bullet, claim, named tests) for each bullet of the sections headed "Guarantees" or "More guarantees"."""
+    found, inside, bullet = [], False, None
+    for line in [*text.splitlines(), "## end"]:
+        if line.startswith("## ") or line.startswith("- ") or not line.strip():
+            if bullet is not None:
+                match = GUARANTEE.match(" ".join(bullet.split()))
+                found.append((bullet, match["claim"] if match else None,
+                              re.findall(r"test_\w+", match["tests"]) if match else []))
+                bullet = None
+        if line.startswith("## "):
+            inside = line[3:].strip().lower() in ("guarantees", "more guarantees")
+        elif inside and line.startswith("- "):
+            bullet = line[2:]
+        elif inside and bullet is not None and line.startswith("  "):
+            bullet += " " + line.strip()
+    return found
+
+
+def docstrings() -> dict[str, str]:
+    """Every test function's docstring, by name."""
+    return {node.name: ast.get_docstring(node) or "" for f in (REPO / "tests").glob("test_*.py")
+            for node in ast.parse(f.read_text()).body if isinstance(node, ast.FunctionDef)}
+
+
+def plain(text: str) -> str:
+    return " ".join(text.replace("`", "").split()).lower()
+
+
+def guarantee_problems(text: str, docs: dict[str, str]) -> list[str]:
+    problems = []
+    for bullet, claim, tests in guarantees(text):
+        if claim is None:
+            problems.append(f"a guarantee that does not end by naming its tests (CLAIM: `test_a`, `test_b`.): {bullet}")
+        for test in tests:
+            if test not in docs:
+                problems.append(f"{test} does not exist")
+            elif plain(claim) not in plain(docs[test]):
+                problems.append(f"{test}'s docstring does not state the claim {claim!r}")
+    return problems
+
+
+@pytest.mark.parametrize("doc", [REPO / "README.md", REPO / "docs" / "testing.md"], ids=rel)
+def test_each_guarantee_is_stated_in_the_docstring_of_every_test_it_names(doc):
+    """Each bullet under Guarantees (README.md) and More guarantees (docs/testing.md) ends by naming its tests, and
+    each named test's docstring contains the bullet's claim word for word (backticks, case and line breaks aside):
+    a claim or a tolerance changed on one side only fails here."""
+    found = guarantees(doc.read_text())
+    assert len(found) >= 10, f"{rel(doc)}: {len(found)} guarantees found: the format changed?"
+    problems = guarantee_problems(doc.read_text(), docstrings())
+    assert not problems, "\n".join(problems)
+
+
+def test_the_guarantee_check_catches_a_changed_tolerance_and_a_bullet_without_a_test():
+    docs = {"test_x": "Two runs end within 1e-5 of each other. More details."}
+    ok = "## Guarantees\n\n- Two runs end within\n  1e-5 of each other: `test_x`.\n"
+    assert guarantee_problems(ok, docs) == []
+    assert guarantee_problems(ok.replace("1e-5", "1e-6"), docs) == [
+        "test_x's docstring does not state the claim 'Two runs end within 1e-6 of each other'"]
+    assert len(guarantee_problems("## Guarantees\n\n- Two runs agree.\n", docs)) == 1
+    assert guarantee_problems(ok.replace("test_x", "test_y"), docs) == ["test_y does not exist"]
 
 
 def test_every_docs_page_is_linked_from_the_readme():

@@ -84,6 +84,8 @@ def test_fsdp_config_shards_every_block_so_each_rank_holds_half_the_parameters(f
 
 
 def test_fsdp_loss_trajectory_and_weights_match_ddp(fsdp_jobs):
+    """FSDP2 on 2 CPU ranks logs DDP's loss at each of 16 steps to 2e-4 and ends with DDP's weights and EMA to 2e-4
+    (bitwise on some CPUs; a kernel may round differently on others)."""
     fsdp, ddp = logged(fsdp_jobs["fsdp"], "train/loss"), logged(fsdp_jobs["ddp"], "train/loss")
     assert len(fsdp) == len(ddp) == 16
     assert max(abs(a - b) for a, b in zip(fsdp, ddp)) <= TOLERANCE, list(zip(fsdp, ddp))
@@ -129,8 +131,10 @@ def test_fsdp_exported_weights_load_into_a_plain_model(fsdp_jobs):
 
 def test_fsdp_checkpoints_are_sharded_per_rank_and_a_preempted_job_resumes_on_one_process_exactly(
         fsdp_jobs, cifar_dir, cache_dir, tmp_path):
-    """torch.distributed.checkpoint reshards on load: the 2 ranks' shards of the weights and the optimizer state load
-    into one FSDP process, which takes 2 accumulation steps per optimizer step and ends on the 2-rank weights."""
+    """An FSDP2 checkpoint holds one shard file per rank; a job preempted on 2 ranks and resumed on 1 process ends
+    within 2e-4 of the uninterrupted run's trainable parameters and EMA. torch.distributed.checkpoint reshards on
+    load: the 2 ranks' shards of the weights and the optimizer state load into one FSDP process, which takes 2
+    accumulation steps per optimizer step and ends on the 2-rank weights."""
     state = json.loads((fsdp_jobs["fsdp"] / "checkpoints" / "step-00000016" / "trainer_state.json").read_text())
     shards = sorted(name for name in state["files"] if name.endswith(".distcp"))
     assert len(shards) == 6, state["files"].keys()  # model, optimizer and the EMA, one file per rank each

@@ -141,6 +141,8 @@ def fine_tuned(reference, cache_dir, tmp_path_factory) -> dict:
 
 # --init-from ------------------------------------------------------------------------------------------------------
 def test_fine_tuning_from_a_hub_repo_replaces_the_head_and_starts_every_rank_from_the_sources_weights(fine_tuned):
+    """Fine-tuning with `--init-from` a Hub repo starts both ranks from the source's weights bitwise, only the new
+    3-class head fresh."""
     source, init = fine_tuned["source"], fine_tuned["init"]
     assert init[0].keys() == source.keys()
     assert init[0]["fc.weight"].shape == (3, 64) and source["fc.weight"].shape == (10, 64)
@@ -267,6 +269,7 @@ def test_metric_specs_parse_to_a_name_options_and_a_log_key():
 
 
 def test_a_metric_receives_every_test_image_once_exactly_as_gathered_from_both_ranks(fine_tuned):
+    """A `--metric` receives each test image's prediction exactly once, as gathered from both ranks."""
     n = sum(PER_CLASS["test"] for _ in THREE)
     gathered = fine_tuned["probes"][0]["eval_outputs"][0]  # the probe's record of gather_for_metrics's output
     predicted = torch.tensor(gathered["logits"]).argmax(1).tolist()
@@ -342,17 +345,23 @@ def test_a_pushed_repo_reads_back_into_evaluate_checkpoint_on_one_process(fine_t
     assert got["pairs_n"] == n and got["pairs_hits"] == round(got["top1"] * n / 100)
 
 
-def test_push_without_the_hub_stops_before_training_and_deletes_nothing(reference, tmp_path):
+def test_push_without_the_hub_stops_before_training_and_touches_nothing(reference, tmp_path):
+    """--push-to-hub with HF_HUB_OFFLINE=1, over an earlier run with --overwrite: one line, exit 2, and every file of
+    the output folder is there with the same bytes and modification time; nothing is added but the folder's lock."""
     earlier = tmp_path / "earlier"
     shutil.copytree(reference, earlier)
-    before = sorted(str(p.relative_to(earlier)) for p in earlier.rglob("*"))
+
+    def files():
+        return {str(p.relative_to(earlier)): (p.stat().st_mtime_ns, p.read_bytes()) for p in earlier.rglob("*")
+                if p.is_file() and p.name != ".lock"}
+
+    before = files()
     result = run_train(["--output-dir", str(earlier), "--overwrite", *CHECKPOINT_JOB, "--push-to-hub", "tester/x"],
                        env=script_env(HF_HUB_OFFLINE="1"))
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1] == ("error: --push-to-hub tester/x needs the Hub, but HF_HUB_OFFLINE "
                                                       "is set; the run did not start.")
-    after = sorted(str(p.relative_to(earlier)) for p in earlier.rglob("*") if ".lock" not in p.name)
-    assert [p for p in before if p not in after] == []
+    assert files() == before
 
 
 def test_the_model_card_states_data_classes_metrics_command_versions_and_wandb_run(tmp_path):

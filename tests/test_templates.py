@@ -95,6 +95,7 @@ def unexplained(found: list[tuple[list[str], list[str]]]) -> tuple[list, list]:
 
 
 def test_the_two_templates_main_differ_only_where_the_test_lists_a_reason():
+    """`train_cifar.py`'s and `train_vit.py`'s `main()` differ only where the test lists a reason."""
     cifar, vit = main_statements("train_cifar.py"), main_statements("train_vit.py")
     extra, stale = unexplained(differences(cifar, vit))
     shown = "\n".join(f"- train_cifar.py: {a}\n  train_vit.py:   {b}" for a, b in extra)

@@ -28,7 +28,7 @@ import torch
 
 from utils import UserError, first_line
 from utils.batches import SPLITS, channel_stats
-from utils.config_groups import check_source
+from utils.config_groups import DATA_LAYOUTS, check_source
 from utils.launch import first_on_each_machine
 
 EVAL_SPLITS = ("test", "validation")  # the source's evaluation split: the first of these it has
@@ -48,7 +48,7 @@ def find_source(data_dir: str | Path) -> tuple[str, dict[str, list[Path]]]:
     validation (the first of them that is there; neither: a part of train is held out, see hold_out)."""
     root = Path(data_dir)
     if not root.is_dir():
-        raise UserError(f"--data-dir {root} does not exist or is not a directory.")
+        raise UserError(f"--data-dir {root} does not exist or is not a directory. {DATA_LAYOUTS}")
     parquet = {split: sorted(root.rglob(f"{split}-*.parquet")) for split in ("train", *EVAL_SPLITS)}
     if parquet["train"]:
         eval_split = next((s for s in EVAL_SPLITS if parquet[s]), None)
