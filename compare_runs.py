@@ -27,7 +27,7 @@ import struct
 import sys
 import warnings
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from utils import UserError
@@ -43,6 +43,7 @@ class Run:
     config: dict = field(default_factory=dict)
     history: list[dict] = field(default_factory=list)  # one dict per logged step, with _step and _timestamp
     summary: dict = field(default_factory=dict)
+    folder: str | None = None  # the output folder it was read from, as given
 
     def metric(self, summary_key: str, history_key: str, pick=lambda values: values[-1]) -> float:
         """A number from the final summary (summary.json's keys), else from the history (a run that did not finish)."""
@@ -183,14 +184,14 @@ def load(source: str) -> list[Run]:
         if (path / "wandb_runs.txt").is_file():  # W&B wrote elsewhere ($WANDB_DIR); train_cifar.py listed the folders
             folders += [Path(line) for line in (path / "wandb_runs.txt").read_text().split()]
         if not folders and (path / "summary.json").is_file():
-            return [load_summary(path)]
+            return [replace(load_summary(path), folder=str(source))]
         folders = folders or [path]
         lives: dict[str, list[Run]] = {}
         for folder in sorted(folders,
                              key=lambda p: p.name.split("-")[-2] if p.name.count("-") >= 2 else p.name):  # by start
             run = load_local(folder)
             lives.setdefault(run.id, []).append(run)
-        return [merge_lives(parts) for parts in lives.values()]
+        return [replace(merge_lives(parts), folder=str(source)) for parts in lives.values()]
     if WANDB_PATH.fullmatch(source) and not path.exists():
         return [load_wandb_api(source)]
     raise UserError(f"{source} is neither a folder nor a W&B run path (entity/project/run_id).")
@@ -217,11 +218,27 @@ def table(rows: list[list[str]]) -> str:
 
 def run_table(runs: list[Run]) -> str:
     rows = [["run", "group", *COLUMNS]]
-    for run in runs:
+    for run, label in zip(runs, labels(runs, settings=False), strict=True):
         values = [run.metric(*spec) for spec in COLUMNS.values()]
-        rows.append([f"{run.name} ({run.id})", run.group or "-",
-                     *(f"{v:.2f}" if i < 2 else f"{v:,.0f}" for i, v in enumerate(values))])
+        rows.append([label, run.group or "-", *(f"{v:.2f}" if i < 2 else f"{v:,.0f}" for i, v in enumerate(values))])
     return table(rows)
+
+
+def labels(runs: list[Run], settings: bool = True) -> list[str]:
+    """Each run's label: its name (--run-name), else the output folder it was read from, else its W&B id; with
+    `settings`, then the values of the (at most 3) settings that differ between the runs: "runs/a (lr 0.1)". Runs
+    whose labels would be the same get their id too."""
+    differ = differing_settings(runs)[:3] if settings else []
+    out = []
+    for run in runs:
+        base = run.name if run.name and run.name != run.id else (run.folder or run.id)
+        values = ", ".join(f"{k} {shorten(_text(run.config.get(k)), 24)}" for k in differ)
+        out.append(f"{base} ({values})" if values else base)
+    return out if len(set(out)) == len(out) else [f"{label} [{run.id}]" for label, run in zip(out, runs, strict=True)]
+
+
+def _text(value) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
 
 
 def shorten(text: str, width: int = 48) -> str:
@@ -235,15 +252,34 @@ IDENTITY_KEYS = {"output_dir", "run_name", "group", "tags", "wandb_project", "da
                  "push_to_hub"}
 
 
+def differing(runs: list[Run]) -> list[str]:
+    """The config keys whose values differ between the runs, sorted."""
+    keys = sorted({k for run in runs for k in run.config})
+    return [k for k in keys if len({json.dumps(run.config.get(k), sort_keys=True) for run in runs}) > 1]
+
+
+# Facts the run derived from its flags and launch (utils.tracking.run_facts): a label names them after the flags, the
+# process count and precision first.
+LAUNCH_FACTS = ("world_size", "mixed_precision")
+DERIVED_KEYS = {"distributed_type", "batch_size_per_process", "grad_accum", "global_batch", "total_steps",
+                "effective_lr", "wrapper", "parameters", "parameters_on_main_process", "script", "channels_last",
+                "fsdp_param_dtype", "init_weights", "init_new_keys"}
+
+
+def differing_settings(runs: list[Run]) -> list[str]:
+    """The settings that differ between the runs: the flags first, then the launch's facts, then derived ones."""
+    differ = [k for k in differing(runs) if k not in IDENTITY_KEYS]
+    flags = [k for k in differ if k not in DERIVED_KEYS and k not in LAUNCH_FACTS]
+    return [*flags, *(k for k in LAUNCH_FACTS if k in differ), *(k for k in differ if k in DERIVED_KEYS)]
+
+
 def config_differences(runs: list[Run]) -> str:
     """The settings that differ between the runs, as a table; names and paths that differ only listed below it."""
-    keys = sorted({k for run in runs for k in run.config})
-    differ = [k for k in keys if len({json.dumps(run.config.get(k), sort_keys=True) for run in runs}) > 1]
-    settings = [k for k in differ if k not in IDENTITY_KEYS]
-    names = [k for k in differ if k in IDENTITY_KEYS]
+    settings = differing_settings(runs)
+    names = [k for k in differing(runs) if k in IDENTITY_KEYS]
     lines = ["config: the same settings" if not settings else "config keys that differ:"]
     if settings:
-        rows = [["config key", *(run.id for run in runs)]]
+        rows = [["config key", *labels(runs, settings=False)]]
         rows += [[k, *(shorten(json.dumps(run.config.get(k))) for run in runs)] for k in settings]
         lines.append(table(rows))
     if names:
@@ -399,11 +435,12 @@ def figure(runs: list[Run], x: str, y: str, label: str, by_group: bool):
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     curves: dict[str, list[list[tuple[float, float]]]] = {}
-    for run in runs:
-        name = (run.group or run.name) if by_group else f"{run.name} ({run.id})"
+    for run, label in zip(runs, labels(runs), strict=True):
+        name = (run.group or label) if by_group else label
         curves.setdefault(name, []).append(points(run, x, y))
     for name, members in curves.items():
         members = [m for m in members if m]
@@ -419,6 +456,8 @@ def figure(runs: list[Run], x: str, y: str, label: str, by_group: bool):
                 marker="o" if len(xs) <= FEW_POINTS else None)
         ax.fill_between(xs, [min(v) for v in ys], [max(v) for v in ys], alpha=0.25)
     ax.set_xlabel({"_wall": "wall-clock seconds", "_step": "optimizer step"}.get(x, x))
+    if x in ("epoch", "_step"):  # counts: whole-number ticks
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel(label)
     ax.grid(alpha=0.3)
     if ax.lines:

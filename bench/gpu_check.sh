@@ -4,7 +4,7 @@
 # memory (bench/fsdp_memory.py) and speed. Results: OUT/results.json, OUT/summary.txt and one log per part.
 #
 #   bash bench/gpu_check.sh OUT [--data-dir DIR] [--budget SECONDS]        # from the repository root
-#   bash .gpu-kit/on-gpu.sh bash bench/gpu_check.sh OUT                      # an offline GPU machine (docs/gpu-check.md)
+#   bash bench/offline_kit.sh run bash bench/gpu_check.sh OUT                # an offline GPU machine (docs/gpu-check.md)
 #
 # Without CUDA it stops at once with one line (exit 1). Exit 0 only when every part passed. PYTHON picks the
 # interpreter (default: python3, the one that holds torch on the GPU machines this project is lent).

@@ -429,6 +429,8 @@ def test_the_docs_say_what_is_not_what_was(doc):
                          r"went from|before the change)\b", re.I)
     found = [m[0] for m in history.finditer(prose(doc.read_text()))]
     assert not found, f"{rel(doc)}: history in the docs: {found}"
+    commits = re.findall(r"\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b", prose(doc.read_text()))
+    assert not commits, f"{rel(doc)}: commit hashes in the docs (git has the history): {commits}"
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -88,10 +88,12 @@ def test_compare_runs_prints_each_runs_real_final_top1_and_writes_plots(tracked_
     result = compare(tracked_runs["a0"], tracked_runs["b"], "--plots", tmp_path / "plots")
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
-    for name in ("a0", "b"):
+    # a run is labelled by its name (--run-name), else the output folder it was read from; never by its id twice
+    for name, label in (("a0", str(tracked_runs["a0"])), ("b", "b-run")):
         s = read_summary(tracked_runs[name])
-        row = next(line for line in lines if f"({_run_id(tracked_runs[name])})" in line)
+        row = next(line for line in lines if line.startswith(label + " "))
         assert f"{s['eval_top1']:.2f}" in row.split() and f"{s['best_eval_top1']:.2f}" in row.split()
+        assert _run_id(tracked_runs[name]) not in row
     differ = lines[lines.index("config keys that differ:") + 1:]
     keys = [line.split()[0] for line in differ if line.strip() and not line.startswith("also different")]
     assert "lr" in keys and "world_size" in keys and "epochs" not in keys and "model" not in keys
@@ -120,6 +122,18 @@ def test_a_run_with_fewer_logged_steps_than_epochs_still_draws_every_chart():
     assert drawn["train_loss_vs_step.png"] == ([40], [1.95])
     assert drawn["train_epoch_loss_vs_epoch.png"] == ([1, 2, 3], [pytest.approx(v) for v in (2.1, 1.9, 1.7)])
     assert drawn["eval_top1_vs_wall_clock.png"][0] == [0.0, 10.0, 20.0]
+
+
+def test_chart_legends_name_each_run_with_the_settings_that_differ_and_epochs_are_whole_numbers(tracked_runs):
+    """Two plain runs (no --run-name) that differ in lr and process count: each curve's legend is the run's output
+    folder and the differing settings' values; the epoch axis has whole-number ticks only."""
+    runs = [*compare_runs.load(str(tracked_runs["a0"])), *compare_runs.load(str(tracked_runs["b"]))]
+    fig = compare_runs.figure(runs, "epoch", "eval/top1", "eval top-1 (%)", by_group=False)
+    legend = [text.get_text() for text in fig.axes[0].get_legend().get_texts()]
+    assert legend[0].startswith(f"{tracked_runs['a0']} (") and "lr 0.05" in legend[0] and "world_size 1" in legend[0]
+    assert legend[1].startswith("b-run (") and "lr 0.2" in legend[1] and "world_size 2" in legend[1]
+    ticks = [t for t in fig.axes[0].get_xticks() if fig.axes[0].get_xlim()[0] <= t <= fig.axes[0].get_xlim()[1]]
+    assert ticks and all(float(t).is_integer() for t in ticks), ticks
 
 
 def _run_id(out: Path) -> str:
