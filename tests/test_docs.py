@@ -411,6 +411,36 @@ def test_the_guarantee_check_catches_a_changed_tolerance_and_a_bullet_without_a_
     assert guarantee_problems(ok.replace("test_x", "test_y"), docs) == ["test_y does not exist"]
 
 
+MEASURED = re.compile(r"(?<![\w./-])\d[\d,.]*\s?(?:img/s|images/s)(?![\w/])|\b\d[\d.]*x (?:faster|slower)\b"
+                      r"|\b(?:took|measured at) \d[\d,.]*\s?(?:s|min|ms)\b")
+
+
+def measured_outside_performance(text: str) -> list[str]:
+    """Measured figures (a rate in images/s, "N x faster/slower", "took N s") in prose and not in code, in a sentence
+    that does not link to performance.md, where every measured figure lives with its command, machine and date."""
+    text = re.sub(r"`[^`]*`", "", prose(text))
+    found = []
+    for sentence in re.split(r"(?<=[.;])\s+", text):
+        if "performance.md" not in sentence:
+            found += [m[0] for m in MEASURED.finditer(sentence)]
+    return found
+
+
+@pytest.mark.parametrize("doc", [d for d in DOCS if d.name != "performance.md"], ids=rel)
+def test_measured_figures_live_in_performance_md_or_link_to_it(doc):
+    """A speed or time measured on some machine appears in docs/performance.md (with its command, machine and date);
+    elsewhere only in a sentence that links there."""
+    found = measured_outside_performance(doc.read_text())
+    assert not found, f"{rel(doc)}: measured figures without a link to performance.md: {found}"
+
+
+def test_the_measured_figure_check_catches_a_rate_and_a_speedup_without_a_link():
+    assert measured_outside_performance("It trains 590 img/s on a Xeon. It is 1.2x faster there.") == [
+        "590 img/s", "1.2x faster"]
+    assert measured_outside_performance("It trains 590 img/s ([performance.md](performance.md)).") == []
+    assert measured_outside_performance("ResNet-18 img/s and MFU; `took 3 s` in code.") == []
+
+
 def test_every_docs_page_is_linked_from_the_readme():
     readme = (REPO / "README.md").read_text()
     unlinked = [rel(d) for d in DOCS[1:] if f"({rel(d)})" not in readme]
