@@ -191,6 +191,10 @@ def test_weights_of_another_architecture_stop_with_one_line_naming_the_keys(tmp_
     line = str(e.value)
     assert "\n" not in line and "does not hold --model resnet18 weights (it was trained as --model resnet9)" in line
     assert "missing: bn1.bias" in line and "unexpected: 0.weight" in line
+    # weights a copy of the script trained: the line names that script (its build_model is the one to fine-tune with)
+    (tmp_path / "summary.json").write_text(json.dumps({"model": "resnet9", "script": {"name": "my_train.py"}}))
+    with pytest.raises(UserError, match=r"\(it was trained as --model resnet9 by my_train\.py\): missing"):
+        init_weights(named_model("resnet18"), str(tmp_path), "resnet18", accelerator)
 
 
 def test_a_missing_or_unreadable_weights_file_stops_with_one_line(tmp_path, accelerator):

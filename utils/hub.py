@@ -59,7 +59,7 @@ def init_weights(model: torch.nn.Module, source: str | None, model_name: str, ac
     if any(problems.values()):
         listed = "; ".join(f"{kind}: {', '.join(keys[:4])}{f' (+{len(keys) - 4} more)' if len(keys) > 4 else ''}"
                            for kind, keys in problems.items() if keys)
-        trained = f" (it was trained as --model {name})" if (name := trained_as(summary)) else ""
+        trained = f" (it was trained as {what})" if (what := trained_as(summary)) else ""
         raise UserError(f"--init-from {source} does not hold --model {model_name} weights{trained}: "
                         f"{listed}.")
     model.load_state_dict({k: v for k, v in state.items() if k not in new}, strict=False)
@@ -123,10 +123,14 @@ def torchvision_weights(source: str, model_name: str) -> dict[str, torch.Tensor]
 
 
 def trained_as(summary: Path | None) -> str | None:
-    """The --model a summary.json names (None: no summary, or an unreadable one)."""
+    """What built the weights, from the summary.json beside them: "--model M", and "by SCRIPT" when the summary
+    records the training script (a copy's build_model: fine-tune with a copy of that script). None: no summary, or
+    an unreadable one."""
     try:
-        return json.loads(summary.read_text())["model"] if summary else None
-    except (OSError, ValueError, KeyError):
+        recorded = json.loads(summary.read_text()) if summary else None
+        script = (recorded.get("script") or {}).get("name") if recorded else None
+        return f"--model {recorded['model']}{f' by {script}' if script else ''}" if recorded else None
+    except (OSError, ValueError, KeyError, AttributeError):
         return None
 
 
