@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from utils.batches import data_facts
 from utils.checkpoint import WRITE_ERRORS, raise_if_write_failed, write_error
 
 PREPROCESSOR_FILE = "preprocessor_config.json"
@@ -32,12 +33,13 @@ def preprocessing(data: dict) -> dict:
     """How an image becomes the model's input, in the keys of transformers' image processors: converted to RGB,
     resized to S x S (bicubic: how the decoder resizes images of another size), scaled by 1/255, normalised with the
     training images' per-channel mean and std, channels first. Training also crops and flips; evaluation does not."""
-    size = data["image_size"]
+    facts = data_facts(data)  # the size, mean, std and classes as summary.json records them
+    size = facts["image_size"]
     return {"do_convert_rgb": True, "do_resize": True, "size": {"height": size, "width": size},
             "resample": 3,  # PIL.Image.Resampling.BICUBIC
             "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
-            "image_mean": [float(m) for m in data["mean"]], "image_std": [float(s) for s in data["std"]],
-            "data_format": "channels_first", "num_classes": len(data["classes"]), "classes": list(data["classes"])}
+            "image_mean": facts["image_mean"], "image_std": facts["image_std"], "data_format": "channels_first",
+            "num_classes": len(facts["classes"]), "classes": facts["classes"]}
 
 
 def export_weights(accelerator, model, path: Path) -> None:

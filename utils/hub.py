@@ -126,11 +126,13 @@ def trained_as(summary: Path | None) -> str | None:
     """What built the weights, from the summary.json beside them: "--model M", and "by SCRIPT" when the summary
     records the training script (a copy's build_model: fine-tune with a copy of that script). None: no summary, or
     an unreadable one."""
+    if summary is None:
+        return None
     try:
-        recorded = json.loads(summary.read_text()) if summary else None
-        script = (recorded.get("script") or {}).get("name") if recorded else None
-        return f"--model {recorded['model']}{f' by {script}' if script else ''}" if recorded else None
-    except (OSError, ValueError, KeyError, AttributeError):
+        recorded = json.loads(summary.read_text())
+        script = (recorded.get("script") or {}).get("name")
+        return f"--model {recorded['model']}" + (f" by {script}" if script else "")
+    except (OSError, ValueError, KeyError, AttributeError):  # AttributeError: JSON that is not an object
         return None
 
 
@@ -205,7 +207,7 @@ def hub_folder(output_dir: Path, summary: dict, repo_id: str) -> Path:
     return folder
 
 
-def fmt(values: list[float]) -> str:
+def _per_channel(values: list[float]) -> str:
     return "(" + ", ".join(f"{v:.4f}" for v in values) + ")"
 
 
@@ -248,8 +250,8 @@ def model_card(summary: dict, repo_id: str) -> str:
         *([f"W&B run: {wandb.get('url') or wandb.get('id')} (project {wandb.get('project')}).", ""] if wandb else []),
         "## Use", "",
         *([f"Inputs: RGB, {summary['image_size']} x {summary['image_size']} px, scaled to [0, 1], normalised with the "
-           f"per-channel mean {fmt(summary['image_mean'])} and std {fmt(summary['image_std'])}, channels first "
-           f"(`{PREPROCESSOR_FILE}` says the same in the keys of Hugging Face's image processors).", ""]
+           f"per-channel mean {_per_channel(summary['image_mean'])} and std {_per_channel(summary['image_std'])}, "
+           f"channels first (`{PREPROCESSOR_FILE}` says the same in the keys of Hugging Face's image processors).", ""]
           if "image_mean" in summary else []),
         f"`model.safetensors` (the final weights; `best.safetensors`: those of the best evaluation) loads into what "
         f"`build_model(cfg, {len(summary['classes'])})` of `{script}` returns with this config (`load_state_dict`); "
