@@ -94,8 +94,9 @@ class Config(HubConfig, LoggingConfig, CheckpointConfig, EvaluationConfig, DataC
     epochs: int = opt(30, "passes over the training set")
     batch_size: int = opt(128, "images per process per micro-step (the micro-batch); global batch = batch_size x "
                           "processes x accumulation")
-    global_batch_size: int | None = opt(None, "fix the global batch: accumulation = this / (batch_size x processes), "
-                                        "exactly, so any process count trains the same steps; unset: from grad_accum")
+    global_batch_size: int | None = opt(None, "fix the global batch, so any process count trains the same "
+                                        "steps: accumulation = this / (batch_size x processes), exactly; unset: "
+                                        "from grad_accum")
     lr: float = opt(0.1, "peak learning rate, reached after warmup")
     scale_lr: bool = opt(False, f"linear scaling rule: lr x global_batch / {REFERENCE_BATCH}")
     optimizer: str = opt("sgd", "sgd (momentum 0.9, Nesterov) or adamw", ("sgd", "adamw"))

@@ -322,16 +322,36 @@ def meaning(cell: str) -> str:
     return " ".join(cell.replace("`", "").split())
 
 
-def meaning_problems(path: Path) -> list[str]:
+def without_asides(text: str) -> str:
+    """The text without its parenthesised asides (nested ones included) and the space before each."""
+    kept, depth = [], 0
+    for char in text:
+        depth += char == "("
+        if depth == 0:
+            kept.append(char)
+        depth -= char == ")" and depth > 0
+    return " ".join("".join(kept).replace(" ,", ",").replace(" ;", ";").split())
+
+
+def summaries(help: str) -> set[str]:
+    """What a summary of a flag's help may say: the help without its asides, whole or cut before a `,`, `:` or `;`."""
+    short = without_asides(help)
+    return {short} | {short[:m.start()] for m in re.finditer(r"[,:;] ", short)}
+
+
+def meaning_problems(path: Path, summary: bool = False) -> list[str]:
+    """Rows whose meaning is not the flag's help: the whole help, or with `summary`, one of its `summaries`."""
     parsers, problems = {}, []
     for line, script, flags, _ in flag_tables(path):
         if script not in parsers:
             parsers[script] = parse_only(REPO / script, [])[0]
-        cell = path.read_text().splitlines()[line - 1].strip().strip("|").split("|", 2)[2].rsplit("|", 1)[0]
+        cell = meaning(path.read_text().splitlines()[line - 1].strip().strip("|").split("|", 2)[2].rsplit("|", 1)[0])
         for flag in flags:
-            said = meaning(help_text(parsers[script], flag)) if flag in parsers[script]._option_string_actions else None
-            if said is not None and meaning(cell) != said:
-                problems.append(f"line {line}: {script} {flag}: the table says {meaning(cell)!r}, --help says {said!r}")
+            if flag not in parsers[script]._option_string_actions:
+                continue
+            said = meaning(help_text(parsers[script], flag))
+            if cell not in (summaries(said) if summary else {said}):
+                problems.append(f"line {line}: {script} {flag}: the table says {cell!r}, --help says {said!r}")
     return problems
 
 
@@ -343,6 +363,23 @@ def test_each_flag_rows_meaning_on_the_flags_page_is_what_its_help_says():
     assert not problems, "\n".join(problems)
     scripts = {script for _, script, _, _ in flag_tables(REPO / "docs" / "flags.md")}
     assert scripts == {"train_cifar.py", "train_vit.py", "train_minimal.py"}
+
+
+def test_each_flag_rows_meaning_in_the_readme_is_its_help_without_asides_or_cut_at_a_clause():
+    """The README's flags table (train_cifar.py) summarises: each meaning is the flag's --help text without its
+    parenthesised asides, whole or cut before a comma, colon or semicolon, so the front page never says what the help
+    does not."""
+    problems = meaning_problems(REPO / "README.md", summary=True)
+    assert not problems, "\n".join(problems)
+    assert len(list(flag_tables(REPO / "README.md"))) >= 8
+
+
+def test_a_readme_summary_may_cut_the_help_at_a_clause_but_not_reword_it():
+    help = "fix the global batch: accumulation = this / (batch_size x processes), exactly; unset: from grad_accum"
+    assert "fix the global batch" in summaries(help)
+    assert "fix the global batch: accumulation = this /, exactly" in summaries(help)
+    assert "fix the global batch; accumulation takes up the process count" not in summaries(help)
+    assert without_asides("decay (e.g. 0.999; as min(D, (1+t)/(10+t)) at t), evaluated") == "decay, evaluated"
 
 
 GUARANTEE = re.compile(r"^(?P<claim>.*): (?P<tests>`test_\w+`(?:, `test_\w+`)*)\.$", re.S)
