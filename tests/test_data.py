@@ -23,7 +23,7 @@ from conftest import (
 )
 from PIL import Image
 
-from utils import UserError, batches, decode
+from utils import UserError, batches, decode, sources
 from utils.batches import BatchTransform, augment_draws, make_loader
 from utils.decode import default_cache_dir, load_source
 
@@ -370,7 +370,7 @@ def test_image_folder_bad_input_is_named_in_one_sentence(tmp_path, accelerator):
     write_image_folder(folder, CIFAR_CLASSES)
     (folder / "train" / "zebra").mkdir()
     assert _folder_error(tmp_path, accelerator) == f"the class folder {folder / 'train' / 'zebra'} holds no image " \
-                                                   f"({', '.join(decode.IMAGE_SUFFIXES)})."
+                                                   f"({', '.join(sources.IMAGE_SUFFIXES)})."
     Image.new("RGB", (32, 32)).save(folder / "train" / "zebra" / "0.png")
     assert _folder_error(tmp_path, accelerator) == f"--data-dir {folder}: train/ and test/ have different class " \
                                                    f"folders (zebra only in one of them)."

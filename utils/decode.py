@@ -1,20 +1,18 @@
-"""Image classification data, decoded once: read a source (local parquet files, an image folder, or a Hub dataset),
-hold out an evaluation part when the source has none, and decode every image, in parallel, straight into a
-safetensors cache file through a memory map: one (N, S, S, 3) uint8 tensor per split (channels-last, as JPEGs
+"""Image classification data, decoded once: read a source (utils/sources.py: local parquet files, an image folder,
+or a Hub dataset, with an evaluation part held out when it has none), and decode every image, in parallel, straight
+into a safetensors cache file through a memory map: one (N, S, S, 3) uint8 tensor per split (channels-last, as JPEGs
 decode and as the models run), keyed by the source files and the decode settings. Every process then reads the
 images through a map of that file: a machine's processes share one copy in the page cache, and a dataset larger
 than memory trains from disk. This is the module to replace for data none of its sources covers; what its result
 must satisfy is utils/batches.py's contract (docs/customizing.md).
 
 `load_source` is the entry point: the first process of each machine reads and decodes, the others wait for it and then
-read the cache. `datasets`' own builders (`parquet`, `imagefolder`, `load_dataset`) read the sources.
+read the cache. For images too large to cache decoded, utils/onthefly.py decodes each as a batch asks for it.
 """
 
 from __future__ import annotations
 
-import errno
 import hashlib
-import io
 import json
 import multiprocessing
 import os
@@ -28,121 +26,25 @@ import torch
 
 from utils import UserError, first_line
 from utils.batches import SPLITS, channel_stats
-from utils.config_groups import DATA_LAYOUTS, check_source
 from utils.launch import first_on_each_machine
+from utils.sources import Rows, first_size, locate, open_image, place, read_rows, split_rows
 
-EVAL_SPLITS = ("test", "validation")  # the source's evaluation split: the first of these it has
-VAL_FRACTION = 0.1  # held out of train for evaluation when the source has no evaluation split
 CACHE_FORMAT = 6  # bump when the cache file changes (4: class names, mean and std; 5: held-out splits; 6: mean and
 # std as tensors, labels first: decoded into through a memory map)
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
-IMAGE_COLUMNS, LABEL_COLUMNS = ("img", "image"), ("label", "labels", "fine_label")
 
 
-# ----------------------------------------------------------------------------------------------------
-# Source: local parquet files, an image folder, or the Hub
-# ----------------------------------------------------------------------------------------------------
-def find_source(data_dir: str | Path) -> tuple[str, dict[str, list[Path]]]:
-    """What --data-dir holds: ("parquet", {split: its <split>-*.parquet files at any depth, as in a Hub snapshot}) or
-    ("imagefolder", {split: the image files of <split>/<class>/}), for the splits found: train, and test or
-    validation (the first of them that is there; neither: a part of train is held out, see hold_out)."""
-    root = Path(data_dir)
-    if not root.is_dir():
-        raise UserError(f"--data-dir {root} does not exist or is not a directory. {DATA_LAYOUTS}")
-    parquet = {split: sorted(root.rglob(f"{split}-*.parquet")) for split in ("train", *EVAL_SPLITS)}
-    if parquet["train"]:
-        eval_split = next((s for s in EVAL_SPLITS if parquet[s]), None)
-        return "parquet", {s: parquet[s] for s in ("train", eval_split) if s}
-    if (root / "train").is_dir() and any(d.is_dir() for d in (root / "train").iterdir()):
-        return "imagefolder", _image_folder_files(root)
-    raise UserError(
-        f"--data-dir {root} holds no train-*.parquet file and no image folder (train/<class>/*.png, "
-        f"test/<class>/...); expected the parquet layout of a Hub dataset (data/train-*.parquet), or such a folder."
-    )
 
 
-def _image_folder_files(root: Path) -> dict[str, list[Path]]:
-    splits = ["train"] + [s for s in EVAL_SPLITS if (root / s).is_dir()][:1]
-    files, classes = {}, {}
-    for split in splits:
-        folder = root / split
-        classes[split] = sorted(d.name for d in folder.iterdir() if d.is_dir())
-        for name in classes[split]:
-            if not any(f.suffix.lower() in IMAGE_SUFFIXES for f in (folder / name).iterdir()):
-                raise UserError(f"the class folder {folder / name} holds no image ({', '.join(IMAGE_SUFFIXES)}).")
-        files[split] = sorted(f for f in folder.rglob("*") if f.suffix.lower() in IMAGE_SUFFIXES)
-    if len(splits) == 2 and classes["train"] != classes[splits[1]]:
-        differ = sorted(set(classes["train"]) ^ set(classes[splits[1]]))
-        raise UserError(f"--data-dir {root}: train/ and {splits[1]}/ have different class folders ({', '.join(differ)} "
-                        f"only in one of them).")
-    return files
 
 
-def _read_local(kind: str, files: dict[str, list[Path]]):
-    """The splits through datasets' packaged builder for the kind ('parquet' or 'imagefolder'); both work offline."""
-    import datasets
-    import pyarrow.parquet as pq
-
-    for path in (p for paths in files.values() for p in paths if kind == "parquet"):
-        try:  # reading the footer names the broken file; load_dataset's error would not
-            pq.read_metadata(path)
-        except Exception as e:
-            raise UserError(f"{path} is not a readable parquet file ({first_line(e)}).") from None
-    try:
-        if kind == "parquet":  # a builder per split: one for both would cast the test file to the train file's features
-            return {s: datasets.load_dataset(kind, data_files={s: [str(p) for p in ps]}, split=s)  # (class names too)
-                    for s, ps in files.items()}
-        return datasets.load_dataset(kind, data_files={s: [str(p) for p in ps] for s, ps in files.items()})
-    except Exception as e:
-        cause = _root_cause(e)  # load_dataset wraps the real reason (a full disk, say) in DatasetGenerationError
-        if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
-            cache = Path(datasets.config.HF_DATASETS_CACHE)
-            free = shutil.disk_usage(cache if cache.exists() else Path.home()).free
-            raise UserError(
-                f"no space left on device while datasets copied {files['train'][0].parent} into its cache {cache} "
-                f"({free / 2**20:,.0f} MiB free); free some space or point HF_DATASETS_CACHE at a larger disk."
-            ) from None
-        raise UserError(f"cannot read the {kind} files in {files['train'][0].parent}: {first_line(cause)}") from None
 
 
-def _read_hub(name: str):
-    import datasets
 
-    try:
-        return datasets.load_dataset(name)
-    except Exception as e:
-        raise UserError(
-            f"could not download {name} from the Hugging Face Hub ({first_line(e)}); either pass "
-            f"--data-dir with a local copy (train-*.parquet and test-*.parquet, or an image folder) or run with "
-            f"internet access."
-        ) from None
-
-
-def _root_cause(e: BaseException) -> BaseException:
-    """The innermost exception of a chain (raise ... from ..., or raised while handling another)."""
-    seen = {id(e)}
-    while (inner := e.__cause__ or e.__context__) is not None and id(inner) not in seen:
-        seen.add(id(inner))
-        e = inner
-    return e
 
 
 # ----------------------------------------------------------------------------------------------------
 # Decode once into uint8 tensors
 # ----------------------------------------------------------------------------------------------------
-def _column(ds, split: str, names: tuple[str, ...], what: str, given: str | None) -> str:
-    """The split's image or label column: `given` (--image-column / --label-column), else the first of `names`."""
-    if given is not None:
-        if given not in ds.column_names:
-            raise UserError(f"the {split} split has no column {given!r} (--{what}-column); its columns: "
-                            f"{ds.column_names}.")
-        return given
-    found = [n for n in names if n in ds.column_names]
-    if not found:
-        article = "an" if what == "image" else "a"
-        raise UserError(f"the {split} split has columns {ds.column_names}; expected {article} {what} column named "
-                        f"{' or '.join(repr(n) for n in names)} (or name it with --{what}-column).")
-    return found[0]
 
 
 def decode_split(ds, split: str, size: int | None = None, columns: tuple[str | None, str | None] = (None, None)
@@ -153,99 +55,41 @@ def decode_split(ds, split: str, size: int | None = None, columns: tuple[str | N
     (image column, label column) instead of those names. Every image is converted to RGB and resized to S x S (size;
     None: the split's own size, which all its images must share). In memory, one process (load_source decodes into
     the cache file, in parallel)."""
-    rows = _rows(ds, split, columns)
+    rows = read_rows(ds, split, columns)
     size, same_as = (size, None) if size else first_size({split: rows})
     images = np.empty((len(rows), size, size, 3), dtype=np.uint8)
     _decode_rows(rows, size, images, 0, len(rows), same_as)
     return torch.from_numpy(images).permute(0, 3, 1, 2), rows.labels, rows.names
 
 
-class _Rows:
-    """A split's undecoded images (each a parquet row's bytes or an image folder's path), labels and class names;
-    `numbers`: each row's number in the source split, for messages."""
-
-    def __init__(self, sources: list, labels: torch.Tensor, names: tuple[str, ...] | None, split: str,
-                 numbers: torch.Tensor | None = None):
-        self.sources, self.labels, self.names, self.split = sources, labels, names, split
-        self.numbers = numbers if numbers is not None else torch.arange(len(sources))
-
-    def __len__(self) -> int:
-        return len(self.sources)
-
-    def take(self, order: torch.Tensor) -> _Rows:
-        """These rows in `order` (indices): shuffles and held-out parts are chosen before decoding, as orders."""
-        return _Rows([self.sources[i] for i in order.tolist()], self.labels[order], self.names, self.split,
-                     self.numbers[order])
 
 
-def _rows(ds, split: str, columns: tuple[str | None, str | None]) -> _Rows:
-    from datasets import ClassLabel
-    from datasets import Image as ImageFeature
-
-    image_col = _column(ds, split, IMAGE_COLUMNS, "image", columns[0])
-    label_col = _column(ds, split, LABEL_COLUMNS, "label", columns[1])
-    if not isinstance(ds.features[image_col], ImageFeature):
-        raise UserError(f"the {split} split's column {image_col!r} is {ds.features[image_col]}, not images.")
-    feature = ds.features[label_col]
-    names = tuple(feature.names) if isinstance(feature, ClassLabel) else None
-    if names is None and not (hasattr(feature, "dtype") and feature.dtype.startswith(("int", "uint"))):
-        raise UserError(f"the {split} split's label column {label_col!r} is {feature}, neither class names (a "
-                        f"ClassLabel) nor integers.")
-    # Undecoded: we decode straight into the cache file instead of one PIL object per row. A parquet row holds the
-    # image's bytes; an image folder's row holds its path.
-    table = ds.cast_column(image_col, ImageFeature(decode=False)).with_format("arrow")[:]
-    column = table.column(image_col).combine_chunks()
-    sources = [blob if blob is not None else path for blob, path in
-               zip(column.field("bytes").to_pylist(), column.field("path").to_pylist())]
-    labels = torch.from_numpy(table.column(label_col).to_numpy(zero_copy_only=False).astype(np.int64))
-    return _Rows(sources, labels, names, split)
 
 
-def _open(source, split: str, where: str):
-    """The PIL image of a row (lazy: only its header is read until the pixels are asked for); one line if broken."""
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        return Image.open(io.BytesIO(source) if isinstance(source, bytes) else source)
-    except (UnidentifiedImageError, OSError, TypeError) as e:
-        raise UserError(f"the {split} split has an undecodable image at {where} ({first_line(e)}).") from None
 
 
-def _where(rows: _Rows, i: int) -> str:
-    source = rows.sources[i]
-    return f"row {int(rows.numbers[i])}" if isinstance(source, bytes) else str(source)
 
 
-def first_size(splits: dict[str, _Rows]) -> tuple[int, str]:
-    """The first image's size, which must be square, and where it is: every other image must share it when no
-    --image-size is given (the decode checks each as it opens it: one pass over the files)."""
-    rows = next(iter(splits.values()))
-    with _open(rows.sources[0], rows.split, _where(rows, 0)) as im:
-        (w, h), where = im.size, f"{im.size[0]}x{im.size[1]} (the {rows.split} split's {_where(rows, 0)})"
-    if w != h:
-        raise UserError(f"the images do not share one square size ({where}); pass --image-size S to resize every "
-                        f"image to S x S.")
-    return w, where
 
 
-def _decode_rows(rows: _Rows, size: int, out: np.ndarray, start: int, stop: int, same_as: str | None = None) -> None:
+def _decode_rows(rows: Rows, size: int, out: np.ndarray, start: int, stop: int, same_as: str | None = None) -> None:
     """Decodes rows start..stop-1 into out[start:stop] ((N, S, S, 3) uint8: a memory map of the cache file), each
     resized to S x S; same_as (the first image's size and place, see first_size): instead, each must be S x S."""
     from PIL import Image
 
     for i in range(start, stop):
         try:
-            with _open(rows.sources[i], rows.split, _where(rows, i)) as im:
+            with open_image(rows.sources[i], rows.split, place(rows, i)) as im:
                 if im.size != (size, size) and same_as:
                     raise UserError(f"the images do not share one square size ({same_as}, {im.size[0]}x{im.size[1]} "
-                                    f"(the {rows.split} split's {_where(rows, i)})); pass --image-size S to resize "
+                                    f"(the {rows.split} split's {place(rows, i)})); pass --image-size S to resize "
                                     f"every image to S x S.")
                 im = im.convert("RGB")  # grayscale repeated into 3 channels, RGBA's alpha dropped, palettes expanded
                 if im.size != (size, size):
                     im = im.resize((size, size), Image.Resampling.BICUBIC)
                 out[i] = np.asarray(im)
         except OSError as e:  # a header that reads but pixels that do not (a truncated file)
-            raise UserError(f"the {rows.split} split has an undecodable image at {_where(rows, i)} "
+            raise UserError(f"the {rows.split} split has an undecodable image at {place(rows, i)} "
                             f"({first_line(e)}).") from None
 
 
@@ -258,7 +102,7 @@ def _decode_chunk(role: str, start: int, stop: int) -> None:
     _decode_rows(rows[role], size, outputs[role], start, stop, same_as)
 
 
-def decode_all(rows: dict[str, _Rows], outputs: dict[str, np.ndarray], size: int, workers: int,
+def decode_all(rows: dict[str, Rows], outputs: dict[str, np.ndarray], size: int, workers: int,
                same_as: str | None = None) -> None:
     """Decodes every split's rows into its output array (_decode_rows), with `workers` processes. The workers are
     forked (as PyTorch's DataLoader workers are): they inherit the rows and the outputs, memory maps of the cache file
@@ -290,29 +134,6 @@ def decode_all(rows: dict[str, _Rows], outputs: dict[str, np.ndarray], size: int
         _JOB = None
 
 
-def _classes(rows: dict[str, _Rows], eval_name: str) -> tuple[str, ...]:
-    """The class names both splits share: the ClassLabel's, or "0".."C-1" for integer labels, which must then be
-    exactly 0..C-1 in the training split (C: how many distinct labels it has). Every label must name a class.
-    Checked before decoding."""
-    names = {role: r.names for role, r in rows.items()}
-    if names["train"] != names["test"]:
-        described = {s: ", ".join(n[:12]) + (", ..." if len(n) > 12 else "") if n else "integers" for s, n in
-                     names.items()}
-        raise UserError(f"the train and {eval_name} splits have different classes (train: {described['train']}; "
-                        f"{eval_name}: {described['test']}).")
-    classes = names["train"]
-    if classes is None:
-        count = len(torch.unique(rows["train"].labels))
-        classes = tuple(str(k) for k in range(count))
-    for r in rows.values():
-        bad = torch.nonzero((r.labels < 0) | (r.labels >= len(classes))).flatten()
-        if len(bad):
-            why = (f"labels must be 0-{len(classes) - 1}" if names["train"] else
-                   f"a label column without class names must hold the integers 0..C-1, and the training split has "
-                   f"{len(classes)} distinct labels")
-            raise UserError(f"the {r.split} split has label {int(r.labels[bad[0]])} at row {int(r.numbers[bad[0]])} "
-                            f"({len(bad)} rows in all); {why}.")
-    return classes
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -379,7 +200,7 @@ def _layout(counts: dict[str, int], size: int, classes: tuple[str, ...]) -> tupl
         start + offset
 
 
-def _decode_into_cache(path: Path, rows: dict[str, _Rows], size: int, same_as: str | None, classes, workers: int,
+def _decode_into_cache(path: Path, rows: dict[str, Rows], size: int, same_as: str | None, classes, workers: int,
                        log) -> dict:
     """Decodes the rows into a new cache file at `path` through a memory map (no copy of the images in this
     process's memory, so a dataset larger than memory decodes), then reads it back as _read_cache does. The file is
@@ -450,9 +271,6 @@ def load_source(data_dir: str | None, dataset: str | None = None, image_size: in
     they read it (first_on_each_machine: an input error found there stops every process with its line). Where the
     cache could not be written, each process decodes for itself with its share of the cores.
     """
-    check_source(data_dir, dataset, val_fraction)
-    if data_dir is None and dataset is None:
-        raise UserError("no data: pass --data-dir (a local folder) or --dataset (a Hub dataset id).")
     settings = {"image_size": image_size, "columns": list(columns), "val_fraction": val_fraction}
     workers = decode_workers or len(os.sched_getaffinity(0))
     log = print if int(os.environ.get("RANK", "0")) == 0 else (lambda *_: None)
@@ -462,54 +280,19 @@ def load_source(data_dir: str | None, dataset: str | None = None, image_size: in
 
 
 def _load(data_dir, dataset: str, cache_dir, log, settings: dict, workers: int):
-    if data_dir is not None:
-        kind, files, dsd = *find_source(data_dir), None
-        splits, paths = list(files), [p for ps in files.values() for p in ps]
-    else:
-        kind, dsd = "hub", _read_hub(dataset)  # the Hub client's own cache makes this cheap after the first download
-        splits = list(dsd)
-        if "train" not in splits:
-            raise UserError(f"the Hub dataset {dataset} has no train split (its splits: {', '.join(splits)}).")
-        paths = [f["filename"] for s in dsd for f in dsd[s].cache_files]
-    source_eval = next((s for s in EVAL_SPLITS if s in splits), None)
-    fraction = settings["val_fraction"] or (None if source_eval else VAL_FRACTION)
-    eval_split = f"{fraction:g} of train, held out" if fraction else source_eval
-    key = _fingerprint(paths, {**settings, "val_fraction": fraction})
+    source = locate(data_dir, dataset, settings["val_fraction"])
+    key = _fingerprint(source.paths, {**settings, "val_fraction": source.fraction})
     path = (Path(cache_dir) if cache_dir else default_cache_dir(data_dir)) / f"images-{key}.safetensors"
     data = _read_cache(path) if path.exists() else None
     if data is None:
         log(f"decoding the images once into uint8 tensors; cache: {path}")
-        wanted = {"train": "train"} if fraction else {"train": "train", "test": source_eval}
-        dsd = dsd if dsd is not None else _read_local(kind, {s: files[s] for s in wanted.values()})
-        rows = {role: _rows(dsd[s], s, tuple(settings["columns"])) for role, s in wanted.items()}
+        rows, classes = split_rows(source, tuple(settings["columns"]))
         size, same_as = (settings["image_size"], None) if settings["image_size"] else first_size(rows)
-        if kind == "imagefolder":  # rows come class by class: shuffle them once, with a fixed seed, so a prefix
-            rows = {role: r.take(_permutation(len(r))) for role, r in rows.items()}  # is class-balanced, as in
-        if fraction:  # the Hub's files
-            rows = dict(zip(SPLITS, (rows["train"].take(part) for part in hold_out(len(rows["train"]), fraction))))
-        classes = _classes(rows, source_eval or "test")
         data = _decode_into_cache(path, rows, size, same_as, classes, workers, log)
-    if fraction:
-        n, k = len(data["train"][1]), len(data["test"][1])
-        log(f"no evaluation split{' used' if source_eval else ''}: evaluating on {k:,} of the {n + k:,} training "
-            f"images, held out by --val-fraction {fraction:g} (a fixed shuffle: the same on every process and run); "
-            f"training on the other {n:,}")
-    data["dataset"] = {"source": str(data_dir) if data_dir is not None else dataset, "kind": kind,
-                       "fingerprint": key, "eval_split": eval_split}
+    source.announce_held_out(log, len(data["train"][1]), len(data["test"][1]))
+    data["dataset"] = source.describe(key)
     return data
 
 
-def _permutation(n: int) -> torch.Tensor:
-    return torch.randperm(n, generator=torch.Generator().manual_seed(0))
 
 
-def hold_out(n: int, fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the rows to train on, the rows held out for evaluation) of n training rows: round(fraction x n) rows drawn
-    by a fixed permutation (seed 0, not --seed: changing the seed must not change what is evaluated on), each part
-    in the source's order."""
-    k = round(fraction * n)
-    if not 0 < k < n:
-        raise UserError(f"--val-fraction {fraction:g} of {n:,} training images holds out {k:,}; both the training and "
-                        f"the held-out part need at least one image.")
-    order = _permutation(n)
-    return order[k:].sort().values, order[:k].sort().values

@@ -1,0 +1,338 @@
+"""Image classification sources, read but not decoded: local parquet files, an image folder, or a Hub dataset, through
+`datasets`' own builders (`parquet`, `imagefolder`, `load_dataset`). `locate` finds what --data-dir / --dataset
+hold, `split_rows` reads each split's encoded images (parquet rows' bytes, or image files' paths), labels and class
+names, in a fixed order: an image folder's rows shuffled once so that a prefix is class-balanced, and an evaluation
+part held out of train when the source has none (`hold_out`). Both data paths start here: utils/decode.py decodes
+every image once into a cache, utils/onthefly.py decodes each as a batch asks for it.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from utils import UserError, first_line
+from utils.batches import SPLITS
+from utils.config_groups import DATA_LAYOUTS, check_source
+
+EVAL_SPLITS = ("test", "validation")  # the source's evaluation split: the first of these it has
+VAL_FRACTION = 0.1  # held out of train for evaluation when the source has no evaluation split
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
+IMAGE_COLUMNS, LABEL_COLUMNS = ("img", "image"), ("label", "labels", "fine_label")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Where: a local folder (parquet or an image folder) or the Hub, and which split is evaluated on
+# ----------------------------------------------------------------------------------------------------
+@dataclass
+class Source:
+    """What `locate` found: kind ('parquet', 'imagefolder' or 'hub'), the local files by split (None for the Hub)
+    or the Hub's DatasetDict, the files that fingerprint it, the source's own evaluation split (None: none) and the
+    fraction of train held out for evaluation (None: the source's split is used)."""
+    name: str
+    kind: str
+    files: dict[str, list[Path]] | None
+    hub: object | None
+    paths: list
+    source_eval: str | None
+    fraction: float | None
+
+    @property
+    def eval_split(self) -> str:
+        """What is evaluated on, for summary.json."""
+        return f"{self.fraction:g} of train, held out" if self.fraction else self.source_eval
+
+    def announce_held_out(self, log, n_train: int, n_held: int) -> None:
+        """Says what is evaluated on when a part of train is held out."""
+        if self.fraction:
+            log(f"no evaluation split{' used' if self.source_eval else ''}: evaluating on {n_held:,} of the "
+                f"{n_train + n_held:,} training images, held out by --val-fraction {self.fraction:g} (a fixed "
+                f"shuffle: the same on every process and run); training on the other {n_train:,}")
+
+    def describe(self, fingerprint: str) -> dict:
+        return {"source": self.name, "kind": self.kind, "fingerprint": fingerprint, "eval_split": self.eval_split}
+
+
+def locate(data_dir: str | None, dataset: str | None, val_fraction: float | None) -> Source:
+    """The source of --data-dir (its files, found without reading them) or of the Hub dataset `dataset` (downloaded
+    by the Hub client, whose cache makes this cheap after the first time)."""
+    check_source(data_dir, dataset, val_fraction)
+    if data_dir is None and dataset is None:
+        raise UserError("no data: pass --data-dir (a local folder) or --dataset (a Hub dataset id).")
+    if data_dir is not None:
+        kind, files = find_source(data_dir)
+        hub, splits, paths = None, list(files), [p for ps in files.values() for p in ps]
+    else:
+        kind, files, hub = "hub", None, read_hub(dataset)
+        splits = list(hub)
+        if "train" not in splits:
+            raise UserError(f"the Hub dataset {dataset} has no train split (its splits: {', '.join(splits)}).")
+        paths = [f["filename"] for s in hub for f in hub[s].cache_files]
+    source_eval = next((s for s in EVAL_SPLITS if s in splits), None)
+    fraction = val_fraction or (None if source_eval else VAL_FRACTION)
+    return Source(str(data_dir) if data_dir is not None else dataset, kind, files, hub, paths, source_eval, fraction)
+
+
+def split_rows(source: Source, columns: tuple[str | None, str | None], encoded: bool = False
+               ) -> tuple[dict[str, Rows], tuple[str, ...]]:
+    """{'train': rows, 'test': rows} of the source, read (not decoded): 'test' is its evaluation split, or the part of
+    train held out; an image folder's rows shuffled once with a fixed seed, so a prefix is class-balanced as in the
+    Hub's files. `encoded`: the images stay in the datasets table (memory-mapped) and are read as a batch asks for
+    them (Rows.fetch), instead of one Python list of every image's bytes. With the class names (shared_classes)."""
+    wanted = {"train": "train"} if source.fraction else {"train": "train", "test": source.source_eval}
+    dsd = source.hub if source.hub is not None else read_local(source.kind, {s: source.files[s] for s in
+                                                                              wanted.values()})
+    rows = {role: read_rows(dsd[s], s, columns, encoded) for role, s in wanted.items()}
+    if source.kind == "imagefolder":
+        rows = {role: r.take(_permutation(len(r))) for role, r in rows.items()}
+    if source.fraction:
+        rows = dict(zip(SPLITS, (rows["train"].take(part) for part in hold_out(len(rows["train"]), source.fraction))))
+    return rows, shared_classes(rows, source.source_eval or "test")
+
+
+def find_source(data_dir: str | Path) -> tuple[str, dict[str, list[Path]]]:
+    """What --data-dir holds: ("parquet", {split: its <split>-*.parquet files at any depth, as in a Hub snapshot}) or
+    ("imagefolder", {split: the image files of <split>/<class>/}), for the splits found: train, and test or
+    validation (the first of them that is there; neither: a part of train is held out, see hold_out)."""
+    root = Path(data_dir)
+    if not root.is_dir():
+        raise UserError(f"--data-dir {root} does not exist or is not a directory. {DATA_LAYOUTS}")
+    parquet = {split: sorted(root.rglob(f"{split}-*.parquet")) for split in ("train", *EVAL_SPLITS)}
+    if parquet["train"]:
+        eval_split = next((s for s in EVAL_SPLITS if parquet[s]), None)
+        return "parquet", {s: parquet[s] for s in ("train", eval_split) if s}
+    if (root / "train").is_dir() and any(d.is_dir() for d in (root / "train").iterdir()):
+        return "imagefolder", _image_folder_files(root)
+    raise UserError(
+        f"--data-dir {root} holds no train-*.parquet file and no image folder (train/<class>/*.png, "
+        f"test/<class>/...); expected the parquet layout of a Hub dataset (data/train-*.parquet), or such a folder."
+    )
+
+
+def _image_folder_files(root: Path) -> dict[str, list[Path]]:
+    splits = ["train"] + [s for s in EVAL_SPLITS if (root / s).is_dir()][:1]
+    files, classes = {}, {}
+    for split in splits:
+        folder = root / split
+        classes[split] = sorted(d.name for d in folder.iterdir() if d.is_dir())
+        for name in classes[split]:
+            if not any(f.suffix.lower() in IMAGE_SUFFIXES for f in (folder / name).iterdir()):
+                raise UserError(f"the class folder {folder / name} holds no image ({', '.join(IMAGE_SUFFIXES)}).")
+        files[split] = sorted(f for f in folder.rglob("*") if f.suffix.lower() in IMAGE_SUFFIXES)
+    if len(splits) == 2 and classes["train"] != classes[splits[1]]:
+        differ = sorted(set(classes["train"]) ^ set(classes[splits[1]]))
+        raise UserError(f"--data-dir {root}: train/ and {splits[1]}/ have different class folders ({', '.join(differ)} "
+                        f"only in one of them).")
+    return files
+
+
+def read_local(kind: str, files: dict[str, list[Path]]):
+    """The splits through datasets' packaged builder for the kind ('parquet' or 'imagefolder'); both work offline."""
+    import datasets
+    import pyarrow.parquet as pq
+
+    for path in (p for paths in files.values() for p in paths if kind == "parquet"):
+        try:  # reading the footer names the broken file; load_dataset's error would not
+            pq.read_metadata(path)
+        except Exception as e:
+            raise UserError(f"{path} is not a readable parquet file ({first_line(e)}).") from None
+    try:
+        if kind == "parquet":  # a builder per split: one for both would cast the test file to the train file's features
+            return {s: datasets.load_dataset(kind, data_files={s: [str(p) for p in ps]}, split=s)  # (class names too)
+                    for s, ps in files.items()}
+        return datasets.load_dataset(kind, data_files={s: [str(p) for p in ps] for s, ps in files.items()})
+    except Exception as e:
+        cause = root_cause(e)  # load_dataset wraps the real reason (a full disk, say) in DatasetGenerationError
+        if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+            cache = Path(datasets.config.HF_DATASETS_CACHE)
+            free = shutil.disk_usage(cache if cache.exists() else Path.home()).free
+            raise UserError(
+                f"no space left on device while datasets copied {files['train'][0].parent} into its cache {cache} "
+                f"({free / 2**20:,.0f} MiB free); free some space or point HF_DATASETS_CACHE at a larger disk."
+            ) from None
+        raise UserError(f"cannot read the {kind} files in {files['train'][0].parent}: {first_line(cause)}") from None
+
+
+def read_hub(name: str):
+    import datasets
+
+    try:
+        return datasets.load_dataset(name)
+    except Exception as e:
+        raise UserError(
+            f"could not download {name} from the Hugging Face Hub ({first_line(e)}); either pass "
+            f"--data-dir with a local copy (train-*.parquet and test-*.parquet, or an image folder) or run with "
+            f"internet access."
+        ) from None
+
+
+def root_cause(e: BaseException) -> BaseException:
+    """The innermost exception of a chain (raise ... from ..., or raised while handling another)."""
+    seen = {id(e)}
+    while (inner := e.__cause__ or e.__context__) is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        e = inner
+    return e
+
+
+def _column(ds, split: str, names: tuple[str, ...], what: str, given: str | None) -> str:
+    """The split's image or label column: `given` (--image-column / --label-column), else the first of `names`."""
+    if given is not None:
+        if given not in ds.column_names:
+            raise UserError(f"the {split} split has no column {given!r} (--{what}-column); its columns: "
+                            f"{ds.column_names}.")
+        return given
+    found = [n for n in names if n in ds.column_names]
+    if not found:
+        article = "an" if what == "image" else "a"
+        raise UserError(f"the {split} split has columns {ds.column_names}; expected {article} {what} column named "
+                        f"{' or '.join(repr(n) for n in names)} (or name it with --{what}-column).")
+    return found[0]
+
+
+class Rows:
+    """A split's encoded images, labels and class names. `sources`: each row's image, a parquet row's bytes or an
+    image file's path: a list, or a TableImages that reads them from the datasets table when asked (`fetch`).
+    `numbers`: each row's number in the source split, for messages."""
+
+    def __init__(self, sources, labels: torch.Tensor, names: tuple[str, ...] | None, split: str,
+                 numbers: torch.Tensor | None = None):
+        self.sources, self.labels, self.names, self.split = sources, labels, names, split
+        self.numbers = numbers if numbers is not None else torch.arange(len(sources))
+
+    def __len__(self) -> int:
+        return len(self.sources)
+
+    def take(self, order: torch.Tensor) -> Rows:
+        """These rows in `order` (indices): shuffles and held-out parts are chosen before decoding, as orders."""
+        sources = (self.sources.take(order) if isinstance(self.sources, TableImages) else
+                   [self.sources[i] for i in order.tolist()])
+        return Rows(sources, self.labels[order], self.names, self.split, self.numbers[order])
+
+    def fetch(self, indices) -> list:
+        """The encoded images of rows `indices` (bytes or paths), in that order."""
+        if isinstance(self.sources, TableImages):
+            return self.sources.fetch(indices)
+        return [self.sources[i] for i in indices]
+
+
+class TableImages:
+    """Encoded images left in a datasets table (Arrow, memory-mapped from datasets' cache: nothing is read until a
+    row is asked for), in `order`. Worker processes get the table by reference, not a copy of its bytes."""
+
+    def __init__(self, ds, column: str, order: np.ndarray):
+        self.ds, self.column, self.order = ds, column, order
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __getitem__(self, i: int):
+        return self.fetch([i])[0]
+
+    def take(self, order: torch.Tensor) -> TableImages:
+        return TableImages(self.ds, self.column, self.order[order.numpy()])
+
+    def fetch(self, indices) -> list:
+        cells = self.ds[self.order[np.asarray(indices, dtype=np.int64)].tolist()][self.column]
+        return [cell["bytes"] if cell["bytes"] is not None else cell["path"] for cell in cells]
+
+
+def read_rows(ds, split: str, columns: tuple[str | None, str | None], encoded: bool = False) -> Rows:
+    """A split's Rows: its image and label columns found and checked; `encoded`: the images left in the table."""
+    from datasets import ClassLabel
+    from datasets import Image as ImageFeature
+
+    image_col = _column(ds, split, IMAGE_COLUMNS, "image", columns[0])
+    label_col = _column(ds, split, LABEL_COLUMNS, "label", columns[1])
+    if not isinstance(ds.features[image_col], ImageFeature):
+        raise UserError(f"the {split} split's column {image_col!r} is {ds.features[image_col]}, not images.")
+    feature = ds.features[label_col]
+    names = tuple(feature.names) if isinstance(feature, ClassLabel) else None
+    if names is None and not (hasattr(feature, "dtype") and feature.dtype.startswith(("int", "uint"))):
+        raise UserError(f"the {split} split's label column {label_col!r} is {feature}, neither class names (a "
+                        f"ClassLabel) nor integers.")
+    # Undecoded: the images are decoded straight into the cache file or a batch, not one PIL object per row. A
+    # parquet row holds the image's bytes; an image folder's row holds its path.
+    ds = ds.cast_column(image_col, ImageFeature(decode=False))
+    labels = torch.from_numpy(ds.with_format("arrow")[label_col].to_numpy(zero_copy_only=False).astype(np.int64))
+    if encoded:
+        return Rows(TableImages(ds, image_col, np.arange(len(ds))), labels, names, split)
+    column = ds.with_format("arrow")[image_col].combine_chunks()
+    sources = [blob if blob is not None else path for blob, path in
+               zip(column.field("bytes").to_pylist(), column.field("path").to_pylist())]
+    return Rows(sources, labels, names, split)
+
+
+def open_image(source, split: str, where: str):
+    """The PIL image of a row (lazy: only its header is read until the pixels are asked for); one line if broken."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        return Image.open(io.BytesIO(source) if isinstance(source, bytes) else source)
+    except (UnidentifiedImageError, OSError, TypeError) as e:
+        raise UserError(f"the {split} split has an undecodable image at {where} ({first_line(e)}).") from None
+
+
+def place(rows: Rows, i: int) -> str:
+    """Where row i is, for messages: its file, or its row number in the source split."""
+    source = rows.sources[i]
+    return f"row {int(rows.numbers[i])}" if isinstance(source, bytes) else str(source)
+
+
+def first_size(splits: dict[str, Rows]) -> tuple[int, str]:
+    """The first image's size, which must be square, and where it is: every other image must share it when no
+    --image-size is given (the decode checks each as it opens it: one pass over the files)."""
+    rows = next(iter(splits.values()))
+    with open_image(rows.sources[0], rows.split, place(rows, 0)) as im:
+        (w, h), where = im.size, f"{im.size[0]}x{im.size[1]} (the {rows.split} split's {place(rows, 0)})"
+    if w != h:
+        raise UserError(f"the images do not share one square size ({where}); pass --image-size S to resize every "
+                        f"image to S x S.")
+    return w, where
+
+
+def shared_classes(rows: dict[str, Rows], eval_name: str) -> tuple[str, ...]:
+    """The class names both splits share: the ClassLabel's, or "0".."C-1" for integer labels, which must then be
+    exactly 0..C-1 in the training split (C: how many distinct labels it has). Every label must name a class.
+    Checked before decoding."""
+    names = {role: r.names for role, r in rows.items()}
+    if names["train"] != names["test"]:
+        described = {s: ", ".join(n[:12]) + (", ..." if len(n) > 12 else "") if n else "integers" for s, n in
+                     names.items()}
+        raise UserError(f"the train and {eval_name} splits have different classes (train: {described['train']}; "
+                        f"{eval_name}: {described['test']}).")
+    classes = names["train"]
+    if classes is None:
+        count = len(torch.unique(rows["train"].labels))
+        classes = tuple(str(k) for k in range(count))
+    for r in rows.values():
+        bad = torch.nonzero((r.labels < 0) | (r.labels >= len(classes))).flatten()
+        if len(bad):
+            why = (f"labels must be 0-{len(classes) - 1}" if names["train"] else
+                   f"a label column without class names must hold the integers 0..C-1, and the training split has "
+                   f"{len(classes)} distinct labels")
+            raise UserError(f"the {r.split} split has label {int(r.labels[bad[0]])} at row {int(r.numbers[bad[0]])} "
+                            f"({len(bad)} rows in all); {why}.")
+    return classes
+
+
+def _permutation(n: int) -> torch.Tensor:
+    return torch.randperm(n, generator=torch.Generator().manual_seed(0))
+
+
+def hold_out(n: int, fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the rows to train on, the rows held out for evaluation) of n training rows: round(fraction x n) rows drawn
+    by a fixed permutation (seed 0, not --seed: changing the seed must not change what is evaluated on), each part
+    in the source's order."""
+    k = round(fraction * n)
+    if not 0 < k < n:
+        raise UserError(f"--val-fraction {fraction:g} of {n:,} training images holds out {k:,}; both the training and "
+                        f"the held-out part need at least one image.")
+    order = _permutation(n)
+    return order[k:].sort().values, order[:k].sort().values
