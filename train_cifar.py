@@ -48,6 +48,7 @@ from utils.batches import BatchTransform, build_loaders, checked_data, data_fact
 from utils.checkpoint import Checkpointer
 from utils.cli import check_ranges, opt, parse
 from utils.config_groups import CheckpointConfig, DataConfig, EvaluationConfig, HubConfig, LoggingConfig
+from utils.crops import CropRecipe
 from utils.decode import load_source
 from utils.ema import WeightEMA
 from utils.evaluation import Evaluator, evaluate, load_metrics
@@ -65,6 +66,7 @@ from utils.launch import (
     shard_on_cpu_too,
 )
 from utils.models import MODELS, check_logits, named_model
+from utils.onthefly import choose_decode, load_encoded
 from utils.output_dir import check_output_dir, lock_output_dir
 from utils.plan import plan_batches, use_plan
 from utils.schedule import warmup_cosine
@@ -159,8 +161,13 @@ def load_data(cfg: Config) -> dict:
     for summary.json). Called on every process, with the same result. The built-in source: --data-dir (parquet or an
     image folder) or --dataset (the Hub), decoded once per machine into a cache that its other processes read."""
     dataset = cfg.dataset or (None if cfg.data_dir else "uoft-cs/cifar10")  # neither flag: CIFAR-10 from the Hub
-    return load_source(cfg.data_dir, dataset, cfg.image_size, (cfg.image_column, cfg.label_column),
-                       cfg.val_fraction, cfg.cache_dir, cfg.decode_workers)
+    columns = (cfg.image_column, cfg.label_column)
+    if choose_decode(cfg, dataset) == "workers":  # kept encoded, decoded by batch in the loader's workers
+        recipe = CropRecipe(cfg.crop_scale, cfg.crop_ratio, cfg.eval_crop) if cfg.augment == "resized-crop" else None
+        return load_encoded(cfg.data_dir, dataset, cfg.image_size, columns, cfg.val_fraction, recipe,
+                            cfg.data_workers)
+    return load_source(cfg.data_dir, dataset, cfg.image_size, columns, cfg.val_fraction, cfg.cache_dir,
+                       cfg.decode_workers)
 
 
 def build_optimizer(cfg: Config, model: torch.nn.Module, lr: float, fused: bool = True) -> torch.optim.Optimizer:

@@ -38,6 +38,7 @@ from utils.batches import BatchTransform, build_loaders, checked_data, data_fact
 from utils.checkpoint import Checkpointer
 from utils.cli import check_ranges, opt, parse
 from utils.config_groups import CheckpointConfig, DataConfig, EvaluationConfig, HubConfig, LoggingConfig
+from utils.crops import CropRecipe
 from utils.decode import load_source
 from utils.ema import WeightEMA
 from utils.evaluation import Evaluator, evaluate, load_metrics
@@ -55,6 +56,7 @@ from utils.launch import (
     shard_on_cpu_too,
 )
 from utils.models import VITS, check_logits, checkpoint_blocks, named_model
+from utils.onthefly import choose_decode, load_encoded
 from utils.output_dir import check_output_dir, lock_output_dir
 from utils.plan import plan_batches, use_plan
 from utils.schedule import warmup_cosine
@@ -129,8 +131,13 @@ def load_data(cfg: Config) -> dict:
     """{"train": (images, labels), "test": (images, labels), "classes": names}, as train_cifar.py's load_data (its
     docstring and docs/customizing.md give the contract): here the built-in source, --data-dir or --dataset."""
     dataset = cfg.dataset or (None if cfg.data_dir else "uoft-cs/cifar10")  # neither flag: CIFAR-10 from the Hub
-    return load_source(cfg.data_dir, dataset, cfg.image_size, (cfg.image_column, cfg.label_column),
-                       cfg.val_fraction, cfg.cache_dir, cfg.decode_workers)
+    columns = (cfg.image_column, cfg.label_column)
+    if choose_decode(cfg, dataset) == "workers":  # kept encoded, decoded by batch in the loader's workers
+        recipe = CropRecipe(cfg.crop_scale, cfg.crop_ratio, cfg.eval_crop) if cfg.augment == "resized-crop" else None
+        return load_encoded(cfg.data_dir, dataset, cfg.image_size, columns, cfg.val_fraction, recipe,
+                            cfg.data_workers)
+    return load_source(cfg.data_dir, dataset, cfg.image_size, columns, cfg.val_fraction, cfg.cache_dir,
+                       cfg.decode_workers)
 
 
 def build_optimizer(cfg: Config, model: torch.nn.Module, lr: float) -> torch.optim.AdamW:

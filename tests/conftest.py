@@ -143,6 +143,53 @@ def cifar_dir(tmp_path_factory) -> Path:
     return write_cifar_dir(tmp_path_factory.mktemp("cifar"), n_train=8192, n_test=2000)
 
 
+def write_upscaled_cifar(root: Path, cifar: Path, n_train: int = 192, n_test: int = 48, sizes=(96, 112, 128),
+                         parquet_shards: int = 0) -> Path:
+    """Natural-image stand-ins from the CIFAR-10 copy: its first images upscaled (bicubic) to one of `sizes` by row
+    (so the sizes differ; width and height too for every third image) and saved as JPEGs (quality 90), as an image
+    folder (train/<class>/<row>.jpg, test/...) or, with parquet_shards, as that many train-*.parquet shards (and
+    one test file) in the Hub's schema."""
+    import datasets
+
+    root.mkdir(parents=True, exist_ok=True)
+    for split, n in (("train", n_train), ("test", n_test)):
+        ds = datasets.load_dataset("parquet", data_files=str(cifar / f"{split}-00000-of-00001.parquet"),
+                                   split="train").select(range(n))
+        images, labels = [], ds["label"]
+        for row, (image, label) in enumerate(zip(ds["img"], labels)):
+            side = sizes[row % len(sizes)]
+            im = image.convert("RGB").resize((side, side - 16 * (row % 3 == 2)), Image.Resampling.BICUBIC)
+            if parquet_shards:
+                buf = io.BytesIO()
+                im.save(buf, format="JPEG", quality=90)
+                images.append({"bytes": buf.getvalue(), "path": None})
+            else:
+                (root / split / CIFAR_CLASSES[label]).mkdir(parents=True, exist_ok=True)
+                im.save(root / split / CIFAR_CLASSES[label] / f"{row:05d}.jpg", quality=90)
+        if parquet_shards:
+            features = datasets.Features({"img": datasets.Image(), "label": datasets.ClassLabel(
+                names=list(CIFAR_CLASSES))})
+            table = datasets.Dataset.from_dict({"img": images, "label": labels}, features=features)
+            shards = parquet_shards if split == "train" else 1
+            for k in range(shards):
+                table.shard(shards, k, contiguous=True).to_parquet(
+                    str(root / f"{split}-{k:05d}-of-{shards:05d}.parquet"))
+    return root
+
+
+@pytest.fixture(scope="session")
+def jpeg_folder(cifar_dir, tmp_path_factory) -> Path:
+    """write_upscaled_cifar's image folder: 192 training and 48 test JPEGs of 96-128 px."""
+    return write_upscaled_cifar(tmp_path_factory.mktemp("jpegs"), cifar_dir)
+
+
+@pytest.fixture(scope="session")
+def jpeg_parquet(cifar_dir, tmp_path_factory) -> Path:
+    """The same images as jpeg_folder's in 3 train-*.parquet shards (a count that divides neither 2 nor 4) and one
+    test file."""
+    return write_upscaled_cifar(tmp_path_factory.mktemp("jpeg-parquet"), cifar_dir, parquet_shards=3)
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
     """One decoded-tensor cache for the whole session: the first run decodes, the rest load. $TEST_CACHE_DIR shares

@@ -7,7 +7,8 @@
      smaller than float) transfer. In NHWC a row of an image is one contiguous run of bytes, so a crop is a copy of
      S rows, not of S x S pixels.
 `checked_data` checks a template's load_data result (the data contract) and `build_loaders` puts the three
-together for the scripts (the built-in sources: utils/decode.py).
+together for the scripts (the built-in sources: utils/decode.py, decoded once; utils/onthefly.py, whose images stay
+encoded and are decoded by batch in the loader's workers, through the same sampler and draws).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def take_prefix(pair: tuple[torch.Tensor, torch.Tensor], n: int | None, flag: st
 # ----------------------------------------------------------------------------------------------------
 # Batched dataset and on-device augmentation
 # ----------------------------------------------------------------------------------------------------
-def _splitmix64(x: np.ndarray) -> np.ndarray:
+def splitmix64(x: np.ndarray) -> np.ndarray:
     """SplitMix64's finaliser on uint64 arrays (wrapping arithmetic): a counter-based hash, so the draw for key k is
     computed from k alone, in any order, by any process."""
     x = x + np.uint64(0x9E3779B97F4A7C15)
@@ -57,9 +58,10 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-def _stream(seed: int, epoch: int, purpose: int) -> np.ndarray:
-    """A (1,) uint64 key of (seed, epoch, purpose): 0 the epoch's shuffle, 1 its augmentation."""
-    return _splitmix64(np.array([(seed % 2**32) << 32 | (epoch % 2**30) << 2 | purpose], dtype=np.uint64))
+def key_stream(seed: int, epoch: int, purpose: int) -> np.ndarray:
+    """A (1,) uint64 key of (seed, epoch, purpose): 0 the epoch's shuffle, 1 its augmentation, 2 its mixing, 3 its
+    resized crops (utils/crops.py)."""
+    return splitmix64(np.array([(seed % 2**32) << 32 | (epoch % 2**30) << 2 | purpose], dtype=np.uint64))
 
 
 def augment_draws(seed: int, epoch: int, indices, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,7 +71,7 @@ def augment_draws(seed: int, epoch: int, indices, pad: int) -> tuple[torch.Tenso
     On the host, beside the sampler's indices (128 hashes in numpy: about 50 us on the 2-core CPU), because how
     many images are mirrored sets the shapes of the transform's kernels: drawn on a GPU, that count would cost a
     device sync per batch."""
-    h = _splitmix64(np.asarray(indices).astype(np.uint64) ^ _stream(seed, epoch, 1))
+    h = splitmix64(np.asarray(indices).astype(np.uint64) ^ key_stream(seed, epoch, 1))
     mirrored = np.flatnonzero(h >> np.uint64(63))  # the top bit: a fair coin
     crop = (h & np.uint64(0xFFFFFFFF)) % np.uint64((2 * pad + 1) ** 2)  # the low 32 bits: uniform to 2e-8
     return torch.from_numpy(mirrored.astype(np.int64)), torch.from_numpy(crop.astype(np.int64))
@@ -83,7 +85,7 @@ class Mixing:
     prob: float = 1.0  # the chance that a sample is mixed at all; with both on, each is then chosen with chance 1/2
 
 
-def _uniform(h: np.ndarray) -> np.ndarray:
+def uniform01(h: np.ndarray) -> np.ndarray:
     return (h >> np.uint64(11)).astype(np.float64) * 2.0 ** -53  # the top 53 bits: uniform in [0, 1)
 
 
@@ -97,19 +99,19 @@ def mix_draws(seed: int, epoch: int, indices, size: int, mixing: Mixing):
     from scipy.special import betaincinv  # imported here: only mixing runs use it
 
     n, hashes = len(indices), []
-    h = np.asarray(indices).astype(np.uint64) ^ _stream(seed, epoch, 2)
+    h = np.asarray(indices).astype(np.uint64) ^ key_stream(seed, epoch, 2)
     for _ in range(6):  # one stream per sample, hashed on for each value it needs
-        h = _splitmix64(h)
+        h = splitmix64(h)
         hashes.append(h)
     apply, choose, lam, offset, cy, cx = hashes
-    mixed = (_uniform(apply) < mixing.prob) & (n > 1)
-    cut = mixed & (mixing.cutmix > 0) & ((mixing.mixup == 0) | (_uniform(choose) < 0.5))
+    mixed = (uniform01(apply) < mixing.prob) & (n > 1)
+    cut = mixed & (mixing.cutmix > 0) & ((mixing.mixup == 0) | (uniform01(choose) < 0.5))
     alpha = np.where(cut, mixing.cutmix, mixing.mixup if mixing.mixup > 0 else 1.0)
-    lam = np.where(mixed, betaincinv(alpha, alpha, _uniform(lam)), 1.0)
+    lam = np.where(mixed, betaincinv(alpha, alpha, uniform01(lam)), 1.0)
     partner = (np.arange(n) + 1 + (offset % np.uint64(max(n - 1, 1))).astype(np.int64)) % n
     weight = np.where(mixed & ~cut, 1.0 - lam, 0.0)
     half = (0.5 * np.sqrt(1.0 - lam) * size).astype(np.int64)  # int(r * W) in torchvision, W = H = size
-    y, x = (np.floor(_uniform(c) * size).astype(np.int64) for c in (cy, cx))
+    y, x = (np.floor(uniform01(c) * size).astype(np.int64) for c in (cy, cx))
     box = np.stack([np.clip(y - half, 0, size), np.clip(y + half, 0, size), np.clip(x - half, 0, size),
                     np.clip(x + half, 0, size)], axis=1) * cut[:, None]
     return torch.from_numpy(partner), torch.from_numpy(weight.astype(np.float32)), torch.from_numpy(box)
@@ -177,7 +179,7 @@ class EpochSampler(torch.utils.data.Sampler):
         return len(self.dataset) // self.step_images * self.step_images
 
     def __iter__(self):
-        order = torch.Generator().manual_seed(int(_stream(self.seed, self.epoch, 0)[0]))
+        order = torch.Generator().manual_seed(int(key_stream(self.seed, self.epoch, 0)[0]))
         return iter(torch.randperm(len(self.dataset), generator=order)[:len(self)].tolist())
 
 
@@ -191,7 +193,9 @@ def make_loader(images, labels, batch_size: int, train: bool, seed: int = 0, aug
     """A plain DataLoader for `accelerator.prepare`. Training: `EpochSampler` (reshuffled per epoch from the seed,
     whole global batches only; global_batch unset: batch_size) and batches (images, labels, draws); evaluation keeps
     every image in order, as (images, labels)."""
-    dataset = BatchedTensorDataset(images, labels, seed if train else None, augment, pad, mixing)
+    encoded = hasattr(images, "dataset")  # utils.onthefly.EncodedImages: decoded by batch in worker processes
+    dataset = (images.dataset(labels, train, seed, augment, pad, mixing) if encoded else
+               BatchedTensorDataset(images, labels, seed if train else None, augment, pad, mixing))
     sampler = EpochSampler(dataset, seed, global_batch or batch_size) if train else None
     return torch.utils.data.DataLoader(
         dataset,
@@ -199,7 +203,9 @@ def make_loader(images, labels, batch_size: int, train: bool, seed: int = 0, aug
         sampler=sampler,
         drop_last=train,
         collate_fn=keep_batch,
-        pin_memory=torch.cuda.is_available() and images.device.type == "cpu",  # asynchronous host-to-GPU copies
+        pin_memory=torch.cuda.is_available() and (encoded or images.device.type == "cpu"),  # asynchronous copies
+        # not persistent: each epoch's workers start after set_epoch, with the epoch that keys their draws
+        num_workers=images.workers if encoded else 0,
     )
 
 
@@ -208,7 +214,7 @@ def rebatched(loader: torch.utils.data.DataLoader, batch_size: int) -> torch.uti
     batch_size: the same images in the same order, cut finer (utils.guard.MemoryGuard)."""
     return torch.utils.data.DataLoader(loader.dataset, batch_size=batch_size, sampler=loader.sampler,
                                        drop_last=loader.drop_last, collate_fn=loader.collate_fn,
-                                       pin_memory=loader.pin_memory)
+                                       pin_memory=loader.pin_memory, num_workers=loader.num_workers)
 
 
 class BatchTransform:
@@ -253,7 +259,7 @@ class BatchTransform:
         (`mix_draws`) class probabilities (num_classes wide), each image's label and its partner's weighted by the
         share of the partner in the mixed image. Mixed after the crop, flip and normalisation, as torchvision's
         MixUp and CutMix mix a batch of augmented tensors."""
-        x = self(images, draws[:2] if draws is not None else None)
+        x = self(images, draws[:2] if draws is not None and draws[0] is not None else None)  # None: cropped
         if draws is None or len(draws) == 2:
             return x, labels
         partner, weight, box = draws[2:]
@@ -334,11 +340,12 @@ def checked_data(data: dict, where: str = "load_data") -> dict:
             images, labels = data[split]
         except (TypeError, ValueError):
             raise UserError(f"{where}: data[{split!r}] must be a pair (images, labels).") from None
-        out[split] = _images(images, f"{where}: the {split} images"), _labels(labels, len(classes), where, split)
+        images = images if hasattr(images, "dataset") else _images(images, f"{where}: the {split} images")
+        out[split] = images, _labels(labels, len(classes), where, split)
         if len(out[split][0]) != len(out[split][1]):
             raise UserError(f"{where}: the {split} split has {len(out[split][0])} images but {len(out[split][1])} "
                             f"labels.")
-    size, test_size = out["train"][0].shape[-1], out["test"][0].shape[-1]
+    size, test_size = (getattr(im, "image_size", None) or im.shape[-1] for im in (out["train"][0], out["test"][0]))
     if size != test_size:
         raise UserError(f"{where}: the train images are {size} px and the test images {test_size} px; give both "
                         f"splits one size.")
@@ -410,9 +417,15 @@ def build_loaders(data: dict, cfg, accelerator, plan):
     train_split = take_prefix(data["train"], cfg.train_subset, "--train-subset")
     eval_split = take_prefix(data["test"], cfg.eval_subset, "--eval-subset")
     check_one_batch(train_split[1], plan.micro, accelerator.num_processes, plan.accumulation)
+    if cfg.data_on_device and hasattr(train_split[0], "dataset"):
+        raise UserError("--data-on-device keeps decoded images on the GPU; images decoded on the fly (--decode "
+                        "workers) cannot stay there.")
     if cfg.data_on_device:  # GPU-resident: Accelerate's move to the device becomes a no-op
         train_split, eval_split = ([t.to(accelerator.device) for t in split] for split in (train_split, eval_split))
+    if cfg.augment == "resized-crop" and not hasattr(train_split[0], "dataset"):
+        raise UserError("--augment resized-crop crops whole images as they are decoded: load_data must return images "
+                        "decoded on the fly (utils.onthefly.load_encoded), not decoded tensors.")
     mixing = Mixing(cfg.mixup, cfg.cutmix, cfg.mix_prob) if cfg.mixup or cfg.cutmix else None
-    train = make_loader(*train_split, plan.micro, train=True, seed=cfg.seed, augment=cfg.augment == "standard",
+    train = make_loader(*train_split, plan.micro, train=True, seed=cfg.seed, augment=cfg.augment != "none",
                         pad=crop_padding(data["image_size"]), global_batch=plan.global_batch, mixing=mixing)
     return train, make_loader(*eval_split, plan.micro, train=False)

@@ -1,5 +1,6 @@
 """A dataclass is the command line: each field becomes a flag (`lr` -> `--lr`) with its help text, type, default and
-choices; `--flag/--no-flag` for booleans; a `list[str]` field's flag may be given more than once. A comment line
+choices; `--flag/--no-flag` for booleans; a `list[str]` field's flag may be given more than once, a
+`tuple[float, float]` field's takes two values. A comment line
 `# --- name: purpose ---` in the class body starts a group of flags in --help, as in docs/flags.md. Written by hand
 (a few lines of argparse) so that a script's Config stays a plain dataclass, printed at start, sent to the tracker
 and written to summary.json."""
@@ -61,8 +62,10 @@ def build_parser(config_class, description: str) -> argparse.ArgumentParser:
         else:
             kind = next(t for t in typing.get_args(kind) or (kind,) if t is not type(None))  # X | None -> X
             repeated = typing.get_origin(kind) is list  # list[str]: the flag may be given several times
-            target.add_argument(flag, type=typing.get_args(kind)[0] if repeated else kind, default=f.default,
-                                action="append" if repeated else "store", choices=f.metadata["choices"],
+            pair = typing.get_origin(kind) is tuple  # tuple[float, float]: the flag takes two values
+            item = typing.get_args(kind)[0] if repeated or pair else kind
+            target.add_argument(flag, type=item, default=f.default, action="append" if repeated else "store",
+                                nargs=2 if pair else None, choices=f.metadata["choices"],
                                 help=f.metadata["help"].replace("%", "%%") + " (default: %(default)s)")
     return parser
 

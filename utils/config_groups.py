@@ -45,8 +45,22 @@ class DataConfig(Group):
                                  "own size, which they must then all share")
     train_subset: int | None = opt(None, "train on the first N training images only")
     eval_subset: int | None = opt(None, "evaluate on the first N test (or held-out) images only")
-    augment: str = opt("standard", "standard: random crop (4 px zero padding) + horizontal flip; none",
-                       ("standard", "none"))
+    decode: str = opt("auto", "cache: decode every image once into a uint8 cache file; workers: keep the images "
+                      "encoded and decode each batch in the loader's worker processes (full-size images); auto: "
+                      "workers for --augment resized-crop or when the decoded images would not fit the cache "
+                      "folder's free space, else cache", ("auto", "cache", "workers"))
+    data_workers: int | None = opt(None, "--decode workers: loader worker processes per process; unset: this "
+                                   "process's share of the cores")
+    augment: str = opt("standard", "standard: random crop (zero padding of S/8 px) + horizontal flip, on the device; "
+                       "resized-crop: the natural-image recipe, a random-resized crop to S x S + flip in training, "
+                       "resize to S / --eval-crop + centre crop in evaluation; none",
+                       ("standard", "resized-crop", "none"))
+    crop_scale: tuple[float, float] = opt((0.08, 1.0), "--augment resized-crop: the range of the crop's share of the "
+                                          "image's area")
+    crop_ratio: tuple[float, float] = opt((0.75, 4 / 3), "--augment resized-crop: the range of the crop's aspect "
+                                          "ratio (width / height), drawn log-uniform")
+    eval_crop: float = opt(0.875, "--augment resized-crop: evaluate on the centre S x S of each image resized to "
+                           "S / this on its shorter side")
     mixup: float = opt(0.0, "mixup: blend each training image with another of its batch, lambda ~ Beta(A, A) (e.g. "
                        "0.2); drawn per image from the seed, epoch and image, as the crops; 0: off")
     cutmix: float = opt(0.0, "cutmix: paste a box of another image of the batch, of area 1 - lambda, lambda ~ Beta(A, "
@@ -57,12 +71,19 @@ class DataConfig(Group):
                                "host-to-device copy per batch")
 
     def validate(self) -> None:
-        check_ranges(self, positive=["train_subset", "eval_subset", "mix_prob", "decode_workers"],
+        check_ranges(self, positive=["train_subset", "eval_subset", "mix_prob", "decode_workers", "data_workers"],
                      non_negative=["mixup", "cutmix"])
         if self.mix_prob > 1:
             raise UserError(f"--mix-prob is a share of the images, at most 1 (got {self.mix_prob:g}).")
         if (self.mixup or self.cutmix) and self.augment == "none":
-            raise UserError("--mixup and --cutmix mix augmented images: they need --augment standard.")
+            raise UserError("--mixup and --cutmix mix augmented images: they need --augment standard or resized-crop.")
+        self.crop_scale, self.crop_ratio = tuple(self.crop_scale), tuple(self.crop_ratio)
+        if not 0 < self.crop_scale[0] <= self.crop_scale[1] <= 1:
+            raise UserError(f"--crop-scale takes two shares of the area, 0 < MIN <= MAX <= 1 (got {self.crop_scale}).")
+        if not 0 < self.crop_ratio[0] <= self.crop_ratio[1]:
+            raise UserError(f"--crop-ratio takes two aspect ratios, 0 < MIN <= MAX (got {self.crop_ratio}).")
+        if not 0 < self.eval_crop <= 1:
+            raise UserError(f"--eval-crop must be in (0, 1] (got {self.eval_crop:g}).")
         if self.image_size is not None and not 8 <= self.image_size <= 512:
             raise UserError(f"--image-size must be between 8 and 512 pixels (got {self.image_size}).")
         check_source(self.data_dir, self.dataset, self.val_fraction)

@@ -12,7 +12,6 @@ read the cache. For images too large to cache decoded, utils/onthefly.py decodes
 
 from __future__ import annotations
 
-import hashlib
 import json
 import multiprocessing
 import os
@@ -27,7 +26,7 @@ import torch
 from utils import UserError, first_line
 from utils.batches import SPLITS, channel_stats
 from utils.launch import first_on_each_machine
-from utils.sources import Rows, first_size, locate, open_image, place, read_rows, split_rows
+from utils.sources import Rows, fingerprint, first_size, locate, open_image, place, read_rows, split_rows
 
 CACHE_FORMAT = 6  # bump when the cache file changes (4: class names, mean and std; 5: held-out splits; 6: mean and
 # std as tensors, labels first: decoded into through a memory map)
@@ -72,10 +71,21 @@ def decode_split(ds, split: str, size: int | None = None, columns: tuple[str | N
 
 
 
+def square_pixels(im, size: int) -> np.ndarray:
+    """A PIL image as (S, S, 3) uint8 RGB: grayscale repeated into 3 channels, RGBA's alpha dropped, palettes expanded,
+    resized (bicubic) to S x S unless it is that size: how every image enters the cache, and the on-the-fly path's
+    images without --augment resized-crop (utils/onthefly.py), bit for bit."""
+    from PIL import Image
+
+    im = im.convert("RGB")
+    if im.size != (size, size):
+        im = im.resize((size, size), Image.Resampling.BICUBIC)
+    return np.asarray(im)
+
+
 def _decode_rows(rows: Rows, size: int, out: np.ndarray, start: int, stop: int, same_as: str | None = None) -> None:
     """Decodes rows start..stop-1 into out[start:stop] ((N, S, S, 3) uint8: a memory map of the cache file), each
     resized to S x S; same_as (the first image's size and place, see first_size): instead, each must be S x S."""
-    from PIL import Image
 
     for i in range(start, stop):
         try:
@@ -84,10 +94,7 @@ def _decode_rows(rows: Rows, size: int, out: np.ndarray, start: int, stop: int, 
                     raise UserError(f"the images do not share one square size ({same_as}, {im.size[0]}x{im.size[1]} "
                                     f"(the {rows.split} split's {place(rows, i)})); pass --image-size S to resize "
                                     f"every image to S x S.")
-                im = im.convert("RGB")  # grayscale repeated into 3 channels, RGBA's alpha dropped, palettes expanded
-                if im.size != (size, size):
-                    im = im.resize((size, size), Image.Resampling.BICUBIC)
-                out[i] = np.asarray(im)
+                out[i] = square_pixels(im, size)
         except OSError as e:  # a header that reads but pixels that do not (a truncated file)
             raise UserError(f"the {rows.split} split has an undecodable image at {place(rows, i)} "
                             f"({first_line(e)}).") from None
@@ -139,13 +146,6 @@ def decode_all(rows: dict[str, Rows], outputs: dict[str, np.ndarray], size: int,
 # ----------------------------------------------------------------------------------------------------
 # Cache: one safetensors file, decoded into through a memory map and read through one
 # ----------------------------------------------------------------------------------------------------
-def _fingerprint(paths: list[str | Path], settings: dict) -> str:
-    """Changes when any source file is replaced, grown or touched, or the decoding settings change; cheap (no hashing
-    of the contents)."""
-    stats = [(str(Path(p).resolve()), os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in paths]
-    return hashlib.sha256(json.dumps([CACHE_FORMAT, stats, settings], sort_keys=True).encode()).hexdigest()[:16]
-
-
 def _writable_dir(path: Path) -> bool:
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -281,7 +281,7 @@ def load_source(data_dir: str | None, dataset: str | None = None, image_size: in
 
 def _load(data_dir, dataset: str, cache_dir, log, settings: dict, workers: int):
     source = locate(data_dir, dataset, settings["val_fraction"])
-    key = _fingerprint(source.paths, {**settings, "val_fraction": source.fraction})
+    key = fingerprint(source.paths, {**settings, "val_fraction": source.fraction}, CACHE_FORMAT)
     path = (Path(cache_dir) if cache_dir else default_cache_dir(data_dir)) / f"images-{key}.safetensors"
     data = _read_cache(path) if path.exists() else None
     if data is None:

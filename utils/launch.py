@@ -243,7 +243,8 @@ def first_on_each_machine(job):
 
 def run(job) -> int:
     """Calls job(), then returns the exit status: 0; 2 after a UserError (printed once, by global rank 0: every
-    process raises it at the same point); 1 when a peer process died or hung (printed by every process that
+    process raises it at the same point; one from a loader worker, such as an undecodable image, by the rank whose
+    batch held it); 1 when a peer process died or hung (printed by every process that
     saw it). Other exceptions propagate with their traceback."""
     rank = int(os.environ.get("RANK", "0"))
     watch_launcher()  # a worker whose launcher dies checkpoints and stops (utils.guard.StopGuard)
@@ -251,9 +252,14 @@ def run(job) -> int:
         job()
         status = 0
     except UserError as e:
-        report_to_launcher(f"error: {e}")
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+        line, mine = f"error: {e}", False
+        if str(e).startswith("Caught UserError in DataLoader worker"):  # PyTorch's wrapper of a worker's error: the
+            line, mine = f"error: {str(e).strip().splitlines()[-1].split(': ', 1)[-1]}", True  # line; this rank's
+        report_to_launcher(line)
+        if mine:  # a bad image in a batch of this rank only: the others, waiting in a collective, see it exit
+            _mark_in_store(ERROR_PRINTED)  # and say nothing more (the next branch)
+        if rank == 0 or mine:
+            print(line, file=sys.stderr, flush=True)
         else:  # exiting first, this rank would have the launcher stop rank 0 (SIGTERM) before it printed the line;
             time.sleep(5)  # rank 0's exit has the launcher stop this one, so the wait costs nothing in the end
         status = 2
@@ -264,13 +270,35 @@ def run(job) -> int:
         line = (f"error: {why}; this process (rank {rank}) stopped. Continue with --resume auto: it takes the newest "
                 f"complete checkpoint (one being written is never used).")
         report_to_launcher(line)
-        print(line, file=sys.stderr, flush=True)
+        if not _marked_in_store(ERROR_PRINTED):  # a peer that stopped on bad input has said why
+            print(line, file=sys.stderr, flush=True)
         status = 1
     release_process_group()  # the job's frames (and the traceback's) are gone by now
     # The interpreter's exit collects cycles among every object torch and torchvision created; frozen, they are left
     # to the exit itself: 2.0 s -> 0.6 s per process on a 2-core Zen 3 (`gc.freeze`: objects stay alive, unscanned).
     gc.freeze()
     return status
+
+
+ERROR_PRINTED = "accelerate-cifar/error-printed"  # a key of torch.distributed's store
+
+
+def _mark_in_store(key: str) -> None:
+    """Sets `key` in the process group's key-value store (under torchrun, the launcher's own, which outlives any
+    worker), so the other processes can read it after this one exits. Nothing without a process group."""
+    try:
+        if torch.distributed.is_initialized():
+            torch.distributed.distributed_c10d._get_default_store().set(key, "1")
+    except Exception:  # a store that cannot be reached: the others then print their own line
+        pass
+
+
+def _marked_in_store(key: str) -> bool:
+    try:
+        return torch.distributed.is_initialized() and torch.distributed.distributed_c10d._get_default_store().check(
+            [key])
+    except Exception:
+        return False
 
 
 def report_to_launcher(line: str) -> None:

@@ -9,7 +9,10 @@ every image once into a cache, utils/onthefly.py decodes each as a batch asks fo
 from __future__ import annotations
 
 import errno
+import hashlib
 import io
+import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +51,17 @@ class Source:
         """What is evaluated on, for summary.json."""
         return f"{self.fraction:g} of train, held out" if self.fraction else self.source_eval
 
+    def count(self) -> int:
+        """How many images the source's train and evaluation splits hold, read from the parquet footers, the file
+        list or the Hub's split sizes (nothing decoded)."""
+        if self.hub is not None:
+            return sum(self.hub[s].num_rows for s in ("train", self.source_eval) if s)
+        if self.kind == "parquet":
+            import pyarrow.parquet as pq
+
+            return sum(pq.read_metadata(p).num_rows for p in self.paths)
+        return len(self.paths)
+
     def announce_held_out(self, log, n_train: int, n_held: int) -> None:
         """Says what is evaluated on when a part of train is held out."""
         if self.fraction:
@@ -77,6 +91,13 @@ def locate(data_dir: str | None, dataset: str | None, val_fraction: float | None
     source_eval = next((s for s in EVAL_SPLITS if s in splits), None)
     fraction = val_fraction or (None if source_eval else VAL_FRACTION)
     return Source(str(data_dir) if data_dir is not None else dataset, kind, files, hub, paths, source_eval, fraction)
+
+
+def fingerprint(paths: list[str | Path], settings: dict, version: int = 0) -> str:
+    """Changes when any source file is replaced, grown or touched, or the settings (or their format's version)
+    change; cheap (no hashing of the contents)."""
+    stats = [(str(Path(p).resolve()), os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in paths]
+    return hashlib.sha256(json.dumps([version, stats, settings], sort_keys=True).encode()).hexdigest()[:16]
 
 
 def split_rows(source: Source, columns: tuple[str | None, str | None], encoded: bool = False

@@ -1,0 +1,158 @@
+"""Images decoded on the fly (--decode workers) and the natural-image crop recipe (--augment resized-crop), on
+CIFAR-10 images upscaled to 96-128 px JPEGs (tests/conftest.py's write_upscaled_cifar): real jobs through
+train_cifar.py, 2 gloo ranks under cpu.yaml, fp32 with --deterministic, so "the same" means bitwise."""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import torchvision.transforms.v2 as T
+from conftest import (
+    CPU_YAML,
+    assert_same_parameters,
+    read_summary,
+    run_train,
+    start,
+    wait_for_checkpoint,
+)
+from PIL import Image
+
+from utils.crops import CropRecipe, eval_view, resized_crop_draws
+
+TWO_RANKS = ["--config_file", str(CPU_YAML), "--main_process_port", "0"]
+ONE_PROCESS = ["--num_processes", "1", "--cpu", "--main_process_port", "0"]
+# 192 training images, global batch 32 -> 6 optimizer steps per epoch, 2 epochs; 48 px crops; mixing on top of the
+# crops; a checkpoint every 4 steps (steps 4 and 8 are mid-epoch).
+JOB = ["--model", "resnet8", "--image-size", "48", "--augment", "resized-crop", "--mixup", "0.2", "--cutmix", "1.0",
+       "--batch-size", "16", "--global-batch-size", "32", "--epochs", "2", "--checkpoint-every-steps", "4",
+       "--lr", "0.01", "--grad-clip", "0", "--no-channels-last", "--deterministic", "--tracker", "none"]
+
+
+def args(data, out, *extra) -> list[str]:
+    return ["--data-dir", str(data), "--output-dir", str(out), *JOB, *extra]
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(jpeg_parquet, tmp_path_factory):
+    """The job on 2 ranks, each with 2 loader workers, over 3 parquet shards, uninterrupted."""
+    out = tmp_path_factory.mktemp("onthefly") / "two"
+    result = run_train(args(jpeg_parquet, out, "--data-workers", "2"), launch=TWO_RANKS)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "decoding each batch in the loader's workers (--decode auto: --augment resized-crop" in result.stdout
+    return out
+
+
+def test_resized_crops_decoded_in_workers_train_the_same_weights_on_two_ranks_as_on_one_process(two_rank_run,
+                                                                                                jpeg_parquet, tmp_path):
+    """With --augment resized-crop and the images decoded in the loader's workers, 2 ranks x 2 workers and 1 process
+    x 1 worker (2 accumulation steps, the same global batch) end with bitwise-equal trainable parameters, each having
+    evaluated the 48 test images' centre crops once (fp32, `--deterministic`)."""
+    out = tmp_path / "one"
+    result = run_train(args(jpeg_parquet, out, "--data-workers", "1"), launch=ONE_PROCESS)
+    assert result.returncode == 0, result.stderr[-4000:]
+    one, two = read_summary(out), read_summary(two_rank_run)
+    assert (one["world_size"], one["grad_accum"], two["world_size"], two["grad_accum"]) == (1, 2, 2, 1)
+    assert one["global_step"] == two["global_step"] == 12 and one["train_images_seen"] == 12 * 32
+    assert one["dataset"]["decode"] == "workers" and one["eval_examples"] == two["eval_examples"] == 48
+    assert_same_parameters(out, two_rank_run)
+
+
+def test_kill_9_mid_epoch_with_images_decoded_in_workers_then_resume_matches_the_uninterrupted_run(two_rank_run,
+                                                                                                  jpeg_parquet,
+                                                                                                  tmp_path):
+    """A 2-rank job decoding resized crops in its loader workers, killed with kill -9 after a mid-epoch checkpoint and
+    resumed with --resume auto, ends with the uninterrupted run's trainable parameters bitwise (fp32,
+    `--deterministic`)."""
+    import psutil
+
+    out = tmp_path / "killed"
+    proc = start(args(jpeg_parquet, out, "--data-workers", "2"), TWO_RANKS)
+    wait_for_checkpoint(out, proc, 4)
+    job = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
+    for process in job:
+        process.kill()
+    proc.wait()
+    psutil.wait_procs(job, timeout=10)
+    assert not (out / "summary.json").exists()
+    result = run_train(args(jpeg_parquet, out, "--data-workers", "2", "--resume", "auto"), launch=TWO_RANKS)
+    assert result.returncode == 0, result.stderr[-4000:]
+    s = read_summary(out)
+    assert int(s["resumed_from"].rsplit("step-", 1)[1]) in (4, 8)  # mid-epoch: 6 steps per epoch
+    assert s["global_step"] == 12
+    assert_same_parameters(out, two_rank_run)
+
+
+def test_the_small_image_recipe_decoded_in_workers_trains_exactly_as_from_the_decoded_cache(jpeg_folder, tmp_path):
+    """--augment standard with --decode workers (each image resized as the cache resizes it, cropped and flipped on
+    the device) ends with the trainable parameters and evaluation of --decode cache, bitwise (1 process, fp32,
+    `--deterministic`, the JPEG image folder at 48 px)."""
+    runs = {}
+    for decode in ("cache", "workers"):
+        out = tmp_path / decode
+        result = run_train(["--data-dir", str(jpeg_folder), "--output-dir", str(out), "--cache-dir",
+                            str(tmp_path / "cache"), *JOB[:4], "--augment", "standard", *JOB[6:], "--decode", decode,
+                            "--epochs", "1"], launch=ONE_PROCESS)
+        assert result.returncode == 0, result.stderr[-4000:]
+        runs[decode] = read_summary(out)
+    assert runs["cache"]["dataset"].get("decode") is None and runs["workers"]["dataset"]["decode"] == "workers"
+    assert runs["cache"]["eval_loss"] == runs["workers"]["eval_loss"]
+    assert_same_parameters(tmp_path / "cache", tmp_path / "workers")
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_a_corrupt_jpeg_stops_the_job_with_one_line_naming_the_file(jpeg_folder, tmp_path, split):
+    """A JPEG whose pixels cannot be decoded (truncated after its header), met at the start while the mean and std
+    are estimated (train) or by a loader worker of one rank at the first evaluation, after step 6 (test): exit status
+    2, one `error:` line naming the file, no traceback, no summary and no checkpoint after the error (test: the one
+    of step 4 only)."""
+    data = tmp_path / "data"
+    shutil.copytree(jpeg_folder, data)
+    victim = sorted((data / split / "cat").iterdir())[0]
+    victim.write_bytes(victim.read_bytes()[:400])
+    out = tmp_path / "out"
+    result = run_train(args(data, out, "--data-workers", "1"), launch=TWO_RANKS)
+    assert result.returncode == 2 or "exitcode  : 2" in result.stderr, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and str(victim) in lines[0] and "undecodable image" in lines[0], result.stderr[-3000:]
+    assert not [line for line in result.stderr.splitlines() if "[rank" in line and "Traceback" in line]  # no rank's
+    written = sorted(p.name for p in out.glob("checkpoints/step-*"))
+    assert not (out / "summary.json").exists() and written == ([] if split == "train" else ["step-00000004"])
+
+
+def test_resized_crop_draws_follow_torchvisions_random_resized_crop_distribution():
+    """Over 4,000 samples of a 128 x 96 image, the keyed crops' mean area share, mean log aspect ratio, mean centre
+    and flip rate are within 0.02 (0.03 for the centre, as a share of the image) of torchvision's RandomResizedCrop
+    (its own RNG) and every box lies inside the image with its area share in --crop-scale."""
+    recipe, n, (width, height) = CropRecipe(), 4000, (128, 96)
+    boxes, mirrored = resized_crop_draws(0, 0, np.arange(n), [(width, height)] * n, recipe)
+    torch.manual_seed(0)
+    ref = np.array([[p["top"], p["left"], p["height"], p["width"]] for p in
+                    (T.RandomResizedCrop(48).make_params([torch.empty(3, height, width)]) for _ in range(n))])
+
+    def stats(b):
+        top, left, h, w = (b[:, k].astype(float) for k in range(4))
+        return (np.mean(h * w / (width * height)), np.mean(np.log(w / h)), np.mean((top + h / 2) / height),
+                np.mean((left + w / 2) / width))
+
+    ours, reference = stats(boxes), stats(ref)
+    assert all(math.isclose(a, b, abs_tol=tol) for a, b, tol in zip(ours, reference, (0.02, 0.02, 0.03, 0.03))), (
+        ours, reference)
+    assert abs(mirrored.mean() - 0.5) < 0.02
+    top, left, h, w = boxes.T
+    assert (top >= 0).all() and (left >= 0).all() and (top + h <= height).all() and (left + w <= width).all()
+    share = h * w / (width * height)
+    assert share.min() >= 0.08 * 0.95 and share.max() <= 1.0
+
+
+def test_the_evaluation_view_is_torchvisions_resize_then_centre_crop():
+    """eval_view at S = 48 with --eval-crop 0.875 equals torchvision's Resize(54) then CenterCrop(48) on the PIL
+    image, pixel for pixel, for a landscape, a portrait and a square image."""
+    rng = np.random.default_rng(0)
+    for size in ((128, 96), (96, 128), (112, 112)):
+        im = Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+        expected = T.Compose([T.Resize(54, antialias=True), T.CenterCrop(48)])(im)
+        assert np.array_equal(eval_view(im, 48, CropRecipe()), np.asarray(expected))

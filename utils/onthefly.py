@@ -1,0 +1,154 @@
+"""Images decoded on the fly (--decode workers): the source's images stay encoded (parquet rows in datasets'
+memory-mapped table, or an image folder's files) and the DataLoader's worker processes decode each batch as the
+sampler asks for it. For images whose decoded copy would not fit the cache (utils/decode.py) or that the crop recipe
+for natural images needs whole (--augment resized-crop, utils/crops.py). The sampler's contract holds as on the
+cached path: the order comes from utils.batches.EpochSampler, each sample's crop, flip and mixing from (seed, epoch,
+sample index), so batches are the same at any process count, worker count and after a resume.
+
+`load_encoded` is the entry point (a template's load_data returns its result as it returns load_source's);
+`EncodedImages` stands where the cached path has an image tensor, and makes the loader's dataset
+(`DecodingDataset`). `choose_decode` says which path --decode auto takes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from utils import UserError, first_line
+from utils.batches import SPLITS, augment_draws, channel_stats, mix_draws
+from utils.crops import CropRecipe, eval_view, resized_crop_draws, train_view
+from utils.decode import default_cache_dir, square_pixels
+from utils.sources import Rows, fingerprint, first_size, locate, open_image, place, split_rows
+
+STATS_IMAGES = 512  # training images the per-channel mean and std are estimated from (the first, decoded at S)
+
+
+class EncodedImages:
+    """A split's encoded images at --image-size S: where the cached path holds an (N, 3, S, S) uint8 tensor. The
+    view of each image: `recipe` None: resized to S x S as the cache does (the small-image crops then run on the
+    device, as there); a CropRecipe: the random-resized crop in training, resize and centre crop in evaluation."""
+
+    def __init__(self, rows: Rows, size: int, recipe: CropRecipe | None, workers: int):
+        self.rows, self.image_size, self.recipe, self.workers = rows, size, recipe, workers
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, prefix: slice) -> EncodedImages:
+        """images[:n], the first n images (--train-subset, --eval-subset), as a tensor's prefix."""
+        return EncodedImages(self.rows.take(torch.arange(len(self))[prefix]), self.image_size, self.recipe,
+                             self.workers)
+
+    def dataset(self, labels, train: bool, seed: int, augment: bool, pad: int, mixing) -> DecodingDataset:
+        return DecodingDataset(self, labels, seed if train else None, augment, pad, mixing)
+
+
+class DecodingDataset(torch.utils.data.Dataset):
+    """BatchedTensorDataset's batches (utils/batches.py) from encoded images: `__getitems__` decodes the batch's
+    images, in a DataLoader worker, into one (B, S, S, 3) uint8 array. A training set (`augment_seed` given) returns
+    (images, labels, draws) as there: the small-image crop and flip drawn for the device, or with the crop recipe
+    cropped and flipped here already (draws (None, None), then the mixing draws if any)."""
+
+    def __init__(self, images: EncodedImages, labels: torch.Tensor, augment_seed: int | None, augment: bool,
+                 pad: int, mixing):
+        self.images, self.labels, self.augment_seed, self.augment = images, labels, augment_seed, augment
+        self.pad, self.mixing, self.epoch = pad, mixing, 0
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitems__(self, indices: list[int]):
+        host = np.asarray(indices, dtype=np.int64)
+        rows, size, recipe = self.images.rows, self.images.image_size, self.images.recipe
+        out = np.empty((len(host), size, size, 3), dtype=np.uint8)
+        opened = [_open(rows, source, int(i)) for source, i in zip(rows.fetch(host), host)]
+        cropped_here = recipe is not None and self.augment_seed is not None and self.augment
+        if cropped_here:
+            boxes, mirrored = resized_crop_draws(self.augment_seed, self.epoch, host, [im.size for im in opened],
+                                                 recipe)
+        for k, im in enumerate(opened):
+            if cropped_here:
+                view = partial(train_view, box=boxes[k], mirrored=bool(mirrored[k]), size=size)
+            else:
+                view = partial(eval_view, size=size, recipe=recipe) if recipe else partial(square_pixels, size=size)
+            out[k] = _pixels(rows, int(host[k]), im, view)
+        batch = torch.from_numpy(out).permute(0, 3, 1, 2), self.labels[torch.from_numpy(host)]
+        if self.augment_seed is None:
+            return batch
+        if not self.augment:
+            return (*batch, None)
+        draws = (None, None) if cropped_here else augment_draws(self.augment_seed, self.epoch, host, self.pad)
+        if self.mixing is not None:
+            draws += mix_draws(self.augment_seed, self.epoch, host, size, self.mixing)
+        return (*batch, draws if draws != (None, None) else None)
+
+
+def _open(rows: Rows, source, i: int):
+    return open_image(source, rows.split, place(rows, i))
+
+
+def _pixels(rows: Rows, i: int, im, view) -> np.ndarray:
+    """view(the RGB image) of row i's opened image; one line naming the row if its pixels cannot be decoded."""
+    try:
+        with im:
+            return view(im.convert("RGB"))
+    except OSError as e:  # a header that reads but pixels that do not (a truncated file)
+        raise UserError(f"the {rows.split} split has an undecodable image at {place(rows, i)} ({first_line(e)}).") \
+            from None
+
+
+def load_encoded(data_dir: str | None, dataset: str | None = None, image_size: int | None = None,
+                 columns: tuple[str | None, str | None] = (None, None), val_fraction: float | None = None,
+                 recipe: CropRecipe | None = None, workers: int | None = None) -> dict:
+    """The built-in sources (as utils.decode.load_source gives them), with EncodedImages in place of the image
+    tensors: nothing is decoded but the first STATS_IMAGES training images, for the per-channel mean and std.
+    image_size: S; None: the first training image's size. recipe: the crop recipe (--augment resized-crop), or None.
+    workers: the DataLoader's decoding worker processes (per process); None: this process's share of the cores.
+    Every process reads the source's index (no cache file is written)."""
+    source = locate(data_dir, dataset, val_fraction)
+    rows, classes = split_rows(source, columns, encoded=True)
+    size = image_size or first_size(rows)[0]
+    workers = workers or max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    sample = rows["train"].take(torch.arange(min(STATS_IMAGES, len(rows["train"]))))
+    pixels = np.stack([_pixels(sample, i, _open(sample, s, i), partial(square_pixels, size=size))
+                       for i, s in enumerate(sample.fetch(range(len(sample))))])
+    mean, std = channel_stats(torch.from_numpy(pixels).permute(0, 3, 1, 2))
+    log = print if int(os.environ.get("RANK", "0")) == 0 else (lambda *_: None)
+    source.announce_held_out(log, len(rows["train"]), len(rows["test"]))
+    data = {s: (EncodedImages(rows[s], size, recipe, workers), rows[s].labels) for s in SPLITS}
+    key = fingerprint(source.paths, {"columns": list(columns), "val_fraction": source.fraction})
+    return data | {"classes": classes, "mean": mean, "std": std,
+                   "dataset": {**source.describe(key), "decode": "workers"}}
+
+
+def choose_decode(cfg, dataset: str | None) -> str:
+    """The path --decode takes, said on the main process: 'cache' or 'workers'. auto: workers for --augment
+    resized-crop (its crops need whole images), or when the decoded images (N x 3 x S x S bytes) would not fit in the
+    cache folder's free space; else the cache. cfg: the data group of a script's Config."""
+    if cfg.decode == "cache" and cfg.augment == "resized-crop":
+        raise UserError("--augment resized-crop crops whole images as they are decoded: it needs --decode workers "
+                        "(or auto), not --decode cache.")
+    why, choice = f"--decode {cfg.decode}", cfg.decode
+    if cfg.decode == "auto" and cfg.augment == "resized-crop":
+        why, choice = "--decode auto: --augment resized-crop crops whole images", "workers"
+    elif cfg.decode == "auto" and cfg.image_size is not None:
+        source = locate(cfg.data_dir, dataset, cfg.val_fraction)
+        folder = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir(cfg.data_dir)
+        while not folder.exists():
+            folder = folder.parent
+        need, free = source.count() * 3 * cfg.image_size ** 2, shutil.disk_usage(folder).free
+        choice = "workers" if need > free else "cache"
+        why = f"--decode auto: the decoded images take {need / 2**30:,.1f} GiB, {folder} has {free / 2**30:,.1f} free"
+    elif cfg.decode == "auto":
+        choice = "cache"
+    if int(os.environ.get("RANK", "0")) == 0 and choice == "workers":
+        print(f"decoding each batch in the loader's workers ({why})")
+    elif int(os.environ.get("RANK", "0")) == 0 and cfg.decode != "cache" and cfg.image_size is not None:
+        print(f"decoding the images once into the cache ({why})")
+    return choice
