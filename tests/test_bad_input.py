@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import pytest
@@ -130,12 +131,28 @@ def test_zero_decode_workers(tmp_path, small_data):
 
 
 def test_a_decode_cache_that_does_not_fit_its_disk_stops_before_decoding_and_leaves_no_file(tmp_path, small_data):
-    """80 images at 128 x 128 need 3.75 MiB; the cache folder is a 1 MiB filesystem."""
+    """80 images at 128 x 128 need 3.75 MiB; the cache folder is a 1 MiB filesystem; --decode cache asked for."""
     with small_tmpfs(tmp_path / "cache", "1m") as disk:  # the folder _fails_cleanly passes as --cache-dir
-        _fails_cleanly(tmp_path, ["--data-dir", str(small_data), "--image-size", "128"],
+        _fails_cleanly(tmp_path, ["--data-dir", str(small_data), "--image-size", "128", "--decode", "cache"],
                        f"the decoded images need 3.8 MiB in {disk}, which has 1.0 MiB free (No space left on "
                        f"device); free some space, or pass --cache-dir on a larger disk (or a smaller --image-size).")
         assert list(disk.iterdir()) == []  # nor a temporary file
+
+
+@pytest.mark.slow
+def test_decode_auto_decodes_in_the_loader_workers_when_the_cache_would_not_fit_its_disk(tmp_path, small_data):
+    """--decode auto with 80 images at 128 x 128 (3.75 MiB decoded) and a 1 MiB cache filesystem: the job says it
+    decodes in the loader's workers and why, trains and evaluates every test image, and writes nothing there."""
+    with small_tmpfs(tmp_path / "cache", "1m") as disk:
+        result = run_train(["--data-dir", str(small_data), "--image-size", "128", "--cache-dir", str(disk),
+                            "--output-dir", str(tmp_path / "out"), "--model", "resnet8", "--batch-size", "16",
+                            "--epochs", "1", "--tracker", "none"])
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert (f"decoding each batch in the loader's workers (--decode auto: the decoded images take 3.8 MiB, {disk} "
+                f"has 1.0 free)") in result.stdout
+        summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+        assert summary["dataset"]["decode"] == "workers" and summary["eval_examples"] == 16
+        assert list(disk.iterdir()) == []
 
 
 @pytest.mark.parametrize("size", ["4", "1000"])

@@ -86,6 +86,7 @@ def test_kill_9_mid_epoch_with_images_decoded_in_workers_then_resume_matches_the
     assert_same_parameters(out, two_rank_run)
 
 
+@pytest.mark.slow
 def test_the_small_image_recipe_decoded_in_workers_trains_exactly_as_from_the_decoded_cache(jpeg_folder, tmp_path):
     """--augment standard with --decode workers (each image resized as the cache resizes it, cropped and flipped on
     the device) ends with the trainable parameters and evaluation of --decode cache, bitwise (1 process, fp32,
@@ -103,6 +104,7 @@ def test_the_small_image_recipe_decoded_in_workers_trains_exactly_as_from_the_de
     assert_same_parameters(tmp_path / "cache", tmp_path / "workers")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("split", ["train", "test"])
 def test_a_corrupt_jpeg_stops_the_job_with_one_line_naming_the_file(jpeg_folder, tmp_path, split):
     """A JPEG whose pixels cannot be decoded (truncated after its header), met at the start while the mean and std

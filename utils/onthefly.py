@@ -144,7 +144,7 @@ def choose_decode(cfg, dataset: str | None) -> str:
             folder = folder.parent
         need, free = source.count() * 3 * cfg.image_size ** 2, shutil.disk_usage(folder).free
         choice = "workers" if need > free else "cache"
-        why = f"--decode auto: the decoded images take {need / 2**30:,.1f} GiB, {folder} has {free / 2**30:,.1f} free"
+        why = f"--decode auto: the decoded images take {need / 2**20:,.1f} MiB, {folder} has {free / 2**20:,.1f} free"
     elif cfg.decode == "auto":
         choice = "cache"
     if int(os.environ.get("RANK", "0")) == 0 and choice == "workers":
