@@ -221,7 +221,8 @@ class Checkpointer:
     def __init__(self, accelerator, cfg: CheckpointConfig):
         """cfg: the script's Config; its checkpoint flags set the policy, and the whole of it goes into every
         checkpoint (to compare with on resume)."""
-        self.accelerator, self.config, self.script = accelerator, asdict(cfg), script_record(cfg)
+        self.accelerator, self.script = accelerator, script_record(cfg)
+        self.config = json.loads(json.dumps(asdict(cfg)))  # as a checkpoint saves it (tuples as lists): comparable
         self.root = Path(cfg.output_dir) / "checkpoints"
         self.keep_last, self.every_steps = cfg.keep_last, cfg.checkpoint_every_steps
         self.last: Path | None = None
