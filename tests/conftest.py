@@ -365,6 +365,16 @@ def wait_for_checkpoint(out: Path, proc: Forked, step: int, timeout: float = 300
         time.sleep(0.02)
 
 
+def kill_job(proc: Forked) -> None:
+    """kill -9 of every process of a launched job, launcher and workers (which run in sessions of their own), as a
+    node loss would; returns once they are gone."""
+    job = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
+    for process in job:
+        process.kill()
+    proc.wait()
+    psutil.wait_procs(job, timeout=10)
+
+
 def workers(proc: Forked) -> dict[int, psutil.Process]:
     """The training processes of a launched job (torchrun's workers) by rank: forked ones by the name tests/forked.py
     gives them (rankN), started ones by their command line and RANK."""

@@ -166,6 +166,11 @@ def test_image_size_outside_8_to_512(tmp_path, small_data, size):
     (["--val-fraction", "1.5"], "--val-fraction must be between 0 and 1 (got 1.5)."),
     (["--label-column", "species"], "the train split has no column 'species' (--label-column); its columns: "
                                     "['img', 'label']."),
+    (["--decode", "cache", "--augment", "resized-crop"], "--augment resized-crop crops whole images as they are "
+                                                         "decoded: it needs --decode workers (or auto), not --decode "
+                                                         "cache."),
+    (["--crop-scale", "0.5", "0.2"], "--crop-scale takes two shares of the area, 0 < MIN <= MAX <= 1 (got (0.5, "
+                                     "0.2))."),
 ])
 def test_contradicting_or_missing_data_flags(tmp_path, small_data, extra, message):
     _fails_cleanly(tmp_path, ["--data-dir", str(small_data), *extra], message.format(data=small_data))

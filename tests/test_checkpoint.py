@@ -30,6 +30,7 @@ from conftest import (
     Forked,
     assert_same_parameters,
     assert_same_state,
+    kill_job,
     read_summary,
     run_python,
     run_train,
@@ -76,11 +77,7 @@ def _kill_after_checkpoint(out: Path, proc: Forked, step: int) -> None:
     logs = out / "probe-logs-rank0.jsonl"
     while not logs.is_file() or logs.read_text().count('"train/loss"') < step + 1:
         time.sleep(0.01)
-    job = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
-    for process in job:
-        process.kill()
-    proc.wait()
-    psutil.wait_procs(job, timeout=10)
+    kill_job(proc)
     assert not (out / "summary.json").exists()
 
 

@@ -14,6 +14,7 @@ import torchvision.transforms.v2 as T
 from conftest import (
     CPU_YAML,
     assert_same_parameters,
+    kill_job,
     read_summary,
     run_train,
     start,
@@ -67,16 +68,10 @@ def test_kill_9_mid_epoch_with_images_decoded_in_workers_then_resume_matches_the
     """A 2-rank job decoding resized crops in its loader workers, killed with kill -9 after a mid-epoch checkpoint and
     resumed with --resume auto, ends with the uninterrupted run's trainable parameters bitwise (fp32,
     `--deterministic`)."""
-    import psutil
-
     out = tmp_path / "killed"
     proc = start(args(jpeg_parquet, out, "--data-workers", "2"), TWO_RANKS)
     wait_for_checkpoint(out, proc, 4)
-    job = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
-    for process in job:
-        process.kill()
-    proc.wait()
-    psutil.wait_procs(job, timeout=10)
+    kill_job(proc)
     assert not (out / "summary.json").exists()
     result = run_train(args(jpeg_parquet, out, "--data-workers", "2", "--resume", "auto"), launch=TWO_RANKS)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -95,8 +90,8 @@ def test_the_small_image_recipe_decoded_in_workers_trains_exactly_as_from_the_de
     for decode in ("cache", "workers"):
         out = tmp_path / decode
         result = run_train(["--data-dir", str(jpeg_folder), "--output-dir", str(out), "--cache-dir",
-                            str(tmp_path / "cache"), *JOB[:4], "--augment", "standard", *JOB[6:], "--decode", decode,
-                            "--epochs", "1"], launch=ONE_PROCESS)
+                            str(tmp_path / "cache"), *JOB, "--augment", "standard", "--decode", decode, "--epochs",
+                            "1"], launch=ONE_PROCESS)
         assert result.returncode == 0, result.stderr[-4000:]
         runs[decode] = read_summary(out)
     assert runs["cache"]["dataset"].get("decode") is None and runs["workers"]["dataset"]["decode"] == "workers"

@@ -117,6 +117,19 @@ def mix_draws(seed: int, epoch: int, indices, size: int, mixing: Mixing):
     return torch.from_numpy(partner), torch.from_numpy(weight.astype(np.float32)), torch.from_numpy(box)
 
 
+def batch_draws(dataset, host: np.ndarray, size: int, cropped: bool = False) -> tuple | None:
+    """A training batch's draws for BatchTransform.train, from a dataset's augment_seed, epoch, augment, pad and
+    mixing: None without augmentation; else the crop and flip (augment_draws; (None, None) when the images come
+    `cropped` already, utils/onthefly.py) followed by the mixing draws (mix_draws), if any; None when that leaves
+    nothing to draw."""
+    if not dataset.augment:
+        return None
+    crops = (None, None) if cropped else augment_draws(dataset.augment_seed, dataset.epoch, host, dataset.pad)
+    if dataset.mixing is None:
+        return None if cropped else crops
+    return crops + mix_draws(dataset.augment_seed, dataset.epoch, host, size, dataset.mixing)
+
+
 class BatchedTensorDataset(torch.utils.data.Dataset):
     """Images and labels as two tensors. The DataLoader calls `__getitems__` once per batch with the
     sampler's indices, so a batch costs one tensor index instead of `batch_size` Python calls.
@@ -152,12 +165,7 @@ class BatchedTensorDataset(torch.utils.data.Dataset):
         batch = nhwc.permute(0, 3, 1, 2), self.labels.index_select(0, idx)
         if self.augment_seed is None:
             return batch
-        if not self.augment:
-            return (*batch, None)
-        draws = augment_draws(self.augment_seed, self.epoch, host, self.pad)
-        if self.mixing is not None:
-            draws += mix_draws(self.augment_seed, self.epoch, host, self.images.shape[-1], self.mixing)
-        return (*batch, draws)
+        return (*batch, batch_draws(self, host, self.images.shape[-1]))
 
 
 class EpochSampler(torch.utils.data.Sampler):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import re
+import types
 import typing
 from dataclasses import field, fields
 
@@ -60,12 +61,14 @@ def build_parser(config_class, description: str) -> argparse.ArgumentParser:
         if kind is bool:
             target.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
         else:
-            kind = next(t for t in typing.get_args(kind) or (kind,) if t is not type(None))  # X | None -> X
+            if isinstance(kind, types.UnionType):  # X | None -> X
+                kind = next(t for t in typing.get_args(kind) if t is not type(None))
             repeated = typing.get_origin(kind) is list  # list[str]: the flag may be given several times
             pair = typing.get_origin(kind) is tuple  # tuple[float, float]: the flag takes two values
             item = typing.get_args(kind)[0] if repeated or pair else kind
             target.add_argument(flag, type=item, default=f.default, action="append" if repeated else "store",
-                                nargs=2 if pair else None, choices=f.metadata["choices"],
+                                nargs=2 if pair else None, metavar=("MIN", "MAX") if pair else None,
+                                choices=f.metadata["choices"],
                                 help=f.metadata["help"].replace("%", "%%") + " (default: %(default)s)")
     return parser
 

@@ -82,6 +82,9 @@ class DataConfig(Group):
             raise UserError(f"--crop-scale takes two shares of the area, 0 < MIN <= MAX <= 1 (got {self.crop_scale}).")
         if not 0 < self.crop_ratio[0] <= self.crop_ratio[1]:
             raise UserError(f"--crop-ratio takes two aspect ratios, 0 < MIN <= MAX (got {self.crop_ratio}).")
+        if self.decode == "cache" and self.augment == "resized-crop":
+            raise UserError("--augment resized-crop crops whole images as they are decoded: it needs --decode workers "
+                            "(or auto), not --decode cache.")
         if not 0 < self.eval_crop <= 1:
             raise UserError(f"--eval-crop must be in (0, 1] (got {self.eval_crop:g}).")
         if self.image_size is not None and not 8 <= self.image_size <= 512:

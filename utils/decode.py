@@ -25,7 +25,7 @@ import torch
 
 from utils import UserError, first_line
 from utils.batches import SPLITS, channel_stats
-from utils.launch import first_on_each_machine
+from utils.launch import first_on_each_machine, main_print
 from utils.sources import Rows, fingerprint, first_size, locate, open_image, place, read_rows, split_rows
 
 CACHE_FORMAT = 6  # bump when the cache file changes (4: class names, mean and std; 5: held-out splits; 6: mean and
@@ -273,7 +273,7 @@ def load_source(data_dir: str | None, dataset: str | None = None, image_size: in
     """
     settings = {"image_size": image_size, "columns": list(columns), "val_fraction": val_fraction}
     workers = decode_workers or len(os.sched_getaffinity(0))
-    log = print if int(os.environ.get("RANK", "0")) == 0 else (lambda *_: None)
+    log = main_print
     if int(os.environ.get("LOCAL_RANK", "0")) > 0:
         workers = max(1, workers // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     return first_on_each_machine(lambda: _load(data_dir, dataset, cache_dir, log, settings, workers))

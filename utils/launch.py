@@ -225,6 +225,12 @@ def raise_if_any(error: str | None, long_wait: bool = False) -> None:
         raise UserError(found)
 
 
+def main_print(*args) -> None:
+    """print() on the global main process only, before (or without) Accelerate's state: from torchrun's RANK."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(*args)
+
+
 def first_on_each_machine(job):
     """job() on each machine's first process (a download or a decode into a cache), then on the others, which find it
     cached. A UserError there is raised on every process (raise_if_any); Accelerate's main_process_first would

@@ -21,9 +21,10 @@ import numpy as np
 import torch
 
 from utils import UserError, first_line
-from utils.batches import SPLITS, augment_draws, channel_stats, mix_draws
+from utils.batches import SPLITS, batch_draws, channel_stats
 from utils.crops import CropRecipe, eval_view, resized_crop_draws, train_view
 from utils.decode import default_cache_dir, square_pixels
+from utils.launch import main_print
 from utils.sources import Rows, fingerprint, first_size, locate, open_image, place, split_rows
 
 STATS_IMAGES = 512  # training images the per-channel mean and std are estimated from (the first, decoded at S)
@@ -81,12 +82,7 @@ class DecodingDataset(torch.utils.data.Dataset):
         batch = torch.from_numpy(out).permute(0, 3, 1, 2), self.labels[torch.from_numpy(host)]
         if self.augment_seed is None:
             return batch
-        if not self.augment:
-            return (*batch, None)
-        draws = (None, None) if cropped_here else augment_draws(self.augment_seed, self.epoch, host, self.pad)
-        if self.mixing is not None:
-            draws += mix_draws(self.augment_seed, self.epoch, host, size, self.mixing)
-        return (*batch, draws if draws != (None, None) else None)
+        return (*batch, batch_draws(self, host, size, cropped=cropped_here))
 
 
 def _open(rows: Rows, source, i: int):
@@ -119,8 +115,7 @@ def load_encoded(data_dir: str | None, dataset: str | None = None, image_size: i
     pixels = np.stack([_pixels(sample, i, _open(sample, s, i), partial(square_pixels, size=size))
                        for i, s in enumerate(sample.fetch(range(len(sample))))])
     mean, std = channel_stats(torch.from_numpy(pixels).permute(0, 3, 1, 2))
-    log = print if int(os.environ.get("RANK", "0")) == 0 else (lambda *_: None)
-    source.announce_held_out(log, len(rows["train"]), len(rows["test"]))
+    source.announce_held_out(main_print, len(rows["train"]), len(rows["test"]))
     data = {s: (EncodedImages(rows[s], size, recipe, workers), rows[s].labels) for s in SPLITS}
     key = fingerprint(source.paths, {"columns": list(columns), "val_fraction": source.fraction})
     return data | {"classes": classes, "mean": mean, "std": std,
@@ -130,25 +125,22 @@ def load_encoded(data_dir: str | None, dataset: str | None = None, image_size: i
 def choose_decode(cfg, dataset: str | None) -> str:
     """The path --decode takes, said on the main process: 'cache' or 'workers'. auto: workers for --augment
     resized-crop (its crops need whole images), or when the decoded images (N x 3 x S x S bytes) would not fit in the
-    cache folder's free space; else the cache. cfg: the data group of a script's Config."""
-    if cfg.decode == "cache" and cfg.augment == "resized-crop":
-        raise UserError("--augment resized-crop crops whole images as they are decoded: it needs --decode workers "
-                        "(or auto), not --decode cache.")
-    why, choice = f"--decode {cfg.decode}", cfg.decode
-    if cfg.decode == "auto" and cfg.augment == "resized-crop":
-        why, choice = "--decode auto: --augment resized-crop crops whole images", "workers"
-    elif cfg.decode == "auto" and cfg.image_size is not None:
-        source = locate(cfg.data_dir, dataset, cfg.val_fraction)
+    cache folder's free space; else the cache (said when it was weighed). cfg: the data group of a script's Config
+    (--decode cache with --augment resized-crop is refused when the flags are parsed)."""
+    if cfg.decode == "workers":
+        choice, why = "workers", "--decode workers"
+    elif cfg.augment == "resized-crop":
+        choice, why = "workers", "--decode auto: --augment resized-crop crops whole images"
+    elif cfg.decode == "cache" or cfg.image_size is None:  # the images' own size is unknown until decoded
+        return "cache"
+    else:
         folder = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir(cfg.data_dir)
         while not folder.exists():
             folder = folder.parent
-        need, free = source.count() * 3 * cfg.image_size ** 2, shutil.disk_usage(folder).free
+        need = locate(cfg.data_dir, dataset, cfg.val_fraction).count() * 3 * cfg.image_size ** 2
+        free = shutil.disk_usage(folder).free
         choice = "workers" if need > free else "cache"
         why = f"--decode auto: the decoded images take {need / 2**20:,.1f} MiB, {folder} has {free / 2**20:,.1f} free"
-    elif cfg.decode == "auto":
-        choice = "cache"
-    if int(os.environ.get("RANK", "0")) == 0 and choice == "workers":
-        print(f"decoding each batch in the loader's workers ({why})")
-    elif int(os.environ.get("RANK", "0")) == 0 and cfg.decode != "cache" and cfg.image_size is not None:
-        print(f"decoding the images once into the cache ({why})")
+    main_print(f"decoding each batch in the loader's workers ({why})" if choice == "workers" else
+               f"decoding the images once into the cache ({why})")
     return choice
