@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> dict:
         model = model.to(memory_format=torch.channels_last)
     images, labels = take_prefix(data["test"], cfg.eval_subset, "--eval-subset")
     batch = args.batch_size or summary.get("batch_size_per_process", 500)
-    model, loader = accelerator.prepare(model, make_loader(images, labels, batch, train=False))
+    model, loader = accelerator.prepare(model, make_loader(images, labels, batch, train=False,
+                                                           processes=accelerator.num_processes))
     transform = BatchTransform.for_data(data, accelerator.device, channels_last)
     metrics = evaluate(model, loader, transform, accelerator, tta_flip=getattr(cfg, "tta_flip", False),
                        classes=data["classes"], metrics=load_metrics(args.metric, data["classes"], accelerator))

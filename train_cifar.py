@@ -163,10 +163,11 @@ def load_data(cfg: Config) -> dict:
     (--decode workers, full-size images) kept encoded and decoded by batch in the loader's workers."""
     dataset = cfg.dataset or (None if cfg.data_dir else "uoft-cs/cifar10")  # neither flag: CIFAR-10 from the Hub
     columns = (cfg.image_column, cfg.label_column)
-    if choose_decode(cfg, dataset) == "workers":  # kept encoded, decoded by batch in the loader's workers
+    decode = choose_decode(cfg, dataset)  # cache, workers or stream: printed, with why
+    if decode != "cache":  # kept encoded, decoded by batch in the loader's workers; stream: read shard by shard
         recipe = CropRecipe(cfg.crop_scale, cfg.crop_ratio, cfg.eval_crop) if cfg.augment == "resized-crop" else None
         return load_encoded(cfg.data_dir, dataset, cfg.image_size, columns, cfg.val_fraction, recipe,
-                            cfg.data_workers)
+                            cfg.data_workers, stream_window=cfg.shuffle_buffer if decode == "stream" else None)
     return load_source(cfg.data_dir, dataset, cfg.image_size, columns, cfg.val_fraction, cfg.cache_dir,
                        cfg.decode_workers)
 

@@ -11,6 +11,7 @@ import select
 import signal
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -39,7 +40,7 @@ CUDA = torch.cuda.is_available()
 # Fixtures that run training jobs (real processes): a test that uses one is `slow`, as is every test marked so by hand
 # (it starts a job itself). `python -m pytest -m "not slow"` is the quick subset for the edit-test loop.
 JOB_FIXTURES = {"reference", "small_run", "ddp_jobs", "bf16_jobs", "fsdp_jobs", "vit_jobs", "tracked_runs",
-                "two_rank_run", "fine_tuned"}
+                "two_rank_run", "fine_tuned", "streamed", "killed"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -144,11 +145,11 @@ def cifar_dir(tmp_path_factory) -> Path:
 
 
 def write_upscaled_cifar(root: Path, cifar: Path, n_train: int = 192, n_test: int = 48, sizes=(96, 112, 128),
-                         parquet_shards: int = 0) -> Path:
+                         parquet_shards: int = 0, test_shards: int = 1) -> Path:
     """Natural-image stand-ins from the CIFAR-10 copy: its first images upscaled (bicubic) to one of `sizes` by row
     (so the sizes differ; width and height too for every third image) and saved as JPEGs (quality 90), as an image
     folder (train/<class>/<row>.jpg, test/...) or, with parquet_shards, as that many train-*.parquet shards (and
-    one test file) in the Hub's schema."""
+    test_shards test-*.parquet files) in the Hub's schema."""
     import datasets
 
     root.mkdir(parents=True, exist_ok=True)
@@ -170,7 +171,7 @@ def write_upscaled_cifar(root: Path, cifar: Path, n_train: int = 192, n_test: in
             features = datasets.Features({"img": datasets.Image(), "label": datasets.ClassLabel(
                 names=list(CIFAR_CLASSES))})
             table = datasets.Dataset.from_dict({"img": images, "label": labels}, features=features)
-            shards = parquet_shards if split == "train" else 1
+            shards = parquet_shards if split == "train" else test_shards
             for k in range(shards):
                 table.shard(shards, k, contiguous=True).to_parquet(
                     str(root / f"{split}-{k:05d}-of-{shards:05d}.parquet"))
@@ -188,6 +189,33 @@ def jpeg_parquet(cifar_dir, tmp_path_factory) -> Path:
     """The same images as jpeg_folder's in 3 train-*.parquet shards (a count that divides neither 2 nor 4) and one
     test file."""
     return write_upscaled_cifar(tmp_path_factory.mktemp("jpeg-parquet"), cifar_dir, parquet_shards=3)
+
+
+def write_tar_shards(root: Path, parquet_dir: Path) -> Path:
+    """Each *.parquet shard of parquet_dir (write_upscaled_cifar's) as a webdataset tar of the same name and rows:
+    KEY.jpg (the JPEG's bytes) and KEY.cls (its label), KEY the split and row."""
+    import pyarrow.parquet as pq
+
+    root.mkdir(parents=True, exist_ok=True)
+    for shard in sorted(parquet_dir.glob("*.parquet")):
+        table = pq.read_table(shard)
+        with tarfile.open(root / f"{shard.stem}.tar", "w") as tar:
+            images, labels = table.column("img").to_pylist(), table.column("label").to_pylist()
+            for row, (image, label) in enumerate(zip(images, labels)):
+                for ext, blob in (("jpg", image["bytes"]), ("cls", str(label).encode())):
+                    info = tarfile.TarInfo(f"{shard.stem.split('-')[0]}{row:05d}.{ext}")
+                    info.size = len(blob)
+                    tar.addfile(info, io.BytesIO(blob))
+    return root
+
+
+@pytest.fixture(scope="session")
+def stream_shards(cifar_dir, tmp_path_factory) -> dict[str, Path]:
+    """jpeg_folder's images as 5 train shards (39, 39, 38, 38, 38 rows: a count that divides neither 2 nor 4) and 3
+    test shards (16 rows each), twice: parquet ('parquet') and webdataset tars of the same rows ('tar')."""
+    parquet = write_upscaled_cifar(tmp_path_factory.mktemp("stream-parquet"), cifar_dir, parquet_shards=5,
+                                   test_shards=3)
+    return {"parquet": parquet, "tar": write_tar_shards(tmp_path_factory.mktemp("stream-tar"), parquet)}
 
 
 @pytest.fixture(scope="session")

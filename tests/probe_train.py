@@ -32,6 +32,9 @@ changes no behaviour, it only records, per rank, into <output-dir>/probe-rank<R>
                that outlived the run; none expected)
   hub_calls    with PROBE_FAKE_HUB=DIR: huggingface_hub's HfApi.whoami, create_repo and upload_folder calls (the
                network's edge, answered here: upload_folder copies the folder to DIR/rank<R>/<repo id>)
+Streamed shards (--decode stream) are read and fetched in the loader's worker processes, which append, as it
+happens, to <output-dir>/probe-stream-rank<R>-<pid>.jsonl one line per call: {"read": split, "rows": [...]} for
+each window a worker reads from the shards, {"fetch": split, "epoch": E, "rows": [...]} for each batch it decodes.
 With PROBE_RECORD_WEIGHTS=NAME,NAME,... those tensors of the model's state (this rank's view: whole under DDP) as
 prepare() returned it and after every optimizer step go to <output-dir>/probe-weights-rank<R>.safetensors, keyed
 NAME@STEP (STEP 0: before the first step): what --ema-decay's average is checked against.
@@ -69,7 +72,7 @@ from torch.distributed.fsdp import FSDPModule  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 import train_cifar  # noqa: E402
-from utils import batches  # noqa: E402
+from utils import batches, onthefly, stream  # noqa: E402
 from utils.launch import run  # noqa: E402
 
 rec = {"batches": [], "allreduce_at": [], "synced_in_bf16": [], "comm_hook": None, "compiled": None, "fc_dtypes": [],
@@ -108,6 +111,25 @@ def getitems(self, indices):
     if len(batch) == 3 and batch[2] is not None:  # a training batch, augmented
         rec["draws"].append([self.epoch, [int(i) for i in indices], batch[2][0].tolist(), batch[2][1].tolist()])
     return batch
+
+
+def stream_record(line: dict) -> None:
+    with open(Path(output_dir, f"probe-stream-rank{os.environ.get('RANK', '0')}-{os.getpid()}.jsonl"), "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+real_stream_read = stream.StreamRows.read
+real_decoding_getitems = onthefly.DecodingDataset.__getitems__
+
+
+def stream_read(self, rows):
+    stream_record({"read": self.split, "rows": [int(r) for r in rows]})
+    return real_stream_read(self, rows)
+
+
+def decoding_getitems(self, indices):
+    stream_record({"fetch": self.images.rows.split, "epoch": self.epoch, "rows": [int(i) for i in indices]})
+    return real_decoding_getitems(self, indices)
 
 
 real_prepare = Accelerator.prepare
@@ -277,6 +299,8 @@ def fake_hub(folder: str) -> None:
 if os.environ.get("PROBE_FAKE_HUB"):
     fake_hub(os.environ["PROBE_FAKE_HUB"])
 batches.BatchedTensorDataset.__getitems__ = getitems
+stream.StreamRows.read = stream_read
+onthefly.DecodingDataset.__getitems__ = decoding_getitems
 Accelerator.prepare = prepare
 torch.nn.parallel.DistributedDataParallel.register_comm_hook = register_comm_hook
 train_cifar.evaluate = evaluate

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+import shutil
+import tarfile
 from pathlib import Path
 
 import pytest
 from conftest import (
+    CIFAR_CLASSES,
     CPU_YAML,
     REPO,
     run_train,
@@ -171,6 +175,12 @@ def test_image_size_outside_8_to_512(tmp_path, small_data, size):
                                                          "cache."),
     (["--crop-scale", "0.5", "0.2"], "--crop-scale takes two shares of the area, 0 < MIN <= MAX <= 1 (got (0.5, "
                                      "0.2))."),
+    (["--decode", "stream", "--val-fraction", "0.2"], "--decode stream evaluates on the source's own test or "
+                                                      "validation shards; --val-fraction holds rows out of a table, "
+                                                      "not of a stream."),
+    (["--data-dir", "s3://bucket/shards", "--decode", "cache"], "--data-dir s3://bucket/shards is a URL: its shards "
+                                                                "are streamed (--decode stream or auto), not read "
+                                                                "through --decode cache."),
 ])
 def test_contradicting_or_missing_data_flags(tmp_path, small_data, extra, message):
     _fails_cleanly(tmp_path, ["--data-dir", str(small_data), *extra], message.format(data=small_data))
@@ -244,3 +254,61 @@ def test_image_folder_whose_image_cannot_be_decoded_names_the_file(tmp_path):
 
 def test_sync_bn_on_cpu_stops_with_a_clear_message(tmp_path, small_data):
     _fails_cleanly(tmp_path, ["--data-dir", str(small_data), "--sync-bn"], "--sync-bn needs CUDA GPUs")
+
+
+# --decode stream: shards ------------------------------------------------------------------------------------------
+STREAM = ["--decode", "stream", "--image-size", "48", "--model", "resnet8", "--batch-size", "16", "--epochs", "1"]
+
+
+def _shards(tmp_path: Path, stream_shards: dict, kind: str) -> Path:
+    data = tmp_path / "data"
+    shutil.copytree(stream_shards[kind], data)
+    return data
+
+
+@pytest.mark.parametrize("kind", ["parquet", "tar"])
+def test_an_unreadable_shard_stops_with_one_line_naming_it(tmp_path, stream_shards, kind):
+    data = _shards(tmp_path, stream_shards, kind)
+    victim = data / f"train-00002-of-00005.{kind}"
+    victim.write_bytes(b"not a shard " * 100)
+    _fails_cleanly(tmp_path, ["--data-dir", str(data), *STREAM], f"{victim} is not a readable {kind} shard (")
+
+
+def test_a_shard_whose_class_names_lack_a_class_stops_with_one_line_naming_it(tmp_path, stream_shards):
+    import datasets
+
+    data = _shards(tmp_path, stream_shards, "parquet")
+    victim = data / "train-00003-of-00005.parquet"
+    ds = datasets.load_dataset("parquet", data_files=str(victim), split="train")
+    ds = ds.filter(lambda label: label != 9, input_columns="label")
+    ds.cast_column("label", datasets.ClassLabel(names=list(CIFAR_CLASSES[:9]))).to_parquet(str(victim))
+    _fails_cleanly(tmp_path, ["--data-dir", str(data), *STREAM],
+                   f"{victim} names other classes than {data / 'train-00000-of-00005.parquet'} (truck in one of them "
+                   f"only): every shard must name the same classes.")
+
+
+def test_a_tar_sample_without_its_label_stops_with_one_line_naming_the_shard(tmp_path, stream_shards):
+    data = _shards(tmp_path, stream_shards, "tar")
+    victim = data / "test-00001-of-00003.tar"
+    with tarfile.open(victim) as tar:
+        members = [(m, tar.extractfile(m).read()) for m in tar.getmembers() if m.name != "test00000.cls"]
+    with tarfile.open(victim, "w") as tar:
+        for m, blob in members:
+            tar.addfile(m, io.BytesIO(blob))
+    _fails_cleanly(tmp_path, ["--data-dir", str(data), *STREAM],
+                   f"{victim}: the sample test00000 has an image but no .cls label.")
+
+
+@pytest.mark.slow
+def test_a_corrupt_jpeg_in_a_streamed_shard_stops_with_one_line_naming_the_shard_and_row(tmp_path, stream_shards):
+    data = _shards(tmp_path, stream_shards, "tar")
+    victim = data / "test-00002-of-00003.tar"
+    with tarfile.open(victim) as tar:
+        members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()]
+    with tarfile.open(victim, "w") as tar:
+        for m, blob in members:
+            blob = blob[:400] if m.name == "test00005.jpg" else blob  # the header reads, the pixels do not
+            m.size = len(blob)
+            tar.addfile(m, io.BytesIO(blob))
+    _fails_cleanly(tmp_path, ["--data-dir", str(data), *STREAM, "--data-workers", "1"],
+                   f"the test split has an undecodable image at {victim} row 5 (")

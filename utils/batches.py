@@ -59,8 +59,8 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
 
 
 def key_stream(seed: int, epoch: int, purpose: int) -> np.ndarray:
-    """A (1,) uint64 key of (seed, epoch, purpose): 0 the epoch's shuffle, 1 its augmentation, 2 its mixing, 3 its
-    resized crops (utils/crops.py)."""
+    """A (1,) uint64 key of (seed, epoch, purpose): 0 the epoch's shuffle (EpochSampler's, or a stream's: its shards'
+    order, utils/stream.py), 1 its augmentation, 2 its mixing, 3 its resized crops (utils/crops.py). Two bits."""
     return splitmix64(np.array([(seed % 2**32) << 32 | (epoch % 2**30) << 2 | purpose], dtype=np.uint64))
 
 
@@ -197,14 +197,20 @@ def keep_batch(batch):
 
 
 def make_loader(images, labels, batch_size: int, train: bool, seed: int = 0, augment: bool = False, pad: int = 4,
-                global_batch: int | None = None, mixing: Mixing | None = None) -> torch.utils.data.DataLoader:
+                global_batch: int | None = None, mixing: Mixing | None = None, processes: int = 1
+                ) -> torch.utils.data.DataLoader:
     """A plain DataLoader for `accelerator.prepare`. Training: `EpochSampler` (reshuffled per epoch from the seed,
     whole global batches only; global_batch unset: batch_size) and batches (images, labels, draws); evaluation keeps
-    every image in order, as (images, labels)."""
+    every image in order, as (images, labels). Streamed shards (utils/stream.py) bring their own sampler, which
+    plans what each of the `processes` and its loader workers reads."""
     encoded = hasattr(images, "dataset")  # utils.onthefly.EncodedImages: decoded by batch in worker processes
     dataset = (images.dataset(labels, train, seed, augment, pad, mixing) if encoded else
                BatchedTensorDataset(images, labels, seed if train else None, augment, pad, mixing))
-    sampler = EpochSampler(dataset, seed, global_batch or batch_size) if train else None
+    step_images = global_batch or batch_size
+    if encoded and hasattr(images.rows, "sampler"):  # utils.stream.StreamRows
+        sampler = images.rows.sampler(dataset, train, seed, step_images, batch_size, processes)
+    else:
+        sampler = EpochSampler(dataset, seed, step_images) if train else None
     return torch.utils.data.DataLoader(
         dataset,
         batch_size=batch_size,
@@ -435,5 +441,8 @@ def build_loaders(data: dict, cfg, accelerator, plan):
                         "decoded on the fly (utils.onthefly.load_encoded), not decoded tensors.")
     mixing = Mixing(cfg.mixup, cfg.cutmix, cfg.mix_prob) if cfg.mixup or cfg.cutmix else None
     train = make_loader(*train_split, plan.micro, train=True, seed=cfg.seed, augment=cfg.augment != "none",
-                        pad=crop_padding(data["image_size"]), global_batch=plan.global_batch, mixing=mixing)
-    return train, make_loader(*eval_split, plan.micro, train=False)
+                        pad=crop_padding(data["image_size"]), global_batch=plan.global_batch, mixing=mixing,
+                        processes=plan.processes)
+    if hasattr(train.sampler, "state_dict"):  # a stream's: the layout its epoch was planned in, in each checkpoint
+        accelerator.register_for_checkpointing(train.sampler)
+    return train, make_loader(*eval_split, plan.micro, train=False, processes=plan.processes)

@@ -48,9 +48,12 @@ class DataConfig(Group):
     decode: str = opt("auto", "cache: decode every image once into a uint8 cache file; workers: keep the images "
                       "encoded and decode each batch in the loader's worker processes (full-size images); auto: "
                       "workers for --augment resized-crop or when the decoded images would not fit the cache "
-                      "folder's free space, else cache", ("auto", "cache", "workers"))
-    data_workers: int | None = opt(None, "--decode workers: loader worker processes per process; unset: this "
-                                   "process's share of the cores")
+                      "folder's free space, else cache; stream: read parquet or tar shards (a folder or a URL) shard "
+                      "by shard with no local copy, decoded in the workers", ("auto", "cache", "workers", "stream"))
+    data_workers: int | None = opt(None, "--decode workers / stream: loader worker processes per process; unset: "
+                                   "this process's share of the cores")
+    shuffle_buffer: int = opt(4096, "--decode stream: each reader shuffles its rows within windows of this many "
+                              "images (it holds at most two windows' encoded images)")
     augment: str = opt("standard", "standard: random crop (zero padding of S/8 px) + horizontal flip, on the device; "
                        "resized-crop: the natural-image recipe, a random-resized crop to S x S + flip in training, "
                        "resize to S / --eval-crop + centre crop in evaluation; none",
@@ -71,7 +74,8 @@ class DataConfig(Group):
                                "host-to-device copy per batch")
 
     def validate(self) -> None:
-        check_ranges(self, positive=["train_subset", "eval_subset", "mix_prob", "decode_workers", "data_workers"],
+        check_ranges(self, positive=["train_subset", "eval_subset", "mix_prob", "decode_workers", "data_workers",
+                                     "shuffle_buffer"],
                      non_negative=["mixup", "cutmix"])
         if self.mix_prob > 1:
             raise UserError(f"--mix-prob is a share of the images, at most 1 (got {self.mix_prob:g}).")
@@ -85,6 +89,13 @@ class DataConfig(Group):
         if self.decode == "cache" and self.augment == "resized-crop":
             raise UserError("--augment resized-crop crops whole images as they are decoded: it needs --decode workers "
                             "(or auto), not --decode cache.")
+        remote = self.data_dir is not None and "://" in self.data_dir
+        if remote and self.decode in ("cache", "workers"):
+            raise UserError(f"--data-dir {self.data_dir} is a URL: its shards are streamed (--decode stream or auto), "
+                            f"not read through --decode {self.decode}.")
+        if self.decode == "stream" and self.val_fraction is not None:
+            raise UserError("--decode stream evaluates on the source's own test or validation shards; --val-fraction "
+                            "holds rows out of a table, not of a stream.")
         if not 0 < self.eval_crop <= 1:
             raise UserError(f"--eval-crop must be in (0, 1] (got {self.eval_crop:g}).")
         if self.image_size is not None and not 8 <= self.image_size <= 512:
@@ -187,7 +198,7 @@ def check_source(data_dir: str | None, dataset: str | None, val_fraction: float 
     utils.decode.load_source)."""
     if data_dir is not None and dataset is not None:
         raise UserError(f"pass either --data-dir ({data_dir}) or --dataset ({dataset}), not both.")
-    if data_dir is not None and not Path(data_dir).exists():  # checked when the flags are parsed: nothing made yet
+    if data_dir is not None and "://" not in data_dir and not Path(data_dir).exists():  # URLs: when listed
         raise UserError(f"--data-dir {data_dir} does not exist. {DATA_LAYOUTS}")
     if val_fraction is not None and not 0 < val_fraction < 1:
         raise UserError(f"--val-fraction must be between 0 and 1 (got {val_fraction:g}).")

@@ -26,6 +26,7 @@ from utils.crops import CropRecipe, eval_view, resized_crop_draws, train_view
 from utils.decode import default_cache_dir, square_pixels
 from utils.launch import main_print
 from utils.sources import Rows, fingerprint, first_size, locate, open_image, place, split_rows
+from utils.stream import is_url, open_stream
 
 STATS_IMAGES = 512  # training images the per-channel mean and std are estimated from (the first, decoded at S)
 
@@ -101,34 +102,42 @@ def _pixels(rows: Rows, i: int, im, view) -> np.ndarray:
 
 def load_encoded(data_dir: str | None, dataset: str | None = None, image_size: int | None = None,
                  columns: tuple[str | None, str | None] = (None, None), val_fraction: float | None = None,
-                 recipe: CropRecipe | None = None, workers: int | None = None) -> dict:
+                 recipe: CropRecipe | None = None, workers: int | None = None, stream_window: int | None = None
+                 ) -> dict:
     """The built-in sources (as utils.decode.load_source gives them), with EncodedImages in place of the image
     tensors: nothing is decoded but the first STATS_IMAGES training images, for the per-channel mean and std.
     image_size: S; None: the first training image's size. recipe: the crop recipe (--augment resized-crop), or None.
     workers: the DataLoader's decoding worker processes (per process); None: this process's share of the cores.
-    Every process reads the source's index (no cache file is written)."""
-    source = locate(data_dir, dataset, val_fraction)
-    rows, classes = split_rows(source, columns, encoded=True)
+    stream_window: read the shards of data_dir (a folder or a URL; --dataset: the Hub's) as a stream
+    (utils/stream.py) with this shuffle window, instead of through datasets' table. Every process reads the
+    source's index (no cache file is written)."""
+    if stream_window:
+        rows, classes, description = open_stream(data_dir or f"hf://datasets/{dataset}", columns, stream_window)
+    else:
+        source = locate(data_dir, dataset, val_fraction)
+        rows, classes = split_rows(source, columns, encoded=True)
+        source.announce_held_out(main_print, len(rows["train"]), len(rows["test"]))
+        key = fingerprint(source.paths, {"columns": list(columns), "val_fraction": source.fraction})
+        description = {**source.describe(key), "decode": "workers"}
     size = image_size or first_size(rows)[0]
     workers = workers or max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     sample = rows["train"].take(torch.arange(min(STATS_IMAGES, len(rows["train"]))))
     pixels = np.stack([_pixels(sample, i, _open(sample, s, i), partial(square_pixels, size=size))
                        for i, s in enumerate(sample.fetch(range(len(sample))))])
     mean, std = channel_stats(torch.from_numpy(pixels).permute(0, 3, 1, 2))
-    source.announce_held_out(main_print, len(rows["train"]), len(rows["test"]))
     data = {s: (EncodedImages(rows[s], size, recipe, workers), rows[s].labels) for s in SPLITS}
-    key = fingerprint(source.paths, {"columns": list(columns), "val_fraction": source.fraction})
-    return data | {"classes": classes, "mean": mean, "std": std,
-                   "dataset": {**source.describe(key), "decode": "workers"}}
+    return data | {"classes": classes, "mean": mean, "std": std, "dataset": description}
 
 
 def choose_decode(cfg, dataset: str | None) -> str:
-    """The path --decode takes, said on the main process: 'cache' or 'workers'. auto: workers for --augment
-    resized-crop (its crops need whole images), or when the decoded images (N x 3 x S x S bytes) would not fit in the
-    cache folder's free space; else the cache (said when it was weighed). cfg: the data group of a script's Config
-    (--decode cache with --augment resized-crop is refused when the flags are parsed)."""
-    if cfg.decode == "workers":
-        choice, why = "workers", "--decode workers"
+    """The path --decode takes, said on the main process: 'cache', 'workers' or 'stream'. auto: stream for a --data-dir
+    URL; workers for --augment resized-crop (its crops need whole images), or when the decoded images (N x 3 x S x S
+    bytes) would not fit in the cache folder's free space; else the cache (said when it was weighed). cfg: the data
+    group of a script's Config (contradicting flags are refused when they are parsed)."""
+    if cfg.decode in ("workers", "stream"):
+        choice, why = cfg.decode, f"--decode {cfg.decode}"
+    elif is_url(cfg.data_dir):
+        choice, why = "stream", "--decode auto: --data-dir is a URL"
     elif cfg.augment == "resized-crop":
         choice, why = "workers", "--decode auto: --augment resized-crop crops whole images"
     elif cfg.decode == "cache" or cfg.image_size is None:  # the images' own size is unknown until decoded
@@ -141,6 +150,7 @@ def choose_decode(cfg, dataset: str | None) -> str:
         free = shutil.disk_usage(folder).free
         choice = "workers" if need > free else "cache"
         why = f"--decode auto: the decoded images take {need / 2**20:,.1f} MiB, {folder} has {free / 2**20:,.1f} free"
-    main_print(f"decoding each batch in the loader's workers ({why})" if choice == "workers" else
-               f"decoding the images once into the cache ({why})")
+    main_print({"workers": f"decoding each batch in the loader's workers ({why})",
+                "stream": f"streaming the shards, each batch decoded in the loader's workers ({why})",
+                "cache": f"decoding the images once into the cache ({why})"}[choice])
     return choice

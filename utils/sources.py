@@ -300,8 +300,10 @@ def open_image(source, split: str, where: str):
         raise UserError(f"the {split} split has an undecodable image at {where} ({first_line(e)}).") from None
 
 
-def place(rows: Rows, i: int) -> str:
-    """Where row i is, for messages: its file, or its row number in the source split."""
+def place(rows, i: int) -> str:
+    """Where row i is, for messages: its file, or its row number in the source split (a shard's: its URL too)."""
+    if hasattr(rows, "where"):  # utils.stream.StreamRows
+        return rows.where(i)
     source = rows.sources[i]
     return f"row {int(rows.numbers[i])}" if isinstance(source, bytes) else str(source)
 
@@ -310,7 +312,7 @@ def first_size(splits: dict[str, Rows]) -> tuple[int, str]:
     """The first image's size, which must be square, and where it is: every other image must share it when no
     --image-size is given (the decode checks each as it opens it: one pass over the files)."""
     rows = next(iter(splits.values()))
-    with open_image(rows.sources[0], rows.split, place(rows, 0)) as im:
+    with open_image(rows.fetch([0])[0], rows.split, place(rows, 0)) as im:
         (w, h), where = im.size, f"{im.size[0]}x{im.size[1]} (the {rows.split} split's {place(rows, 0)})"
     if w != h:
         raise UserError(f"the images do not share one square size ({where}); pass --image-size S to resize every "

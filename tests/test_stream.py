@@ -1,0 +1,191 @@
+"""Streamed shards (--decode stream, utils/stream.py): CIFAR-10 images upscaled to 96-128 px JPEGs, in 5 train shards
+(a count that divides neither 2 nor 4) and 3 test shards, as webdataset tars and as parquet (tests/conftest.py's
+stream_shards). Real jobs through train_cifar.py (tests/probe_train.py where what each loader worker read is
+recorded), 2 gloo ranks x 2 loader workers under cpu.yaml, fp32 with --deterministic, so "the same" means bitwise."""
+
+from __future__ import annotations
+
+import collections
+import json
+import shutil
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from conftest import (
+    CPU_YAML,
+    REPO,
+    assert_same_parameters,
+    kill_job,
+    read_summary,
+    run_train,
+    start,
+    wait_for_checkpoint,
+)
+
+from utils.batches import key_stream
+from utils.stream import stream_plan
+
+TWO_RANKS = ["--config_file", str(CPU_YAML), "--main_process_port", "0"]
+ONE_PROCESS = ["--num_processes", "1", "--cpu", "--main_process_port", "0"]
+# 192 training images, global batch 32 -> 6 optimizer steps in the one epoch; a checkpoint at step 4 (mid-epoch);
+# resized crops and mixing as the natural-image recipe trains; each reader shuffles within windows of 16 rows.
+JOB = ["--decode", "stream", "--shuffle-buffer", "16", "--model", "resnet8", "--image-size", "48", "--augment",
+       "resized-crop", "--mixup", "0.2", "--cutmix", "1.0", "--batch-size", "16", "--global-batch-size", "32",
+       "--epochs", "1", "--checkpoint-every-steps", "4", "--lr", "0.01", "--grad-clip", "0", "--no-channels-last",
+       "--deterministic", "--tracker", "none"]
+N_TRAIN, N_TEST = 192, 48
+
+
+def args(data, out, *extra) -> list[str]:
+    return ["--data-dir", str(data), "--output-dir", str(out), *JOB, *extra]
+
+
+@pytest.fixture(scope="module")
+def streamed(stream_shards, tmp_path_factory):
+    """The job on 2 ranks x 2 loader workers over the tar shards, uninterrupted, through tests/probe_train.py."""
+    out = tmp_path_factory.mktemp("stream") / "two"
+    result = run_train(args(stream_shards["tar"], out, "--data-workers", "2"), launch=TWO_RANKS,
+                       script=REPO / "tests" / "probe_train.py")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "streaming the shards, each batch decoded in the loader's workers (--decode stream)" in result.stdout
+    return out
+
+
+def stream_log(out) -> tuple[dict, dict]:
+    """probe_train's per-worker lines: ({pid: (rank, [fetched batches])}, {pid: [windows read]}), the main
+    processes' reads (the mean and std's first images) left out: a pid that fetched nothing."""
+    fetched, read = collections.defaultdict(list), collections.defaultdict(list)
+    ranks = {}
+    for path in out.glob("probe-stream-rank*-*.jsonl"):
+        rank, pid = path.stem.removeprefix("probe-stream-rank").split("-")
+        ranks[pid] = int(rank)
+        for line in path.read_text().splitlines():
+            entry = json.loads(line)
+            (fetched if "fetch" in entry else read)[pid].append(entry)
+    return ({pid: (ranks[pid], f) for pid, f in fetched.items()},
+            {pid: r for pid, r in read.items() if pid in fetched})
+
+
+def test_on_two_ranks_by_two_workers_each_training_image_is_fetched_once_and_read_by_one_worker(streamed,
+                                                                                               stream_shards):
+    """Over the epoch on 2 ranks x 2 workers (5 training shards): the batches the four workers decode hold each of the
+    192 training images exactly once, two workers per rank; each image is read from its shard by exactly one
+    worker; every shard is read by at most two workers (two where one's range ends inside it); a worker holds at
+    most two windows of 16 images between reads."""
+    fetched, read = stream_log(streamed)
+    train = {pid: [e for e in f if e["fetch"] == "train"] for pid, (_, f) in fetched.items()}
+    train = {pid: f for pid, f in train.items() if f}
+    rows = [r for f in train.values() for e in f for r in e["rows"]]
+    assert sorted(rows) == list(range(N_TRAIN))
+    assert sorted(collections.Counter(fetched[pid][0] for pid in train).values()) == [2, 2]  # ranks' workers
+    readers = collections.defaultdict(set)
+    for pid in train:
+        for window in read[pid]:
+            assert window["read"] == "train" and len(window["rows"]) <= 16
+            for r in window["rows"]:
+                readers[r].add(pid)
+    assert sorted(readers) == list(range(N_TRAIN)) and all(len(p) == 1 for p in readers.values())
+    reads = collections.Counter(r for pid in train for w in read[pid] for r in w["rows"])
+    assert set(reads.values()) == {1}  # no row read twice, even by the same worker
+    bounds = np.cumsum([0] + [pq.read_metadata(p).num_rows for p in sorted(stream_shards["parquet"].glob("train-*"))])
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        assert 1 <= len(set().union(*(readers[r] for r in range(a, b)))) <= 2
+
+
+def test_evaluation_on_two_ranks_by_two_workers_counts_each_test_image_once(streamed, stream_shards):
+    """The evaluation over 3 test shards on 2 ranks x 2 workers: the metrics count 48 images, whose labels are the test
+    shards' labels; every test image is decoded, and only Accelerate's padding of the last round (the first
+    images, dropped by gather_for_metrics) is decoded twice."""
+    labels = np.concatenate([pq.read_table(p, columns=["label"]).column(0).to_numpy() for p in
+                             sorted(stream_shards["parquet"].glob("test-*"))])
+    assert read_summary(streamed)["eval_examples"] == N_TEST
+    gathered = sum((json.loads((streamed / f"probe-rank{r}.json").read_text())["eval_outputs"][0]["labels"]
+                    for r in (0, 1)), [])
+    assert len(gathered) == 2 * N_TEST and sorted(gathered) == sorted(labels.tolist() * 2)  # each rank sees all
+    fetched, _ = stream_log(streamed)
+    rows = collections.Counter(r for _, f in fetched.values() for e in f if e["fetch"] == "test" for r in e["rows"])
+    assert sorted(rows) == list(range(N_TEST))
+    # 48 rows in micro-batches of 16 on 2 ranks: 3 batches, padded to 4 with the first 16 rows
+    assert [r for r, n in rows.items() if n > 1] == list(range(16)) and set(rows.values()) == {1, 2}
+
+
+@pytest.fixture(scope="module")
+def killed(stream_shards, tmp_path_factory):
+    """The 2-rank x 2-worker job killed with kill -9 after its mid-epoch checkpoint of step 4."""
+    out = tmp_path_factory.mktemp("stream-killed") / "killed"
+    proc = start(args(stream_shards["tar"], out, "--data-workers", "2"), TWO_RANKS)
+    wait_for_checkpoint(out, proc, 4)
+    kill_job(proc)
+    assert not (out / "summary.json").exists()
+    return out
+
+
+@pytest.mark.parametrize(("launch", "workers"), [(TWO_RANKS, "2"), (ONE_PROCESS, "1")], ids=["2x2", "1x1"])
+def test_kill_9_mid_epoch_then_resume_reads_the_same_images_in_the_same_order(streamed, killed, stream_shards,
+                                                                                tmp_path, launch, workers):
+    """The streaming job killed with kill -9 after its step-4 checkpoint (mid-epoch) and resumed with --resume auto,
+    on the same 2 ranks x 2 workers or on 1 process x 1 worker (the epoch is finished in the order it was planned
+    in), ends with the uninterrupted run's trainable parameters, bitwise (fp32, `--deterministic`)."""
+    out = tmp_path / "resumed"
+    shutil.copytree(killed, out)
+    result = run_train(args(stream_shards["tar"], out, "--data-workers", workers, "--resume", "auto"), launch=launch)
+    assert result.returncode == 0, result.stderr[-4000:]
+    s = read_summary(out)
+    assert int(s["resumed_from"].rsplit("step-", 1)[1]) == 4 and s["global_step"] == 6
+    assert_same_parameters(out, streamed)
+
+
+@pytest.mark.slow
+def test_parquet_and_tar_shards_of_the_same_images_train_the_same_weights(stream_shards, tmp_path):
+    """The same rows as parquet shards and as webdataset tars (1 process x 1 worker, one epoch) end with bitwise-equal
+    trainable parameters and evaluation loss: both readers give the same bytes in the same order."""
+    for kind in ("parquet", "tar"):
+        result = run_train(args(stream_shards[kind], tmp_path / kind, "--data-workers", "1"), launch=ONE_PROCESS)
+        assert result.returncode == 0, result.stderr[-4000:]
+    a, b = read_summary(tmp_path / "parquet"), read_summary(tmp_path / "tar")
+    assert a["dataset"]["decode"] == b["dataset"]["decode"] == "stream" and a["eval_loss"] == b["eval_loss"]
+    assert_same_parameters(tmp_path / "parquet", tmp_path / "tar")
+
+
+def assigned(order: np.ndarray, layout: tuple[int, int, int]) -> np.ndarray:
+    """Each position of the sampler's order -> the reader that gets it: Accelerate hands micro-batch k to process
+    k mod P, and a process's DataLoader hands its j-th batch to worker j mod W (their documented contracts)."""
+    processes, workers, micro = layout
+    k = np.arange(len(order)) // micro
+    return (k % processes) * workers + (k // processes) % workers
+
+
+@pytest.mark.parametrize(("counts", "layout", "window"), [
+    ([39, 39, 38, 38, 38], (2, 2, 16), 16), ([39, 39, 38, 38, 38], (3, 2, 4), 5), ([17], (4, 3, 2), 3),
+    ([100, 1, 60, 31], (1, 4, 8), 7)])
+def test_a_stream_plan_reads_each_row_once_in_one_contiguous_range_per_reader(counts, layout, window):
+    """stream_plan for training: whole global batches of the stream (the shards in a drawn order), each reader's rows
+    one contiguous stretch of it, shuffled within windows of at most `window` rows; the order is the same for the
+    same (seed, epoch) and another for the next epoch."""
+    processes, workers, micro = layout
+    keep = sum(counts) // (processes * micro) * processes * micro
+    orders = []
+    for epoch in (0, 0, 1):
+        key = key_stream(0, epoch, 0)
+        order, stream, cuts = stream_plan(np.array(counts), keep, layout, window, key ^ np.uint64(1), key)
+        orders.append(order)
+        assert len(order) == keep and len(set(order.tolist())) == keep and set(order) <= set(stream[:keep])
+        position = {int(r): i for i, r in enumerate(stream)}
+        reader = assigned(order, layout)
+        for r in range(processes * workers):
+            mine = sorted(position[int(x)] for x in order[reader == r])
+            assert mine == list(range(mine[0], mine[0] + len(mine))) if mine else True
+        assert np.diff(cuts).max() <= window
+    assert np.array_equal(orders[0], orders[1]) and not np.array_equal(orders[0], orders[2])
+
+
+def test_an_evaluation_plan_covers_every_row_once_with_a_short_last_batch():
+    """stream_plan for evaluation (no shuffle, no batch dropped): 17 rows in micro-batches of 4 on 2 processes x 2
+    workers: every row once, the shards in order, each reader's rows contiguous."""
+    order, stream, _ = stream_plan(np.array([10, 7]), 17, (2, 2, 4), 4)
+    assert sorted(order.tolist()) == list(range(17)) and stream.tolist() == list(range(17))
+    reader = assigned(order, (2, 2, 4))
+    for r in range(4):
+        mine = sorted(order[reader == r].tolist())
+        assert mine == list(range(mine[0], mine[0] + len(mine)))
