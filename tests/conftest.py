@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
+import http.server
 import io
 import json
 import os
@@ -13,6 +15,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -216,6 +219,43 @@ def stream_shards(cifar_dir, tmp_path_factory) -> dict[str, Path]:
     parquet = write_upscaled_cifar(tmp_path_factory.mktemp("stream-parquet"), cifar_dir, parquet_shards=5,
                                    test_shards=3)
     return {"parquet": parquet, "tar": write_tar_shards(tmp_path_factory.mktemp("stream-tar"), parquet)}
+
+
+class RangeHandler(http.server.SimpleHTTPRequestHandler):
+    """http.server's file handler, answering byte ranges (Range: bytes=A-B, A- or -N) as object stores do."""
+
+    def end_headers(self):
+        self.send_header("Accept-Ranges", "bytes")
+        super().end_headers()
+
+    def send_head(self):
+        wanted = self.headers.get("Range")
+        path = Path(self.translate_path(self.path))
+        if not wanted or not path.is_file():
+            return super().send_head()
+        data = path.read_bytes()
+        first, last = wanted.removeprefix("bytes=").split("-")
+        first, last = (int(first), int(last or len(data) - 1)) if first else (len(data) - int(last), len(data) - 1)
+        part = data[first:last + 1]
+        self.send_response(206)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Range", f"bytes {first}-{first + len(part) - 1}/{len(data)}")
+        self.send_header("Content-Length", str(len(part)))
+        self.end_headers()
+        return io.BytesIO(part)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="session")
+def http_shards(stream_shards):
+    """stream_shards' tar folder served over HTTP from this process (byte ranges answered): its URL."""
+    handler = functools.partial(RangeHandler, directory=str(stream_shards["tar"]))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/"
+    server.shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -137,15 +137,21 @@ def test_kill_9_mid_epoch_then_resume_reads_the_same_images_in_the_same_order(st
 
 
 @pytest.mark.slow
-def test_parquet_and_tar_shards_of_the_same_images_train_the_same_weights(stream_shards, tmp_path):
-    """The same rows as parquet shards and as webdataset tars (1 process x 1 worker, one epoch) end with bitwise-equal
-    trainable parameters and evaluation loss: both readers give the same bytes in the same order."""
-    for kind in ("parquet", "tar"):
-        result = run_train(args(stream_shards[kind], tmp_path / kind, "--data-workers", "1"), launch=ONE_PROCESS)
+def test_parquet_shards_tar_shards_and_tar_shards_over_http_train_the_same_weights(stream_shards, http_shards,
+                                                                                   tmp_path):
+    """The same rows as parquet shards, as webdataset tars, and as those tars served over HTTP (byte ranges, through
+    fsspec: the path object storage takes), 1 process x 1 worker, one epoch: bitwise-equal trainable parameters and
+    evaluation loss. Every reader gives the same bytes in the same order."""
+    runs = {"parquet": stream_shards["parquet"], "tar": stream_shards["tar"], "http": http_shards}
+    for name, data in runs.items():
+        result = run_train(args(data, tmp_path / name, "--data-workers", "1"), launch=ONE_PROCESS)
         assert result.returncode == 0, result.stderr[-4000:]
-    a, b = read_summary(tmp_path / "parquet"), read_summary(tmp_path / "tar")
-    assert a["dataset"]["decode"] == b["dataset"]["decode"] == "stream" and a["eval_loss"] == b["eval_loss"]
+    summaries = {name: read_summary(tmp_path / name) for name in runs}
+    assert {s["dataset"]["decode"] for s in summaries.values()} == {"stream"}
+    assert summaries["http"]["dataset"]["source"] == http_shards
+    assert summaries["parquet"]["eval_loss"] == summaries["tar"]["eval_loss"] == summaries["http"]["eval_loss"]
     assert_same_parameters(tmp_path / "parquet", tmp_path / "tar")
+    assert_same_parameters(tmp_path / "http", tmp_path / "tar")
 
 
 def assigned(order: np.ndarray, layout: tuple[int, int, int]) -> np.ndarray:

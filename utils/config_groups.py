@@ -30,7 +30,8 @@ class Group:
 class DataConfig(Group):
     # --- data: where the images come from, how many, how they are augmented ---
     data_dir: str | None = opt(None, "local data: a folder of train-*.parquet / test-*.parquet (Hub layout) or an "
-                               "image folder (train/<class>/*.png, test/<class>/...)")
+                               "image folder (train/<class>/*.png, test/<class>/...); or parquet or tar shards, in a "
+                               "folder or at a URL (--decode stream)")
     dataset: str | None = opt(None, "a Hub image-classification dataset, when --data-dir is unset (each machine's "
                               "first process downloads it); unset: uoft-cs/cifar10")
     image_column: str | None = opt(None, "the data's image column; unset: img or image")
@@ -46,10 +47,11 @@ class DataConfig(Group):
     train_subset: int | None = opt(None, "train on the first N training images only")
     eval_subset: int | None = opt(None, "evaluate on the first N test (or held-out) images only")
     decode: str = opt("auto", "cache: decode every image once into a uint8 cache file; workers: keep the images "
-                      "encoded and decode each batch in the loader's worker processes (full-size images); auto: "
-                      "workers for --augment resized-crop or when the decoded images would not fit the cache "
-                      "folder's free space, else cache; stream: read parquet or tar shards (a folder or a URL) shard "
-                      "by shard with no local copy, decoded in the workers", ("auto", "cache", "workers", "stream"))
+                      "encoded and decode each batch in the loader's worker processes (full-size images); stream: "
+                      "read parquet or tar shards (a folder or a URL) shard by shard with no local copy, decoded as "
+                      "workers does; auto: stream for a URL, workers for --augment resized-crop or when the decoded "
+                      "images would not fit the cache folder's free space, else cache",
+                      ("auto", "cache", "workers", "stream"))
     data_workers: int | None = opt(None, "--decode workers / stream: loader worker processes per process; unset: "
                                    "this process's share of the cores")
     shuffle_buffer: int = opt(4096, "--decode stream: each reader shuffles its rows within windows of this many "

@@ -82,7 +82,7 @@ def find_shards(data_dir: str) -> dict[str, list[str]]:
     found = {}
     for split in ("train", "test", "validation"):
         named = re.compile(rf"(^|[-_.]){split}[-_.]")
-        found[split] = sorted(f if protocol == "file" else f"{protocol}://{f}" for f in files
+        found[split] = sorted(f if protocol == "file" else fs.unstrip_protocol(f) for f in files
                               if named.search(PurePosixPath(f).name))
     if not found["train"]:
         raise UserError(f"--decode stream: --data-dir {data_dir} holds no training shard (train-*.parquet or "
