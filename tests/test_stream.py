@@ -69,10 +69,10 @@ def stream_log(out) -> tuple[dict, dict]:
 
 def test_on_two_ranks_by_two_workers_each_training_image_is_fetched_once_and_read_by_one_worker(streamed,
                                                                                                stream_shards):
-    """Over the epoch on 2 ranks x 2 workers (5 training shards): the batches the four workers decode hold each of the
-    192 training images exactly once, two workers per rank; each image is read from its shard by exactly one
-    worker; every shard is read by at most two workers (two where one's range ends inside it); a worker holds at
-    most two windows of 16 images between reads."""
+    """Streaming 5 tar shards on 2 ranks x 2 loader workers, each training image is decoded once an epoch and read by
+    one worker: the batches the four workers decode (two per rank) hold each of the 192 training images exactly
+    once; each image is read from its shard by exactly one worker, once; every shard is read by at most two workers
+    (two where one's range ends inside it); no read is longer than the 16-row window."""
     fetched, read = stream_log(streamed)
     train = {pid: [e for e in f if e["fetch"] == "train"] for pid, (_, f) in fetched.items()}
     train = {pid: f for pid, f in train.items() if f}
@@ -94,9 +94,9 @@ def test_on_two_ranks_by_two_workers_each_training_image_is_fetched_once_and_rea
 
 
 def test_evaluation_on_two_ranks_by_two_workers_counts_each_test_image_once(streamed, stream_shards):
-    """The evaluation over 3 test shards on 2 ranks x 2 workers: the metrics count 48 images, whose labels are the test
-    shards' labels; every test image is decoded, and only Accelerate's padding of the last round (the first
-    images, dropped by gather_for_metrics) is decoded twice."""
+    """A streamed evaluation over 3 test shards on 2 ranks x 2 loader workers counts each of the 48 test images once:
+    the metrics count 48 images, whose labels are the test shards' labels; every test image is decoded, and only
+    Accelerate's padding of the last round (the first images, dropped by gather_for_metrics) is decoded twice."""
     labels = np.concatenate([pq.read_table(p, columns=["label"]).column(0).to_numpy() for p in
                              sorted(stream_shards["parquet"].glob("test-*"))])
     assert read_summary(streamed)["eval_examples"] == N_TEST
@@ -124,9 +124,10 @@ def killed(stream_shards, tmp_path_factory):
 @pytest.mark.parametrize(("launch", "workers"), [(TWO_RANKS, "2"), (ONE_PROCESS, "1")], ids=["2x2", "1x1"])
 def test_kill_9_mid_epoch_then_resume_reads_the_same_images_in_the_same_order(streamed, killed, stream_shards,
                                                                                 tmp_path, launch, workers):
-    """The streaming job killed with kill -9 after its step-4 checkpoint (mid-epoch) and resumed with --resume auto,
-    on the same 2 ranks x 2 workers or on 1 process x 1 worker (the epoch is finished in the order it was planned
-    in), ends with the uninterrupted run's trainable parameters, bitwise (fp32, `--deterministic`)."""
+    """A streaming job on 2 ranks x 2 loader workers killed with kill -9 mid-epoch and resumed, on 2 ranks x 2 workers
+    or on 1 process x 1 worker, ends with the uninterrupted run's trainable parameters bitwise (fp32,
+    `--deterministic`): the kill comes after the step-4 checkpoint, `--resume auto` continues from it, and the
+    interrupted epoch is finished in the order it was planned in."""
     out = tmp_path / "resumed"
     shutil.copytree(killed, out)
     result = run_train(args(stream_shards["tar"], out, "--data-workers", workers, "--resume", "auto"), launch=launch)

@@ -39,6 +39,7 @@ import torch
 
 from utils import UserError, first_line
 from utils.batches import key_stream, splitmix64
+from utils.sources import IMAGE_COLUMNS, LABEL_COLUMNS, shared_classes
 
 SHARD_SUFFIXES = (".parquet", ".tar")
 IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "bmp", "gif", "tif", "tiff", "webp")  # a webdataset sample's image
@@ -115,8 +116,6 @@ def index_shard(url: str, columns: tuple[str | None, str | None]) -> Shard:
 def _index_parquet(url: str, f, columns) -> Shard:
     import datasets
     import pyarrow.parquet as pq
-
-    from utils.sources import IMAGE_COLUMNS, LABEL_COLUMNS
 
     pf = pq.ParquetFile(f)
     features = datasets.Features.from_arrow_schema(pf.schema_arrow)
@@ -368,8 +367,6 @@ class StreamSampler(torch.utils.data.Sampler):
 
 def open_stream(data_dir: str, columns: tuple[str | None, str | None], window: int):
     """({'train': StreamRows, 'test': StreamRows}, the class names, a description) of the shards in data_dir."""
-    from utils.sources import shared_classes
-
     found = find_shards(data_dir)
     eval_split = [s for s in found if s != "train"][0]
     shards = {s: [index_shard(url, columns) for url in urls] for s, urls in found.items()}
