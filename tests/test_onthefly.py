@@ -4,6 +4,7 @@ train_cifar.py, 2 gloo ranks under cpu.yaml, fp32 with --deterministic, so "the 
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 
@@ -13,10 +14,13 @@ import torch
 import torchvision.transforms.v2 as T
 from conftest import (
     CPU_YAML,
+    REPO,
     assert_same_parameters,
     kill_job,
     read_summary,
+    run_python,
     run_train,
+    script_env,
     start,
     wait_for_checkpoint,
 )
@@ -153,3 +157,25 @@ def test_the_evaluation_view_is_torchvisions_resize_then_centre_crop():
         im = Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
         expected = T.Compose([T.Resize(54, antialias=True), T.CenterCrop(48)])(im)
         assert np.array_equal(eval_view(im, 48, CropRecipe()), np.asarray(expected))
+
+
+@pytest.mark.slow
+def test_train_vit_decodes_in_workers_and_evaluate_checkpoint_reads_its_run_the_same_way(jpeg_folder, tmp_path):
+    """train_vit.py (vit_micro at 32 px) with the crop recipe decoded in the loader's workers on 2 ranks x 2 workers
+    trains 12 steps and evaluates the 48 test images' centre crops once; evaluate_checkpoint.py on its weights (1
+    process, the run's config: decoded in workers) reports the same 48 images, the run's top-1 and its loss to
+    1e-4."""
+    out = tmp_path / "vit"
+    result = run_train(["--data-dir", str(jpeg_folder), "--output-dir", str(out), "--model", "vit_micro",
+                        "--image-size", "32", "--augment", "resized-crop", "--batch-size", "16",
+                        "--global-batch-size", "32", "--epochs", "2", "--deterministic", "--tracker", "none",
+                        "--data-workers", "2"], launch=TWO_RANKS, script=REPO / "train_vit.py")
+    assert result.returncode == 0, result.stderr[-4000:]
+    s = read_summary(out)
+    assert (s["world_size"], s["dataset"]["decode"], s["global_step"], s["eval_examples"]) == (2, "workers", 12, 48)
+    evaluated = run_python([str(REPO / "evaluate_checkpoint.py"), str(out / "model.safetensors")], script_env(),
+                           timeout=300)
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    line = json.loads(evaluated.stdout.strip().splitlines()[-1])
+    assert (line["script"], line["examples"], line["top1"]) == ("train_vit.py", 48, s["eval_top1"])
+    assert line["loss"] == pytest.approx(s["eval_loss"], rel=1e-4)

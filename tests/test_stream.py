@@ -14,11 +14,14 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import (
     CPU_YAML,
+    FSDP_CPU_YAML,
     REPO,
     assert_same_parameters,
     kill_job,
     read_summary,
+    run_python,
     run_train,
+    script_env,
     start,
     wait_for_checkpoint,
 )
@@ -153,6 +156,30 @@ def test_parquet_shards_tar_shards_and_tar_shards_over_http_train_the_same_weigh
     assert summaries["parquet"]["eval_loss"] == summaries["tar"]["eval_loss"] == summaries["http"]["eval_loss"]
     assert_same_parameters(tmp_path / "parquet", tmp_path / "tar")
     assert_same_parameters(tmp_path / "http", tmp_path / "tar")
+
+
+def evaluate_weights(weights, *extra) -> dict:
+    """evaluate_checkpoint.py on `weights` in a process of its own: its JSON line."""
+    result = run_python([str(REPO / "evaluate_checkpoint.py"), str(weights), *extra], script_env(), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_fsdp_streams_the_shards_and_evaluate_checkpoint_streams_the_test_shards_again(stream_shards, tmp_path):
+    """Under fsdp_cpu.yaml (FSDP2 on 2 CPU ranks x 2 loader workers) a streaming job trains its 6 steps on the 192
+    training images and evaluates the 48 test images once; evaluate_checkpoint.py on its model.safetensors (1
+    process, the run's config: the stream) reports the same 48 images, the run's top-1 and its loss to 1e-4."""
+    out = tmp_path / "fsdp"
+    result = run_train(args(stream_shards["tar"], out, "--data-workers", "2"),
+                       launch=["--config_file", str(FSDP_CPU_YAML), "--main_process_port", "0"])
+    assert result.returncode == 0, result.stderr[-4000:]
+    s = read_summary(out)
+    assert (s["world_size"], s["distributed_type"], s["dataset"]["decode"]) == (2, "FSDP", "stream")
+    assert (s["global_step"], s["train_images_seen"], s["eval_examples"]) == (6, N_TRAIN, N_TEST)
+    evaluated = evaluate_weights(out / "model.safetensors")
+    assert (evaluated["examples"], evaluated["top1"]) == (N_TEST, s["eval_top1"])
+    assert evaluated["loss"] == pytest.approx(s["eval_loss"], rel=1e-4)
 
 
 def assigned(order: np.ndarray, layout: tuple[int, int, int]) -> np.ndarray:
