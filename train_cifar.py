@@ -160,7 +160,8 @@ def load_data(cfg: Config) -> dict:
     "mean" and "std" per channel in [0, 1] (computed from the training images when absent), "dataset" (a description
     for summary.json). Called on every process, with the same result. The built-in source: --data-dir (parquet or an
     image folder) or --dataset (the Hub), decoded once per machine into a cache that its other processes read, or
-    (--decode workers, full-size images) kept encoded and decoded by batch in the loader's workers."""
+    (--decode workers, full-size images) kept encoded and decoded by batch in the loader's workers, or (--decode
+    stream) parquet or tar shards read shard by shard from a folder or a URL, decoded the same way."""
     dataset = cfg.dataset or (None if cfg.data_dir else "uoft-cs/cifar10")  # neither flag: CIFAR-10 from the Hub
     columns = (cfg.image_column, cfg.label_column)
     decode = choose_decode(cfg, dataset)  # cache, workers or stream: printed, with why
