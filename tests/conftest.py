@@ -414,6 +414,13 @@ def run_train(args: list[str], launch: list[str] | None = None, env: dict | None
                           timeout=timeout)
 
 
+def evaluate_weights(weights: Path, *extra) -> dict:
+    """evaluate_checkpoint.py on `weights` in a process of its own: its JSON line."""
+    result = run_python([str(REPO / "evaluate_checkpoint.py"), str(weights), *extra], script_env(), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
 def read_summary(output_dir: Path) -> dict:
     return json.loads((Path(output_dir) / "summary.json").read_text())
 

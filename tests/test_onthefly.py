@@ -4,7 +4,6 @@ train_cifar.py, 2 gloo ranks under cpu.yaml, fp32 with --deterministic, so "the 
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 
@@ -16,11 +15,10 @@ from conftest import (
     CPU_YAML,
     REPO,
     assert_same_parameters,
+    evaluate_weights,
     kill_job,
     read_summary,
-    run_python,
     run_train,
-    script_env,
     start,
     wait_for_checkpoint,
 )
@@ -173,9 +171,6 @@ def test_train_vit_decodes_in_workers_and_evaluate_checkpoint_reads_its_run_the_
     assert result.returncode == 0, result.stderr[-4000:]
     s = read_summary(out)
     assert (s["world_size"], s["dataset"]["decode"], s["global_step"], s["eval_examples"]) == (2, "workers", 12, 48)
-    evaluated = run_python([str(REPO / "evaluate_checkpoint.py"), str(out / "model.safetensors")], script_env(),
-                           timeout=300)
-    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
-    line = json.loads(evaluated.stdout.strip().splitlines()[-1])
+    line = evaluate_weights(out / "model.safetensors")
     assert (line["script"], line["examples"], line["top1"]) == ("train_vit.py", 48, s["eval_top1"])
     assert line["loss"] == pytest.approx(s["eval_loss"], rel=1e-4)

@@ -17,11 +17,10 @@ from conftest import (
     FSDP_CPU_YAML,
     REPO,
     assert_same_parameters,
+    evaluate_weights,
     kill_job,
     read_summary,
-    run_python,
     run_train,
-    script_env,
     start,
     wait_for_checkpoint,
 )
@@ -156,13 +155,6 @@ def test_parquet_shards_tar_shards_and_tar_shards_over_http_train_the_same_weigh
     assert summaries["parquet"]["eval_loss"] == summaries["tar"]["eval_loss"] == summaries["http"]["eval_loss"]
     assert_same_parameters(tmp_path / "parquet", tmp_path / "tar")
     assert_same_parameters(tmp_path / "http", tmp_path / "tar")
-
-
-def evaluate_weights(weights, *extra) -> dict:
-    """evaluate_checkpoint.py on `weights` in a process of its own: its JSON line."""
-    result = run_python([str(REPO / "evaluate_checkpoint.py"), str(weights), *extra], script_env(), timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
