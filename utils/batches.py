@@ -443,6 +443,6 @@ def build_loaders(data: dict, cfg, accelerator, plan):
     train = make_loader(*train_split, plan.micro, train=True, seed=cfg.seed, augment=cfg.augment != "none",
                         pad=crop_padding(data["image_size"]), global_batch=plan.global_batch, mixing=mixing,
                         processes=plan.processes)
-    if hasattr(train.sampler, "state_dict"):  # a stream's: the layout its epoch was planned in, in each checkpoint
-        accelerator.register_for_checkpointing(train.sampler)
+    if hasattr(train.sampler, "save_with"):  # a stream's: the layout its epoch was planned in, in each checkpoint
+        train.sampler.save_with(accelerator)
     return train, make_loader(*eval_split, plan.micro, train=False, processes=plan.processes)

@@ -15,8 +15,9 @@ layout: processes x loader workers x micro-batch):
   4. the sampler's order (`StreamSampler`) lists each reader's batches where Accelerate's sharding (micro-batch k
      to process k mod P) and the DataLoader (a process's j-th batch to worker j mod W) will hand them to it.
 The position in the stream is the epoch's batch count, which checkpoints hold already; the sampler adds the layout
-its epoch was planned with, so a resume on another process count, micro-batch or worker count finishes that epoch
-in its planned order (each image once; only reads cross readers' ranges) and plans the next in the new layout.
+its epoch was planned with (stream.json), so a resume on another process count, micro-batch or worker count
+finishes that epoch in its planned order (each image once; only reads cross readers' ranges) and plans the next in
+the new layout.
 Evaluation reads the test shards in order, split the same way, every image once (Accelerate pads an uneven last
 round with the first images; gather_for_metrics drops them, so each counts once).
 
@@ -28,11 +29,12 @@ batches and an exact resume need each row's place in the plan.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import tarfile
 from dataclasses import dataclass
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 
 import numpy as np
 import torch
@@ -42,6 +44,7 @@ from utils.batches import key_stream, splitmix64
 from utils.sources import IMAGE_COLUMNS, LABEL_COLUMNS, shared_classes
 
 SHARD_SUFFIXES = (".parquet", ".tar")
+STATE_FILE = "stream.json"  # in each checkpoint: the epoch in progress and the layout it was planned in
 IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "bmp", "gif", "tif", "tiff", "webp")  # a webdataset sample's image
 
 
@@ -239,8 +242,8 @@ class StreamRows:
         shard = np.searchsorted(self.starts, rows, "right") - 1
         breaks = np.flatnonzero((np.diff(rows) != 1) | (np.diff(shard) != 0)) + 1
         out = []
-        for run in np.split(rows, breaks):  # runs of consecutive rows of one shard
-            k = int(shard[len(out)])
+        for start, run in zip([0, *breaks], np.split(rows, breaks)):  # runs of consecutive rows of one shard
+            k = int(shard[start])
             first = int(run[0] - self.starts[k])
             out += self._read_shard(k, first, first + len(run))
         return out
@@ -274,8 +277,10 @@ class StreamRows:
                     groups.clear()  # one row group at a time
                     groups[g] = pf.read_row_group(g, columns=[shard.column]).column(0).combine_chunks()
                 cells = groups[g].slice(max(first - lo, 0), min(last, int(shard.groups[g + 1])) - max(first, lo))
-                out += [b if b is not None else _read_path(p, shard.url) for b, p in
-                        zip(cells.field("bytes").to_pylist(), cells.field("path").to_pylist())]
+                out += cells.field("bytes").to_pylist()
+            if None in out:  # a row that names a file instead of holding its bytes
+                raise UserError(f"{shard.url} row {first + out.index(None)} holds no image bytes (only a path); a "
+                                f"streamed shard must hold its images.")
             return out
         except UserError:
             raise
@@ -287,11 +292,6 @@ class StreamRows:
 
     def sampler(self, dataset, train: bool, seed: int, step_images: int, micro: int, processes: int):
         return StreamSampler(dataset, self, train, seed, step_images, (processes, dataset.images.workers, micro))
-
-
-def _read_path(path: str, url: str) -> bytes:
-    with _open(path if is_url(path) or os.path.isabs(path) else f"{url.rsplit('/', 1)[0]}/{path}") as f:
-        return f.read()
 
 
 def stream_plan(counts: np.ndarray, keep: int, layout: tuple[int, int, int], window: int,
@@ -329,7 +329,7 @@ class StreamSampler(torch.utils.data.Sampler):
     """The sampler of a streamed split: its order is `stream_plan`'s for (seed, epoch) in the layout, and it hands
     the plan to the rows before the loader's workers start (they are not persistent: each epoch's fork it). Training
     reads whole global batches of `step_images`. Its state (checkpointed through Accelerate's registered objects)
-    is the epoch and the layout that epoch was planned in."""
+    is the epoch and the layout that epoch was planned in (`save_with`)."""
 
     def __init__(self, dataset, rows: StreamRows, train: bool, seed: int, step_images: int,
                  layout: tuple[int, int, int]):
@@ -363,6 +363,21 @@ class StreamSampler(torch.utils.data.Sampler):
         if state["epoch"] == self.epoch:
             self.epoch = None  # planned again, in the saved layout
             self.set_epoch(state["epoch"])
+
+    def save_with(self, accelerator) -> None:
+        """Puts this state in every checkpoint Accelerate's save_state writes (STATE_FILE, by the main process) and
+        takes it back from the one load_state reads, through Accelerate's checkpoint hooks: JSON, where
+        register_for_checkpointing would pickle it (and unpickle whatever a checkpoint holds)."""
+        def save(models, weights, folder):
+            if accelerator.is_main_process:
+                Path(folder, STATE_FILE).write_text(json.dumps(self.state_dict()))
+
+        def load(models, folder):
+            if Path(folder, STATE_FILE).exists():
+                self.load_state_dict(json.loads(Path(folder, STATE_FILE).read_text()))
+
+        accelerator.register_save_state_pre_hook(save)
+        accelerator.register_load_state_pre_hook(load)
 
 
 def open_stream(data_dir: str, columns: tuple[str | None, str | None], window: int):
