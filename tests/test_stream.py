@@ -120,6 +120,9 @@ def killed(stream_shards, tmp_path_factory):
     wait_for_checkpoint(out, proc, 4)
     kill_job(proc)
     assert not (out / "summary.json").exists()
+    # the checkpoint's stream state, JSON: the epoch in progress and its layout (2 processes x 2 workers x 16)
+    assert json.loads((out / "checkpoints" / "step-00000004" / "stream.json").read_text()) == {
+        "epoch": 0, "layout": [2, 2, 16]}
     return out
 
 
