@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+from accelerate.utils import broadcast_object_list
 
 from utils import UserError
 
@@ -439,6 +440,9 @@ def build_loaders(data: dict, cfg, accelerator, plan):
     if cfg.augment == "resized-crop" and not hasattr(train_split[0], "dataset"):
         raise UserError("--augment resized-crop crops whole images as they are decoded: load_data must return images "
                         "decoded on the fly (utils.onthefly.load_encoded), not decoded tensors.")
+    if hasattr(train_split[0], "workers") and accelerator.num_processes > 1:  # main's count of loader workers on
+        # every process (machines may have other core counts): a stream's plan is laid out by it
+        train_split[0].workers = eval_split[0].workers = broadcast_object_list([train_split[0].workers])[0]
     mixing = Mixing(cfg.mixup, cfg.cutmix, cfg.mix_prob) if cfg.mixup or cfg.cutmix else None
     train = make_loader(*train_split, plan.micro, train=True, seed=cfg.seed, augment=cfg.augment != "none",
                         pad=crop_padding(data["image_size"]), global_batch=plan.global_batch, mixing=mixing,
