@@ -91,8 +91,7 @@ class DataConfig(Group):
         if self.decode == "cache" and self.augment == "resized-crop":
             raise UserError("--augment resized-crop crops whole images as they are decoded: it needs --decode workers "
                             "(or auto), not --decode cache.")
-        remote = self.data_dir is not None and "://" in self.data_dir
-        if remote and self.decode in ("cache", "workers"):
+        if is_url(self.data_dir) and self.decode in ("cache", "workers"):
             raise UserError(f"--data-dir {self.data_dir} is a URL: its shards are streamed (--decode stream or auto), "
                             f"not read through --decode {self.decode}.")
         if self.decode == "stream" and self.val_fraction is not None:
@@ -195,12 +194,17 @@ DATA_LAYOUTS = ("--data-dir takes a folder of train-*.parquet / test-*.parquet f
                 "the Hub, or pass --dataset OWNER/NAME.")
 
 
+def is_url(path: str | None) -> bool:
+    """Whether --data-dir names shards at a URL (s3://, hf://, https://: read through fsspec, utils/stream.py)."""
+    return path is not None and "://" in path
+
+
 def check_source(data_dir: str | None, dataset: str | None, val_fraction: float | None) -> None:
     """One line for source flags that contradict each other or are out of range (the data group's validate() and
     utils.decode.load_source)."""
     if data_dir is not None and dataset is not None:
         raise UserError(f"pass either --data-dir ({data_dir}) or --dataset ({dataset}), not both.")
-    if data_dir is not None and "://" not in data_dir and not Path(data_dir).exists():  # URLs: when listed
+    if data_dir is not None and not is_url(data_dir) and not Path(data_dir).exists():  # URLs: when listed
         raise UserError(f"--data-dir {data_dir} does not exist. {DATA_LAYOUTS}")
     if val_fraction is not None and not 0 < val_fraction < 1:
         raise UserError(f"--val-fraction must be between 0 and 1 (got {val_fraction:g}).")

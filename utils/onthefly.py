@@ -22,11 +22,12 @@ import torch
 
 from utils import UserError, first_line
 from utils.batches import SPLITS, batch_draws, channel_stats
+from utils.config_groups import is_url
 from utils.crops import CropRecipe, eval_view, resized_crop_draws, train_view
 from utils.decode import default_cache_dir, square_pixels
 from utils.launch import main_print
 from utils.sources import Rows, fingerprint, first_size, locate, open_image, place, split_rows
-from utils.stream import is_url, open_stream
+from utils.stream import open_stream
 
 STATS_IMAGES = 512  # training images the per-channel mean and std are estimated from (the first, decoded at S)
 

@@ -68,10 +68,6 @@ class Shard:
 # ----------------------------------------------------------------------------------------------------
 # Finding and indexing the shards (footers and label columns; a tar's headers and .cls members)
 # ----------------------------------------------------------------------------------------------------
-def is_url(path: str | None) -> bool:
-    return path is not None and "://" in path
-
-
 def find_shards(data_dir: str) -> dict[str, list[str]]:
     """{split: its shards' URLs, sorted}: files named <split>-*.parquet / *-<split>-*.tar (any depth) for train and
     the first of test or validation that has any."""
@@ -390,4 +386,5 @@ def open_stream(data_dir: str, columns: tuple[str | None, str | None], window: i
                                                                                       eval_split, window)}
     classes = shared_classes(rows, eval_split)  # names, or 0..C-1 for integer labels; every label in range
     return rows, classes, {"source": data_dir, "kind": "shards", "shards": {s: len(u) for s, u in found.items()},
-                           "eval_split": eval_split, "decode": "stream"}
+                           "images": {s: len(rows[r]) for s, r in zip(found, rows)}, "eval_split": eval_split,
+                           "decode": "stream"}
