@@ -36,7 +36,9 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+import fsspec
 import numpy as np
+import pyarrow.parquet as pq
 import torch
 
 from utils import UserError, first_line
@@ -71,8 +73,6 @@ class Shard:
 def find_shards(data_dir: str) -> dict[str, list[str]]:
     """{split: its shards' URLs, sorted}: files named <split>-*.parquet / *-<split>-*.tar (any depth) for train and
     the first of test or validation that has any."""
-    import fsspec
-
     try:
         fs, root = fsspec.core.url_to_fs(data_dir)
         files = [f for f in fs.find(root) if f.endswith(SHARD_SUFFIXES)]
@@ -95,8 +95,6 @@ def find_shards(data_dir: str) -> dict[str, list[str]]:
 
 
 def _open(url: str):
-    import fsspec
-
     return fsspec.open(url, "rb").open()
 
 
@@ -113,8 +111,7 @@ def index_shard(url: str, columns: tuple[str | None, str | None]) -> Shard:
 
 
 def _index_parquet(url: str, f, columns) -> Shard:
-    import datasets
-    import pyarrow.parquet as pq
+    import datasets  # here: a second to import, and only parquet shards need its Features
 
     pf = pq.ParquetFile(f)
     features = datasets.Features.from_arrow_schema(pf.schema_arrow)
@@ -126,6 +123,8 @@ def _index_parquet(url: str, f, columns) -> Shard:
                             f"{', '.join(features)}).")
         picked.append(found[0])
     image, label = picked
+    if not isinstance(features[image], datasets.Image):
+        raise UserError(f"{url}: its column {image!r} is {features[image]}, not images.")
     names = features[label].names if isinstance(features[label], datasets.ClassLabel) else None
     labels = pf.read(columns=[label]).column(0).to_numpy(zero_copy_only=False).astype(np.int64)
     sizes = [pf.metadata.row_group(g).num_rows for g in range(pf.metadata.num_row_groups)]
@@ -165,8 +164,8 @@ def _index_tar(url: str, f) -> Shard:
                  members=np.array([images[k] for k in keys], dtype=np.int64).reshape(-1, 2))
 
 
-def same_classes(shards: list[Shard]) -> tuple[str, ...] | None:
-    """The class names every shard names (None: integer labels); one line naming a shard that names others."""
+def check_same_classes(shards: list[Shard]) -> None:
+    """One line naming a shard whose class names (its ClassLabel's; None: integer labels) are not the first's."""
     first = shards[0]
     for s in shards[1:]:
         if s.names != first.names:
@@ -174,7 +173,6 @@ def same_classes(shards: list[Shard]) -> tuple[str, ...] | None:
             missing = sorted(ours - theirs) or sorted(theirs - ours)
             raise UserError(f"{s.url} names other classes than {first.url} ({', '.join(missing) or 'integer labels'}"
                             f" in one of them only): every shard must name the same classes.")
-    return first.names
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -252,8 +250,6 @@ class StreamRows:
                     self.files.pop(old)[0].close()
                 f = _open(shard.url)
                 if shard.groups is not None:
-                    import pyarrow.parquet as pq
-
                     self.files[k] = (f, pq.ParquetFile(f), {})
                 else:
                     self.files[k] = (f, None, None)
@@ -381,7 +377,7 @@ def open_stream(data_dir: str, columns: tuple[str | None, str | None], window: i
     found = find_shards(data_dir)
     eval_split = [s for s in found if s != "train"][0]
     shards = {s: [index_shard(url, columns) for url in urls] for s, urls in found.items()}
-    same_classes(shards["train"] + shards[eval_split])
+    check_same_classes(shards["train"] + shards[eval_split])
     rows = {"train": StreamRows(shards["train"], "train", window), "test": StreamRows(shards[eval_split],
                                                                                       eval_split, window)}
     classes = shared_classes(rows, eval_split)  # names, or 0..C-1 for integer labels; every label in range
