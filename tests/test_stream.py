@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import json
 import shutil
+from types import SimpleNamespace
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -26,6 +27,7 @@ from conftest import (
 )
 
 from utils.batches import key_stream
+from utils.onthefly import choose_decode
 from utils.stream import stream_plan
 
 TWO_RANKS = ["--config_file", str(CPU_YAML), "--main_process_port", "0"]
@@ -218,3 +220,18 @@ def test_an_evaluation_plan_covers_every_row_once_with_a_short_last_batch():
     for r in range(4):
         mine = sorted(order[reader == r].tolist())
         assert mine == list(range(mine[0], mine[0] + len(mine)))
+
+
+@pytest.mark.parametrize(("data", "why"), [("tar", "--data-dir holds tar shards"), ("url", "--data-dir is a URL"),
+                                          ("parquet", None)])
+def test_decode_auto_streams_a_url_and_a_folder_of_tar_shards(stream_shards, capsys, data, why):
+    """--decode auto streams a --data-dir URL or a folder of tar shards, and says why; a folder of parquet files is
+    decoded into the cache (its images' own size: nothing weighed)."""
+    folder = {"tar": str(stream_shards["tar"]), "url": "https://example.org/shards/",
+              "parquet": str(stream_shards["parquet"])}[data]
+    cfg = SimpleNamespace(decode="auto", data_dir=folder, augment="standard", image_size=None, cache_dir=None,
+                          val_fraction=None)
+    assert choose_decode(cfg, None) == ("stream" if why else "cache")
+    out = capsys.readouterr().out
+    assert out == (f"streaming the shards, each batch decoded in the loader's workers (--decode auto: {why})\n" if why
+                   else "")

@@ -49,8 +49,8 @@ class DataConfig(Group):
     decode: str = opt("auto", "cache: decode every image once into a uint8 cache file; workers: keep the images "
                       "encoded and decode each batch in the loader's worker processes (full-size images); stream: "
                       "read parquet or tar shards (a folder or a URL) shard by shard with no local copy, decoded as "
-                      "workers does; auto: stream for a URL, workers for --augment resized-crop or when the decoded "
-                      "images would not fit the cache folder's free space, else cache",
+                      "workers does; auto: stream for a URL or tar shards, workers for --augment resized-crop or when "
+                      "the decoded images would not fit the cache folder's free space, else cache",
                       ("auto", "cache", "workers", "stream"))
     data_workers: int | None = opt(None, "--decode workers / stream: loader worker processes per process; unset: "
                                    "this process's share of the cores")

@@ -27,7 +27,7 @@ from utils.crops import CropRecipe, eval_view, resized_crop_draws, train_view
 from utils.decode import default_cache_dir, square_pixels
 from utils.launch import main_print
 from utils.sources import Rows, fingerprint, first_size, locate, open_image, place, split_rows
-from utils.stream import open_stream
+from utils.stream import holds_tar_shards_only, open_stream
 
 STATS_IMAGES = 512  # training images the per-channel mean and std are estimated from (the first, decoded at S)
 
@@ -132,13 +132,15 @@ def load_encoded(data_dir: str | None, dataset: str | None = None, image_size: i
 
 def choose_decode(cfg, dataset: str | None) -> str:
     """The path --decode takes, said on the main process: 'cache', 'workers' or 'stream'. auto: stream for a --data-dir
-    URL; workers for --augment resized-crop (its crops need whole images), or when the decoded images (N x 3 x S x S
-    bytes) would not fit in the cache folder's free space; else the cache (said when it was weighed). cfg: the data
-    group of a script's Config (contradicting flags are refused when they are parsed)."""
+    URL or a folder of tar shards; workers for --augment resized-crop (its crops need whole images), or when the
+    decoded images (N x 3 x S x S bytes) would not fit in the cache folder's free space; else the cache (said when it
+    was weighed). cfg: the data group of a script's Config (contradicting flags are refused when they are parsed)."""
     if cfg.decode in ("workers", "stream"):
         choice, why = cfg.decode, f"--decode {cfg.decode}"
     elif is_url(cfg.data_dir):
         choice, why = "stream", "--decode auto: --data-dir is a URL"
+    elif cfg.data_dir and holds_tar_shards_only(Path(cfg.data_dir)):
+        choice, why = "stream", "--decode auto: --data-dir holds tar shards"
     elif cfg.augment == "resized-crop":
         choice, why = "workers", "--decode auto: --augment resized-crop crops whole images"
     elif cfg.decode == "cache" or cfg.image_size is None:  # the images' own size is unknown until decoded

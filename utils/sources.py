@@ -132,7 +132,8 @@ def find_source(data_dir: str | Path) -> tuple[str, dict[str, list[Path]]]:
         return "imagefolder", _image_folder_files(root)
     raise UserError(
         f"--data-dir {root} holds no train-*.parquet file and no image folder (train/<class>/*.png, "
-        f"test/<class>/...); expected the parquet layout of a Hub dataset (data/train-*.parquet), or such a folder."
+        f"test/<class>/...); expected the parquet layout of a Hub dataset (data/train-*.parquet), or such a folder"
+        + ("; its tar shards are read with --decode stream." if any(root.rglob("*.tar")) else ".")
     )
 
 

@@ -94,6 +94,12 @@ def find_shards(data_dir: str) -> dict[str, list[str]]:
     return {"train": found["train"], eval_split: found[eval_split]}
 
 
+def holds_tar_shards_only(folder: Path) -> bool:
+    """Whether a local folder holds training tar shards and neither parquet files nor an image folder."""
+    return (any(folder.rglob("*train*.tar")) and not any(folder.rglob("train-*.parquet"))
+            and not (folder / "train").is_dir())
+
+
 def _open(url: str):
     return fsspec.open(url, "rb").open()
 
