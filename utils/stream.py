@@ -96,8 +96,8 @@ def find_shards(data_dir: str) -> dict[str, list[str]]:
 
 def holds_tar_shards_only(folder: Path) -> bool:
     """Whether a local folder holds training tar shards and neither parquet files nor an image folder."""
-    return (any(folder.rglob("*train*.tar")) and not any(folder.rglob("train-*.parquet"))
-            and not (folder / "train").is_dir())
+    return (not (folder / "train").is_dir() and not any(folder.rglob("train-*.parquet"))  # an image folder is not
+            and any(folder.rglob("*train*.tar")))  # walked: only a folder without train/ or parquet files is
 
 
 def _open(url: str):
