@@ -274,6 +274,15 @@ def test_an_unreadable_shard_stops_with_one_line_naming_it(tmp_path, stream_shar
     _fails_cleanly(tmp_path, ["--data-dir", str(data), *STREAM], f"{victim} is not a readable {kind} shard (")
 
 
+@pytest.mark.slow
+def test_an_unreadable_shard_met_by_the_second_rank_stops_both_ranks_with_one_line(tmp_path, stream_shards):
+    data = _shards(tmp_path, stream_shards, "tar")
+    victim = data / "train-00003-of-00005.tar"  # shard 3 of 5: indexed by rank 1 of 2
+    victim.write_bytes(b"not a shard " * 100)
+    _fails_cleanly(tmp_path, ["--data-dir", str(data), *STREAM], f"{victim} is not a readable tar shard (",
+                   launch=["--config_file", str(CPU_YAML)])
+
+
 def test_a_shard_whose_class_names_lack_a_class_stops_with_one_line_naming_it(tmp_path, stream_shards):
     import datasets
 

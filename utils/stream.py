@@ -40,9 +40,11 @@ import fsspec
 import numpy as np
 import pyarrow.parquet as pq
 import torch
+import torch.distributed as dist
 
 from utils import UserError, first_line
 from utils.batches import key_stream, splitmix64
+from utils.launch import raise_if_any
 from utils.sources import IMAGE_COLUMNS, LABEL_COLUMNS, shared_classes
 
 SHARD_SUFFIXES = (".parquet", ".tar")
@@ -114,6 +116,26 @@ def index_shard(url: str, columns: tuple[str | None, str | None]) -> Shard:
     except Exception as e:
         kind = "parquet" if url.endswith(".parquet") else "tar"
         raise UserError(f"{url} is not a readable {kind} shard ({first_line(e)}).") from None
+
+
+def index_shards(urls: list[str], columns: tuple[str | None, str | None]) -> list[Shard]:
+    """Every shard's index, each shard read by one process (shard i by process i mod P) and the indices shared
+    through one all_gather: the index pass reads a shard once per job, not once per process. A shard that cannot be
+    read stops every process with its line."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    mine, error = {}, None
+    try:
+        for i in range(rank, len(urls), world):
+            mine[i] = index_shard(urls[i], columns)
+    except UserError as e:
+        error = str(e)
+    raise_if_any(error, long_wait=True)  # also the barrier after the slowest process's shards
+    parts = [mine]
+    if world > 1:
+        parts = [None] * world
+        dist.all_gather_object(parts, mine)
+    merged = {i: shard for part in parts for i, shard in part.items()}
+    return [merged[i] for i in range(len(urls))]
 
 
 def _index_parquet(url: str, f, columns) -> Shard:
@@ -382,7 +404,7 @@ def open_stream(data_dir: str, columns: tuple[str | None, str | None], window: i
     """({'train': StreamRows, 'test': StreamRows}, the class names, a description) of the shards in data_dir."""
     found = find_shards(data_dir)
     eval_split = [s for s in found if s != "train"][0]
-    shards = {s: [index_shard(url, columns) for url in urls] for s, urls in found.items()}
+    shards = {s: index_shards(urls, columns) for s, urls in found.items()}
     check_same_classes(shards["train"] + shards[eval_split])
     rows = {"train": StreamRows(shards["train"], "train", window), "test": StreamRows(shards[eval_split],
                                                                                       eval_split, window)}
