@@ -34,7 +34,8 @@ changes no behaviour, it only records, per rank, into <output-dir>/probe-rank<R>
                network's edge, answered here: upload_folder copies the folder to DIR/rank<R>/<repo id>)
 Streamed shards (--decode stream) are read and fetched in the loader's worker processes, which append, as it
 happens, to <output-dir>/probe-stream-rank<R>-<pid>.jsonl one line per call: {"read": split, "rows": [...]} for
-each window a worker reads from the shards, {"fetch": split, "epoch": E, "rows": [...]} for each batch it decodes.
+each window a worker reads from the shards, {"fetch": split, "epoch": E, "rows": [...]} for each batch it decodes;
+and each process one line {"index": url} for each shard whose index it reads.
 With PROBE_RECORD_WEIGHTS=NAME,NAME,... those tensors of the model's state (this rank's view: whole under DDP) as
 prepare() returned it and after every optimizer step go to <output-dir>/probe-weights-rank<R>.safetensors, keyed
 NAME@STEP (STEP 0: before the first step): what --ema-decay's average is checked against.
@@ -118,8 +119,14 @@ def stream_record(line: dict) -> None:
         f.write(json.dumps(line) + "\n")
 
 
+real_index_shard = stream.index_shard
 real_stream_read = stream.StreamRows.read
 real_decoding_getitems = onthefly.DecodingDataset.__getitems__
+
+
+def index_shard(url, columns):
+    stream_record({"index": url})
+    return real_index_shard(url, columns)
 
 
 def stream_read(self, rows):
@@ -300,6 +307,7 @@ if os.environ.get("PROBE_FAKE_HUB"):
     fake_hub(os.environ["PROBE_FAKE_HUB"])
 batches.BatchedTensorDataset.__getitems__ = getitems
 stream.StreamRows.read = stream_read
+stream.index_shard = index_shard
 onthefly.DecodingDataset.__getitems__ = decoding_getitems
 Accelerator.prepare = prepare
 torch.nn.parallel.DistributedDataParallel.register_comm_hook = register_comm_hook

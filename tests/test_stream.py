@@ -66,7 +66,8 @@ def stream_log(out) -> tuple[dict, dict]:
         ranks[pid] = int(rank)
         for line in path.read_text().splitlines():
             entry = json.loads(line)
-            (fetched if "fetch" in entry else read)[pid].append(entry)
+            if "index" not in entry:
+                (fetched if "fetch" in entry else read)[pid].append(entry)
     return ({pid: (ranks[pid], f) for pid, f in fetched.items()},
             {pid: r for pid, r in read.items() if pid in fetched})
 
@@ -74,9 +75,13 @@ def stream_log(out) -> tuple[dict, dict]:
 def test_on_two_ranks_by_two_workers_each_training_image_is_fetched_once_and_read_by_one_worker(streamed,
                                                                                                stream_shards):
     """Streaming 5 tar shards on 2 ranks x 2 loader workers, each training image is decoded once an epoch and read by
-    one worker: the batches the four workers decode (two per rank) hold each of the 192 training images exactly
-    once; each image is read from its shard by exactly one worker, once; every shard is read by at most two workers
-    (two where one's range ends inside it); no read is longer than the 16-row window."""
+    one worker: each of the 8 shards (train and test) is indexed by one process; the batches the four workers decode
+    (two per rank) hold each of the 192 training images exactly once; each image is read from its shard by exactly
+    one worker, once; every shard is read by at most two workers (two where one's range ends inside it); no read is
+    longer than the 16-row window."""
+    indexed = collections.Counter(json.loads(line)["index"] for path in streamed.glob("probe-stream-rank*.jsonl")
+                                  for line in path.read_text().splitlines() if '"index"' in line)
+    assert indexed == collections.Counter(str(p) for p in stream_shards["tar"].glob("*.tar"))  # each once, by one
     fetched, read = stream_log(streamed)
     train = {pid: [e for e in f if e["fetch"] == "train"] for pid, (_, f) in fetched.items()}
     train = {pid: f for pid, f in train.items() if f}
