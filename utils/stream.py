@@ -6,8 +6,8 @@ whose DecodingDataset reads them through `StreamRows` here instead of a memory-m
 What is read where, each epoch (`stream_plan`, a function of the shards' row counts, the seed, the epoch and the
 layout: processes x loader workers x micro-batch):
   1. the shards in an order drawn from (seed, epoch), their rows one after the other: the epoch's stream;
-  2. the stream cut to whole global batches (the N mod B rows at its end wait for another epoch, as
-     utils.batches.EpochSampler leaves N mod B) and split into one contiguous range per reader (a process's loader
+  2. the stream cut to whole global batches (the N mod B rows at its end sit out this epoch, as N mod B images do
+     under utils.batches.EpochSampler; the next epoch's shard order leaves out others) and split into one contiguous range per reader (a process's loader
      worker), so each row is read by exactly one reader and each shard by one reader, or by two where a range
      ends inside it (each then reads its own rows of it);
   3. each reader's range shuffled within windows of --shuffle-buffer rows (the bounded shuffle buffer: a reader
@@ -18,8 +18,8 @@ The position in the stream is the epoch's batch count, which checkpoints hold al
 its epoch was planned with (stream.json), so a resume on another process count, micro-batch or worker count
 finishes that epoch in its planned order (each image once; only reads cross readers' ranges) and plans the next in
 the new layout.
-Evaluation reads the test shards in order, split the same way, every image once (Accelerate pads an uneven last
-round with the first images; gather_for_metrics drops them, so each counts once).
+Evaluation reads the test shards in order, split the same way, and counts every image once (Accelerate pads an
+uneven last round with the first images, read a second time; gather_for_metrics drops them).
 
 Written by hand, on pyarrow and fsspec (what datasets reads parquet and URLs with): datasets' IterableDataset
 splits shards between processes only when their count divides the readers' (else every process reads every shard
