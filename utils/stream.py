@@ -7,9 +7,9 @@ What is read where, each epoch (`stream_plan`, a function of the shards' row cou
 layout: processes x loader workers x micro-batch):
   1. the shards in an order drawn from (seed, epoch), their rows one after the other: the epoch's stream;
   2. the stream cut to whole global batches (the N mod B rows at its end sit out this epoch, as N mod B images do
-     under utils.batches.EpochSampler; the next epoch's shard order leaves out others) and split into one contiguous range per reader (a process's loader
-     worker), so each row is read by exactly one reader and each shard by one reader, or by two where a range
-     ends inside it (each then reads its own rows of it);
+     under utils.batches.EpochSampler; the next epoch's shard order leaves out others) and split into one
+     contiguous range per reader (a process's loader worker), so each row is read by exactly one reader and each
+     shard by one reader, or by two where a range ends inside it (each then reads its own rows of it);
   3. each reader's range shuffled within windows of --shuffle-buffer rows (the bounded shuffle buffer: a reader
      holds at most two windows of encoded images), keyed by (seed, epoch, row);
   4. the sampler's order (`StreamSampler`) lists each reader's batches where Accelerate's sharding (micro-batch k
