@@ -48,8 +48,6 @@ from utils.batches import BatchTransform, build_loaders, checked_data, data_fact
 from utils.checkpoint import Checkpointer
 from utils.cli import check_ranges, opt, parse
 from utils.config_groups import CheckpointConfig, DataConfig, EvaluationConfig, HubConfig, LoggingConfig
-from utils.crops import CropRecipe
-from utils.decode import load_source
 from utils.ema import WeightEMA
 from utils.evaluation import Evaluator, evaluate, load_metrics
 from utils.export import export_model
@@ -66,7 +64,7 @@ from utils.launch import (
     shard_on_cpu_too,
 )
 from utils.models import MODELS, check_logits, named_model
-from utils.onthefly import choose_decode, load_encoded
+from utils.onthefly import load_builtin
 from utils.output_dir import check_output_dir, lock_output_dir
 from utils.plan import plan_batches, use_plan
 from utils.schedule import warmup_cosine
@@ -162,15 +160,7 @@ def load_data(cfg: Config) -> dict:
     image folder) or --dataset (the Hub), decoded once per machine into a cache that its other processes read, or
     (--decode workers, full-size images) kept encoded and decoded by batch in the loader's workers, or (--decode
     stream) parquet or tar shards read shard by shard from a folder or a URL, decoded the same way."""
-    dataset = cfg.dataset or (None if cfg.data_dir else "uoft-cs/cifar10")  # neither flag: CIFAR-10 from the Hub
-    columns = (cfg.image_column, cfg.label_column)
-    decode = choose_decode(cfg, dataset)  # cache, workers or stream: printed, with why
-    if decode != "cache":  # kept encoded, decoded by batch in the loader's workers; stream: read shard by shard
-        recipe = CropRecipe(cfg.crop_scale, cfg.crop_ratio, cfg.eval_crop) if cfg.augment == "resized-crop" else None
-        return load_encoded(cfg.data_dir, dataset, cfg.image_size, columns, cfg.val_fraction, recipe,
-                            cfg.data_workers, stream_window=cfg.shuffle_buffer if decode == "stream" else None)
-    return load_source(cfg.data_dir, dataset, cfg.image_size, columns, cfg.val_fraction, cfg.cache_dir,
-                       cfg.decode_workers)
+    return load_builtin(cfg)  # --data-dir / --dataset by --decode (utils/onthefly.py)
 
 
 def build_optimizer(cfg: Config, model: torch.nn.Module, lr: float, fused: bool = True) -> torch.optim.Optimizer:

@@ -18,6 +18,7 @@ import os
 import shutil
 import tempfile
 import warnings
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -26,19 +27,10 @@ import torch
 from utils import UserError, first_line
 from utils.batches import SPLITS, channel_stats
 from utils.launch import first_on_each_machine, main_print
-from utils.sources import Rows, fingerprint, first_size, locate, open_image, place, read_rows, split_rows
+from utils.sources import Rows, fingerprint, first_size, locate, open_image, place, read_rows, row_pixels, split_rows
 
 CACHE_FORMAT = 6  # bump when the cache file changes (4: class names, mean and std; 5: held-out splits; 6: mean and
 # std as tensors, labels first: decoded into through a memory map)
-
-
-
-
-
-
-
-
-
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -61,23 +53,11 @@ def decode_split(ds, split: str, size: int | None = None, columns: tuple[str | N
     return torch.from_numpy(images).permute(0, 3, 1, 2), rows.labels, rows.names
 
 
-
-
-
-
-
-
-
-
-
-
 def square_pixels(im, size: int) -> np.ndarray:
-    """A PIL image as (S, S, 3) uint8 RGB: grayscale repeated into 3 channels, RGBA's alpha dropped, palettes expanded,
-    resized (bicubic) to S x S unless it is that size: how every image enters the cache, and the on-the-fly path's
-    images without --augment resized-crop (utils/onthefly.py), bit for bit."""
+    """An RGB PIL image as (S, S, 3) uint8, resized (bicubic) to S x S unless it is that size: how every image enters
+    the cache, and the on-the-fly path's images without --augment resized-crop (utils/onthefly.py), bit for bit."""
     from PIL import Image
 
-    im = im.convert("RGB")
     if im.size != (size, size):
         im = im.resize((size, size), Image.Resampling.BICUBIC)
     return np.asarray(im)
@@ -86,18 +66,14 @@ def square_pixels(im, size: int) -> np.ndarray:
 def _decode_rows(rows: Rows, size: int, out: np.ndarray, start: int, stop: int, same_as: str | None = None) -> None:
     """Decodes rows start..stop-1 into out[start:stop] ((N, S, S, 3) uint8: a memory map of the cache file), each
     resized to S x S; same_as (the first image's size and place, see first_size): instead, each must be S x S."""
-
     for i in range(start, stop):
-        try:
-            with open_image(rows.sources[i], rows.split, place(rows, i)) as im:
-                if im.size != (size, size) and same_as:
-                    raise UserError(f"the images do not share one square size ({same_as}, {im.size[0]}x{im.size[1]} "
-                                    f"(the {rows.split} split's {place(rows, i)})); pass --image-size S to resize "
-                                    f"every image to S x S.")
-                out[i] = square_pixels(im, size)
-        except OSError as e:  # a header that reads but pixels that do not (a truncated file)
-            raise UserError(f"the {rows.split} split has an undecodable image at {place(rows, i)} "
-                            f"({first_line(e)}).") from None
+        im = open_image(rows.sources[i], rows.split, place(rows, i))
+        if im.size != (size, size) and same_as:
+            im.close()
+            raise UserError(f"the images do not share one square size ({same_as}, {im.size[0]}x{im.size[1]} (the "
+                            f"{rows.split} split's {place(rows, i)})); pass --image-size S to resize every image to "
+                            f"S x S.")
+        out[i] = row_pixels(rows, i, im, partial(square_pixels, size=size))
 
 
 DECODE_CHUNK = 512  # rows a decode worker takes at a time
@@ -139,8 +115,6 @@ def decode_all(rows: dict[str, Rows], outputs: dict[str, np.ndarray], size: int,
     finally:
         pool.shutdown(cancel_futures=True)
         _JOB = None
-
-
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -292,7 +266,5 @@ def _load(data_dir, dataset: str, cache_dir, log, settings: dict, workers: int):
     source.announce_held_out(log, len(data["train"][1]), len(data["test"][1]))
     data["dataset"] = source.describe(key)
     return data
-
-
 
 

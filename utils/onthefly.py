@@ -5,7 +5,7 @@ for natural images needs whole (--augment resized-crop, utils/crops.py). The sam
 cached path: the order comes from utils.batches.EpochSampler, each sample's crop, flip and mixing from (seed, epoch,
 sample index), so batches are the same at any process count, worker count and after a resume.
 
-`load_encoded` is the entry point (a template's load_data returns its result as it returns load_source's);
+`load_encoded` is the entry point (`load_builtin`, a template's load_data, returns it where the flags ask for it);
 `EncodedImages` stands where the cached path has an image tensor, and makes the loader's dataset
 (`DecodingDataset`). `choose_decode` says which path --decode auto takes.
 """
@@ -20,13 +20,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from utils import UserError, first_line
 from utils.batches import SPLITS, batch_draws, channel_stats
 from utils.config_groups import is_url
 from utils.crops import CropRecipe, eval_view, resized_crop_draws, train_view
-from utils.decode import default_cache_dir, square_pixels
+from utils.decode import default_cache_dir, load_source, square_pixels
 from utils.launch import main_print
-from utils.sources import Rows, fingerprint, first_size, locate, open_image, place, split_rows
+from utils.sources import Rows, fingerprint, first_size, locate, open_image, place, row_pixels, split_rows
 from utils.stream import holds_tar_shards_only, open_stream
 
 STATS_IMAGES = 512  # training images the per-channel mean and std are estimated from (the first, decoded at S)
@@ -80,7 +79,7 @@ class DecodingDataset(torch.utils.data.Dataset):
                 view = partial(train_view, box=boxes[k], mirrored=bool(mirrored[k]), size=size)
             else:
                 view = partial(eval_view, size=size, recipe=recipe) if recipe else partial(square_pixels, size=size)
-            out[k] = _pixels(rows, int(host[k]), im, view)
+            out[k] = row_pixels(rows, int(host[k]), im, view)
         batch = torch.from_numpy(out).permute(0, 3, 1, 2), self.labels[torch.from_numpy(host)]
         if self.augment_seed is None:
             return batch
@@ -89,16 +88,6 @@ class DecodingDataset(torch.utils.data.Dataset):
 
 def _open(rows: Rows, source, i: int):
     return open_image(source, rows.split, place(rows, i))
-
-
-def _pixels(rows: Rows, i: int, im, view) -> np.ndarray:
-    """view(the RGB image) of row i's opened image; one line naming the row if its pixels cannot be decoded."""
-    try:
-        with im:
-            return view(im.convert("RGB"))
-    except OSError as e:  # a header that reads but pixels that do not (a truncated file)
-        raise UserError(f"the {rows.split} split has an undecodable image at {place(rows, i)} ({first_line(e)}).") \
-            from None
 
 
 def load_encoded(data_dir: str | None, dataset: str | None = None, image_size: int | None = None,
@@ -123,11 +112,27 @@ def load_encoded(data_dir: str | None, dataset: str | None = None, image_size: i
     size = image_size or first_size(rows)[0]
     workers = workers or max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     sample = rows["train"].take(torch.arange(min(STATS_IMAGES, len(rows["train"]))))
-    pixels = np.stack([_pixels(sample, i, _open(sample, s, i), partial(square_pixels, size=size))
+    pixels = np.stack([row_pixels(sample, i, _open(sample, s, i), partial(square_pixels, size=size))
                        for i, s in enumerate(sample.fetch(range(len(sample))))])
     mean, std = channel_stats(torch.from_numpy(pixels).permute(0, 3, 1, 2))
     data = {s: (EncodedImages(rows[s], size, recipe, workers), rows[s].labels) for s in SPLITS}
     return data | {"classes": classes, "mean": mean, "std": std, "dataset": description}
+
+
+def load_builtin(cfg) -> dict:
+    """The built-in sources by a script's data flags (its DataConfig group), for its load_data: --data-dir or
+    --dataset (neither: CIFAR-10 from the Hub), on the path choose_decode picks: decoded once into the cache
+    (utils/decode.py), kept encoded and decoded by batch in the loader's workers, or streamed from shards
+    (utils/stream.py)."""
+    dataset = cfg.dataset or (None if cfg.data_dir else "uoft-cs/cifar10")
+    columns = (cfg.image_column, cfg.label_column)
+    decode = choose_decode(cfg, dataset)  # printed, with why
+    if decode == "cache":
+        return load_source(cfg.data_dir, dataset, cfg.image_size, columns, cfg.val_fraction, cfg.cache_dir,
+                           cfg.decode_workers)
+    recipe = CropRecipe(cfg.crop_scale, cfg.crop_ratio, cfg.eval_crop) if cfg.augment == "resized-crop" else None
+    return load_encoded(cfg.data_dir, dataset, cfg.image_size, columns, cfg.val_fraction, recipe, cfg.data_workers,
+                        stream_window=cfg.shuffle_buffer if decode == "stream" else None)
 
 
 def choose_decode(cfg, dataset: str | None) -> str:

@@ -301,6 +301,18 @@ def open_image(source, split: str, where: str):
         raise UserError(f"the {split} split has an undecodable image at {where} ({first_line(e)}).") from None
 
 
+def row_pixels(rows, i: int, im, view) -> np.ndarray:
+    """view(the RGB image) of row i's opened image (open_image), closed after; one line naming the row if its pixels
+    cannot be decoded. What every decode goes through: the cache's (utils/decode.py) and the workers'
+    (utils/onthefly.py)."""
+    try:
+        with im:
+            return view(im.convert("RGB"))  # grayscale repeated into 3 channels, RGBA's alpha dropped, palettes too
+    except OSError as e:  # a header that reads but pixels that do not (a truncated file)
+        raise UserError(f"the {rows.split} split has an undecodable image at {place(rows, i)} ({first_line(e)}).") \
+            from None
+
+
 def place(rows, i: int) -> str:
     """Where row i is, for messages: its file, or its row number in the source split (a shard's: its URL too)."""
     if hasattr(rows, "where"):  # utils.stream.StreamRows
