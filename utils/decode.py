@@ -27,7 +27,7 @@ import torch
 from utils import UserError, first_line
 from utils.batches import SPLITS, channel_stats
 from utils.launch import first_on_each_machine, main_print
-from utils.sources import Rows, fingerprint, first_size, locate, open_image, place, read_rows, row_pixels, split_rows
+from utils.sources import Rows, fingerprint, first_size, locate, open_image, read_rows, row_pixels, split_rows
 
 CACHE_FORMAT = 6  # bump when the cache file changes (4: class names, mean and std; 5: held-out splits; 6: mean and
 # std as tensors, labels first: decoded into through a memory map)
@@ -67,11 +67,11 @@ def _decode_rows(rows: Rows, size: int, out: np.ndarray, start: int, stop: int, 
     """Decodes rows start..stop-1 into out[start:stop] ((N, S, S, 3) uint8: a memory map of the cache file), each
     resized to S x S; same_as (the first image's size and place, see first_size): instead, each must be S x S."""
     for i in range(start, stop):
-        im = open_image(rows.sources[i], rows.split, place(rows, i))
+        im = open_image(rows.sources[i], rows.split, rows.where(i))
         if im.size != (size, size) and same_as:
             im.close()
             raise UserError(f"the images do not share one square size ({same_as}, {im.size[0]}x{im.size[1]} (the "
-                            f"{rows.split} split's {place(rows, i)})); pass --image-size S to resize every image to "
+                            f"{rows.split} split's {rows.where(i)})); pass --image-size S to resize every image to "
                             f"S x S.")
         out[i] = row_pixels(rows, i, im, partial(square_pixels, size=size))
 

@@ -25,7 +25,7 @@ from utils.config_groups import is_url
 from utils.crops import CropRecipe, eval_view, resized_crop_draws, train_view
 from utils.decode import default_cache_dir, load_source, square_pixels
 from utils.launch import main_print
-from utils.sources import Rows, fingerprint, first_size, locate, open_image, place, row_pixels, split_rows
+from utils.sources import Rows, fingerprint, first_size, locate, open_image, row_pixels, split_rows
 from utils.stream import holds_tar_shards_only, open_stream
 
 STATS_IMAGES = 512  # training images the per-channel mean and std are estimated from (the first, decoded at S)
@@ -87,7 +87,7 @@ class DecodingDataset(torch.utils.data.Dataset):
 
 
 def _open(rows: Rows, source, i: int):
-    return open_image(source, rows.split, place(rows, i))
+    return open_image(source, rows.split, rows.where(i))
 
 
 def load_encoded(data_dir: str | None, dataset: str | None = None, image_size: int | None = None,

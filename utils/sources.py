@@ -237,6 +237,11 @@ class Rows:
                    [self.sources[i] for i in order.tolist()])
         return Rows(sources, self.labels[order], self.names, self.split, self.numbers[order])
 
+    def where(self, i: int) -> str:
+        """Where row i is, for messages: its file, or its row number in the source split."""
+        source = self.sources[i]
+        return f"row {int(self.numbers[i])}" if isinstance(source, bytes) else str(source)
+
     def fetch(self, indices) -> list:
         """The encoded images of rows `indices` (bytes or paths), in that order."""
         if isinstance(self.sources, TableImages):
@@ -309,24 +314,16 @@ def row_pixels(rows, i: int, im, view) -> np.ndarray:
         with im:
             return view(im.convert("RGB"))  # grayscale repeated into 3 channels, RGBA's alpha dropped, palettes too
     except OSError as e:  # a header that reads but pixels that do not (a truncated file)
-        raise UserError(f"the {rows.split} split has an undecodable image at {place(rows, i)} ({first_line(e)}).") \
+        raise UserError(f"the {rows.split} split has an undecodable image at {rows.where(i)} ({first_line(e)}).") \
             from None
-
-
-def place(rows, i: int) -> str:
-    """Where row i is, for messages: its file, or its row number in the source split (a shard's: its URL too)."""
-    if hasattr(rows, "where"):  # utils.stream.StreamRows
-        return rows.where(i)
-    source = rows.sources[i]
-    return f"row {int(rows.numbers[i])}" if isinstance(source, bytes) else str(source)
 
 
 def first_size(splits: dict[str, Rows]) -> tuple[int, str]:
     """The first image's size, which must be square, and where it is: every other image must share it when no
     --image-size is given (the decode checks each as it opens it: one pass over the files)."""
     rows = next(iter(splits.values()))
-    with open_image(rows.fetch([0])[0], rows.split, place(rows, 0)) as im:
-        (w, h), where = im.size, f"{im.size[0]}x{im.size[1]} (the {rows.split} split's {place(rows, 0)})"
+    with open_image(rows.fetch([0])[0], rows.split, rows.where(0)) as im:
+        (w, h), where = im.size, f"{im.size[0]}x{im.size[1]} (the {rows.split} split's {rows.where(0)})"
     if w != h:
         raise UserError(f"the images do not share one square size ({where}); pass --image-size S to resize every "
                         f"image to S x S.")
