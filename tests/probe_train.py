@@ -124,9 +124,9 @@ real_stream_read = stream.StreamRows.read
 real_decoding_getitems = onthefly.DecodingDataset.__getitems__
 
 
-def index_shard(url, columns):
+def index_shard(url, columns, cache=None):
     stream_record({"index": url})
-    return real_index_shard(url, columns)
+    return real_index_shard(url, columns, cache)
 
 
 def stream_read(self, rows):

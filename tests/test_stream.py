@@ -22,19 +22,21 @@ from conftest import (
     kill_job,
     read_summary,
     run_train,
+    small_tmpfs,
     start,
     wait_for_checkpoint,
 )
 
 from utils.batches import key_stream
 from utils.onthefly import choose_decode
-from utils.stream import stream_plan
+from utils.stream import class_mix, stream_plan, warn_if_poorly_mixed
 
 TWO_RANKS = ["--config_file", str(CPU_YAML), "--main_process_port", "0"]
 ONE_PROCESS = ["--num_processes", "1", "--cpu", "--main_process_port", "0"]
 # 192 training images, global batch 32 -> 6 optimizer steps in the one epoch; a checkpoint at step 4 (mid-epoch);
-# resized crops and mixing as the natural-image recipe trains; each reader shuffles within windows of 16 rows.
-JOB = ["--decode", "stream", "--shuffle-buffer", "16", "--model", "resnet8", "--image-size", "48", "--augment",
+# resized crops and mixing as the natural-image recipe trains; the shards cut into blocks of 8 rows, each reader
+# shuffling within windows of 16 rows.
+JOB = ["--decode", "stream", "--shuffle-buffer", "16", "--shuffle-block", "8", "--model", "resnet8", "--image-size", "48", "--augment",
        "resized-crop", "--mixup", "0.2", "--cutmix", "1.0", "--batch-size", "16", "--global-batch-size", "32",
        "--epochs", "1", "--checkpoint-every-steps", "4", "--lr", "0.01", "--grad-clip", "0", "--no-channels-last",
        "--deterministic", "--tracker", "none"]
@@ -77,8 +79,8 @@ def test_on_two_ranks_by_two_workers_each_training_image_is_fetched_once_and_rea
     """Streaming 5 tar shards on 2 ranks x 2 loader workers, each training image is decoded once an epoch and read by
     one worker: each of the 8 shards (train and test) is indexed by one process; the batches the four workers decode
     (two per rank) hold each of the 192 training images exactly once; each image is read from its shard by exactly
-    one worker, once; every shard is read by at most two workers (two where one's range ends inside it); no read is
-    longer than the 16-row window."""
+    one worker, once; every block of 8 rows is read by at most two workers (two where one's range ends inside it),
+    and a shard's blocks by several; no read is longer than the 16-row window."""
     indexed = collections.Counter(json.loads(line)["index"] for path in streamed.glob("probe-stream-rank*.jsonl")
                                   for line in path.read_text().splitlines() if '"index"' in line)
     assert indexed == collections.Counter(str(p) for p in stream_shards["tar"].glob("*.tar"))  # each once, by one
@@ -99,7 +101,8 @@ def test_on_two_ranks_by_two_workers_each_training_image_is_fetched_once_and_rea
     assert set(reads.values()) == {1}  # no row read twice, even by the same worker
     bounds = np.cumsum([0] + [pq.read_metadata(p).num_rows for p in sorted(stream_shards["parquet"].glob("train-*"))])
     for a, b in zip(bounds[:-1], bounds[1:]):
-        assert 1 <= len(set().union(*(readers[r] for r in range(a, b)))) <= 2
+        assert all(1 <= len(set().union(*(readers[r] for r in range(s, min(s + 8, b))))) <= 2 for s in range(a, b, 8))
+    assert max(len(set().union(*(readers[r] for r in range(a, b)))) for a, b in zip(bounds[:-1], bounds[1:])) > 2
 
 
 def test_evaluation_on_two_ranks_by_two_workers_counts_each_test_image_once(streamed, stream_shards):
@@ -127,9 +130,10 @@ def killed(stream_shards, tmp_path_factory):
     wait_for_checkpoint(out, proc, 4)
     kill_job(proc)
     assert not (out / "summary.json").exists()
-    # the checkpoint's stream state, JSON: the epoch in progress and its layout (2 processes x 2 workers x 16)
+    # the checkpoint's stream state, JSON: the epoch in progress, its layout (2 processes x 2 workers x 16), window
+    # and block
     assert json.loads((out / "checkpoints" / "step-00000004" / "stream.json").read_text()) == {
-        "epoch": 0, "layout": [2, 2, 16]}
+        "epoch": 0, "layout": [2, 2, 16], "window": 16, "block": 8}
     return out
 
 
@@ -192,51 +196,108 @@ def assigned(order: np.ndarray, layout: tuple[int, int, int]) -> np.ndarray:
     return (k % processes) * workers + (k // processes) % workers
 
 
-@pytest.mark.parametrize(("counts", "layout", "window"), [
-    ([39, 39, 38, 38, 38], (2, 2, 16), 16), ([39, 39, 38, 38, 38], (3, 2, 4), 5), ([17], (4, 3, 2), 3),
-    ([100, 1, 60, 31], (1, 4, 8), 7)])
-def test_a_stream_plan_reads_each_row_once_in_one_contiguous_range_per_reader(counts, layout, window):
-    """stream_plan for training: whole global batches of the stream (the shards in a drawn order), each reader's rows
-    one contiguous stretch of it, shuffled within windows of at most `window` rows; the order is the same for the
-    same (seed, epoch) and another for the next epoch."""
+@pytest.mark.parametrize(("counts", "layout", "window", "block"), [
+    ([39, 39, 38, 38, 38], (2, 2, 16), 16, 8), ([39, 39, 38, 38, 38], (3, 2, 4), 5, 3), ([17], (4, 3, 2), 3, 64),
+    ([100, 1, 60, 31], (1, 4, 8), 7, 1), ([100, 0, 60, 31], (2, 1, 8), 32, 16)])
+def test_a_stream_plan_reads_each_row_once_in_one_contiguous_range_per_reader(counts, layout, window, block):
+    """stream_plan for training: whole global batches of the stream (the shards' blocks of `block` rows in a drawn
+    order: each block's rows consecutive in one shard, every block once), each reader's rows one contiguous stretch
+    of it, shuffled within windows of at most `window` rows; the order is the same for the same (seed, epoch) and
+    another for the next epoch."""
     processes, workers, micro = layout
     keep = sum(counts) // (processes * micro) * processes * micro
+    starts = np.cumsum([0] + counts)
+    blocks = {(s, min(s + block, b)) for a, b in zip(starts[:-1], starts[1:]) for s in range(a, b, block)}
     orders = []
     for epoch in (0, 0, 1):
-        key = key_stream(0, epoch, 0)
-        order, stream, cuts = stream_plan(np.array(counts), keep, layout, window, key ^ np.uint64(1), key)
+        plan = stream_plan(np.array(counts), keep, layout, window, block, key_stream(0, epoch, 0))
+        order, stream = plan.order, plan.stream
         orders.append(order)
         assert len(order) == keep and len(set(order.tolist())) == keep and set(order) <= set(stream[:keep])
+        full = stream_plan(np.array(counts), sum(counts), (1, 1, 1), window, block, key_stream(0, epoch, 0)).stream
+        runs = np.split(full, np.flatnonzero(np.isin(full, [a for a, _ in blocks])))[1:]  # cut at each block's first
+        assert sorted((int(r[0]), int(r[-1]) + 1) for r in runs) == sorted(blocks)
+        assert all(np.array_equal(r, np.arange(r[0], r[-1] + 1)) for r in runs)
         position = {int(r): i for i, r in enumerate(stream)}
         reader = assigned(order, layout)
         for r in range(processes * workers):
             mine = sorted(position[int(x)] for x in order[reader == r])
             assert mine == list(range(mine[0], mine[0] + len(mine))) if mine else True
-        assert np.diff(cuts).max() <= window
+            assert not mine or plan.ranges[r] == mine[0]
+        assert np.diff(plan.cuts).max() <= window and set(plan.ranges[:-1]) <= set(plan.cuts)
     assert np.array_equal(orders[0], orders[1]) and not np.array_equal(orders[0], orders[2])
 
 
 def test_an_evaluation_plan_covers_every_row_once_with_a_short_last_batch():
     """stream_plan for evaluation (no shuffle, no batch dropped): 17 rows in micro-batches of 4 on 2 processes x 2
     workers: every row once, the shards in order, each reader's rows contiguous."""
-    order, stream, _ = stream_plan(np.array([10, 7]), 17, (2, 2, 4), 4)
-    assert sorted(order.tolist()) == list(range(17)) and stream.tolist() == list(range(17))
-    reader = assigned(order, (2, 2, 4))
+    plan = stream_plan(np.array([10, 7]), 17, (2, 2, 4), 4)
+    assert sorted(plan.order.tolist()) == list(range(17)) and plan.stream.tolist() == list(range(17))
+    reader = assigned(plan.order, (2, 2, 4))
     for r in range(4):
-        mine = sorted(order[reader == r].tolist())
+        mine = sorted(plan.order[reader == r].tolist())
         assert mine == list(range(mine[0], mine[0] + len(mine)))
 
 
 @pytest.mark.parametrize(("data", "why"), [("tar", "--data-dir holds tar shards"), ("url", "--data-dir is a URL"),
                                           ("parquet", None)])
-def test_decode_auto_streams_a_url_and_a_folder_of_tar_shards(stream_shards, capsys, data, why):
+def test_decode_auto_streams_a_url_and_a_folder_of_tar_shards(stream_shards, capsys, data, why, tmp_path):
     """--decode auto streams a --data-dir URL or a folder of tar shards, and says why; a folder of parquet files is
-    decoded into the cache (its images' own size: nothing weighed)."""
+    decoded into the cache when its images at their own size (the first one's, 96 x 96) fit the cache folder, and the
+    line says what was weighed."""
     folder = {"tar": str(stream_shards["tar"]), "url": "https://example.org/shards/",
               "parquet": str(stream_shards["parquet"])}[data]
-    cfg = SimpleNamespace(decode="auto", data_dir=folder, augment="standard", image_size=None, cache_dir=None,
-                          val_fraction=None)
+    cfg = SimpleNamespace(decode="auto", data_dir=folder, augment="standard", image_size=None, cache_dir=str(tmp_path),
+                          val_fraction=None, image_column=None, label_column=None)
     assert choose_decode(cfg, None) == ("stream" if why else "cache")
     out = capsys.readouterr().out
-    assert out == (f"streaming the shards, each batch decoded in the loader's workers (--decode auto: {why})\n" if why
-                   else "")
+    if why:
+        assert out == f"streaming the shards, each batch decoded in the loader's workers (--decode auto: {why})\n"
+    else:  # 240 images x 3 x 96 x 96 bytes
+        assert out.startswith(f"decoding the images once into the cache (--decode auto: the decoded images take "
+                              f"{240 * 3 * 96 * 96 / 2**20:,.1f} MiB at 96 x 96 px, {tmp_path} has ")
+
+
+def test_decode_auto_weighs_the_images_own_size_when_no_image_size_is_given(stream_shards, capsys, tmp_path):
+    """--decode auto with no --image-size, on 240 parquet images whose first is 96 x 96 (6.3 MiB decoded) and a 1 MiB
+    cache filesystem: the workers path, and the line says the size it weighed."""
+    with small_tmpfs(tmp_path / "cache", "1m") as disk:
+        cfg = SimpleNamespace(decode="auto", data_dir=str(stream_shards["parquet"]), augment="standard",
+                              image_size=None, cache_dir=str(disk), val_fraction=None, image_column=None,
+                              label_column=None)
+        assert choose_decode(cfg, None) == "workers"
+        assert capsys.readouterr().out == (
+            f"decoding each batch in the loader's workers (--decode auto: the decoded images take 6.3 MiB at 96 x 96 "
+            f"px, {disk} has 1.0 free)\n")
+
+
+def test_class_sorted_shards_give_micro_batches_of_nearly_every_class():
+    """10 shards of 1,000 rows, each one class (shards written class by class), planned for 2 processes x 1 worker x
+    micro-batch 64 with the default window (4096) and block (64): over 3 epochs a micro-batch holds at least 9.2 of
+    the 10 classes on average, where a uniform shuffle gives 9.99 (computed independently here, by drawing). Blocks
+    as large as a shard (the shards' order shuffled, not their rows) give about 4; the warning then names it."""
+    labels = np.repeat(np.arange(10), 1000)
+    rng = np.random.default_rng(0)
+    drawn = np.mean([len(set(rng.choice(labels, 64, replace=False))) for _ in range(2000)])
+    assert drawn > 9.9
+    for epoch in range(3):
+        plan = stream_plan(np.full(10, 1000), 9984, (2, 1, 64), 4096, 64, key_stream(4, epoch, 0))
+        per_batch = [len(set(b)) for b in labels[plan.order].reshape(-1, 64)]
+        assert np.mean(per_batch) >= 9.2 and min(per_batch) >= 6
+        planned, uniform = class_mix(plan.order, labels, 64)
+        assert planned == pytest.approx(np.mean(per_batch)) and uniform == pytest.approx(drawn, abs=0.05)
+    whole = stream_plan(np.full(10, 1000), 9984, (2, 1, 64), 4096, 1000, key_stream(4, 0, 0))
+    assert np.mean([len(set(b)) for b in labels[whole.order].reshape(-1, 64)]) < 4.5
+
+
+def test_a_poorly_mixed_plan_is_said_in_one_line_with_what_to_do(capsys):
+    """The start's warning: on class-sorted shards, blocks of 1,000 rows in windows of 4,096 put about 4 classes in a
+    micro-batch of 64 (one line, with the uniform figure and the flags to change); blocks of 64: no line."""
+    labels = np.repeat(np.arange(10), 1000)
+    for block in (1000, 64):
+        plan = stream_plan(np.full(10, 1000), 9984, (2, 1, 64), 4096, block, key_stream(4, 0, 0))
+        warn_if_poorly_mixed(plan, labels, 64, 4096, block)
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 1 and out[0].startswith("warning: the stream's shuffle puts 4.1 classes in a micro-batch of 64 "
+                                               "on average, where a uniform shuffle puts 10.0: ")
+    assert "Raise --shuffle-buffer, lower --shuffle-block, or write the shards with their rows shuffled." in out[0]

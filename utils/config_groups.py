@@ -55,7 +55,11 @@ class DataConfig(Group):
     data_workers: int | None = opt(None, "--decode workers / stream: loader worker processes per process; unset: "
                                    "this process's share of the cores")
     shuffle_buffer: int = opt(4096, "--decode stream: each reader shuffles its rows within windows of this many "
-                              "images (it holds at most two windows' encoded images)")
+                              "images (it holds at most three windows' encoded images)")
+    shuffle_block: int = opt(64, "--decode stream: the shards are cut into blocks of this many rows, shuffled across "
+                             "all shards each epoch (one read each); a window mixes about buffer / block of them")
+    read_ahead: int = opt(4, "--decode stream: reads in flight per loader worker, the next window read while this "
+                          "one is decoded; 0: each read when asked")
     augment: str = opt("standard", "standard: random crop (zero padding of S/8 px) + horizontal flip, on the device; "
                        "resized-crop: the natural-image recipe, a random-resized crop to S x S + flip in training, "
                        "resize to S / --eval-crop + centre crop in evaluation; none",
@@ -77,8 +81,8 @@ class DataConfig(Group):
 
     def validate(self) -> None:
         check_ranges(self, positive=["train_subset", "eval_subset", "mix_prob", "decode_workers", "data_workers",
-                                     "shuffle_buffer"],
-                     non_negative=["mixup", "cutmix"])
+                                     "shuffle_buffer", "shuffle_block"],
+                     non_negative=["mixup", "cutmix", "read_ahead"])
         if self.mix_prob > 1:
             raise UserError(f"--mix-prob is a share of the images, at most 1 (got {self.mix_prob:g}).")
         if (self.mixup or self.cutmix) and self.augment == "none":

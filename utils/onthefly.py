@@ -26,7 +26,7 @@ from utils.crops import CropRecipe, eval_view, resized_crop_draws, train_view
 from utils.decode import default_cache_dir, load_source, square_pixels
 from utils.launch import main_print
 from utils.sources import Rows, fingerprint, first_size, locate, open_image, row_pixels, split_rows
-from utils.stream import holds_tar_shards_only, open_stream
+from utils.stream import StreamSettings, holds_tar_shards_only, open_stream
 
 STATS_IMAGES = 512  # training images the per-channel mean and std are estimated from (the first, decoded at S)
 
@@ -92,17 +92,17 @@ def _open(rows: Rows, source, i: int):
 
 def load_encoded(data_dir: str | None, dataset: str | None = None, image_size: int | None = None,
                  columns: tuple[str | None, str | None] = (None, None), val_fraction: float | None = None,
-                 recipe: CropRecipe | None = None, workers: int | None = None, stream_window: int | None = None
+                 recipe: CropRecipe | None = None, workers: int | None = None, stream: StreamSettings | None = None
                  ) -> dict:
     """The built-in sources (as utils.decode.load_source gives them), with EncodedImages in place of the image
     tensors: nothing is decoded but the first STATS_IMAGES training images, for the per-channel mean and std.
     image_size: S; None: the first training image's size. recipe: the crop recipe (--augment resized-crop), or None.
     workers: the DataLoader's decoding worker processes (per process); None: this process's share of the cores.
-    stream_window: read the shards of data_dir (a folder or a URL; --dataset: the Hub's) as a stream
-    (utils/stream.py) with this shuffle window, instead of through datasets' table. Every process reads the
-    source's index (no cache file is written)."""
-    if stream_window:
-        rows, classes, description = open_stream(data_dir or f"hf://datasets/{dataset}", columns, stream_window)
+    stream: read the shards of data_dir (a folder or a URL; --dataset: the Hub's) as a stream (utils/stream.py) with
+    these settings, instead of through datasets' table (whose index every process reads; no cache file is
+    written)."""
+    if stream:
+        rows, classes, description = open_stream(data_dir or f"hf://datasets/{dataset}", columns, stream)
     else:
         source = locate(data_dir, dataset, val_fraction)
         rows, classes = split_rows(source, columns, encoded=True)
@@ -131,16 +131,22 @@ def load_builtin(cfg) -> dict:
         return load_source(cfg.data_dir, dataset, cfg.image_size, columns, cfg.val_fraction, cfg.cache_dir,
                            cfg.decode_workers)
     recipe = CropRecipe(cfg.crop_scale, cfg.crop_ratio, cfg.eval_crop) if cfg.augment == "resized-crop" else None
+    stream = None
+    if decode == "stream":
+        local = cfg.data_dir if cfg.data_dir and not is_url(cfg.data_dir) else None
+        stream = StreamSettings(cfg.shuffle_buffer, cfg.shuffle_block, cfg.read_ahead,
+                                Path(cfg.cache_dir or default_cache_dir(local)) / "stream-index")
     return load_encoded(cfg.data_dir, dataset, cfg.image_size, columns, cfg.val_fraction, recipe, cfg.data_workers,
-                        stream_window=cfg.shuffle_buffer if decode == "stream" else None)
+                        stream=stream)
 
 
 def choose_decode(cfg, dataset: str | None) -> str:
-    """The path --decode takes, said on the main process: 'cache', 'workers' or 'stream'. auto: stream for a --data-dir
-    URL or a folder of tar shards; workers for --augment resized-crop (its crops need whole images), or when the
-    decoded images (N x 3 x S x S bytes) would not fit in the cache folder's free space; else the cache (said when it
-    was weighed). cfg: the data group of a script's Config (contradicting flags are refused when they are parsed)."""
-    if cfg.decode in ("workers", "stream"):
+    """The path --decode takes, said on the main process with why: 'cache', 'workers' or 'stream'. auto: stream for a
+    --data-dir URL or a folder of tar shards; workers for --augment resized-crop (its crops need whole images), or when
+    the decoded images (N x 3 x S x S bytes; S: --image-size, else the first training image's own size) would not
+    fit in the cache folder's free space; else the cache. cfg: the data group of a script's Config (contradicting
+    flags are refused when they are parsed)."""
+    if cfg.decode != "auto":
         choice, why = cfg.decode, f"--decode {cfg.decode}"
     elif is_url(cfg.data_dir):
         choice, why = "stream", "--decode auto: --data-dir is a URL"
@@ -148,16 +154,16 @@ def choose_decode(cfg, dataset: str | None) -> str:
         choice, why = "stream", "--decode auto: --data-dir holds tar shards"
     elif cfg.augment == "resized-crop":
         choice, why = "workers", "--decode auto: --augment resized-crop crops whole images"
-    elif cfg.decode == "cache" or cfg.image_size is None:  # the images' own size is unknown until decoded
-        return "cache"
     else:
         folder = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir(cfg.data_dir)
         while not folder.exists():
             folder = folder.parent
-        need = locate(cfg.data_dir, dataset, cfg.val_fraction).count() * 3 * cfg.image_size ** 2
-        free = shutil.disk_usage(folder).free
+        source = locate(cfg.data_dir, dataset, cfg.val_fraction)
+        side = cfg.image_size or first_size(split_rows(source, (cfg.image_column, cfg.label_column), True)[0])[0]
+        need, free = source.count() * 3 * side ** 2, shutil.disk_usage(folder).free
         choice = "workers" if need > free else "cache"
-        why = f"--decode auto: the decoded images take {need / 2**20:,.1f} MiB, {folder} has {free / 2**20:,.1f} free"
+        why = (f"--decode auto: the decoded images take {need / 2**20:,.1f} MiB at {side} x {side} px, {folder} has "
+               f"{free / 2**20:,.1f} free")
     main_print({"workers": f"decoding each batch in the loader's workers ({why})",
                 "stream": f"streaming the shards, each batch decoded in the loader's workers ({why})",
                 "cache": f"decoding the images once into the cache ({why})"}[choice])

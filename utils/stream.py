@@ -3,53 +3,92 @@ at an fsspec URL (hf://datasets/..., s3://...; the same code reads both), with n
 the disk. The images are decoded by batch in the loader's workers as on the on-the-fly path (utils/onthefly.py),
 whose DecodingDataset reads them through `StreamRows` here instead of a memory-mapped table.
 
-What is read where, each epoch (`stream_plan`, a function of the shards' row counts, the seed, the epoch and the
-layout: processes x loader workers x micro-batch):
-  1. the shards in an order drawn from (seed, epoch), their rows one after the other: the epoch's stream;
+What is read where, each epoch (`stream_plan`, a function of the shards' row counts, the seed, the epoch, the
+layout (processes x loader workers x micro-batch), the window and the block):
+  1. every shard cut into blocks of --shuffle-block rows (a shard's last block may be shorter), and the blocks of all
+     shards laid end to end in an order drawn from (seed, epoch): the epoch's stream. Rows that sit together in a
+     shard (a class, when shards were written class by class) end up spread over the whole stream, whatever the
+     shards' order or content;
   2. the stream cut to whole global batches (the N mod B rows at its end sit out this epoch, as N mod B images do
-     under utils.batches.EpochSampler; the next epoch's shard order leaves out others) and split into one
-     contiguous range per reader (a process's loader worker), so each row is read by exactly one reader and each
-     shard by one reader, or by two where a range ends inside it (each then reads its own rows of it);
-  3. each reader's range shuffled within windows of --shuffle-buffer rows (the bounded shuffle buffer: a reader
-     holds at most two windows of encoded images), keyed by (seed, epoch, row);
+     under utils.batches.EpochSampler; the next epoch's order leaves out others) and split into one contiguous range
+     per reader (a process's loader worker), so each row is read by exactly one reader;
+  3. each reader's range shuffled within windows of --shuffle-buffer rows, keyed by (seed, epoch, row): a window
+     mixes the rows of about window / block blocks, drawn from the whole dataset;
   4. the sampler's order (`StreamSampler`) lists each reader's batches where Accelerate's sharding (micro-batch k
      to process k mod P) and the DataLoader (a process's j-th batch to worker j mod W) will hand them to it.
-The position in the stream is the epoch's batch count, which checkpoints hold already; the sampler adds the layout
-its epoch was planned with (stream.json), so a resume on another process count, micro-batch or worker count
-finishes that epoch in its planned order (each image once; only reads cross readers' ranges) and plans the next in
-the new layout.
+The start says so when the plan's micro-batches still hold few classes (`class_mix`, against a uniform shuffle).
+
+Reading cost. A reader asks for a window's rows as one request per run of consecutive rows of a tar (a block, or
+the part of one in the window: one byte range) and one per parquet row group (read whole: a row group larger than
+the block is read once for each window that holds one of its blocks). With --read-ahead R, up to R requests are in
+flight on the reader's threads, and the next window of its range is asked for as soon as it starts on one. Memory:
+a reader holds at most three windows of encoded images (the one it decodes, the one before and the next), plus a
+row group per parquet request in flight. A transient error (a 5xx, a timeout, a reset connection) is retried
+ATTEMPTS times with backoff, then stops the run with one line naming the shard.
+
+The index (a parquet shard's footer and label column; a tar's headers and .cls members, which means reading it
+through) is read once per job, shard i by process i mod P, and kept in the cache folder keyed by the file's URL,
+size and version (ETag, Last-Modified or mtime, as its filesystem reports): a second start reads none of it again.
+
+The position in the stream is the epoch's batch count, which checkpoints hold already; the sampler adds the layout,
+window and block its epoch was planned with (stream.json), so a resume on another process count, micro-batch or
+worker count finishes that epoch in its planned order (each image once; only reads cross readers' ranges) and plans
+the next in the new layout.
 Evaluation reads the test shards in order, split the same way, and counts every image once (Accelerate pads an
 uneven last round with the first images, read a second time; gather_for_metrics drops them).
 
 Written by hand, on pyarrow and fsspec (what datasets reads parquet and URLs with): datasets' IterableDataset
 splits shards between processes only when their count divides the readers' (else every process reads every shard
-and keeps 1/P of the rows, split_dataset_by_node), and its resume state drops the shuffle buffer; exact global
-batches and an exact resume need each row's place in the plan.
+and keeps 1/P of the rows, split_dataset_by_node), shuffles only the shards' order and a buffer of rows (sorted
+shards stay sorted), and its resume state drops the shuffle buffer; exact global batches and an exact resume need
+each row's place in the plan.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import hashlib
 import json
+import math
 import os
 import re
 import tarfile
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+import aiohttp
 import fsspec
 import numpy as np
 import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
+from fsspec.exceptions import FSTimeoutError
 
 from utils import UserError, first_line
 from utils.batches import key_stream, splitmix64
-from utils.launch import raise_if_any
+from utils.launch import main_print, raise_if_any
 from utils.sources import IMAGE_COLUMNS, LABEL_COLUMNS, shared_classes
 
 SHARD_SUFFIXES = (".parquet", ".tar")
-STATE_FILE = "stream.json"  # in each checkpoint: the epoch in progress and the layout it was planned in
+STATE_FILE = "stream.json"  # in each checkpoint: the epoch in progress and the layout, window and block of its plan
 IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "bmp", "gif", "tif", "tiff", "webp")  # a webdataset sample's image
+ATTEMPTS, BACKOFF_S = 6, 0.25  # a transient read error is tried again after 0.25, 0.5, 1, 2 and 4 s, then stops
+VERSION_FIELDS = ("ETag", "etag", "Content-MD5", "Digest", "Last-Modified", "LastModified", "mtime", "md5Hash",
+                  "blob_id", "generation")  # what fsspec's filesystems report of a file's version (info())
+POOR_MIX = 0.8  # the start warns when micro-batches hold fewer than this share of a uniform shuffle's classes
+
+
+@dataclass(frozen=True)
+class StreamSettings:
+    """How a stream is read: --shuffle-buffer (window), --shuffle-block (block), --read-ahead (requests in flight
+    per reader; 0: each read when asked) and the folder the shards' indices are kept in (None: not kept)."""
+    window: int = 4096
+    block: int = 64
+    read_ahead: int = 4
+    index_cache: Path | None = None
 
 
 @dataclass
@@ -69,17 +108,44 @@ class Shard:
         return len(self.labels)
 
 
+def transient(e: BaseException) -> bool:
+    """Whether a failed read may pass when tried again: a server's 5xx, 408 or 429, a timeout, a connection refused
+    or reset, a body cut short."""
+    if isinstance(e, aiohttp.ClientResponseError):
+        return e.status >= 500 or e.status in (408, 429)
+    return isinstance(e, (ConnectionError, TimeoutError, asyncio.TimeoutError, FSTimeoutError,
+                          aiohttp.ClientConnectionError, aiohttp.ClientPayloadError))
+
+
+def retried(call, failed: str, forget=None):
+    """call(), tried again after a transient error, ATTEMPTS times in all with a doubling wait (forget() first: drop
+    what the failed try left open); another error, or the last, raises one line: `failed`, then why. Written by
+    hand: fsspec's HTTP filesystem does not retry, and a run should not stop on one 503 among millions of reads."""
+    for attempt in range(ATTEMPTS):
+        try:
+            return call()
+        except UserError:
+            raise
+        except Exception as e:
+            if not transient(e) or attempt == ATTEMPTS - 1:
+                tries = f", {ATTEMPTS} tries" if transient(e) else ""
+                raise UserError(f"{failed} ({first_line(e)}{tries}).") from None
+            if forget:
+                forget()
+            time.sleep(BACKOFF_S * 2 ** attempt)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Finding and indexing the shards (footers and label columns; a tar's headers and .cls members)
 # ----------------------------------------------------------------------------------------------------
 def find_shards(data_dir: str) -> dict[str, list[str]]:
     """{split: its shards' URLs, sorted}: files named <split>-*.parquet / *-<split>-*.tar (any depth) for train and
     the first of test or validation that has any."""
-    try:
+    def listing():
         fs, root = fsspec.core.url_to_fs(data_dir)
-        files = [f for f in fs.find(root) if f.endswith(SHARD_SUFFIXES)]
-    except Exception as e:
-        raise UserError(f"cannot list --data-dir {data_dir} ({first_line(e)}).") from None
+        return fs, [f for f in fs.find(root) if f.endswith(SHARD_SUFFIXES)]
+
+    fs, files = retried(listing, f"cannot list --data-dir {data_dir}")
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     found = {}
     for split in ("train", "test", "validation"):
@@ -106,27 +172,68 @@ def _open(url: str):
     return fsspec.open(url, "rb").open()
 
 
-def index_shard(url: str, columns: tuple[str | None, str | None]) -> Shard:
-    """A shard's index, or one line naming it if it cannot be read."""
+def index_shard(url: str, columns: tuple[str | None, str | None], cache: Path | None = None) -> Shard:
+    """A shard's index, from `cache` when it holds one for this version of the file (its URL, size and version as
+    its filesystem reports them; a file reporting no version is read each time), else read and kept there. One
+    line naming the shard if it cannot be read (after retries, for a transient error)."""
+    failed = f"{url} is not a readable {'parquet' if url.endswith('.parquet') else 'tar'} shard"
+    kept = None
+    if cache is not None:
+        fs, path = fsspec.core.url_to_fs(url)
+        info = retried(lambda: fs.info(path), failed)
+        version = {k: str(info[k]) for k in VERSION_FIELDS if info.get(k)}
+        if version:
+            key = json.dumps([url, list(columns), info.get("size"), version], sort_keys=True)
+            kept = cache / f"index-{hashlib.sha256(key.encode()).hexdigest()[:32]}.npz"
+            shard = _load_index(kept, url)
+            if shard is not None:
+                return shard
+    shard = retried(lambda: _read_index(url, columns), failed)
+    if kept is not None:
+        _keep_index(shard, kept)
+    return shard
+
+
+def _read_index(url: str, columns) -> Shard:
+    with _open(url) as f:
+        return _index_parquet(url, f, columns) if url.endswith(".parquet") else _index_tar(url, f)
+
+
+def _keep_index(shard: Shard, path: Path) -> None:
+    """The index as an .npz of plain arrays (no pickle), written atomically; a cache folder that cannot be written
+    only means the next start reads the shard again."""
+    meta = json.dumps({"names": shard.names, "column": shard.column})
+    arrays = {k: v for k, v in (("groups", shard.groups), ("members", shard.members)) if v is not None}
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
-        with _open(url) as f:
-            return _index_parquet(url, f, columns) if url.endswith(".parquet") else _index_tar(url, f)
-    except UserError:
-        raise
-    except Exception as e:
-        kind = "parquet" if url.endswith(".parquet") else "tar"
-        raise UserError(f"{url} is not a readable {kind} shard ({first_line(e)}).") from None
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            np.savez(f, labels=shard.labels, meta=np.array(meta), **arrays)
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
 
 
-def index_shards(urls: list[str], columns: tuple[str | None, str | None]) -> list[Shard]:
-    """Every shard's index, each shard read by one process (shard i by process i mod P) and the indices shared
-    through one all_gather: the index pass reads a shard once per job, not once per process. A shard that cannot be
-    read stops every process with its line."""
+def _load_index(path: Path, url: str) -> Shard | None:
+    """A kept index, or None when there is none or it cannot be read (it is then read from the shard again)."""
+    try:
+        with np.load(path, allow_pickle=False) as kept:
+            meta = json.loads(str(kept["meta"]))
+            return Shard(url, kept["labels"], tuple(meta["names"]) if meta["names"] else None, meta["column"],
+                         kept["groups"] if "groups" in kept else None, kept["members"] if "members" in kept else None)
+    except Exception:  # missing, cut short or not ours: read the shard
+        return None
+
+
+def index_shards(urls: list[str], columns: tuple[str | None, str | None], cache: Path | None = None) -> list[Shard]:
+    """Every shard's index, each shard indexed by one process (shard i by process i mod P, from the cache or read)
+    and the indices shared through one all_gather: the index pass reads a shard at most once per job, not once per
+    process. A shard that cannot be read stops every process with its line."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     mine, error = {}, None
     try:
         for i in range(rank, len(urls), world):
-            mine[i] = index_shard(urls[i], columns)
+            mine[i] = index_shard(urls[i], columns, cache)
     except UserError as e:
         error = str(e)
     raise_if_any(error, long_wait=True)  # also the barrier after the slowest process's shards
@@ -206,125 +313,33 @@ def check_same_classes(shards: list[Shard]) -> None:
 # ----------------------------------------------------------------------------------------------------
 # A split's shards as rows; the plan of an epoch
 # ----------------------------------------------------------------------------------------------------
-class StreamRows:
-    """A split's shards where utils.sources.Rows has a table: `labels` (every row's, in shard order), `names`,
-    `split`, `fetch(rows)` (their encoded images) and `where(row)`. Rows are numbered through the shards in their
-    sorted order; `counts` keeps a prefix of each (--train-subset, --eval-subset). `fetch` reads by window of the
-    current plan (`use_plan`): the window holding an asked-for row is read whole, in stream order, and kept
-    until two newer windows replace it."""
-
-    def __init__(self, shards: list[Shard], split: str, window: int, counts: np.ndarray | None = None):
-        self.shards, self.split, self.window = shards, split, window
-        self.counts = np.array([s.rows for s in shards] if counts is None else counts, dtype=np.int64)
-        self.starts = np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
-        self.labels = torch.from_numpy(np.concatenate([s.labels[:c] for s, c in zip(shards, self.counts)]))
-        self.names, self.numbers = shards[0].names, torch.arange(len(self.labels))
-        self.files, self.pid = {}, None  # open shards, per process (a forked worker opens its own)
-        identity = np.arange(len(self), dtype=np.int64)
-        self.use_plan(identity, np.append(identity[::window], len(self)))
-
-    def __len__(self) -> int:
-        return int(self.starts[-1])
-
-    def take(self, order: torch.Tensor) -> StreamRows:
-        """The first len(order) rows (a stream reads in order: only prefixes are taken)."""
-        n = len(order)
-        if not torch.equal(order, torch.arange(n)):
-            raise ValueError("a stream's rows are taken as a prefix only")
-        return StreamRows(self.shards, self.split, self.window, np.clip(n - self.starts[:-1], 0, self.counts))
-
-    def where(self, row: int) -> str:
-        k = int(np.searchsorted(self.starts, row, "right") - 1)
-        return f"{self.shards[k].url} row {row - self.starts[k]}"
-
-    def use_plan(self, stream: np.ndarray, cuts: np.ndarray) -> None:
-        """The reading order (`stream`: rows, shard by shard) and its windows (`cuts`: their first positions in it,
-        then its end)."""
-        self.stream, self.cuts = stream, cuts
-        self.position = np.full(len(self), -1, dtype=np.int64)
-        self.position[stream] = np.arange(len(stream))
-        self.held = {}  # window -> {row: encoded image}
-
-    def fetch(self, rows) -> list[bytes]:
-        out = []
-        for row in np.asarray(rows, dtype=np.int64):
-            w = int(np.searchsorted(self.cuts, self.position[row], "right") - 1)
-            if w not in self.held:
-                if len(self.held) == 2:
-                    del self.held[min(self.held)]
-                span = self.stream[self.cuts[w]:self.cuts[w + 1]]
-                self.held[w] = dict(zip(span.tolist(), self.read(span)))
-            out.append(self.held[w][int(row)])
-        return out
-
-    def read(self, rows: np.ndarray) -> list[bytes]:
-        """The encoded images of `rows` (a window: runs of consecutive rows of one shard)."""
-        if self.pid != os.getpid():
-            self.files, self.pid = {}, os.getpid()
-        shard = np.searchsorted(self.starts, rows, "right") - 1
-        breaks = np.flatnonzero((np.diff(rows) != 1) | (np.diff(shard) != 0)) + 1
-        out = []
-        for start, run in zip([0, *breaks], np.split(rows, breaks)):  # runs of consecutive rows of one shard
-            k = int(shard[start])
-            first = int(run[0] - self.starts[k])
-            out += self._read_shard(k, first, first + len(run))
-        return out
-
-    def _read_shard(self, k: int, first: int, last: int) -> list[bytes]:
-        shard = self.shards[k]
-        try:
-            if k not in self.files:
-                for old in list(self.files)[:-1]:  # at most two shards open
-                    self.files.pop(old)[0].close()
-                f = _open(shard.url)
-                if shard.groups is not None:
-                    self.files[k] = (f, pq.ParquetFile(f), {})
-                else:
-                    self.files[k] = (f, None, None)
-            f, pf, groups = self.files[k]
-            if pf is None:
-                out = []
-                for offset, size in shard.members[first:last]:
-                    f.seek(int(offset))
-                    out.append(f.read(int(size)))
-                return out
-            out = []
-            for g in range(int(np.searchsorted(shard.groups, first, "right") - 1), len(shard.groups) - 1):
-                lo = int(shard.groups[g])
-                if lo >= last:
-                    break
-                if g not in groups:
-                    groups.clear()  # one row group at a time
-                    groups[g] = pf.read_row_group(g, columns=[shard.column]).column(0).combine_chunks()
-                cells = groups[g].slice(max(first - lo, 0), min(last, int(shard.groups[g + 1])) - max(first, lo))
-                out += cells.field("bytes").to_pylist()
-            if None in out:  # a row that names a file instead of holding its bytes
-                raise UserError(f"{shard.url} row {first + out.index(None)} holds no image bytes (only a path); a "
-                                f"streamed shard must hold its images.")
-            return out
-        except UserError:
-            raise
-        except Exception as e:
-            raise UserError(f"cannot read the {self.split} shard {shard.url} ({first_line(e)}).") from None
-
-    def __getstate__(self):  # workers open their own files
-        return {**self.__dict__, "files": {}, "pid": None}
-
-    def sampler(self, dataset, train: bool, seed: int, step_images: int, micro: int, processes: int):
-        return StreamSampler(dataset, self, train, seed, step_images, (processes, dataset.images.workers, micro))
+@dataclass
+class Plan:
+    """One epoch's reading (`stream_plan`): `order`, the sampler's order (rows); `stream`, the rows in the order
+    readers read them; `cuts`, each window's first position in the stream, then its end; `ranges`, each reader's
+    first position, then the end."""
+    order: np.ndarray
+    stream: np.ndarray
+    cuts: np.ndarray
+    ranges: np.ndarray
 
 
-def stream_plan(counts: np.ndarray, keep: int, layout: tuple[int, int, int], window: int,
-                key: np.ndarray | None = None, shard_key: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
-    """One epoch's reading: (the sampler's order, as rows; the stream, as rows; its window cuts). `counts`: each
-    shard's rows; the first `keep` rows of the stream are read. layout: (processes P, workers W per process,
-    micro-batch b). `shard_key` shuffles the shards' order and `key` each window's rows (training); None: in order
-    (evaluation, whose last micro-batch may be short)."""
+def stream_plan(counts: np.ndarray, keep: int, layout: tuple[int, int, int], window: int, block: int = 1,
+                key: np.ndarray | None = None) -> Plan:
+    """One epoch's reading. `counts`: each shard's rows; the first `keep` rows of the stream are read. layout:
+    (processes P, workers W per process, micro-batch b). Training (`key` given, the epoch's): the shards' blocks of
+    `block` rows in an order drawn from splitmix64(key), each window's rows in an order drawn from (key, row).
+    Evaluation (key None): every row in order; its last micro-batch may be short."""
     processes, workers, micro = layout
     starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    shards = np.arange(len(counts)) if shard_key is None else np.argsort(
-        splitmix64(np.arange(len(counts), dtype=np.uint64) ^ shard_key), kind="stable")
-    stream = np.concatenate([np.arange(starts[k], starts[k + 1]) for k in shards]).astype(np.int64)[:keep]
+    if key is None:
+        stream = np.arange(keep, dtype=np.int64)
+    else:
+        firsts = np.concatenate([np.arange(a, b, block) for a, b in zip(starts[:-1], starts[1:])]).astype(np.int64)
+        ends = np.minimum(firsts + block, starts[np.searchsorted(starts, firsts, "right")])
+        drawn = np.argsort(splitmix64(np.arange(len(firsts), dtype=np.uint64) ^ splitmix64(key)), kind="stable")
+        lengths = (ends - firsts)[drawn]
+        stream = (np.repeat(firsts[drawn] - np.cumsum(lengths) + lengths, lengths) + np.arange(lengths.sum()))[:keep]
     # micro-batch k goes to process p = k mod P, whose j-th (j = k div P) goes to its worker w = j mod W: reader p W + w
     batches = -(-keep // micro)
     sizes = np.full(batches, micro, dtype=np.int64)
@@ -335,6 +350,7 @@ def stream_plan(counts: np.ndarray, keep: int, layout: tuple[int, int, int], win
     start = np.empty(batches, dtype=np.int64)
     start[grouped] = np.cumsum(sizes[grouped]) - sizes[grouped]
     ranges = np.concatenate([[0], np.cumsum(np.bincount(reader, weights=sizes, minlength=processes * workers))])
+    ranges = ranges.astype(np.int64)
     cuts = np.unique(np.concatenate([np.arange(a, b, window) for a, b in zip(ranges[:-1], ranges[1:])] +
                                     [[keep]]).astype(np.int64))
     emitted = np.arange(keep)
@@ -342,46 +358,225 @@ def stream_plan(counts: np.ndarray, keep: int, layout: tuple[int, int, int], win
         win = np.searchsorted(cuts, emitted, "right") - 1
         emitted = np.lexsort((splitmix64(stream.astype(np.uint64) ^ key), win))
     order = emitted[np.repeat(start - (np.cumsum(sizes) - sizes), sizes) + np.arange(keep)]
-    return stream[order], stream, cuts
+    return Plan(stream[order], stream, cuts, ranges)
+
+
+def class_mix(order: np.ndarray, labels: np.ndarray, micro: int) -> tuple[float, float]:
+    """(the mean number of classes in a micro-batch of `order`, the mean a uniform shuffle of the same rows gives:
+    the sum over classes c of 1 - C(N - n_c, b) / C(N, b), the chance that b rows drawn hold one of class c)."""
+    n = len(order) // micro * micro
+    batches = np.sort(labels[order[:n]].reshape(-1, micro), axis=1)
+    planned = float(((np.diff(batches, axis=1) != 0).sum(axis=1) + 1).mean())
+
+    def log_falling(a: int) -> float:  # log a! / (a - b)!
+        return math.lgamma(a + 1) - math.lgamma(a - micro + 1)
+
+    total = len(order)
+    uniform = sum(1 - (math.exp(log_falling(total - c) - log_falling(total)) if total - c >= micro else 0.0)
+                  for c in np.bincount(labels[order]) if c)
+    return planned, uniform
+
+
+def warn_if_poorly_mixed(plan: Plan, labels: np.ndarray, micro: int, window: int, block: int) -> None:
+    """One line (main process) when the plan's micro-batches hold fewer than POOR_MIX of the classes a uniform
+    shuffle would put in them, with what to do."""
+    planned, uniform = class_mix(plan.order, labels, micro)
+    if micro > 1 and planned < POOR_MIX * uniform:
+        main_print(f"warning: the stream's shuffle puts {planned:.1f} classes in a micro-batch of {micro} on average, "
+                   f"where a uniform shuffle puts {uniform:.1f}: each window of --shuffle-buffer {window} rows mixes "
+                   f"only about {max(1, window // block)} blocks of --shuffle-block {block} rows. Raise "
+                   f"--shuffle-buffer, lower --shuffle-block, or write the shards with their rows shuffled.")
+
+
+class _Window:
+    """A window's encoded images as its reads deliver them: pieces of (rows, a future of their images)."""
+
+    def __init__(self, pieces: list):
+        self.pieces, self.images = pieces, None
+
+    def get(self, row: int) -> bytes:
+        if self.images is None:
+            self.images = {}
+            for rows, read in self.pieces:
+                self.images.update(zip(rows.tolist(), read.result()))
+        return self.images[row]
+
+
+class _OpenFiles(threading.local):
+    """A reading thread's open parquet shards: {url: (file, ParquetFile)}, at most two."""
+
+    def __init__(self):
+        self.files = {}
+
+
+class StreamRows:
+    """A split's shards where utils.sources.Rows has a table: `labels` (every row's, in shard order), `names`,
+    `split`, `fetch(rows)` (their encoded images) and `where(row)`. Rows are numbered through the shards in their
+    sorted order; `counts` keeps a prefix of each (--train-subset, --eval-subset). `fetch` reads by window of the
+    current plan (`use_plan`): the window holding an asked-for row is asked for whole (and, reading ahead, the next
+    window of the same reader's range); a reader keeps the windows before and after the one it is in."""
+
+    def __init__(self, shards: list[Shard], split: str, settings: StreamSettings, counts: np.ndarray | None = None):
+        self.shards, self.split, self.settings = shards, split, settings
+        self.counts = np.array([s.rows for s in shards] if counts is None else counts, dtype=np.int64)
+        self.starts = np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
+        self.labels = torch.from_numpy(np.concatenate([s.labels[:c] for s, c in zip(shards, self.counts)]))
+        self.names, self.numbers = shards[0].names, torch.arange(len(self.labels))
+        self.pid = None  # the process its threads, open files and windows belong to (a forked worker has its own)
+        identity = np.arange(len(self), dtype=np.int64)
+        self.use_plan(Plan(identity, identity, np.append(identity[::settings.window], len(self)),
+                           np.array([0, len(self)], dtype=np.int64)))
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def take(self, order: torch.Tensor) -> StreamRows:
+        """The first len(order) rows (a stream reads in order: only prefixes are taken)."""
+        n = len(order)
+        if not torch.equal(order, torch.arange(n)):
+            raise ValueError("a stream's rows are taken as a prefix only")
+        return StreamRows(self.shards, self.split, self.settings, np.clip(n - self.starts[:-1], 0, self.counts))
+
+    def where(self, row: int) -> str:
+        k = int(np.searchsorted(self.starts, row, "right") - 1)
+        return f"{self.shards[k].url} row {row - self.starts[k]}"
+
+    def use_plan(self, plan: Plan) -> None:
+        """The epoch's reading order and its windows (the sampler's plan, before the loader's workers start)."""
+        self.plan, self.range_starts = plan, set(plan.ranges.tolist())
+        self.position = np.full(len(self), -1, dtype=np.int64)
+        self.position[plan.stream] = np.arange(len(plan.stream))
+        self.held, self.current = {}, None  # window -> _Window; the window the last row came from
+
+    def fetch(self, rows) -> list[bytes]:
+        if self.pid != os.getpid():
+            self.pid, self.open, self.pool, self.held, self.current = os.getpid(), _OpenFiles(), None, {}, None
+        out = []
+        for row in np.asarray(rows, dtype=np.int64):
+            w = int(np.searchsorted(self.plan.cuts, self.position[row], "right") - 1)
+            if w != self.current:
+                self._enter(w)
+            out.append(self.held[w].get(int(row)))
+        return out
+
+    def _enter(self, w: int) -> None:
+        """Window w becomes the current one: windows other than w - 1, w and w + 1 are dropped, w is asked for if it
+        is not held, and with read-ahead so is w + 1 when it belongs to the same reader's range."""
+        self.current = w
+        for old in [v for v in self.held if abs(v - w) > 1]:
+            del self.held[old]
+        if w not in self.held:
+            self.held[w] = self._ask(w)
+        nxt = w + 1
+        if (self.settings.read_ahead and nxt not in self.held and nxt + 1 < len(self.plan.cuts)
+                and int(self.plan.cuts[nxt]) not in self.range_starts):
+            self.held[nxt] = self._ask(nxt)
+
+    def _ask(self, w: int) -> _Window:
+        return self.read(self.plan.stream[self.plan.cuts[w]:self.plan.cuts[w + 1]])
+
+    def read(self, rows: np.ndarray) -> _Window:
+        """The encoded images of `rows` (a window), asked for in pieces of one request each: a run of consecutive rows
+        of a tar (one byte range), or the rows of one parquet row group; in flight on this reader's --read-ahead
+        threads, or read here when read-ahead is off."""
+        rows = np.sort(rows)
+        shard = np.searchsorted(self.starts, rows, "right") - 1
+        pieces = []
+        for k in np.unique(shard).tolist():
+            mine = rows[shard == k] - self.starts[k]
+            s = self.shards[k]
+            apart = (np.diff(np.searchsorted(s.groups, mine, "right")) != 0) if s.members is None else np.diff(mine) != 1
+            for part in np.split(mine, np.flatnonzero(apart) + 1):
+                pieces.append((part + self.starts[k], self._submit(k, part)))
+        return _Window(pieces)
+
+    def _submit(self, k: int, part: np.ndarray) -> concurrent.futures.Future:
+        if not self.settings.read_ahead:
+            done = concurrent.futures.Future()
+            done.set_result(self._read_piece(k, part))
+            return done
+        if self.pool is None:
+            self.pool = concurrent.futures.ThreadPoolExecutor(self.settings.read_ahead, "stream-read")
+        return self.pool.submit(self._read_piece, k, part)
+
+    def _read_piece(self, k: int, part: np.ndarray) -> list[bytes]:
+        shard = self.shards[k]
+        return retried(lambda: self._read_once(shard, part), f"cannot read the {self.split} shard {shard.url}",
+                       forget=lambda: self._close(shard.url))
+
+    def _read_once(self, shard: Shard, part: np.ndarray) -> list[bytes]:
+        if shard.members is not None:  # consecutive members: one byte range from the first image to the last
+            (first, _), (last, size) = shard.members[part[0]], shard.members[part[-1]]
+            fs, path = fsspec.core.url_to_fs(shard.url)
+            data = fs.cat_file(path, start=int(first), end=int(last + size))
+            return [data[o - first:o - first + n] for o, n in shard.members[part].tolist()]
+        files = self.open.files
+        if shard.url not in files:
+            for old in list(files)[:-1]:
+                self._close(old)
+            f = _open(shard.url)
+            files[shard.url] = (f, pq.ParquetFile(f))
+        g = int(np.searchsorted(shard.groups, part[0], "right") - 1)
+        cells = files[shard.url][1].read_row_group(g, columns=[shard.column]).column(0).combine_chunks()
+        out = cells.field("bytes").take(part - shard.groups[g]).to_pylist()
+        if None in out:  # a row that names a file instead of holding its bytes
+            raise UserError(f"{shard.url} row {part[out.index(None)]} holds no image bytes (only a path); a streamed "
+                            f"shard must hold its images.")
+        return out
+
+    def _close(self, url: str) -> None:
+        opened = self.open.files.pop(url, None)
+        if opened:
+            opened[0].close()
+
+    def __getstate__(self):  # a worker opens its own files and threads
+        return {**self.__dict__, "pid": None, "open": None, "pool": None, "held": {}, "current": None}
+
+    def sampler(self, dataset, train: bool, seed: int, step_images: int, micro: int, processes: int):
+        return StreamSampler(dataset, self, train, seed, step_images, (processes, dataset.images.workers, micro))
 
 
 class StreamSampler(torch.utils.data.Sampler):
     """The sampler of a streamed split: its order is `stream_plan`'s for (seed, epoch) in the layout, and it hands
     the plan to the rows before the loader's workers start (they are not persistent: each epoch's fork it). Training
-    reads whole global batches of `step_images`. Its state (checkpointed through Accelerate's registered objects)
-    is the epoch and the layout that epoch was planned in (`save_with`)."""
+    reads whole global batches of `step_images`. Its state (checkpointed through Accelerate's hooks, `save_with`)
+    is the epoch and the layout, window and block that epoch was planned with."""
 
     def __init__(self, dataset, rows: StreamRows, train: bool, seed: int, step_images: int,
                  layout: tuple[int, int, int]):
-        self.dataset, self.rows, self.train, self.seed, self.layout = dataset, rows, train, seed, layout
+        self.dataset, self.rows, self.train, self.seed = dataset, rows, train, seed
+        self.own = {"layout": layout, "window": rows.settings.window, "block": rows.settings.block}
         self.keep = len(rows) // step_images * step_images if train else len(rows)
-        self.epoch, self.planned, self.resumed = None, layout, None
+        self.epoch, self.planned, self.resumed = None, self.own, None
         self.set_epoch(0)
+        if train:
+            warn_if_poorly_mixed(self.plan, rows.labels.numpy(), layout[2], rows.settings.window, rows.settings.block)
 
     def set_epoch(self, epoch: int) -> None:
         self.dataset.epoch = epoch
         if epoch == self.epoch or (not self.train and self.epoch is not None):
             return
         self.epoch = epoch
-        self.planned = self.resumed[1] if self.resumed and self.resumed[0] == epoch else self.layout
-        shuffle = key_stream(self.seed, epoch, 0)  # the epoch's shuffle: its shards' order, hashed on: its windows'
-        keys = (splitmix64(shuffle), shuffle) if self.train else (None, None)
-        self.order, stream, cuts = stream_plan(self.rows.counts, self.keep, self.planned, self.rows.window, *keys)
-        self.rows.use_plan(stream, cuts)
+        self.planned = self.resumed[1] if self.resumed and self.resumed[0] == epoch else self.own
+        key = key_stream(self.seed, epoch, 0) if self.train else None  # the epoch's shuffle: blocks, then windows
+        self.plan = stream_plan(self.rows.counts, self.keep, self.planned["layout"], self.planned["window"],
+                                self.planned["block"], key)
+        self.rows.use_plan(self.plan)
 
     def __len__(self) -> int:
         return self.keep
 
     def __iter__(self):
-        return iter(self.order.tolist())
+        return iter(self.plan.order.tolist())
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "layout": list(self.planned)}
+        return {"epoch": self.epoch, **self.planned, "layout": list(self.planned["layout"])}
 
     def load_state_dict(self, state: dict) -> None:
-        self.resumed = state["epoch"], tuple(state["layout"])
+        self.resumed = state["epoch"], {"layout": tuple(state["layout"]), "window": state["window"],
+                                        "block": state["block"]}
         if state["epoch"] == self.epoch:
-            self.epoch = None  # planned again, in the saved layout
+            self.epoch = None  # planned again, as saved
             self.set_epoch(state["epoch"])
 
     def save_with(self, accelerator) -> None:
@@ -400,15 +595,15 @@ class StreamSampler(torch.utils.data.Sampler):
         accelerator.register_load_state_pre_hook(load)
 
 
-def open_stream(data_dir: str, columns: tuple[str | None, str | None], window: int):
+def open_stream(data_dir: str, columns: tuple[str | None, str | None], settings: StreamSettings):
     """({'train': StreamRows, 'test': StreamRows}, the class names, a description) of the shards in data_dir."""
     found = find_shards(data_dir)
     eval_split = [s for s in found if s != "train"][0]
-    shards = {s: index_shards(urls, columns) for s, urls in found.items()}
+    shards = {s: index_shards(urls, columns, settings.index_cache) for s, urls in found.items()}
     check_same_classes(shards["train"] + shards[eval_split])
-    rows = {"train": StreamRows(shards["train"], "train", window), "test": StreamRows(shards[eval_split],
-                                                                                      eval_split, window)}
+    rows = {"train": StreamRows(shards["train"], "train", settings),
+            "test": StreamRows(shards[eval_split], eval_split, settings)}
     classes = shared_classes(rows, eval_split)  # names, or 0..C-1 for integer labels; every label in range
     return rows, classes, {"source": data_dir, "kind": "shards", "shards": {s: len(u) for s, u in found.items()},
                            "images": {s: len(rows[r]) for s, r in zip(found, rows)}, "eval_split": eval_split,
-                           "decode": "stream"}
+                           "decode": "stream", "shuffle_block": settings.block}
