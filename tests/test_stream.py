@@ -36,10 +36,10 @@ ONE_PROCESS = ["--num_processes", "1", "--cpu", "--main_process_port", "0"]
 # 192 training images, global batch 32 -> 6 optimizer steps in the one epoch; a checkpoint at step 4 (mid-epoch);
 # resized crops and mixing as the natural-image recipe trains; the shards cut into blocks of 8 rows, each reader
 # shuffling within windows of 16 rows.
-JOB = ["--decode", "stream", "--shuffle-buffer", "16", "--shuffle-block", "8", "--model", "resnet8", "--image-size", "48", "--augment",
-       "resized-crop", "--mixup", "0.2", "--cutmix", "1.0", "--batch-size", "16", "--global-batch-size", "32",
-       "--epochs", "1", "--checkpoint-every-steps", "4", "--lr", "0.01", "--grad-clip", "0", "--no-channels-last",
-       "--deterministic", "--tracker", "none"]
+JOB = ["--decode", "stream", "--shuffle-buffer", "16", "--shuffle-block", "8", "--model", "resnet8", "--image-size",
+       "48", "--augment", "resized-crop", "--mixup", "0.2", "--cutmix", "1.0", "--batch-size", "16",
+       "--global-batch-size", "32", "--epochs", "1", "--checkpoint-every-steps", "4", "--lr", "0.01", "--grad-clip",
+       "0", "--no-channels-last", "--deterministic", "--tracker", "none"]
 N_TRAIN, N_TEST = 192, 48
 
 

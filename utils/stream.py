@@ -484,8 +484,8 @@ class StreamRows:
         pieces = []
         for k in np.unique(shard).tolist():
             mine = rows[shard == k] - self.starts[k]
-            s = self.shards[k]
-            apart = (np.diff(np.searchsorted(s.groups, mine, "right")) != 0) if s.members is None else np.diff(mine) != 1
+            s = self.shards[k]  # a tar's pieces: runs of consecutive rows; a parquet file's: its row groups
+            apart = np.diff(mine) != 1 if s.members is not None else np.diff(np.searchsorted(s.groups, mine, "right"))
             for part in np.split(mine, np.flatnonzero(apart) + 1):
                 pieces.append((part + self.starts[k], self._submit(k, part)))
         return _Window(pieces)
