@@ -221,6 +221,28 @@ def stream_shards(cifar_dir, tmp_path_factory) -> dict[str, Path]:
     return {"parquet": parquet, "tar": write_tar_shards(tmp_path_factory.mktemp("stream-tar"), parquet)}
 
 
+def write_cifar_tars(root: Path, cifar: Path, n_train: int, n_test: int, by_class: bool, shards: int = 10) -> Path:
+    """The first n_train training and n_test test images of the CIFAR-10 copy as webdataset tars (KEY.png, the
+    copy's own PNG bytes, and KEY.cls): `shards` training shards holding the rows sorted by class (by_class: each
+    shard about one class, as converting an image folder writes them) or in the copy's own (shuffled) order, and
+    two test shards."""
+    root.mkdir(parents=True, exist_ok=True)
+    for split, n, count in (("train", n_train, shards), ("test", n_test, 2)):
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(cifar / f"{split}-00000-of-00001.parquet").slice(0, n)
+        images, labels = table.column("img").to_pylist(), table.column("label").to_pylist()
+        order = np.argsort(labels, kind="stable") if by_class and split == "train" else np.arange(len(labels))
+        for k, part in enumerate(np.array_split(order, count)):
+            with tarfile.open(root / f"cifar-{split}-{k:05d}.tar", "w") as tar:
+                for row in part.tolist():
+                    for ext, blob in (("png", images[row]["bytes"]), ("cls", str(labels[row]).encode())):
+                        info = tarfile.TarInfo(f"{split}{row:05d}.{ext}")
+                        info.size = len(blob)
+                        tar.addfile(info, io.BytesIO(blob))
+    return root
+
+
 class RangeHandler(http.server.SimpleHTTPRequestHandler):
     """http.server's file handler, answering byte ranges (Range: bytes=A-B, A- or -N) as object stores do."""
 
@@ -246,6 +268,53 @@ class RangeHandler(http.server.SimpleHTTPRequestHandler):
 
     def log_message(self, *args):
         pass
+
+
+class FlakyRangeHandler(RangeHandler):
+    """RangeHandler that counts the bytes of the .tar files it sends and refuses requests as its server's `state`
+    says: with every = n, every n-th request is answered 503 (a request refused once is answered when it comes
+    again, so each read succeeds within a few tries); every request for a file named in `broken` is answered 503."""
+
+    state: dict
+
+    def send_head(self):
+        state, key = self.state, (self.command, self.path, self.headers.get("Range"))
+        with state["lock"]:
+            state["requests"] += 1
+            state["log"].append((self.command, Path(self.path).name))
+            refuse = Path(self.path).name in state["broken"] or (
+                state["every"] and state["requests"] % state["every"] == 0 and key not in state["refused"])
+            if refuse:
+                state["refused"].add(key)
+        if refuse:
+            self.send_error(503)
+            return None
+        return super().send_head()
+
+    def copyfile(self, source, outputfile):
+        data = source.read()
+        try:
+            outputfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):  # a client that stopped reading (fsspec's size probe)
+            return
+        if self.path.endswith(".tar"):
+            with self.state["lock"]:
+                self.state["tar_bytes"] += len(data)
+
+
+@contextlib.contextmanager
+def serving(folder: Path, every: int = 0, broken: tuple[str, ...] = ()):
+    """folder served over HTTP from this process by FlakyRangeHandler: (its URL, the server's state)."""
+    state = {"lock": threading.Lock(), "requests": 0, "tar_bytes": 0, "refused": set(), "every": every,
+             "broken": set(broken), "log": []}
+    handler = functools.partial(type("Handler", (FlakyRangeHandler,), {"state": state}), directory=str(folder))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/", state
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ from conftest import (
     REPO,
     run_train,
     script_env,
+    serving,
     small_tmpfs,
     write_cifar_dir,
     write_image_folder,
@@ -321,3 +322,15 @@ def test_a_corrupt_jpeg_in_a_streamed_shard_stops_with_one_line_naming_the_shard
             tar.addfile(m, io.BytesIO(blob))
     _fails_cleanly(tmp_path, ["--data-dir", str(data), *STREAM, "--data-workers", "1"],
                    f"the test split has an undecodable image at {victim} row 5 (")
+
+
+@pytest.mark.slow
+def test_a_shard_the_server_keeps_refusing_stops_with_one_line_naming_it_after_its_retries(tmp_path, stream_shards):
+    """Tar shards over HTTP whose server answers every request for one shard with 503: the run stops with one line
+    naming that shard, the server's answer and the 6 tries it was given (each try a HEAD, as fsspec opens a file)."""
+    data = _shards(tmp_path, stream_shards, "tar")
+    with serving(data, broken=("train-00002-of-00005.tar",)) as (url, state):
+        shard = f"{url}train-00002-of-00005.tar"
+        _fails_cleanly(tmp_path, ["--data-dir", url, *STREAM], f"{shard} is not a readable tar shard ("
+                       f"ClientResponseError: 503, message='Service Unavailable', url='{shard}', 6 tries).")
+        assert state["log"].count(("HEAD", "train-00002-of-00005.tar")) == 6

@@ -108,13 +108,19 @@ class Shard:
         return len(self.labels)
 
 
-def transient(e: BaseException) -> bool:
-    """Whether a failed read may pass when tried again: a server's 5xx, 408 or 429, a timeout, a connection refused
-    or reset, a body cut short."""
-    if isinstance(e, aiohttp.ClientResponseError):
-        return e.status >= 500 or e.status in (408, 429)
-    return isinstance(e, (ConnectionError, TimeoutError, asyncio.TimeoutError, FSTimeoutError,
-                          aiohttp.ClientConnectionError, aiohttp.ClientPayloadError))
+def transient(e: BaseException | None) -> BaseException | None:
+    """The error in e's chain that may pass when the read is tried again (a server's 5xx, 408 or 429, a timeout, a
+    connection refused or reset, a body cut short), or None. The chain: fsspec reports a failed HEAD and GET as
+    FileNotFoundError, caused by the server's answer."""
+    while e is not None:
+        if isinstance(e, aiohttp.ClientResponseError):
+            if e.status >= 500 or e.status in (408, 429):
+                return e
+        elif isinstance(e, (ConnectionError, TimeoutError, asyncio.TimeoutError, FSTimeoutError,
+                            aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def retried(call, failed: str, forget=None):
@@ -127,9 +133,10 @@ def retried(call, failed: str, forget=None):
         except UserError:
             raise
         except Exception as e:
-            if not transient(e) or attempt == ATTEMPTS - 1:
-                tries = f", {ATTEMPTS} tries" if transient(e) else ""
-                raise UserError(f"{failed} ({first_line(e)}{tries}).") from None
+            passing = transient(e)
+            if passing is None or attempt == ATTEMPTS - 1:
+                why = f"{first_line(passing)}, {ATTEMPTS} tries" if passing else first_line(e)
+                raise UserError(f"{failed} ({why}).") from None
             if forget:
                 forget()
             time.sleep(BACKOFF_S * 2 ** attempt)
