@@ -159,7 +159,7 @@ def load_data(cfg: Config) -> dict:
     for summary.json). Called on every process, with the same result. The built-in source: --data-dir (parquet or an
     image folder) or --dataset (the Hub), decoded once per machine into a cache that its other processes read, or
     (--decode workers, full-size images) kept encoded and decoded by batch in the loader's workers, or (--decode
-    stream) parquet or tar shards read shard by shard from a folder or a URL, decoded the same way."""
+    stream) parquet or tar shards read block by block from a folder or a URL, decoded the same way."""
     return load_builtin(cfg)  # --data-dir / --dataset by --decode (utils/onthefly.py)
 
 

@@ -31,6 +31,7 @@ from conftest import write_tar_shards, write_upscaled_cifar  # noqa: E402
 
 from utils.crops import CropRecipe  # noqa: E402
 from utils.onthefly import load_encoded  # noqa: E402
+from utils.stream import StreamSettings  # noqa: E402
 
 
 def rate(loader, images: int) -> float:
@@ -58,7 +59,8 @@ def main() -> None:
         data = load_encoded(str(folder), image_size=args.size, recipe=CropRecipe(), workers=1)
         ours_set = data["train"][0].dataset(data["train"][1], True, 0, True, 0, None)
         ours = torch.utils.data.DataLoader(ours_set, batch_size=128, collate_fn=lambda b: b)
-        streamed = load_encoded(str(shards), image_size=args.size, recipe=CropRecipe(), workers=1, stream_window=4096)
+        streamed = load_encoded(str(shards), image_size=args.size, recipe=CropRecipe(), workers=1,
+                                stream=StreamSettings())
         stream_set = streamed["train"][0].dataset(streamed["train"][1], True, 0, True, 0, None)
         order = streamed["train"][0].rows.sampler(stream_set, True, 0, 128, 128, 1)
         stream = torch.utils.data.DataLoader(stream_set, batch_size=128, sampler=order, collate_fn=lambda b: b)

@@ -161,12 +161,14 @@ def test_kill_9_mid_epoch_then_resume_reads_the_same_images_in_the_same_order(st
 @pytest.mark.slow
 def test_parquet_shards_tar_shards_and_tar_shards_over_http_train_the_same_weights(stream_shards, http_shards,
                                                                                    tmp_path):
-    """The same rows as parquet shards, as webdataset tars, and as those tars served over HTTP (byte ranges, through
-    fsspec: the path object storage takes), 1 process x 1 worker, one epoch: bitwise-equal trainable parameters and
-    evaluation loss. Every reader gives the same bytes in the same order."""
+    """The same rows as parquet shards (read without read-ahead), as webdataset tars, and as those tars served over
+    HTTP (byte ranges, through fsspec: the path object storage takes), 1 process x 1 worker, one epoch: bitwise-equal
+    trainable parameters and evaluation loss. Every reader gives the same bytes in the same order."""
     runs = {"parquet": stream_shards["parquet"], "tar": stream_shards["tar"], "http": http_shards}
     for name, data in runs.items():
-        result = run_train(args(data, tmp_path / name, "--data-workers", "1"), launch=ONE_PROCESS)
+        ahead = ["--read-ahead", "0"] if name == "parquet" else []
+        result = run_train(args(data, tmp_path / name, "--data-workers", "1", "--cache-dir", str(tmp_path / "cache"),
+                                *ahead), launch=ONE_PROCESS)
         assert result.returncode == 0, result.stderr[-4000:]
     summaries = {name: read_summary(tmp_path / name) for name in runs}
     assert {s["dataset"]["decode"] for s in summaries.values()} == {"stream"}
@@ -195,9 +197,9 @@ def test_fsdp_streams_the_shards_and_evaluate_checkpoint_streams_the_test_shards
 
 @pytest.mark.slow
 def test_shards_over_a_server_refusing_every_third_request_train_as_the_local_ones(streamed, stream_shards, tmp_path):
-    """The tar shards served over HTTP by a server that answers every third request with 503 (a refused request is
-    answered when asked again), on 2 ranks x 2 loader workers reading ahead: the run's trainable parameters are the
-    local run's bitwise, and the server refused requests during it."""
+    """The tar shards served over HTTP by a server that answers every third request with 503, on 2 ranks x 2 loader
+    workers reading ahead: the run's trainable parameters are the local run's bitwise. (A refused request is answered
+    when asked again; the server refused at least 10 during the run.)"""
     with serving(stream_shards["tar"], every=3) as (url, state):
         out = tmp_path / "flaky"
         result = run_train(args(url, out, "--data-workers", "2", "--cache-dir", str(tmp_path / "cache")),
@@ -209,10 +211,10 @@ def test_shards_over_a_server_refusing_every_third_request_train_as_the_local_on
 
 
 def test_a_second_start_reads_no_tar_through_and_a_changed_shard_is_read_again(stream_shards, tmp_path):
-    """Indexing the 5 training tars over HTTP with a cache folder (the server counts the .tar bytes it sends): the
-    first pass sends each tar once, whole; a second pass (a second start: the same URL) sends no byte of them and
-    gives the same index; after one tar's modification time changes (its Last-Modified), the next pass sends that tar
-    alone, whole."""
+    """Indexing tar shards over HTTP with a cache folder, a second start sends no byte of them and gives the same index;
+    a tar whose modification time changes is sent again, alone. The 5 training tars; the server counts the .tar
+    bytes it sends: the first pass sends each tar once, whole; the second (the same URL) none; after one tar's
+    modification time (its Last-Modified) moves, the next pass sends that tar, whole."""
     folder = tmp_path / "tars"
     shutil.copytree(stream_shards["tar"], folder, ignore=shutil.ignore_patterns(".decoded"))
     sizes = {p.name: p.stat().st_size for p in folder.glob("train-*.tar")}
@@ -268,11 +270,10 @@ def class_sorted(cifar_dir, tmp_path_factory) -> dict[str, Path]:
 
 @pytest.mark.slow
 def test_class_sorted_shards_train_as_well_as_shuffled_shards_and_random_access(class_sorted, tmp_path):
-    """4,000 CIFAR-10 training images streamed from 10 tar shards sorted by class (each about one class) and from the
-    same rows shuffled into 10 shards (windows of 1,024 rows, blocks of 32), and read with random access
-    (--decode workers), on 2 ranks x 1 loader worker, 5 epochs of resnet8 (fp32, --deterministic, seed 4),
-    evaluated on 5,000 test images: the sorted shards' top-1 is within 6 points of the shuffled shards' and of random
-    access's, every top-1 is above 30% (chance: 10%), and the start warns of no poor mix."""
+    """Streamed from 10 tar shards sorted by class, 4,000 CIFAR-10 images train to a top-1 within 8 points of the same
+    rows shuffled into shards and of random access (2 ranks, 5 epochs, 5,000 test images): resnet8, fp32,
+    --deterministic, seed 4, 1 loader worker a rank, windows of 1,024 rows and blocks of 32 for both streams,
+    --decode workers for random access; every top-1 is above 30% (chance: 10%), and the start warns of no poor mix."""
     top1 = {}
     for name, data in class_sorted.items():
         decode = ["--decode", "workers"] if name == "workers" else ["--decode", "stream", "--shuffle-buffer", "1024",
@@ -287,7 +288,7 @@ def test_class_sorted_shards_train_as_well_as_shuffled_shards_and_random_access(
         assert (summary["world_size"], summary["eval_examples"]) == (2, 5000)
         top1[name] = summary["eval_top1"]
     assert min(top1.values()) > 30, top1
-    assert abs(top1["sorted"] - top1["shuffled"]) <= 6 and abs(top1["sorted"] - top1["workers"]) <= 6, top1
+    assert abs(top1["sorted"] - top1["shuffled"]) <= 8 and abs(top1["sorted"] - top1["workers"]) <= 8, top1
 
 
 def assigned(order: np.ndarray, layout: tuple[int, int, int]) -> np.ndarray:
@@ -375,20 +376,26 @@ def test_decode_auto_weighs_the_images_own_size_when_no_image_size_is_given(stre
 
 def test_class_sorted_shards_give_micro_batches_of_nearly_every_class():
     """10 shards of 1,000 rows, each one class (shards written class by class), planned for 2 processes x 1 worker x
-    micro-batch 64 with the default window (4096) and block (64): over 3 epochs a micro-batch holds at least 9.2 of
-    the 10 classes on average, where a uniform shuffle gives 9.99 (computed independently here, by drawing). Blocks
-    as large as a shard (the shards' order shuffled, not their rows) give about 4; the warning then names it."""
+    micro-batch 64 with the default window (4096) and block (64): over 3 epochs a micro-batch holds at least 9.9 of
+    the 10 classes on average (9 at least), where a uniform shuffle gives 9.99 (computed independently here, by
+    drawing), and the stream's first k blocks hold each class's blocks within 2 of k times its share, for every k. Blocks as large as a shard (the shards' order shuffled, not their rows) give about 4."""
     labels = np.repeat(np.arange(10), 1000)
     rng = np.random.default_rng(0)
     drawn = np.mean([len(set(rng.choice(labels, 64, replace=False))) for _ in range(2000)])
     assert drawn > 9.9
     for epoch in range(3):
-        plan = stream_plan(np.full(10, 1000), 9984, (2, 1, 64), 4096, 64, key_stream(4, epoch, 0))
+        plan = stream_plan(np.full(10, 1000), 9984, (2, 1, 64), 4096, 64, key_stream(4, epoch, 0), labels)
         per_batch = [len(set(b)) for b in labels[plan.order].reshape(-1, 64)]
-        assert np.mean(per_batch) >= 9.2 and min(per_batch) >= 6
+        assert np.mean(per_batch) >= 9.9 and min(per_batch) >= 9
         planned, uniform = class_mix(plan.order, labels, 64)
         assert planned == pytest.approx(np.mean(per_batch)) and uniform == pytest.approx(drawn, abs=0.05)
-    whole = stream_plan(np.full(10, 1000), 9984, (2, 1, 64), 4096, 1000, key_stream(4, 0, 0))
+        full = stream_plan(np.full(10, 1000), 10000, (1, 1, 1), 4096, 64, key_stream(4, epoch, 0), labels).stream
+        firsts = full[full % 1000 % 64 == 0]  # each shard's 16 blocks (15 of 64 rows, one of 40), in stream order
+        assert len(firsts) == 160 and all(np.array_equal(full[i:i + 64 if r % 1000 < 960 else i + 40], np.arange(
+            r, r + (64 if r % 1000 < 960 else 40))) for i, r in zip(np.flatnonzero(full % 1000 % 64 == 0), firsts))
+        for c in range(10):  # 16 of the 160 blocks are class c's
+            assert np.abs(np.cumsum(labels[firsts] == c) - np.arange(1, 161) * 0.1).max() <= 2
+    whole = stream_plan(np.full(10, 1000), 9984, (2, 1, 64), 4096, 1000, key_stream(4, 0, 0), labels)
     assert np.mean([len(set(b)) for b in labels[whole.order].reshape(-1, 64)]) < 4.5
 
 

@@ -38,8 +38,8 @@ class DataConfig(Group):
     label_column: str | None = opt(None, "the data's label column; unset: label, labels or fine_label")
     val_fraction: float | None = opt(None, "evaluate on this fraction of the training images, held out (a fixed "
                                      "shuffle); unset: the test (or validation) split, else 0.1 held out")
-    cache_dir: str | None = opt(None, "decoded-tensor cache; unset: <data-dir>/.decoded if writable, else "
-                                "~/.cache/accelerate-cifar")
+    cache_dir: str | None = opt(None, "decoded-tensor cache, and --decode stream's shard indices; unset: "
+                                "<data-dir>/.decoded if writable, else ~/.cache/accelerate-cifar")
     decode_workers: int | None = opt(None, "processes that decode the source into the cache (the first run on a "
                                      "machine); unset: one per core")
     image_size: int | None = opt(None, "resize every image to S x S (8-512), as decoded once; unset: the images' "
@@ -48,7 +48,7 @@ class DataConfig(Group):
     eval_subset: int | None = opt(None, "evaluate on the first N test (or held-out) images only")
     decode: str = opt("auto", "cache: decode every image once into a uint8 cache file; workers: keep the images "
                       "encoded and decode each batch in the loader's worker processes (full-size images); stream: "
-                      "read parquet or tar shards (a folder or a URL) shard by shard with no local copy, decoded as "
+                      "read parquet or tar shards (a folder or a URL) block by block with no local copy, decoded as "
                       "workers does; auto: stream for a URL or tar shards, workers for --augment resized-crop or when "
                       "the decoded images would not fit the cache folder's free space, else cache",
                       ("auto", "cache", "workers", "stream"))

@@ -332,11 +332,12 @@ class Plan:
 
 
 def stream_plan(counts: np.ndarray, keep: int, layout: tuple[int, int, int], window: int, block: int = 1,
-                key: np.ndarray | None = None) -> Plan:
+                key: np.ndarray | None = None, labels: np.ndarray | None = None) -> Plan:
     """One epoch's reading. `counts`: each shard's rows; the first `keep` rows of the stream are read. layout:
     (processes P, workers W per process, micro-batch b). Training (`key` given, the epoch's): the shards' blocks of
-    `block` rows in an order drawn from splitmix64(key), each window's rows in an order drawn from (key, row).
-    Evaluation (key None): every row in order; its last micro-batch may be short."""
+    `block` rows in an order drawn from splitmix64(key) (stratified by `labels`, every row's, when given:
+    `spread_blocks`), each window's rows in an order drawn from (key, row). Evaluation (key None): every row in
+    order; its last micro-batch may be short."""
     processes, workers, micro = layout
     starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     if key is None:
@@ -344,7 +345,8 @@ def stream_plan(counts: np.ndarray, keep: int, layout: tuple[int, int, int], win
     else:
         firsts = np.concatenate([np.arange(a, b, block) for a, b in zip(starts[:-1], starts[1:])]).astype(np.int64)
         ends = np.minimum(firsts + block, starts[np.searchsorted(starts, firsts, "right")])
-        drawn = np.argsort(splitmix64(np.arange(len(firsts), dtype=np.uint64) ^ splitmix64(key)), kind="stable")
+        drawn = spread_blocks(splitmix64(np.arange(len(firsts), dtype=np.uint64) ^ splitmix64(key)),
+                              None if labels is None else labels[firsts])
         lengths = (ends - firsts)[drawn]
         stream = (np.repeat(firsts[drawn] - np.cumsum(lengths) + lengths, lengths) + np.arange(lengths.sum()))[:keep]
     # micro-batch k goes to process p = k mod P, whose j-th (j = k div P) goes to its worker w = j mod W: reader p W + w
@@ -366,6 +368,22 @@ def stream_plan(counts: np.ndarray, keep: int, layout: tuple[int, int, int], win
         emitted = np.lexsort((splitmix64(stream.astype(np.uint64) ^ key), win))
     order = emitted[np.repeat(start - (np.cumsum(sizes) - sizes), sizes) + np.arange(keep)]
     return Plan(stream[order], stream, cuts, ranges)
+
+
+def spread_blocks(h: np.ndarray, classes: np.ndarray | None) -> np.ndarray:
+    """The blocks' order in the stream from their hashes `h`: by hash alone, or, given each block's class (its first
+    row's label), stratified: class c's n_c blocks, in their hashes' order, take the places (j + u_j) / n_c of the
+    epoch (j = 0 .. n_c - 1, u_j uniform in [0, 1) from the hash), so each class's blocks are spread evenly over the
+    stream and a window of k blocks holds about k n_c / n of class c: the proportions a uniform shuffle of the rows
+    gives, even when each block is one class (shards written class by class). Every block once, as by hash alone."""
+    if classes is None:
+        return np.argsort(h, kind="stable")
+    by_class = np.lexsort((h, classes))
+    sizes = np.bincount(classes)
+    j = np.empty(len(h), dtype=np.int64)
+    j[by_class] = np.arange(len(h)) - np.repeat(np.cumsum(sizes) - sizes, sizes)  # rank within its class
+    u = (splitmix64(h) >> np.uint64(11)).astype(np.float64) / 2.0 ** 53
+    return np.lexsort((h, (j + u) / sizes[classes]))
 
 
 def class_mix(order: np.ndarray, labels: np.ndarray, micro: int) -> tuple[float, float]:
@@ -567,7 +585,7 @@ class StreamSampler(torch.utils.data.Sampler):
         self.planned = self.resumed[1] if self.resumed and self.resumed[0] == epoch else self.own
         key = key_stream(self.seed, epoch, 0) if self.train else None  # the epoch's shuffle: blocks, then windows
         self.plan = stream_plan(self.rows.counts, self.keep, self.planned["layout"], self.planned["window"],
-                                self.planned["block"], key)
+                                self.planned["block"], key, self.rows.labels.numpy())
         self.rows.use_plan(self.plan)
 
     def __len__(self) -> int:
