@@ -270,10 +270,12 @@ def class_sorted(cifar_dir, tmp_path_factory) -> dict[str, Path]:
 
 @pytest.mark.slow
 def test_class_sorted_shards_train_as_well_as_shuffled_shards_and_random_access(class_sorted, tmp_path):
-    """Streamed from 10 tar shards sorted by class, 4,000 CIFAR-10 images train to a top-1 within 8 points of the same
-    rows shuffled into shards and of random access (2 ranks, 5 epochs, 5,000 test images): resnet8, fp32,
-    --deterministic, seed 4, 1 loader worker a rank, windows of 1,024 rows and blocks of 32 for both streams,
-    --decode workers for random access; every top-1 is above 30% (chance: 10%), and the start warns of no poor mix."""
+    """From 10 tar shards sorted by class, a 2-rank stream trains to within 8 points of the top-1 of the same rows
+    shuffled and of random access: 4,000 CIFAR-10 training images (each shard about one class; the shuffled shards in
+    the copy's own order), 5 epochs of resnet8 (fp32, --deterministic, seed 4, 1 loader worker a rank, windows of
+    1,024 rows and blocks of 32), evaluated on 5,000 test images; random access is --decode workers on the same rows.
+    Every top-1 is above 30% (chance: 10%), and the start warns of no poor mix. (Single runs of one recipe spread
+    over 2 to 3 points: the margin.)"""
     top1 = {}
     for name, data in class_sorted.items():
         decode = ["--decode", "workers"] if name == "workers" else ["--decode", "stream", "--shuffle-buffer", "1024",
@@ -378,7 +380,8 @@ def test_class_sorted_shards_give_micro_batches_of_nearly_every_class():
     """10 shards of 1,000 rows, each one class (shards written class by class), planned for 2 processes x 1 worker x
     micro-batch 64 with the default window (4096) and block (64): over 3 epochs a micro-batch holds at least 9.9 of
     the 10 classes on average (9 at least), where a uniform shuffle gives 9.99 (computed independently here, by
-    drawing), and the stream's first k blocks hold each class's blocks within 2 of k times its share, for every k. Blocks as large as a shard (the shards' order shuffled, not their rows) give about 4."""
+    drawing), and the stream's first k blocks hold each class's blocks within 2 of k times its share, for every k.
+    Blocks as large as a shard (the shards' order shuffled, not their rows) give about 4."""
     labels = np.repeat(np.arange(10), 1000)
     rng = np.random.default_rng(0)
     drawn = np.mean([len(set(rng.choice(labels, 64, replace=False))) for _ in range(2000)])
