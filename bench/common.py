@@ -17,6 +17,19 @@ def add_data_args(parser) -> None:
     parser.add_argument("--cache-dir", default=None, help="decoded-tensor cache")
 
 
+def image_bench_parser(doc: str):
+    """The flags of the benches that decode upscaled CIFAR-10 JPEGs: --data-dir (the parquet copy), --images, --size
+    (the crop's side) and --repeats; the parser, for a bench to add its own."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--data-dir", required=True)
+    parser.add_argument("--images", type=int, default=1024)
+    parser.add_argument("--size", type=int, default=224)
+    parser.add_argument("--repeats", type=int, default=3)
+    return parser
+
+
 def data_flags(args) -> list[str]:
     """The data flags parsed by add_data_args, back as command-line arguments for train_cifar.py."""
     return [f"--{name}={value}" for name,

@@ -14,7 +14,6 @@ write_tar_shards do at test sizes.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
@@ -29,6 +28,7 @@ import torchvision  # noqa: E402
 import torchvision.transforms.v2 as T  # noqa: E402
 from conftest import write_tar_shards, write_upscaled_cifar  # noqa: E402
 
+from bench.common import image_bench_parser  # noqa: E402
 from utils.crops import CropRecipe  # noqa: E402
 from utils.onthefly import load_encoded  # noqa: E402
 from utils.stream import StreamSettings  # noqa: E402
@@ -42,11 +42,7 @@ def rate(loader, images: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data-dir", required=True)
-    parser.add_argument("--images", type=int, default=1024)
-    parser.add_argument("--size", type=int, default=224)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser = image_bench_parser(__doc__)
     parser.add_argument("--gpu-rate", type=float, default=3000.0, help="a GPU's training images/s")
     args = parser.parse_args()
     torch.set_num_threads(1)  # one worker's share

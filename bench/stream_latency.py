@@ -13,7 +13,6 @@ sizes, and decoded with the natural-image crop recipe at 224 px. Windows of --wi
 
 from __future__ import annotations
 
-import argparse
 import functools
 import http.server
 import statistics
@@ -29,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import torch  # noqa: E402
 from conftest import RangeHandler, write_tar_shards, write_upscaled_cifar  # noqa: E402
 
-from bench.common import header  # noqa: E402
+from bench.common import header, image_bench_parser  # noqa: E402
 from utils.crops import CropRecipe  # noqa: E402
 from utils.onthefly import load_encoded  # noqa: E402
 from utils.stream import StreamSettings  # noqa: E402
@@ -58,15 +57,11 @@ def rate(sampler, loader, epoch: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data-dir", required=True)
-    parser.add_argument("--images", type=int, default=1024)
-    parser.add_argument("--size", type=int, default=224)
+    parser = image_bench_parser(__doc__)
     parser.add_argument("--latency", type=float, default=0.05, help="seconds before the server answers a request")
     parser.add_argument("--read-ahead", type=int, default=4)
     parser.add_argument("--window", type=int, default=256)
     parser.add_argument("--block", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     header("one loader worker streaming tar shards: a server with latency, with and without read-ahead, and local")
     torch.set_num_threads(1)  # one worker's share

@@ -84,7 +84,11 @@ def _kill_after_checkpoint(out: Path, proc: Forked, step: int) -> None:
 def test_kill_9_mid_epoch_on_two_processes_then_resume_on_one_matches_the_uninterrupted_run(reference, cifar_dir,
                                                                                             cache_dir, tmp_path):
     """A 2-rank job killed with kill -9 mid-epoch and resumed on 1 process ends with the uninterrupted run's
-    trainable parameters and EMA bitwise (fp32, `--deterministic`), each step logged once."""
+    trainable parameters and EMA bitwise (fp32, `--deterministic`), each step logged once, and logs what the
+    uninterrupted run logs: the same keys at the same steps, each training value (train/*: losses, the interrupted
+    epoch's mean loss included, learning rates, gradient norms) within 1e-5 (relative) of its value there. Timings
+    and memory aside; the evaluations differ, by the BatchNorm statistics one process gathers from every
+    micro-batch."""
     out = tmp_path / "killed"
     proc = start(job_args(cifar_dir, cache_dir, out, "--log-every", "1"), TWO_RANKS, script=PROBE)
     _kill_after_checkpoint(out, proc, 3)
@@ -108,6 +112,21 @@ def test_kill_9_mid_epoch_on_two_processes_then_resume_on_one_matches_the_uninte
     assert s["global_step"] == 16 and s["train_images_seen"] == 16 * 32  # the first life's images counted too
     assert_same_parameters(out, reference)  # BatchNorm's running statistics: 1 process saw every micro-batch
     assert_same_parameters(out, reference, file="model_ema.safetensors")  # the EMA resumed from the step-3 checkpoint
+    ours, theirs = logged_values(out), logged_values(reference)
+    assert ours.keys() == theirs.keys() and "train/epoch_loss" in ours[8]  # the interrupted epoch's end
+    for step, values in theirs.items():
+        assert values.keys() == ours[step].keys(), step
+        assert all(ours[step][k] == pytest.approx(v, rel=1e-5, abs=1e-7) for k, v in values.items()
+                   if k.startswith("train/")), step
+
+
+def logged_values(out: Path) -> dict[int, dict]:
+    """The tracker's logged values by step (probe_train's record of rank 0), timings and memory left out."""
+    by_step = {}
+    for step, values in map(json.loads, (out / "probe-logs-rank0.jsonl").read_text().splitlines()):
+        by_step.setdefault(step, {}).update({k: v for k, v in values.items() if not any(
+            word in k for word in ("per_sec", "seconds", "memory"))})
+    return by_step
 
 
 def test_kill_9_mid_epoch_on_one_process_then_resume_on_two_matches_the_uninterrupted_run(reference, cifar_dir,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import stat
+import time
 
 import numpy as np
 import pytest
@@ -129,7 +130,10 @@ def test_a_cache_folder_that_cannot_be_written_decodes_into_a_temporary_file_and
 
 def test_any_number_of_decode_workers_writes_the_same_cache_file_byte_for_byte(tmp_path, accelerator, monkeypatch):
     """1, 2 or 3 decode workers write the same cache file, byte for byte. An image folder without a test split:
-    shuffled and held out by row orders before decoding, decoded in chunks of 16 rows by 1, 2 or 3 processes."""
+    shuffled and held out by row orders before decoding, decoded in chunks of 16 rows by this process (1 worker) or
+    by more than one and at most 2 or 3 worker processes (a pool hands chunks to whichever worker is idle, so not
+    every worker need take one; each chunk here takes at least 0.1 s, so a second worker started within a second
+    does)."""
     parquet = load_source(str(write_cifar_dir(tmp_path / "src", n_train=200, n_test=8)), cache_dir=str(tmp_path / "c0"))
     export_png_folder(tmp_path / "folder", {"train": parquet["train"]})
     monkeypatch.setattr(decode, "DECODE_CHUNK", 16)
@@ -139,6 +143,7 @@ def test_any_number_of_decode_workers_writes_the_same_cache_file_byte_for_byte(t
     def recorded(*args):  # runs in the workers: each appends its pid to a file
         with open(pids, "a") as f:
             f.write(f"{os.getpid()}\n")
+        time.sleep(0.1)  # a chunk outlasts a forked worker's start, even on a busy machine
         return real(*args)
 
     monkeypatch.setattr(decode, "_decode_rows", recorded)
@@ -153,8 +158,8 @@ def test_any_number_of_decode_workers_writes_the_same_cache_file_byte_for_byte(t
         files.append(cache.read_bytes())
         seen.append(set(pids.read_text().split()))
     assert files[1] == files[0] and files[2] == files[0]
-    assert seen[0] == {str(os.getpid())} and len(seen[1]) == 2 and len(seen[2]) == 3 and str(os.getpid()) not in \
-        seen[1] | seen[2]
+    assert seen[0] == {str(os.getpid())} and len(seen[1]) == 2 and 2 <= len(seen[2]) <= 3
+    assert str(os.getpid()) not in seen[1] | seen[2]
 
 
 def test_an_undecodable_image_stops_a_parallel_decode_with_the_first_bad_rows_line(tmp_path, accelerator,

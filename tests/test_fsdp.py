@@ -60,7 +60,7 @@ def fsdp_jobs(reference, cifar_dir, cache_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
     result = run_train(job_args(cifar_dir, cache_dir, out), script=PROBE, launch=FSDP)  # fp32, as cpu.yaml
     assert result.returncode == 0, result.stderr[-4000:]
-    return {"ddp": reference, "fsdp": out}
+    return {"ddp": reference, "fsdp": out, "stdout": result.stdout}
 
 
 def probe(out, rank: int) -> dict:
@@ -78,6 +78,8 @@ def test_fsdp_config_shards_every_block_so_each_rank_holds_half_the_parameters(f
     for rec in ranks:
         assert rec["fsdp_units"].count("FSDPBasicBlock") == 3, rec["fsdp_units"]  # the YAML's wrap policy
         assert rec["param_types"] == ["DTensor"]
+    # the start's line names what was sharded: the 3 blocks, counted here from the prepared model
+    assert "FSDP units: 3 BasicBlock (the model's _no_split_modules), then the whole model" in fsdp_jobs["stdout"]
     assert ranks[0]["local_numel"] + ranks[1]["local_numel"] == s["parameters"] == ddp["parameters"]  # stored once
     assert s["parameters_on_main_process"] == ranks[0]["local_numel"] < 0.51 * s["parameters"]
     assert ddp["parameters_on_main_process"] == ddp["parameters"] and ddp["wrapper"] == "DistributedDataParallel"

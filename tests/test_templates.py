@@ -7,6 +7,7 @@ script's loop alone fails here: make it in both, or list it below with its reaso
 from __future__ import annotations
 
 import ast
+import collections
 import difflib
 import json
 import subprocess
@@ -17,6 +18,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
+import torchvision
 from accelerate.utils import set_seed
 from conftest import (
     CPU_YAML,
@@ -231,7 +233,13 @@ def test_a_copy_with_torchvisions_mobilenet_trains_under_ddp_and_fsdp_resumes_an
     assert s["config"]["tta_flip"]
     fsdp = job_args(cifar_dir, cache_dir, tmp_path / "fsdp", *SMALL_JOB)
     result = run_copy(script, fsdp, launch=["--config_file", str(FSDP_CPU_YAML)])
-    assert "FSDP units: every module of more than 95,506 parameters" in result.stdout
+    line = next(line for line in result.stdout.splitlines() if line.startswith("FSDP units: "))
+    named, rule = line.removeprefix("FSDP units: ").split(" (", 1)
+    assert rule.startswith("every module of more than 95,506 parameters")  # 1,528,106 // 16
+    mobilenet = torchvision.models.mobilenet_v3_small(num_classes=10)  # Accelerate's rule, counted here
+    big = collections.Counter(type(m).__name__ for m in list(mobilenet.modules())[1:]
+                              if sum(p.numel() for p in m.parameters()) > 95_506)
+    assert {name: int(n) for n, name in (unit.split(" ") for unit in named.split(", "))} == big and len(big) >= 2
     f = read_summary(tmp_path / "fsdp")
     assert (f["world_size"], f["wrapper"], f["global_step"]) == (2, "FSDPMobileNetV3", 4)
     assert 0.45 < f["parameters_on_main_process"] / f["parameters"] < 0.55

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import CIFAR_CLASSES as CLASSES
 from conftest import REPO, TRACKED_JOB, read_summary, run_train, script_env
 from PIL import Image
@@ -268,3 +269,31 @@ def test_profile_writes_each_ranks_chrome_trace_of_steps_6_to_8_and_prints_the_t
     assert table[0].startswith("---") and "Self CPU" in table[1] and table[2].startswith("---")
     assert all(row.strip() and not row.startswith("---") for row in table[3:13]) and table[13].startswith("---")
     assert not (tracked_runs["a0"] / "profile").exists()  # without --profile: no profiler at all
+
+
+def test_a_meter_resumed_from_its_checkpointed_sums_logs_what_the_uninterrupted_meter_logs():
+    """Four micro-batch losses, a log window after the second and a mid-epoch checkpoint after the third (its
+    window open): a meter resumed from the sums the checkpoint stored (so_far, through JSON) logs the window of the
+    third and fourth losses as their mean and the epoch as the mean of all four, as the uninterrupted meter does
+    (to 1e-7), and as computed here by hand."""
+    from accelerate import Accelerator
+
+    from utils.tracking import TrainMeter
+
+    accelerator = Accelerator(cpu=True)
+    losses = [torch.tensor(v) for v in (2.5, 2.25, 2.0, 1.5)]
+    whole, first = TrainMeter(torch.device("cpu"), 16), TrainMeter(torch.device("cpu"), 16)
+    logged = {"whole": [], "resumed": []}
+    for k, loss in enumerate(losses):
+        whole.add(loss)
+        if k < 3:
+            first.add(loss)
+        if k == 1:
+            logged["whole"].append(whole.window(accelerator)[0])
+            logged["resumed"].append(first.window(accelerator)[0])
+    resumed = TrainMeter(torch.device("cpu"), 16, json.loads(json.dumps(first.so_far(accelerator))))
+    resumed.add(losses[3])
+    for name, meter in (("whole", whole), ("resumed", resumed)):
+        logged[name] += [meter.window(accelerator)[0], meter.end_epoch(accelerator)[0]]
+    assert logged["resumed"] == pytest.approx(logged["whole"], abs=1e-7)
+    assert logged["resumed"] == pytest.approx([2.375, 1.75, 2.0625], abs=1e-7)

@@ -319,7 +319,8 @@ class Checkpointer:
         due = self.due(progress.global_step) or evaluated
         if stopping or (due and progress.batches_in_epoch < batches_per_epoch):
             # the epoch's images so far are counted, so a job resumed from here reports every image it trained
-            self.save(progress.with_epoch_so_far(meter.images(), meter.seconds()), model, scheduler, plan)
+            so_far = progress.with_epoch_so_far(meter.images(), meter.seconds(), meter.so_far(self.accelerator))
+            self.save(so_far, model, scheduler, plan)
 
     def save(self, progress, model, scheduler, plan: BatchPlan) -> Path:
         """Collective: checkpoint at progress.global_step, then drop the old ones (keeping progress.best_checkpoint).

@@ -7,6 +7,7 @@ prepare(). End: `sys.exit(run(lambda: main(parse_config())))` turns a UserError 
 
 from __future__ import annotations
 
+import collections
 import gc
 import json
 import os
@@ -83,8 +84,9 @@ def choose_fsdp_units(accelerator, plugin: FullyShardedDataParallelPlugin | None
     (fsdp_transformer_layer_cls_to_wrap), else those the model declares in `_no_split_modules` (the convention
     Accelerate reads; the ready models in utils/models.py declare theirs), else, for a model that declares none,
     every module holding more than 1/16 of its parameters, innermost first (Accelerate's size-based policy).
-    Prints one line that says which. A named class that is not in the model: one line here, instead of
-    Accelerate's traceback on every rank. Without FSDP: nothing."""
+    Prints one line that says which rule and the classes it makes units of, with their counts (`fsdp_units`). A
+    named class that is not in the model: one line here, instead of Accelerate's traceback on every rank. Without
+    FSDP: nothing."""
     if plugin is None:
         return None
     named = plugin.transformer_cls_names_to_wrap
@@ -92,8 +94,9 @@ def choose_fsdp_units(accelerator, plugin: FullyShardedDataParallelPlugin | None
     if plugin.auto_wrap_policy is transformer_auto_wrap_policy and named is None and not declared:
         plugin.auto_wrap_policy = size_based_auto_wrap_policy
         plugin.min_num_params = max(1, sum(p.numel() for p in model.parameters()) // 16)
-        accelerator.print(f"FSDP units: every module of more than {plugin.min_num_params:,} parameters (1/16 of the "
-                          f"model, which declares no _no_split_modules), then the whole model")
+        units = fsdp_units(model, lambda m: sum(p.numel() for p in m.parameters()) > plugin.min_num_params)
+        accelerator.print(f"FSDP units: {units} (every module of more than {plugin.min_num_params:,} parameters, 1/16 "
+                          f"of the model, which declares no _no_split_modules), then the whole model")
         return
     classes = named or declared or []
     present = {type(m).__name__ for m in model.modules()}
@@ -103,7 +106,15 @@ def choose_fsdp_units(accelerator, plugin: FullyShardedDataParallelPlugin | None
                         f"not have: delete fsdp_transformer_layer_cls_to_wrap from the YAML (the model's "
                         f"_no_split_modules then decides), or name a class of your model there (docs/customizing.md).")
     where = "the launch config's fsdp_transformer_layer_cls_to_wrap" if named else "the model's _no_split_modules"
-    accelerator.print(f"FSDP units: each {', '.join(classes)} ({where}), then the whole model")
+    units = fsdp_units(model, lambda m: type(m).__name__ in classes)
+    accelerator.print(f"FSDP units: {units} ({where}), then the whole model")
+
+
+def fsdp_units(model: torch.nn.Module, policy) -> str:
+    """'N ClassName, ...': the modules below the root that Accelerate's FSDP2 preparation shards as units of their own
+    (each module for which the auto-wrap policy holds, as its fsdp2_prepare_model walks them), counted by class."""
+    counts = collections.Counter(type(m).__name__ for m in list(model.modules())[1:] if policy(m))
+    return ", ".join(f"{n} {name}" for name, n in counts.items()) or "no module"
 
 
 def check_world(accelerator, fsdp_asked: bool, sync_bn: bool = False) -> None:

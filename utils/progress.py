@@ -23,6 +23,7 @@ class Progress:
     stopped_early: bool = False  # --early-stop-patience ended the run
     train_loss: float = math.nan  # the mean training loss of the last epoch trained (or its part before a stop)
     wall_seconds: float = 0.0  # wall time of the run's earlier jobs, from their start of training to their last save
+    loss_so_far: dict | None = None  # a mid-epoch checkpoint's: the epoch's loss sums so far (TrainMeter.so_far)
 
     def __post_init__(self):
         self._clock = time.monotonic()  # this job's share of the wall time counts from here (not a field: not saved)
@@ -50,11 +51,17 @@ class Progress:
         self.images_seen += images
         self.train_seconds += seconds
 
-    def with_epoch_so_far(self, images: int, seconds: float) -> Progress:
-        """A copy that also counts the current epoch's images and time so far: what a mid-epoch checkpoint stores,
-        so a job resumed from it reports every image it trained (this object counts them at the epoch's end)."""
+    def with_epoch_so_far(self, images: int, seconds: float, losses: dict) -> Progress:
+        """A copy that also counts the current epoch's images, time and loss sums so far: what a mid-epoch checkpoint
+        stores, so a job resumed from it reports every image it trained (this object counts them at the epoch's
+        end) and logs the losses the uninterrupted epoch logs."""
         return replace(self, images_seen=self.images_seen + images, train_seconds=self.train_seconds + seconds,
-                       wall_seconds=self.wall())
+                       wall_seconds=self.wall(), loss_so_far=losses)
+
+    def resumed_losses(self) -> dict | None:
+        """The loss sums a mid-epoch checkpoint carried into this epoch, handed over once (to the epoch's meter)."""
+        losses, self.loss_so_far = self.loss_so_far, None
+        return losses
 
     def end_epoch(self, loss: float, images: int, seconds: float, batches_per_epoch: int) -> None:
         """Counts the epoch's mean loss, training images and time; moves to the next epoch if this one is complete

@@ -183,15 +183,19 @@ class StepProfiler:
 
 class TrainMeter:
     """The training loss summed on the device, and the time, over one epoch and over the current log window; and the
-    global gradient norm (before clipping) of the last optimizer step that measured it, kept on the device."""
+    global gradient norm (before clipping) of the last optimizer step that measured it, kept on the device. A loss
+    logged is the mean of every process's micro-batch losses in the span. `carried`: the sums a mid-epoch
+    checkpoint stored (`so_far`), {"epoch": [sum, micro-batches], "window": [...]} over all processes, which a
+    resumed epoch adds to its own, so it logs what the uninterrupted epoch logs."""
 
-    def __init__(self, device: torch.device, images_per_batch: int):
+    def __init__(self, device: torch.device, images_per_batch: int, carried: dict | None = None):
         self.grad_norm: torch.Tensor | None = None  # the loop sets it: every step when clipping, else at log steps
         self.images_per_batch = images_per_batch  # all processes together
         self.epoch_sum = torch.zeros((), device=device)
         self.window_sum = self.epoch_sum.clone()
         self.epoch_batches = self.window_batches = 0
         self.epoch_start = self.window_start = time.time()
+        self.carried = {k: tuple(v) for k, v in (carried or {"epoch": (0.0, 0), "window": (0.0, 0)}).items()}
 
     def add(self, loss: torch.Tensor) -> None:
         self.epoch_sum += loss.detach()
@@ -201,11 +205,22 @@ class TrainMeter:
 
     def window(self, accelerator) -> tuple[float, float]:
         """(mean loss over all processes, images per second) since the last call; syncs with the device."""
-        loss = accelerator.reduce(self.window_sum / self.window_batches, reduction="mean").item()
+        total, count = self._totals(accelerator)["window"]
         speed = self.window_batches * self.images_per_batch / (time.time() - self.window_start)
         self.window_sum.zero_()
-        self.window_batches, self.window_start = 0, time.time()
-        return loss, speed
+        self.window_batches, self.window_start, self.carried["window"] = 0, time.time(), (0.0, 0)
+        return total / count, speed
+
+    def so_far(self, accelerator) -> dict:
+        """The epoch's and the log window's loss sums and micro-batch counts over all processes, carried ones
+        included: what a mid-epoch checkpoint stores for the resumed epoch's meter. Collective; syncs."""
+        return {k: list(v) for k, v in self._totals(accelerator).items()}
+
+    def _totals(self, accelerator) -> dict:
+        sums = accelerator.reduce(torch.stack([self.epoch_sum, self.window_sum]), reduction="sum").tolist()
+        n = accelerator.num_processes
+        return {"epoch": (self.carried["epoch"][0] + sums[0], self.carried["epoch"][1] + n * self.epoch_batches),
+                "window": (self.carried["window"][0] + sums[1], self.carried["window"][1] + n * self.window_batches)}
 
     def last_grad_norm(self) -> float | None:
         """The last measured gradient norm as a number (a sync); under FSDP2 a DTensor, made whole on every rank."""
@@ -232,9 +247,10 @@ class TrainMeter:
         return time.time() - self.epoch_start
 
     def end_epoch(self, accelerator) -> tuple[float, int, float]:
-        """The epoch's (mean loss over all processes, images, seconds); syncs with the device."""
-        loss = accelerator.reduce(self.epoch_sum / max(1, self.epoch_batches), reduction="mean").item()
-        return loss, self.images(), self.seconds()
+        """The epoch's (mean loss over all processes, images, seconds); syncs with the device. The images and seconds
+        are this job's part (a resumed epoch's earlier part is counted by the checkpoint's Progress)."""
+        total, count = self._totals(accelerator)["epoch"]
+        return total / max(1, count), self.images(), self.seconds()
 
 
 def wandb_offline_without_credentials() -> None:
