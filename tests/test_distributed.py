@@ -476,6 +476,7 @@ def test_sync_bn_converts_every_batchnorm_of_what_build_model_returns_before_pre
     assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in synced.modules())
 
 
+@pytest.mark.slow
 @pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="SyncBatchNorm across GPUs needs 2 of them")
 def test_sync_bn_running_statistics_agree_across_two_gpus(cifar_dir, cache_dir, tmp_path):
