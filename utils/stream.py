@@ -6,9 +6,10 @@ whose DecodingDataset reads them through `StreamRows` here instead of a memory-m
 What is read where, each epoch (`stream_plan`, a function of the shards' row counts, the seed, the epoch, the
 layout (processes x loader workers x micro-batch), the window and the block):
   1. every shard cut into blocks of --shuffle-block rows (a shard's last block may be shorter), and the blocks of all
-     shards laid end to end in an order drawn from (seed, epoch): the epoch's stream. Rows that sit together in a
-     shard (a class, when shards were written class by class) end up spread over the whole stream, whatever the
-     shards' order or content;
+     shards laid end to end in an order drawn from (seed, epoch), stratified by class (`spread_blocks`: each class's
+     blocks spread evenly over the epoch): the epoch's stream. Rows that sit together in a shard (a class, when
+     shards were written class by class) end up spread over the whole stream, whatever the shards' order or content,
+     and a stretch of it holds each class in about its share;
   2. the stream cut to whole global batches (the N mod B rows at its end sit out this epoch, as N mod B images do
      under utils.batches.EpochSampler; the next epoch's order leaves out others) and split into one contiguous range
      per reader (a process's loader worker), so each row is read by exactly one reader;
