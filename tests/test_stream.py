@@ -233,19 +233,21 @@ def test_a_second_start_reads_no_tar_through_and_a_changed_shard_is_read_again(s
 
 
 def test_a_read_the_server_keeps_refusing_is_one_line_naming_the_shard(stream_shards, monkeypatch):
-    """A training window read over HTTP, reading ahead, after the server starts answering one shard with 503 only:
-    one line naming the shard, the server's answer and the tries; the other shards' windows read as before."""
+    """Training windows read over HTTP, reading ahead, from a server that answers one shard with 503 only (after
+    the index was read): a window without rows of that shard reads as before; the first window with one stops with
+    one line naming the shard, the server's answer and the tries."""
     monkeypatch.setattr(stream, "BACKOFF_S", 0.0)
     with serving(stream_shards["tar"]) as (url, state):
         rows = stream.StreamRows(index_shards(find_shards(url)["train"], (None, None)), "train",
                                  stream.StreamSettings(window=16, block=8, read_ahead=2))
         rows.use_plan(stream_plan(rows.counts, 192, (1, 1, 16), 16, 8, key_stream(0, 0, 0)))
-        fine = rows.fetch(rows.plan.order[:16])
-        shard = f"{url}train-00002-of-00005.tar"
         state["broken"].add("train-00002-of-00005.tar")
-        victim = int(np.flatnonzero(np.isin(rows.plan.order, np.arange(78, 116)))[0])  # the first row of shard 2
+        shard = f"{url}train-00002-of-00005.tar"
+        windows = rows.plan.order.reshape(-1, 16)  # the plan's windows of 16 rows, in order (1 reader)
+        in_shard = [bool(np.isin(w, np.arange(78, 116)).any()) for w in windows]  # shard 2: rows 78-115
+        fine = rows.fetch(windows[in_shard.index(False)])
         with pytest.raises(stream.UserError) as e:
-            rows.fetch(rows.plan.order[victim // 16 * 16:victim // 16 * 16 + 16])
+            rows.fetch(windows[in_shard.index(True)])
     assert str(e.value) == (f"cannot read the train shard {shard} (ClientResponseError: 503, message='Service "
                             f"Unavailable', url='{shard}', {stream.ATTEMPTS} tries).")
     assert len(fine) == 16
