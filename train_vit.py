@@ -221,7 +221,8 @@ def main(cfg: Config) -> dict:
             batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
             bar = tqdm(batches, f"epoch {epoch_number}/{cfg.epochs}", len(train_loader), initial=skip,
                        leave=False, disable=None if accelerator.is_local_main_process else True)  # no bar without a tty
-            meter = TrainMeter(accelerator.device, plan.micro * plan.processes, p.resumed_losses())  # resumed: the sums
+            # a resumed epoch's meter starts from the loss sums its checkpoint stored: it logs as if uninterrupted
+            meter = TrainMeter(accelerator.device, plan.micro * plan.processes, p.resumed_losses())
             for images, labels, *draws in bar:  # draws: each image's crop, flip, mixing; none from (images, labels)
                 with accelerator.accumulate(model), memory.micro_step():  # no gradient sync on non-final micro-steps
                     inputs, targets = transform.train(images, labels, *draws)  # crop, flip, mix, normalise on device
