@@ -194,6 +194,14 @@ def jpeg_parquet(cifar_dir, tmp_path_factory) -> Path:
     return write_upscaled_cifar(tmp_path_factory.mktemp("jpeg-parquet"), cifar_dir, parquet_shards=3)
 
 
+def add_tar_sample(tar: tarfile.TarFile, key: str, ext: str, image: bytes, label: int) -> None:
+    """One webdataset sample: KEY.<ext> (the image's bytes) and KEY.cls (its label as text)."""
+    for name, blob in ((f"{key}.{ext}", image), (f"{key}.cls", str(label).encode())):
+        info = tarfile.TarInfo(name)
+        info.size = len(blob)
+        tar.addfile(info, io.BytesIO(blob))
+
+
 def write_tar_shards(root: Path, parquet_dir: Path) -> Path:
     """Each *.parquet shard of parquet_dir (write_upscaled_cifar's) as a webdataset tar of the same name and rows:
     KEY.jpg (the JPEG's bytes) and KEY.cls (its label), KEY the split and row."""
@@ -205,10 +213,7 @@ def write_tar_shards(root: Path, parquet_dir: Path) -> Path:
         with tarfile.open(root / f"{shard.stem}.tar", "w") as tar:
             images, labels = table.column("img").to_pylist(), table.column("label").to_pylist()
             for row, (image, label) in enumerate(zip(images, labels)):
-                for ext, blob in (("jpg", image["bytes"]), ("cls", str(label).encode())):
-                    info = tarfile.TarInfo(f"{shard.stem.split('-')[0]}{row:05d}.{ext}")
-                    info.size = len(blob)
-                    tar.addfile(info, io.BytesIO(blob))
+                add_tar_sample(tar, f"{shard.stem.split('-')[0]}{row:05d}", "jpg", image["bytes"], label)
     return root
 
 
@@ -226,20 +231,17 @@ def write_cifar_tars(root: Path, cifar: Path, n_train: int, n_test: int, by_clas
     copy's own PNG bytes, and KEY.cls): `shards` training shards holding the rows sorted by class (by_class: each
     shard about one class, as converting an image folder writes them) or in the copy's own (shuffled) order, and
     two test shards."""
+    import pyarrow.parquet as pq
+
     root.mkdir(parents=True, exist_ok=True)
     for split, n, count in (("train", n_train, shards), ("test", n_test, 2)):
-        import pyarrow.parquet as pq
-
         table = pq.read_table(cifar / f"{split}-00000-of-00001.parquet").slice(0, n)
         images, labels = table.column("img").to_pylist(), table.column("label").to_pylist()
         order = np.argsort(labels, kind="stable") if by_class and split == "train" else np.arange(len(labels))
         for k, part in enumerate(np.array_split(order, count)):
             with tarfile.open(root / f"cifar-{split}-{k:05d}.tar", "w") as tar:
                 for row in part.tolist():
-                    for ext, blob in (("png", images[row]["bytes"]), ("cls", str(labels[row]).encode())):
-                        info = tarfile.TarInfo(f"{split}{row:05d}.{ext}")
-                        info.size = len(blob)
-                        tar.addfile(info, io.BytesIO(blob))
+                    add_tar_sample(tar, f"{split}{row:05d}", "png", images[row]["bytes"], labels[row])
     return root
 
 
