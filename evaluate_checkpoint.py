@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = module.Config(**(trained | given))
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=summary.get("mixed_precision"))
-    data = checked_data(module.load_data(cfg), f"{script.name}'s load_data")
+    stats = {"mean": summary["image_mean"], "std": summary["image_std"]} if "image_mean" in summary else {}
+    data = checked_data(module.load_data(cfg) | stats, f"{script.name}'s load_data")  # normalised as it trained
     model = module.build_model(cfg, len(data["classes"]))
     try:
         model.load_state_dict(load_file(weights), strict=True)

@@ -67,6 +67,7 @@ from utils.models import MODELS, check_logits, named_model
 from utils.onthefly import load_builtin
 from utils.output_dir import check_output_dir, lock_output_dir
 from utils.plan import plan_batches, use_plan
+from utils.pretrained import apply_preprocessing, is_pretrained
 from utils.schedule import warmup_cosine
 from utils.tracking import StepProfiler, Tracker, TrainMeter, peak_memory_gb, run_facts
 
@@ -80,12 +81,15 @@ HEALTH_CHECK_EVERY = 10  # optimizer steps between the (collective) checks for p
 @dataclass
 class Config(HubConfig, LoggingConfig, CheckpointConfig, EvaluationConfig, DataConfig):  # utils/config_groups.py
     # --- recipe: presets of the other flags ---
-    recipe: str | None = opt(None, "preset defaults for one GPU: fast (Myrtle.ai's ResNet-9 schedule) or resnet18; "
-                             "literature values, not measured here (RECIPES); flags still win", ("fast", "resnet18"))
+    recipe: str | None = opt(None, "preset defaults: fast (Myrtle.ai's ResNet-9 schedule) or resnet18, for one GPU; "
+                             "finetune, for a pretrained --model (RECIPES, with their evidence); flags still win",
+                             ("fast", "resnet18", "finetune"))
     # --- model: the network and how it runs ---
     model: str = opt("resnet18", "resnet18: CIFAR stem (3x3 stride-1 conv, no max-pool); resnet18_imagenet: "
                      "torchvision's as-is; resnet9: Myrtle.ai's fast CIFAR net; resnet8: He et al.'s CIFAR net at "
-                     "78k parameters, for a first run on a laptop", MODELS)
+                     "78k parameters, for a first run on a laptop. Pretrained: a timm or transformers model folder "
+                     "or Hub id (OWNER/NAME), its head replaced for the data's classes and its preprocessing taken "
+                     "(docs/finetuning.md); timm:NAME, a timm architecture without weights")
     channels_last: bool = opt(True, "NHWC memory format: faster convolutions with bf16 on GPUs and CPUs; "
                               "--no-channels-last: NCHW")
     compile: bool = opt(False, "torch.compile the model (through Accelerate's dynamo backend 'inductor')")
@@ -98,6 +102,8 @@ class Config(HubConfig, LoggingConfig, CheckpointConfig, EvaluationConfig, DataC
                                         "steps: accumulation = this / (batch_size x processes), exactly; unset: "
                                         "from grad_accum")
     lr: float = opt(0.1, "peak learning rate, reached after warmup")
+    backbone_lr_factor: float = opt(1.0, "a pretrained --model's pretrained tensors train at lr x this, its new "
+                                    "head at lr")
     scale_lr: bool = opt(False, f"linear scaling rule: lr x global_batch / {REFERENCE_BATCH}")
     optimizer: str = opt("sgd", "sgd (momentum 0.9, Nesterov) or adamw", ("sgd", "adamw"))
     weight_decay: float = opt(5e-4, "L2 penalty (SGD) / decoupled weight decay (AdamW), on all parameters")
@@ -116,16 +122,19 @@ class Config(HubConfig, LoggingConfig, CheckpointConfig, EvaluationConfig, DataC
                               "processes bitwise")
 
     def validate(self) -> None:  # this script's fields; then each inherited group checks its own
-        check_ranges(self, positive=["epochs", "batch_size", "global_batch_size", "lr", "grad_accum", "max_steps"],
-                     non_negative=["weight_decay", "warmup_epochs", "grad_clip"])
+        check_ranges(self, positive=["epochs", "batch_size", "global_batch_size", "lr", "grad_accum", "max_steps",
+                               "backbone_lr_factor"], non_negative=["weight_decay", "warmup_epochs", "grad_clip"])
+        if self.model not in MODELS and not is_pretrained(self.model):
+            raise UserError(f"--model {self.model}: not one of {', '.join(MODELS)}, a model folder, a Hub model id "
+                            f"(OWNER/NAME) or timm:NAME.")
         if not 0 <= self.label_smoothing < 1:
             raise UserError(f"--label-smoothing must be in [0, 1) (got {self.label_smoothing}).")
         super().validate()
 
 
-# --recipe NAME: presets for one GPU (global batch = batch_size B; on N GPUs, the same steps: --batch-size B/N
-# --global-batch-size B). They set defaults only: flags given on the command line still win. The evidence: the
-# values are the literature's; no accuracy or time of either recipe has been measured here (no GPU has run them).
+# --recipe NAME: presets (global batch = batch_size B; on N GPUs, the same steps: --batch-size B/N
+# --global-batch-size B). They set defaults only: flags given on the command line still win. The evidence: fast and
+# resnet18 are the literature's values; no accuracy or time of either has been measured here (no GPU has run them).
 RECIPES = {
     # Myrtle.ai's ResNet-9 schedule (lr 0.4 and weight decay 5e-4 per mean loss, batch 512; its authors report 94%
     # test top-1), shortened by label smoothing and test-time flip; the data on the GPU; bf16 from the YAML.
@@ -134,6 +143,12 @@ RECIPES = {
     # ResNet-18 (CIFAR stem): a standard cosine schedule with label smoothing and test-time flip.
     "resnet18": dict(model="resnet18", epochs=60, batch_size=256, lr=0.2, weight_decay=5e-4, label_smoothing=0.1,
                      warmup_epochs=2, tta_flip=True, channels_last=True, compile=True, data_on_device=True),
+    # Fine-tuning a pretrained --model: AdamW with weight decay 0.05 and label smoothing 0.1 (the DeiT and ConvNeXt
+    # fine-tuning settings), random-resized crops at the model's own input size (--image-size unset), the pretrained
+    # tensors at a tenth of the new head's lr (as DETR trains its backbone), a short warmup. The lr and epochs are
+    # ours; measured on CPU against training from scratch: docs/performance.md ("Fine-tuning").
+    "finetune": dict(optimizer="adamw", lr=1e-3, backbone_lr_factor=0.1, weight_decay=0.05, label_smoothing=0.1,
+                     warmup_epochs=0.5, epochs=10, batch_size=64, augment="resized-crop", grad_clip=1.0),
 }
 
 
@@ -168,10 +183,15 @@ def build_optimizer(cfg: Config, model: torch.nn.Module, lr: float, fused: bool 
     # foreach on GPUs). ResNet-18 on 1 CPU thread: SGD 24 ms per step (loop) / 10.8 (foreach) / 3.5 (fused),
     # AdamW 35 (foreach) / 5.3 (fused). Under FSDP2, foreach: DTensor has no sharding rule for aten._fused_sgd_.
     kernel = {"fused": True} if fused else {"foreach": True}
+    # a pretrained --model names its freshly initialised tensors (its new head; utils/pretrained.py): they train at
+    # lr (the first group, the lr logged), its pretrained ones at lr x --backbone-lr-factor
+    new = set(getattr(model, "new_tensors", None) or [name for name, _ in model.named_parameters()])
+    params = [{"params": [p for n, p in model.named_parameters() if n in new]},
+              {"params": [p for n, p in model.named_parameters() if n not in new], "lr": lr * cfg.backbone_lr_factor}]
+    params = [group for group in params if group["params"]]
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=cfg.weight_decay,
-                               **kernel)
-    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay, **kernel)
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, nesterov=True, weight_decay=cfg.weight_decay, **kernel)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay, **kernel)
 
 
 # ====================================================================================================
@@ -194,6 +214,7 @@ def main(cfg: Config) -> dict:
     shard_on_cpu_too(accelerator, fsdp)  # Accelerate alone would run DDP for an FSDP config on CPU
     check_world(accelerator, fsdp_asked=fsdp is not None, sync_bn=cfg.sync_bn)  # one line if the setup is wrong
     check_can_push(cfg.push_to_hub, accelerator)  # --push-to-hub: the Hub and a token, or one line now
+    model_stats = apply_preprocessing(cfg, accelerator.print)  # a pretrained --model: its size, crop, mean, std
     with lock_output_dir(accelerator, cfg.output_dir):  # one job per output folder, until the job ends
         checkpointer = Checkpointer(accelerator, cfg)  # the checkpoint flags; saves the whole config
         resume_from = checkpointer.resume_point()
@@ -205,7 +226,7 @@ def main(cfg: Config) -> dict:
         print_setup(accelerator, cfg, plan, lr)  # the config, then the processes, precision, device and batch
 
         # --- data: shuffled and augmented by (seed, epoch, sample); Accelerate shards and moves to the device ---
-        data = checked_data(load_data(cfg))  # the contract checked; the training images' mean and std when absent
+        data = checked_data(load_data(cfg) | model_stats)  # the contract checked; mean, std: the model's, the data's
         train_loader, eval_loader = build_loaders(data, cfg, accelerator, plan)  # --train-subset, --eval-subset, mixing
         memory = MemoryGuard(accelerator, fsdp is not None, train_loader)  # out of memory: half batches
 

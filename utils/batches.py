@@ -342,7 +342,9 @@ def checked_data(data: dict, where: str = "load_data") -> dict:
     of docs/customizing.md): 'train' and 'test', each a pair (images, labels): uint8 images N x H x W x 3 or
     N x 3 x H x W, square, both splits the same size, as numpy arrays (memory-mapped is fine) or tensors; integer
     labels 0 .. C-1; and 'classes', the C class names. Optional: 'mean' and 'std' (per channel, in [0, 1]; computed
-    from the training images when absent) and 'dataset' (a JSON-able description, for summary.json). Returns them
+    from the training images when absent), 'dataset' (a JSON-able description, for summary.json), and 'eval_crop'
+    and 'interpolation' (the built-in loader's: the test images are resized to S / eval_crop on their shorter side
+    with that filter, then centre-cropped to S; for preprocessor_config.json). Returns them
     with the images as (N, 3, S, S) uint8 tensor views (no copy of NHWC input), int64 labels and 'image_size' S. A
     broken contract: one line naming `where` and what is wrong."""
     if not isinstance(data, dict) or not {"train", "test", "classes"} <= data.keys():
@@ -368,14 +370,16 @@ def checked_data(data: dict, where: str = "load_data") -> dict:
         out["mean"], out["std"] = tuple(map(float, data["mean"])), tuple(map(float, data["std"]))
     else:
         out["mean"], out["std"] = channel_stats(out["train"][0])
-    return out | {"image_size": int(size)}
+    view = {k: data[k] for k in ("eval_crop", "interpolation") if k in data}  # the built-in loader's resized crops
+    return out | {"image_size": int(size)} | view
 
 
 def data_facts(data: dict) -> dict:
     """For summary.json: where the data came from, its classes and what the model takes (image size; the per-channel
-    mean and std the inputs are normalised with)."""
+    mean and std the inputs are normalised with; the evaluation's resize and crop, when resized-crop)."""
     return {"dataset": data["dataset"], "classes": list(data["classes"]), "image_size": data["image_size"],
-            "image_mean": [float(m) for m in data["mean"]], "image_std": [float(s) for s in data["std"]]}
+            "image_mean": [float(m) for m in data["mean"]], "image_std": [float(s) for s in data["std"]],
+            **{k: data[k] for k in ("eval_crop", "interpolation") if k in data}}
 
 
 def _images(images, what: str) -> torch.Tensor:

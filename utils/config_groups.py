@@ -68,8 +68,12 @@ class DataConfig(Group):
                                           "image's area")
     crop_ratio: tuple[float, float] = opt((0.75, 4 / 3), "--augment resized-crop: the range of the crop's aspect "
                                           "ratio (width / height), drawn log-uniform")
-    eval_crop: float = opt(0.875, "--augment resized-crop: evaluate on the centre S x S of each image resized to "
-                           "S / this on its shorter side")
+    eval_crop: float | None = opt(None, "--augment resized-crop: evaluate on the centre S x S of each image resized "
+                                  "to S / this on its shorter side; unset: a pretrained --model's crop fraction, "
+                                  "else 0.875")
+    interpolation: str | None = opt(None, "--augment resized-crop: the resize filter of its crops, in training and "
+                                    "evaluation; unset: a pretrained --model's, else bilinear",
+                                    ("bilinear", "bicubic"))
     mixup: float = opt(0.0, "mixup: blend each training image with another of its batch, lambda ~ Beta(A, A) (e.g. "
                        "0.2); drawn per image from the seed, epoch and image, as the crops; 0: off")
     cutmix: float = opt(0.0, "cutmix: paste a box of another image of the batch, of area 1 - lambda, lambda ~ Beta(A, "
@@ -101,7 +105,7 @@ class DataConfig(Group):
         if self.decode == "stream" and self.val_fraction is not None:
             raise UserError("--decode stream evaluates on the source's own test or validation shards; --val-fraction "
                             "holds rows out of a table, not of a stream.")
-        if not 0 < self.eval_crop <= 1:
+        if self.eval_crop is not None and not 0 < self.eval_crop <= 1:
             raise UserError(f"--eval-crop must be in (0, 1] (got {self.eval_crop:g}).")
         if self.image_size is not None and not 8 <= self.image_size <= 512:
             raise UserError(f"--image-size must be between 8 and 512 pixels (got {self.image_size}).")

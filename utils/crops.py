@@ -3,7 +3,7 @@ small-image crops of utils/batches.py are, so a sample is cropped the same way b
 decodes it, at any process count, before and after a resume:
   training    a random-resized crop (area a uniform share of the image in --crop-scale, aspect ratio log-uniform in
               --crop-ratio; torchvision's RandomResizedCrop sampling, its 10 tries and its centre-crop fallback),
-              resized (bilinear, antialiased) to S x S, and a horizontal flip with chance 1/2;
+              resized (--interpolation, antialiased) to S x S, and a horizontal flip with chance 1/2;
   evaluation  the image resized so its shorter side is int(S / --eval-crop), then its centre S x S.
 The draws are here; the pixels are torchvision.transforms.v2.functional's on the PIL image (the same operations as
 torchvision's RandomResizedCrop, RandomHorizontalFlip, Resize and CenterCrop), in the loader's workers
@@ -24,10 +24,16 @@ TRIES = 10  # torchvision's RandomResizedCrop: tries before its fallback
 
 @dataclass(frozen=True)
 class CropRecipe:
-    """--crop-scale, --crop-ratio and --eval-crop (the size: --image-size)."""
+    """--crop-scale, --crop-ratio, --eval-crop and --interpolation (the size: --image-size)."""
     scale: tuple[float, float] = (0.08, 1.0)
     ratio: tuple[float, float] = (3 / 4, 4 / 3)
     eval_crop: float = 0.875
+    interpolation: str = "bilinear"  # or "bicubic": torchvision's InterpolationMode by name
+
+    def resize(self, im, size):  # torchvision's resize of a PIL image (antialiased, as PIL always is)
+        import torchvision.transforms.v2.functional as TF
+
+        return TF.resize(im, size, interpolation=TF.InterpolationMode(self.interpolation), antialias=True)
 
 
 def resized_crop_draws(seed: int, epoch: int, indices, sizes, recipe: CropRecipe) -> tuple[np.ndarray, np.ndarray]:
@@ -67,19 +73,19 @@ def centre_fallback(width: int, height: int, ratio: tuple[float, float]) -> tupl
     return (height - h) // 2, (width - w) // 2, h, w
 
 
-def train_view(im, box, mirrored: bool, size: int) -> np.ndarray:
+def train_view(im, box, mirrored: bool, size: int, recipe: CropRecipe) -> np.ndarray:
     """The training crop of an RGB PIL image: box (top, left, height, width) resized to size x size, mirrored if
     drawn so; (S, S, 3) uint8."""
     import torchvision.transforms.v2.functional as TF
 
-    im = TF.resized_crop(im, *map(int, box), [size, size], interpolation=TF.InterpolationMode.BILINEAR,
-                         antialias=True)
+    im = recipe.resize(TF.crop(im, *map(int, box)), [size, size])
     return np.asarray(TF.horizontal_flip(im) if mirrored else im)
 
 
 def eval_view(im, size: int, recipe: CropRecipe) -> np.ndarray:
-    """The evaluation view of an RGB PIL image: shorter side resized to int(S / eval_crop), then the centre S x S."""
+    """The evaluation view of an RGB PIL image: shorter side resized to int(S / eval_crop), then the centre S x S
+    (torchvision's centre crop: an odd margin puts the extra pixel before the crop, as timm's transforms do;
+    transformers' image processors put it after)."""
     import torchvision.transforms.v2.functional as TF
 
-    im = TF.resize(im, [int(size / recipe.eval_crop)], interpolation=TF.InterpolationMode.BILINEAR, antialias=True)
-    return np.asarray(TF.center_crop(im, [size, size]))
+    return np.asarray(TF.center_crop(recipe.resize(im, [int(size / recipe.eval_crop)]), [size, size]))

@@ -1,6 +1,8 @@
-"""What a finished run leaves for whoever uses its weights: safetensors files of the full, unwrapped weights, and how
-to feed them (`preprocessor_config.json`, in the Hugging Face image processors' keys: the input size, the scaling to
-[0, 1] and the per-channel mean and std the model was trained with)."""
+"""What a finished run leaves for whoever uses its weights: safetensors files of the full, unwrapped weights; how to
+feed them (`preprocessor_config.json`, an image processor that transformers' AutoImageProcessor loads: the
+evaluation's resize and crop, the scaling to [0, 1] and the per-channel mean and std the model was trained with);
+and, for a model built by timm or transformers, the config.json that makes the run's folder a model folder of that
+library (utils/pretrained.py)."""
 
 from __future__ import annotations
 
@@ -13,13 +15,17 @@ from safetensors.torch import save_file
 
 from utils.batches import data_facts
 from utils.checkpoint import WRITE_ERRORS, raise_if_write_failed, write_error
+from utils.pretrained import RESAMPLE, library_config
 
 PREPROCESSOR_FILE = "preprocessor_config.json"
+LIBRARY_CONFIG = "config.json"  # a timm or transformers model's own config (none for the ready models)
+FILTER = {name: number for number, name in RESAMPLE.items()}  # "bicubic" -> PIL's 3, as image processors take it
 
 
 def export_model(accelerator, model, ema, data: dict, output_dir: str | Path) -> None:
-    """The end of a finished run (collective): model.safetensors, model_ema.safetensors (with --ema-decay) and
-    preprocessor_config.json (from `data`, utils.batches.checked_data's dict), in `output_dir`."""
+    """The end of a finished run (collective): model.safetensors, model_ema.safetensors (with --ema-decay),
+    preprocessor_config.json (from `data`, utils.batches.checked_data's dict) and, for a timm or transformers model,
+    its library's config.json, in `output_dir`."""
     output_dir = Path(output_dir)
     export_weights(accelerator, model, output_dir / "model.safetensors")
     if ema is not None:
@@ -27,17 +33,27 @@ def export_model(accelerator, model, ema, data: dict, output_dir: str | Path) ->
             export_weights(accelerator, model, output_dir / "model_ema.safetensors")
     if accelerator.is_main_process:
         (output_dir / PREPROCESSOR_FILE).write_text(json.dumps(preprocessing(data), indent=2) + "\n")
+        library = library_config(accelerator.unwrap_model(model, keep_torch_compile=False), data_facts(data))
+        if library is not None:
+            (output_dir / LIBRARY_CONFIG).write_text(json.dumps(library[1], indent=2) + "\n")
 
 
 def preprocessing(data: dict) -> dict:
-    """How an image becomes the model's input, in the keys of transformers' image processors: converted to RGB,
-    resized to S x S (bicubic: how the decoder resizes images of another size), scaled by 1/255, normalised with the
-    training images' per-channel mean and std, channels first. Training also crops and flips; evaluation does not."""
+    """How an image becomes the model's input, exactly as the run evaluated, as a transformers image processor
+    (AutoImageProcessor loads it): converted to RGB; resized to S x S (bicubic: how the decoder resizes images of
+    another size; ViTImageProcessor), or, for a resized-crop run, resized to int(S / eval_crop) on the shorter side
+    with its --interpolation and centre-cropped to S (CLIPImageProcessor); scaled by 1/255, normalised with the
+    run's per-channel mean and std, channels first. Training also crops and flips; evaluation does not."""
     facts = data_facts(data)  # the size, mean, std and classes as summary.json records them
     size = facts["image_size"]
-    return {"do_convert_rgb": True, "do_resize": True, "size": {"height": size, "width": size},
-            "resample": 3,  # PIL.Image.Resampling.BICUBIC
-            "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+    if "eval_crop" in facts:
+        view = {"image_processor_type": "CLIPImageProcessor", "do_resize": True,
+                "size": {"shortest_edge": int(size / facts["eval_crop"])}, "do_center_crop": True,
+                "crop_size": {"height": size, "width": size}, "resample": FILTER[facts["interpolation"]]}
+    else:
+        view = {"image_processor_type": "ViTImageProcessor", "do_resize": True, "size": {"height": size, "width": size},
+                "resample": FILTER["bicubic"]}
+    return {**view, "do_convert_rgb": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
             "image_mean": facts["image_mean"], "image_std": facts["image_std"], "data_format": "channels_first",
             "num_classes": len(facts["classes"]), "classes": facts["classes"]}
 

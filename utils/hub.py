@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from utils import UserError, first_line
 from utils.config_groups import BUILT_IN, REPO_ID
-from utils.export import PREPROCESSOR_FILE
+from utils.export import LIBRARY_CONFIG, PREPROCESSOR_FILE
 from utils.launch import first_on_each_machine, raise_if_any
 from utils.scripts import sha256
 
@@ -184,16 +184,16 @@ def push_to_hub(repo_id: str | None, accelerator, output_dir: str, summary: dict
 
 def hub_folder(output_dir: Path, summary: dict, repo_id: str) -> Path:
     """<output-dir>/hub, what --push-to-hub uploads: model.safetensors (and best.safetensors) linked from the run's
-    exports, summary.json, preprocessor_config.json (how to feed the model), config.json (the run's flags), the
-    training script that built the weights (under its recorded name, when its sha256 still matches) and README.md,
-    the model card."""
+    exports, summary.json, preprocessor_config.json (how to feed the model), config.json (a timm or transformers
+    model's own, so its library loads the repo; else the run's flags), the training script that built the weights
+    (under its recorded name, when its sha256 still matches) and README.md, the model card."""
     folder = output_dir / HUB_FOLDER
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir()
     script = summary.get("script") or {}
     trained_by = (output_dir / script["path"]).resolve() if script else None
     files = {name: output_dir / name for name in ("model.safetensors", "best.safetensors", "summary.json",
-                                                  PREPROCESSOR_FILE)}
+                                                  PREPROCESSOR_FILE, LIBRARY_CONFIG)}
     if trained_by is not None and trained_by.is_file() and sha256(trained_by) == script["sha256"]:
         files[script["name"]] = trained_by
     for name, source in files.items():
@@ -202,7 +202,8 @@ def hub_folder(output_dir: Path, summary: dict, repo_id: str) -> Path:
                 os.link(source, folder / name)
             except OSError:  # a filesystem without hard links, or another one
                 shutil.copy2(source, folder / name)
-    (folder / "config.json").write_text(json.dumps(summary["config"], indent=2) + "\n")
+    if not (folder / LIBRARY_CONFIG).exists():
+        (folder / LIBRARY_CONFIG).write_text(json.dumps(summary["config"], indent=2) + "\n")
     (folder / "README.md").write_text(model_card(summary, repo_id))
     return folder
 

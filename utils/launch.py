@@ -106,8 +106,20 @@ def choose_fsdp_units(accelerator, plugin: FullyShardedDataParallelPlugin | None
                         f"not have: delete fsdp_transformer_layer_cls_to_wrap from the YAML (the model's "
                         f"_no_split_modules then decides), or name a class of your model there (docs/customizing.md).")
     where = "the launch config's fsdp_transformer_layer_cls_to_wrap" if named else "the model's _no_split_modules"
-    units = fsdp_units(model, lambda m: type(m).__name__ in classes)
-    accelerator.print(f"FSDP units: {units} ({where}), then the whole model")
+    # Accelerate also makes a transformers model's input embeddings (get_input_embeddings()) a unit of their own,
+    # after the blocks: a block class that holds them (ViT's ViTEmbeddings) would shard them twice, which torch
+    # refuses, so such a class is left to the whole model.
+    embeddings = getattr(model, "get_input_embeddings", lambda: None)()
+    holders = {type(m).__name__ for m in model.modules()
+               if embeddings is not None and m is not embeddings and any(c is embeddings for c in m.modules())}
+    kept = [name for name in classes if name not in holders]
+    if len(kept) < len(classes):
+        plugin.transformer_cls_names_to_wrap = kept
+        where += f"; not {', '.join(sorted(set(classes) - set(kept)))}, which holds the input embeddings"
+    units = fsdp_units(model, lambda m: type(m).__name__ in kept)
+    extra = (f", then Accelerate's units for a transformers model: its input embeddings ({type(embeddings).__name__}) "
+             f"and final norm, if any" if embeddings is not None else "")
+    accelerator.print(f"FSDP units: {units} ({where}){extra}, then the whole model")
 
 
 def fsdp_units(model: torch.nn.Module, policy) -> str:

@@ -12,6 +12,7 @@ import torch.nn as nn
 import torchvision
 
 from utils import UserError
+from utils.pretrained import pretrained_model
 
 MODELS = ("resnet18", "resnet18_imagenet", "resnet9", "resnet8")
 # ViT presets for 32 x 32 images, patch 4 (64 patches + the class token): (layers, heads, hidden width, MLP width).
@@ -23,7 +24,11 @@ VITS = {"vit_micro": (2, 2, 64, 128), "vit_tiny": (12, 3, 192, 768), "vit_s": (1
 def named_model(name: str, num_classes: int = 10, image_size: int = 32) -> nn.Module:
     """A ready model by name: torchvision's ResNet-18; 'resnet18' swaps the ImageNet stem (7x7 stride-2 conv +
     max-pool, which shrinks 32x32 inputs to 8x8 before the first block) for a 3x3 stride-1 conv; or 'resnet9' or
-    'resnet8' (below). A name in VITS: vit() below, for image_size x image_size inputs (the ResNets take any size)."""
+    'resnet8' (below). A name in VITS: vit() below, for image_size x image_size inputs (the ResNets take any size).
+    Any other name: a pretrained timm or transformers model (timm:NAME, a model folder or a Hub id), built by its
+    library with a fresh head for num_classes (utils/pretrained.py)."""
+    if name not in MODELS and name not in VITS:
+        return pretrained_model(name, num_classes)
     if name in VITS:
         return vit(name, num_classes, image_size)
     own = {"resnet9": resnet9, "resnet8": ResNet8}  # the rest are torchvision's resnet18

@@ -76,7 +76,7 @@ class DecodingDataset(torch.utils.data.Dataset):
                                                  recipe)
         for k, im in enumerate(opened):
             if cropped_here:
-                view = partial(train_view, box=boxes[k], mirrored=bool(mirrored[k]), size=size)
+                view = partial(train_view, box=boxes[k], mirrored=bool(mirrored[k]), size=size, recipe=recipe)
             else:
                 view = partial(eval_view, size=size, recipe=recipe) if recipe else partial(square_pixels, size=size)
             out[k] = row_pixels(rows, int(host[k]), im, view)
@@ -116,7 +116,8 @@ def load_encoded(data_dir: str | None, dataset: str | None = None, image_size: i
                        for i, s in enumerate(sample.fetch(range(len(sample))))])
     mean, std = channel_stats(torch.from_numpy(pixels).permute(0, 3, 1, 2))
     data = {s: (EncodedImages(rows[s], size, recipe, workers), rows[s].labels) for s in SPLITS}
-    return data | {"classes": classes, "mean": mean, "std": std, "dataset": description}
+    view = {"eval_crop": recipe.eval_crop, "interpolation": recipe.interpolation} if recipe else {}  # how it evaluates
+    return data | {"classes": classes, "mean": mean, "std": std, "dataset": description} | view
 
 
 def load_builtin(cfg) -> dict:
@@ -130,7 +131,8 @@ def load_builtin(cfg) -> dict:
     if decode == "cache":
         return load_source(cfg.data_dir, dataset, cfg.image_size, columns, cfg.val_fraction, cfg.cache_dir,
                            cfg.decode_workers)
-    recipe = CropRecipe(cfg.crop_scale, cfg.crop_ratio, cfg.eval_crop) if cfg.augment == "resized-crop" else None
+    recipe = CropRecipe(cfg.crop_scale, cfg.crop_ratio, cfg.eval_crop or CropRecipe.eval_crop,  # unset: defaults
+                        cfg.interpolation or CropRecipe.interpolation) if cfg.augment == "resized-crop" else None
     stream = None
     if decode == "stream":
         local = cfg.data_dir if cfg.data_dir and not is_url(cfg.data_dir) else None

@@ -1,0 +1,229 @@
+"""Pretrained image classifiers of the two libraries people fine-tune them with, timm and transformers, as a
+template's model. A --model that is not one of the ready names (utils/models.py) is one of
+  timm:NAME    a timm architecture by name (any name timm.list_models() knows), freshly initialised;
+  FOLDER       a model folder in the Hub layout, written by timm (`timm.models.save_for_hf`: config.json with its
+               'architecture' and 'pretrained_cfg', model.safetensors) or by transformers (`save_pretrained`:
+               config.json with its 'model_type', model.safetensors, maybe preprocessor_config.json);
+  OWNER/NAME   a Hub model repo of either layout, downloaded through huggingface_hub's cache (each machine's first
+               process downloads; HF_HUB_OFFLINE=1 works with a filled cache), then read as a FOLDER.
+The libraries do the work: they build the architecture, load the weights, replace the classifier for the data's
+classes (timm's num_classes, transformers' num_labels) and say how the model's inputs were prepared (timm's
+pretrained_cfg through resolve_data_config, transformers' AutoImageProcessor). Here is only which library, the one
+line that says which tensors are new, and the config.json that hands a finished run back to its library.
+The libraries are imported only when such a model is asked for."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from utils import UserError, first_line
+from utils.config_groups import REPO_ID
+
+TIMM = "timm:"  # --model timm:NAME: a timm architecture, no weights
+HUB_FILES = ["config.json", "preprocessor_config.json", "model.safetensors"]  # what a Hub model repo is read for
+RESAMPLE = {2: "bilinear", 3: "bicubic"}  # PIL's filter numbers (transformers' `resample`) -> the --interpolation
+
+
+@dataclass(frozen=True)
+class Pretrained:
+    """Where a pretrained --model comes from: the library that reads it, the folder it is read from (None for
+    timm:NAME), and its config.json."""
+    name: str  # --model as given
+    library: str  # "timm" or "transformers"
+    folder: Path | None
+    config: dict
+
+    @property
+    def weights(self) -> bool:
+        return self.folder is not None
+
+
+def is_pretrained(model: str) -> bool:
+    """Whether --model names a pretrained source (timm:NAME, a folder or a Hub id) rather than a ready model."""
+    return model.startswith(TIMM) or Path(model).is_dir() or bool(REPO_ID.fullmatch(model.split("@")[0]))
+
+
+def pretrained_source(model: str, download: bool = True) -> Pretrained:
+    """The library and folder of a pretrained --model (see the module's docstring); one line when it is neither
+    layout, not a timm architecture, not an image classifier, or a Hub repo that cannot be had."""
+    if model.startswith(TIMM):
+        import timm
+
+        name = model[len(TIMM):]
+        if not timm.is_model(name):
+            raise UserError(f"--model {model}: timm has no architecture {name!r} (timm.list_models() lists them).")
+        return Pretrained(model, "timm", None, {})
+    folder = Path(model) if Path(model).is_dir() else hub_snapshot(model) if download else None
+    if folder is None:
+        raise UserError(f"--model {model}: no such folder.")
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"--model {model}: {folder} is not a timm or transformers model folder (its config.json: "
+                        f"{first_line(e)}).") from None
+    if isinstance(config, dict) and "architecture" in config and "pretrained_cfg" in config:
+        return Pretrained(model, "timm", folder, config)
+    if isinstance(config, dict) and "model_type" in config:
+        check_image_classifier(model, folder)
+        return Pretrained(model, "transformers", folder, config)
+    raise UserError(f"--model {model}: {folder}/config.json is neither a timm model's (architecture, pretrained_cfg) "
+                    f"nor a transformers model's (model_type).")
+
+
+def hub_snapshot(repo: str) -> Path:
+    """The Hub model repo `repo` (owner/name[@revision]) as a folder of huggingface_hub's cache: its config,
+    image processor and weights (downloaded unless cached; offline, the cached copy)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError
+
+    name, _, revision = repo.partition("@")
+    try:
+        return Path(snapshot_download(name, revision=revision or None, allow_patterns=HUB_FILES))
+    except (OSError, HfHubHTTPError, ValueError) as e:  # LocalEntryNotFoundError (offline, not cached) is an OSError
+        raise UserError(f"--model {repo}: neither a folder nor a Hub model repo that can be had here "
+                        f"({first_line(e)}).") from None
+
+
+def check_image_classifier(model: str, folder: Path) -> None:
+    from transformers import MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING, AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError(f"--model {model}: transformers cannot read {folder}/config.json ({first_line(e)}).") from None
+    if type(config) not in MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING:
+        raise UserError(f"--model {model} is a transformers {type(config).__name__[:-len('Config')]} model, not an "
+                        f"image classifier (AutoModelForImageClassification takes none of its kind).")
+
+
+# Preprocessing: from the model, flags win -----------------------------------------------------------------------
+def model_preprocessing(source: Pretrained) -> dict:
+    """How the pretrained model's inputs were prepared, as far as its library says: image_size, eval_crop (the
+    centre crop's share of the resized shorter side), interpolation, mean and std; absent keys: not said (a timm
+    architecture without weights says nothing: the data's own values hold)."""
+    if not source.weights:
+        return {}
+    if source.library == "timm":
+        from timm.data import resolve_data_config
+
+        c = resolve_data_config({}, pretrained_cfg=source.config["pretrained_cfg"])
+        return {"image_size": c["input_size"][-1], "eval_crop": c["crop_pct"], "interpolation": c["interpolation"],
+                "mean": tuple(c["mean"]), "std": tuple(c["std"])}
+    if not (source.folder / "preprocessor_config.json").is_file():
+        size = source.config.get("image_size")
+        return {"image_size": size} if isinstance(size, int) else {}
+    from transformers import AutoImageProcessor
+
+    p = AutoImageProcessor.from_pretrained(source.folder)
+    size, crop = dict(getattr(p, "size", None) or {}), dict(getattr(p, "crop_size", None) or {})
+    out = {"mean": tuple(p.image_mean), "std": tuple(p.image_std)} if getattr(p, "do_normalize", True) else {}
+    out["interpolation"] = RESAMPLE.get(int(getattr(p, "resample", 2) or 2), "bilinear")
+    if getattr(p, "do_center_crop", False) and crop.get("height") and size.get("shortest_edge"):
+        out |= {"image_size": crop["height"], "eval_crop": crop["height"] / size["shortest_edge"]}
+    elif size.get("shortest_edge") and getattr(p, "crop_pct", None):  # ConvNeXt's: resize to S / crop_pct, crop S
+        out |= {"image_size": size["shortest_edge"], "eval_crop": p.crop_pct}
+    elif size.get("height"):
+        out |= {"image_size": size["height"], "eval_crop": 1.0}
+    return out
+
+
+def apply_preprocessing(cfg, say) -> dict:
+    """For a pretrained --model: its input size becomes --image-size, and under --augment resized-crop its crop
+    fraction and interpolation --eval-crop and --interpolation, where those flags are unset; says which values and
+    from where (one line). Returns the
+    mean and std the model was trained with ({} when it says none, or for a ready model), which win over the
+    data's. A model of a fixed input size given another --image-size: one line."""
+    if not is_pretrained(cfg.model):
+        return {}
+    from utils.launch import first_on_each_machine
+
+    source = first_on_each_machine(lambda: pretrained_source(cfg.model))  # downloads a Hub repo once per machine
+    values = model_preprocessing(source)
+    if not values:
+        say(f"--model {cfg.model}: no pretrained preprocessing (no weights), the data's size, mean and std")
+        return {}
+    fixed = source.library == "timm" and source.config["pretrained_cfg"].get("fixed_input_size")
+    if fixed and cfg.image_size not in (None, values["image_size"]):
+        raise UserError(f"--model {cfg.model} takes {values['image_size']} x {values['image_size']} px images only "
+                        f"(timm's fixed_input_size); drop --image-size {cfg.image_size} or give that size.")
+    cropped = cfg.augment == "resized-crop"
+    taken, fields = [], ("image_size", "eval_crop", "interpolation") if cropped else ("image_size",)
+    for field in fields:
+        if field in values and getattr(cfg, field) is None:
+            setattr(cfg, field, values[field])
+            taken.append(f"--{field.replace('_', '-')} {values[field]:g}" if field != "interpolation"
+                         else f"--interpolation {values[field]}")
+    stats = {k: values[k] for k in ("mean", "std") if k in values}
+    shown = ", ".join(taken + [f"{k} ({', '.join(f'{v:.4f}' for v in stats[k])})" for k in stats]) or "nothing"
+    where = "timm's pretrained_cfg" if source.library == "timm" else "its image processor"
+    say(f"--model {cfg.model}: preprocessing from {where} in {source.folder}: {shown}; flags given win")
+    return stats if len(stats) == 2 else {}
+
+
+# Building ---------------------------------------------------------------------------------------------------------
+def pretrained_model(model: str, num_classes: int) -> torch.nn.Module:
+    """The model --model names (a timm or transformers model, see the module's docstring) with a fresh classifier
+    for `num_classes`, built by its library. A transformers model answers logits (a forward hook takes them out of
+    its output), so it fits a template's loop as it is. `new_tensors` on the model: the names of its freshly
+    initialised tensors (all of them without weights), which the optimizer may give another learning rate."""
+    from accelerate import PartialState
+
+    source = pretrained_source(model)
+    if source.library == "timm":
+        import timm
+
+        location = f"local-dir:{source.folder}" if source.weights else model[len(TIMM):]
+        built = timm.create_model(location, pretrained=source.weights, num_classes=num_classes)
+        classifier = built.pretrained_cfg.get("classifier") or ()
+        heads = [classifier] if isinstance(classifier, str) else list(classifier)
+        replaced = source.weights and built.pretrained_cfg.get("num_classes") != num_classes
+        new = [n for n in built.state_dict() if not source.weights or (replaced and n.rsplit(".", 1)[0] in heads)]
+    else:
+        from transformers import AutoModelForImageClassification
+        from transformers.utils import logging
+
+        logging.set_verbosity_error()  # its load report and progress bars: the line below says what matters
+        logging.disable_progress_bar()
+        built, info = AutoModelForImageClassification.from_pretrained(
+            source.folder, num_labels=num_classes, ignore_mismatched_sizes=True, output_loading_info=True)
+        new = sorted({*info["missing_keys"], *(k[0] for k in info["mismatched_keys"])})
+        built.register_forward_hook(lambda module, inputs, output: output.logits)
+    built.new_tensors = new
+    origin = source.folder or "timm, no weights"
+    PartialState().print(f"--model {model}: {source.library} {type(built).__name__} from {origin}; new, freshly "
+                         f"initialised: {', '.join(new[:4]) + (f' (+{len(new) - 4} more)' if len(new) > 4 else '')}"
+                         if new else f"--model {model}: {source.library} {type(built).__name__} from {origin}")
+    return built
+
+
+# Handing the result back -------------------------------------------------------------------------------------------
+def library_config(model: torch.nn.Module, facts: dict) -> tuple[str, dict] | None:
+    """The config.json that makes a run's folder (its model.safetensors beside it) a model folder of the library
+    that built `model` (unwrapped), with the run's classes and evaluation view: ("timm", timm's config, as
+    timm's save_for_hf writes it) or ("transformers", the model's config with id2label), or None for a model of
+    neither library. `facts`: utils.batches.data_facts of the run's data."""
+    classes = list(facts["classes"])
+    if hasattr(model, "pretrained_cfg") and hasattr(model, "default_cfg"):  # timm's models declare both
+        import tempfile
+
+        from timm.models._hub import save_config_for_hf  # what timm.models.save_for_hf writes, weights aside
+
+        size = facts["image_size"]
+        view = {"input_size": (3, size, size), "interpolation": facts.get("interpolation", "bicubic"),
+                "crop_pct": facts.get("eval_crop", 1.0), "crop_mode": "center",
+                "mean": tuple(facts["image_mean"]), "std": tuple(facts["image_std"])}
+        with tempfile.TemporaryDirectory() as tmp:
+            save_config_for_hf(model, f"{tmp}/config.json", model_config={"label_names": classes}, data_config=view)
+            return "timm", json.loads(Path(f"{tmp}/config.json").read_text())
+    transformers = sys.modules.get("transformers")  # a transformers model imported it; no import for others
+    if transformers is not None and isinstance(model, transformers.PreTrainedModel):
+        config = copy.deepcopy(model.config)
+        config.id2label, config.label2id = dict(enumerate(classes)), {c: i for i, c in enumerate(classes)}
+        return "transformers", json.loads(config.to_json_string(use_diff=False))
+    return None
