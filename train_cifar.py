@@ -143,12 +143,13 @@ RECIPES = {
     # ResNet-18 (CIFAR stem): a standard cosine schedule with label smoothing and test-time flip.
     "resnet18": dict(model="resnet18", epochs=60, batch_size=256, lr=0.2, weight_decay=5e-4, label_smoothing=0.1,
                      warmup_epochs=2, tta_flip=True, channels_last=True, compile=True, data_on_device=True),
-    # Fine-tuning a pretrained --model: AdamW with weight decay 0.05 and label smoothing 0.1 (the DeiT and ConvNeXt
-    # fine-tuning settings), random-resized crops at the model's own input size (--image-size unset), the pretrained
-    # tensors at a tenth of the new head's lr (as DETR trains its backbone), a short warmup. The lr and epochs are
-    # ours; measured on CPU against training from scratch: docs/performance.md ("Fine-tuning").
-    "finetune": dict(optimizer="adamw", lr=1e-3, backbone_lr_factor=0.1, weight_decay=0.05, label_smoothing=0.1,
-                     warmup_epochs=0.5, epochs=10, batch_size=64, augment="resized-crop", grad_clip=1.0),
+    # Fine-tuning a pretrained --model: AdamW with weight decay 0.05 and label smoothing 0.1 (the literature's: the
+    # DeiT and ConvNeXt fine-tuning settings), random-resized crops at the model's own input size (--image-size
+    # unset), a short warmup. The lr, epochs and batch are ours. The backbone trains at the head's lr
+    # (--backbone-lr-factor 1): measured against 0.1 and 0.3 and training from scratch, mean of 3 seeds,
+    # docs/performance.md ("Fine-tuning a pretrained timm model").
+    "finetune": dict(optimizer="adamw", lr=1e-3, weight_decay=0.05, label_smoothing=0.1, warmup_epochs=0.5,
+                     epochs=10, batch_size=64, augment="resized-crop", grad_clip=1.0),
 }
 
 

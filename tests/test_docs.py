@@ -528,8 +528,9 @@ def test_the_checkers_catch_a_renamed_flag_a_wrong_default_a_bad_command_a_missi
                                               "train_cifar.py"])
     assert "rejects" in check_command(["python", "compare_runs.py"])  # its runs argument is required
     assert "rejects" in check_command(["sbatch", "slurm/train_1node.sbatch", "--epoch-count", "3"])
-    assert check_command(["SCRIPT=train_vit.py", "sbatch", "slurm/train_1node.sbatch", "--model", "vit_b"]) is None
-    assert "rejects" in check_command(["sbatch", "slurm/train_1node.sbatch", "--model", "vit_b"])
+    assert check_command(["SCRIPT=train_vit.py", "sbatch", "slurm/train_1node.sbatch", "--activation-checkpointing"]) \
+        is None
+    assert "rejects" in check_command(["sbatch", "slurm/train_1node.sbatch", "--activation-checkpointing"])
 
     assert "test_two_ranks_match_one_rank_weights" in defined_tests()
     assert "test_a_test_nobody_wrote" not in defined_tests()

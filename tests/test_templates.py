@@ -51,6 +51,11 @@ ALLOWED = [
     (["check_world(accelerator, fsdp_asked=fsdp is not None, sync_bn=cfg.sync_bn)"],
      ["check_world(accelerator, fsdp_asked=fsdp is not None)"],
      "the ViT has no BatchNorm, so no --sync-bn"),
+    (["model_stats = apply_preprocessing(cfg, accelerator.print)"], [],
+     "train_cifar.py fine-tunes pretrained timm and transformers models, whose preprocessing it takes; train_vit.py "
+     "trains its own ViTs"),
+    (["data = checked_data(load_data(cfg) | model_stats)"], ["data = checked_data(load_data(cfg))"],
+     "a pretrained model's mean and std win over the data's (train_cifar.py only, as above)"),
     (["model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) if cfg.sync_bn else model"], [],
      "the ResNet may convert its BatchNorms to SyncBatchNorm; the ViT has none"),
     (["channels_last = cfg.channels_last and fsdp is None",

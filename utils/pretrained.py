@@ -24,6 +24,7 @@ import torch
 
 from utils import UserError, first_line
 from utils.config_groups import REPO_ID
+from utils.launch import first_on_each_machine
 
 TIMM = "timm:"  # --model timm:NAME: a timm architecture, no weights
 HUB_FILES = ["config.json", "preprocessor_config.json", "model.safetensors"]  # what a Hub model repo is read for
@@ -141,8 +142,6 @@ def apply_preprocessing(cfg, say) -> dict:
     data's. A model of a fixed input size given another --image-size: one line."""
     if not is_pretrained(cfg.model):
         return {}
-    from utils.launch import first_on_each_machine
-
     source = first_on_each_machine(lambda: pretrained_source(cfg.model))  # downloads a Hub repo once per machine
     values = model_preprocessing(source)
     if not values:

@@ -1,0 +1,301 @@
+"""Pretrained timm and transformers models as train_cifar.py's --model (utils/pretrained.py): fine-tuned with what
+the template guarantees, and handed back to their library. The models are written inside the tests by timm
+(`save_for_hf`) and transformers (`save_pretrained`); no network. The fine-tuning task (bench/finetune_recipe.py
+builds it): CIFAR-10's ship and truck images, for a timm model trained here on the other 8 classes."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from conftest import (
+    CPU_YAML,
+    FSDP_CPU_YAML,
+    PROBE,
+    assert_same_parameters,
+    assert_same_state,
+    read_summary,
+    run_train,
+    script_env,
+    start,
+    write_upscaled_cifar,
+)
+from PIL import Image
+from test_checkpoint import _kill_after_checkpoint
+
+from bench.finetune_recipe import pretrain_timm, write_ship_truck
+
+TWO_RANKS, ONE_PROCESS, FSDP = ["--config_file", str(CPU_YAML)], ["--num_processes", "1"], ["--config_file",
+                                                                                           str(FSDP_CPU_YAML)]
+# The fine-tuning job: --recipe finetune (AdamW, label smoothing) on 512 ship and truck images, global batch 32 -> 16
+# steps per epoch, 2 epochs, a checkpoint every 8 steps; plain crops (the cache path)
+FINETUNE = ["--recipe", "finetune", "--augment", "standard", "--train-subset", "512", "--batch-size", "16",
+            "--global-batch-size", "32", "--epochs", "2", "--checkpoint-every-steps", "8", "--deterministic",
+            "--tracker", "none", "--log-every", "1", "--no-channels-last"]
+
+
+def write_vit(folder: Path, image_size: int = 32) -> Path:
+    """A small transformers ViT (4 layers, width 64, patch 4, 8 classes) and its ViTImageProcessor (32 px, mean
+    0.5, std 0.25), written by save_pretrained."""
+    from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
+
+    torch.manual_seed(0)
+    config = ViTConfig(image_size=image_size, patch_size=4, hidden_size=64, num_hidden_layers=4, num_attention_heads=2,
+                       intermediate_size=128, num_labels=8)
+    ViTForImageClassification(config).save_pretrained(folder)
+    ViTImageProcessor(size={"height": image_size, "width": image_size}, image_mean=[0.5] * 3,
+                      image_std=[0.25] * 3).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def sources(cifar_dir, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("pretrained")
+    pretrain_timm(cifar_dir, root / "timm8")
+    return {"timm": root / "timm8", "vit": write_vit(root / "vit8"), "data": write_ship_truck(cifar_dir, root / "two"),
+            "root": root}
+
+
+def job(sources, out: Path, model, *extra) -> list[str]:
+    return ["--data-dir", str(sources["data"]), "--cache-dir", str(sources["root"] / "cache"), "--output-dir",
+            str(out), "--model", str(model), *extra]
+
+
+@pytest.fixture(scope="module")
+def timm_runs(sources) -> dict[str, Path]:
+    """The fine-tuning job from the timm folder on 2 ranks and on 1 process, and the same architecture from scratch
+    (timm:test_resnet) on 2 ranks; each run's stdout in <run>/stdout.txt."""
+    runs = {}
+    for name, model, launch in (("fine", sources["timm"], TWO_RANKS), ("one", sources["timm"], ONE_PROCESS),
+                                ("scratch", "timm:test_resnet", TWO_RANKS)):
+        runs[name] = sources["root"] / name
+        result = run_train(job(sources, runs[name], model, *FINETUNE), launch=launch, script=PROBE)
+        assert result.returncode == 0, result.stderr[-4000:]
+        (runs[name] / "stdout.txt").write_text(result.stdout)
+    return runs
+
+
+def test_a_timm_folder_fine_tuned_on_two_ranks_learns_better_than_its_architecture_from_scratch(timm_runs):
+    """A timm model trained on 8 CIFAR-10 classes, fine-tuned on ship vs truck (512 images, 32 steps, 2 ranks,
+    --recipe finetune), reaches at least 8 points more top-1 on the 2,000 test images than the same architecture
+    from scratch with the same flags; its head is new (2 classes for the source's 8), the rest loaded."""
+    fine, scratch = read_summary(timm_runs["fine"]), read_summary(timm_runs["scratch"])
+    assert fine["eval_examples"] == scratch["eval_examples"] == 2000 and fine["global_step"] == 32
+    assert fine["eval_top1"] >= scratch["eval_top1"] + 8, (fine["eval_top1"], scratch["eval_top1"])
+    said = (timm_runs["fine"] / "stdout.txt").read_text()
+    assert f"--model {timm_runs['fine'].parent / 'timm8'}: timm ResNet from" in said
+    assert "new, freshly initialised: fc.weight, fc.bias" in said
+    assert "preprocessing from timm's pretrained_cfg" in said and "--image-size 32, mean (0.5000" in said
+    assert fine["image_mean"] == [0.5] * 3 and fine["image_std"] == [0.5] * 3  # the model's, not the data's
+    assert fine["config"]["optimizer"] == "adamw" and fine["config"]["label_smoothing"] == 0.1  # the recipe's
+
+
+def test_fine_tuning_a_timm_folder_on_two_ranks_matches_one_process_bitwise(timm_runs):
+    """With --deterministic, the fine-tuning job on 2 gloo ranks ends with the trainable parameters of the same job on
+    1 process (2 accumulation steps), bitwise."""
+    assert read_summary(timm_runs["one"])["world_size"] == 1
+    assert_same_parameters(timm_runs["fine"], timm_runs["one"])
+
+
+def test_a_fine_tuning_job_killed_at_a_checkpoint_resumes_to_the_uninterrupted_weights(sources, timm_runs):
+    """kill -9 of the 2-rank fine-tuning job after its step-8 checkpoint, then --resume auto on 2 ranks: the exported
+    weights (BatchNorm statistics included) equal the uninterrupted run's bitwise."""
+    out = sources["root"] / "killed"
+    proc = start(job(sources, out, sources["timm"], *FINETUNE), TWO_RANKS, script=PROBE)
+    _kill_after_checkpoint(out, proc, 8)
+    result = run_train(job(sources, out, sources["timm"], *FINETUNE, "--resume", "auto"), launch=TWO_RANKS,
+                       script=PROBE)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert read_summary(out)["resumed_from"] is not None
+    assert_same_state(out / "model.safetensors", timm_runs["fine"] / "model.safetensors")
+
+
+def test_the_exported_timm_run_loads_in_timm_and_its_own_transforms_reproduce_the_reported_top1(sources, timm_runs):
+    """A fine-tuned timm run's folder loads with timm.create_model("local-dir:RUN", pretrained=True) (2 classes,
+    named), and timm's resolve_data_config + create_transform on the 2,000 test images give the run's reported top-1
+    to 0.1 points (2 images)."""
+    import timm
+    from timm.data import create_transform, resolve_data_config
+
+    run = timm_runs["fine"]
+    model = timm.create_model(f"local-dir:{run}", pretrained=True).eval()
+    assert model.num_classes == 2 and model.pretrained_cfg["label_names"] == ["ship", "truck"]
+    transform = create_transform(**resolve_data_config({}, model=model))
+    table = pq.read_table(sources["data"] / "test-00000-of-00001.parquet")
+    images = [Image.open(io.BytesIO(cell["bytes"])).convert("RGB") for cell in table["img"].to_pylist()]
+    with torch.no_grad():
+        logits = torch.cat([model(torch.stack([transform(im) for im in images[i:i + 250]]))
+                            for i in range(0, len(images), 250)])
+    top1 = 100 * (logits.argmax(1) == torch.tensor(table["label"].to_pylist())).float().mean().item()
+    assert abs(top1 - read_summary(run)["eval_top1"]) <= 0.1, (top1, read_summary(run)["eval_top1"])
+
+
+@pytest.fixture(scope="module")
+def vit_fsdp_run(sources) -> tuple[Path, str]:
+    """The transformers ViT folder fine-tuned on ship vs truck under fsdp_cpu.yaml (2 ranks, 512 images, 1 epoch)."""
+    out = sources["root"] / "vit-fsdp"
+    result = run_train(job(sources, out, sources["vit"], "--train-subset", "512", "--batch-size", "16", "--epochs",
+                           "1", "--optimizer", "adamw", "--lr", "1e-3", "--tracker", "none"), launch=FSDP,
+                       script=PROBE)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return out, result.stdout
+
+
+def test_a_transformers_vit_under_fsdp_is_sharded_by_its_no_split_modules_half_on_each_rank(vit_fsdp_run):
+    """Under fsdp_cpu.yaml each of the 2 ranks stores between 45% and 55% of the ViT's parameters, and its 4
+    ViTLayer blocks (from its _no_split_modules) are FSDP units of their own."""
+    out, stdout = vit_fsdp_run
+    s = read_summary(out)
+    assert (s["world_size"], s["distributed_type"]) == (2, "FSDP")
+    ranks = [json.loads((out / f"probe-rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["local_numel"] + ranks[1]["local_numel"] == s["parameters"]
+    assert all(0.45 * s["parameters"] <= rank["local_numel"] <= 0.55 * s["parameters"] for rank in ranks)
+    assert all(rank["fsdp_units"].count("FSDPViTLayer") == 4 for rank in ranks)
+    assert "FSDP units: 4 ViTLayer (the model's _no_split_modules; not ViTEmbeddings" in stdout
+
+
+def test_the_exported_vit_run_loads_in_transformers_and_its_image_processor_reproduces_the_reported_top1(
+        sources, vit_fsdp_run):
+    """AutoModelForImageClassification and AutoImageProcessor load the FSDP run's folder (id2label: the data's
+    classes), and the processor's pixel values through the model give the run's reported top-1 on the 2,000 test
+    images to 0.1 points (2 images)."""
+    from transformers import AutoImageProcessor, AutoModelForImageClassification
+
+    out, _ = vit_fsdp_run
+    model = AutoModelForImageClassification.from_pretrained(out).eval()
+    processor = AutoImageProcessor.from_pretrained(out)
+    assert model.config.id2label == {0: "ship", 1: "truck"}
+    table = pq.read_table(sources["data"] / "test-00000-of-00001.parquet")
+    images = [Image.open(io.BytesIO(cell["bytes"])).convert("RGB") for cell in table["img"].to_pylist()]
+    with torch.no_grad():
+        logits = torch.cat([model(**processor(images[i:i + 250], return_tensors="pt")).logits
+                            for i in range(0, len(images), 250)])
+    top1 = 100 * (logits.argmax(1) == torch.tensor(table["label"].to_pylist())).float().mean().item()
+    assert abs(top1 - read_summary(out)["eval_top1"]) <= 0.1, (top1, read_summary(out)["eval_top1"])
+
+
+@pytest.fixture(scope="module")
+def resized_crop_run(cifar_dir, sources) -> tuple[Path, Path]:
+    """resnet8 for 1 epoch under --augment resized-crop at 32 px with --interpolation bicubic and --eval-crop 0.8, on
+    upscaled CIFAR-10 images (96-128 px JPEGs; every third one not square)."""
+    data = write_upscaled_cifar(sources["root"] / "upscaled", cifar_dir, n_train=64, n_test=24)
+    out = sources["root"] / "resized-crop"
+    result = run_train(["--data-dir", str(data), "--output-dir", str(out), "--model", "resnet8", "--augment",
+                        "resized-crop", "--image-size", "32", "--interpolation", "bicubic", "--eval-crop", "0.8",
+                        "--batch-size", "16", "--epochs", "1", "--tracker", "none"])
+    assert result.returncode == 0, result.stderr[-4000:]
+    return data, out
+
+
+def expected_view(im: Image.Image, resize: int | None, size: int, mean, std) -> np.ndarray:
+    """torchvision's Resize (shorter side, antialiased) + CenterCrop, or none, then normalised: (S, S, 3) float."""
+    import torchvision.transforms as T
+
+    if resize is not None:
+        im = T.CenterCrop(size)(T.Resize(resize, interpolation=T.InterpolationMode.BICUBIC)(im))
+    return (np.asarray(im) / 255 - np.asarray(mean)) / np.asarray(std)
+
+
+@pytest.mark.parametrize("backend", ["pil", None])
+def test_auto_image_processor_loads_a_runs_preprocessor_config_and_gives_its_evaluation_view(
+        timm_runs, resized_crop_run, sources, backend):
+    """AutoImageProcessor loads preprocessor_config.json of a plain CIFAR run (32 px as decoded) and of a
+    resized-crop run (shorter side to int(32 / 0.8) = 40, bicubic, centre 32 x 32), and its pixel values equal the
+    run's evaluation view (torchvision's Resize + CenterCrop, normalised with the run's mean and std): within 1e-4 of
+    a 0-255 level with backend="pil", within 1 level with the default torchvision backend; square images (on an
+    odd margin, the centre crop's offsets of torchvision and transformers differ by a pixel)."""
+    from transformers import AutoImageProcessor
+
+    options = {"backend": backend} if backend else {}
+    upscaled, cropped = resized_crop_run
+    cases = [(timm_runs["fine"], sorted((sources["data"] / "..").glob("two/test-*.parquet"))[0], None),
+             (cropped, None, 40)]
+    for run, parquet, resize in cases:
+        s = read_summary(run)
+        processor = AutoImageProcessor.from_pretrained(run, **options)
+        if parquet is not None:
+            images = [Image.open(io.BytesIO(cell["bytes"])).convert("RGB")
+                      for cell in pq.read_table(parquet)["img"].to_pylist()[:20]]
+        else:
+            images = [Image.open(p).convert("RGB") for p in sorted(upscaled.glob("test/*/*.jpg"))]
+            images = [im for im in images if im.size[0] == im.size[1]]
+        assert len(images) >= 10
+        for im in images:
+            got = processor(im, return_tensors="pt")["pixel_values"][0].numpy().transpose(1, 2, 0)
+            want = expected_view(im, resize, 32, s["image_mean"], s["image_std"])
+            levels = np.abs(got - want) * np.asarray(s["image_std"]) * 255
+            assert levels.max() <= (1e-4 if backend == "pil" else 1.0), (run.name, levels.max())
+
+
+# Bad input: one line, exit 2, nothing written --------------------------------------------------------------
+def write_folder(folder: Path, config: str | None) -> Path:
+    folder.mkdir()
+    if config is not None:
+        (folder / "config.json").write_text(config)
+    return folder
+
+
+def write_bert(folder: Path) -> Path:
+    from transformers import BertConfig, BertModel
+
+    BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                         vocab_size=100)).save_pretrained(folder)
+    return folder
+
+
+def write_fixed_size_timm(folder: Path) -> Path:
+    import timm
+    from timm.models import save_for_hf
+
+    save_for_hf(timm.create_model("test_vit", img_size=32, num_classes=8), str(folder), safe_serialization=True,
+                data_config={"input_size": (3, 32, 32)})
+    return folder
+
+
+@pytest.mark.parametrize(("make", "extra", "env", "message"), [
+    (lambda root: write_folder(root / "empty", None), [], {},
+     "is not a timm or transformers model folder (its config.json: FileNotFoundError"),
+    (lambda root: write_folder(root / "other", '{"a": 1}'), [], {},
+     "config.json is neither a timm model's (architecture, pretrained_cfg) nor a transformers model's"),
+    (lambda root: "acme/not-cached", [], {"HF_HUB_OFFLINE": "1"},
+     "--model acme/not-cached: neither a folder nor a Hub model repo that can be had here"),
+    (lambda root: write_fixed_size_timm(root / "fixed"), ["--image-size", "48"], {},
+     "takes 32 x 32 px images only (timm's fixed_input_size); drop --image-size 48 or give that size."),
+    (lambda root: write_vit(root / "vit32"), ["--image-size", "48"], {},
+     "does not take the data's 48 x 48 px images (ValueError: Input image size (48*48) doesn't match model (32*32)"),
+    (lambda root: write_bert(root / "bert"), [], {},
+     "is a transformers Bert model, not an image classifier (AutoModelForImageClassification takes none of its kind)"),
+    (lambda root: "timm:no_such_net", [], {}, "--model timm:no_such_net: timm has no architecture 'no_such_net'"),
+])
+def test_a_bad_pretrained_model_stops_with_one_line_and_writes_nothing(sources, tmp_path, make, extra, env, message):
+    model = make(tmp_path)
+    out = tmp_path / "out"
+    result = run_train(job(sources, out, model, "--train-subset", "64", "--epochs", "1", "--tracker", "none", *extra),
+                       env=script_env(HF_HUB_CACHE=str(tmp_path / "hub"), **env))
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert "Traceback" not in result.stderr and message in lines[-1], lines[-5:]
+    assert not out.exists() or not [p for p in out.rglob("*") if p.is_file()]
+
+
+def test_a_hub_model_id_in_a_filled_cache_fine_tunes_offline(sources, tmp_path):
+    """A Hub model repo id whose files huggingface_hub's cache holds (its layout: models--OWNER--NAME/snapshots/REV,
+    refs/main) trains with HF_HUB_OFFLINE=1: the model is read from the cached snapshot."""
+    cache = tmp_path / "hub"
+    revision = "0" * 40
+    snapshot = cache / "models--acme--tiny-vit" / "snapshots" / revision
+    shutil.copytree(sources["vit"], snapshot)
+    (cache / "models--acme--tiny-vit" / "refs").mkdir()
+    (cache / "models--acme--tiny-vit" / "refs" / "main").write_text(revision)
+    out = tmp_path / "out"
+    result = run_train(job(sources, out, "acme/tiny-vit", "--train-subset", "64", "--epochs", "1", "--tracker",
+                           "none"), env=script_env(HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"--model acme/tiny-vit: transformers ViTForImageClassification from {snapshot}" in result.stdout
+    assert read_summary(out)["eval_examples"] == 2000
