@@ -175,7 +175,8 @@ def prepare(self, *objects, **kwargs):
             forwards["eval_started"] = False
 
     inner.register_forward_pre_hook(count_forward)
-    inner.fc.register_forward_hook(lambda m, a, o: rec["fc_dtypes"].append(str(o.dtype)) if m.training else None)
+    classifier = [m for m in inner.modules() if isinstance(m, torch.nn.Linear)][-1]  # fc of the ResNets
+    classifier.register_forward_hook(lambda m, a, o: rec["fc_dtypes"].append(str(o.dtype)) if m.training else None)
     ddp = getattr(wrapped, "_orig_mod", wrapped)  # Accelerate compiles the DDP wrapper under a dynamo backend
     rec["compiled"] = ddp is not wrapped
     if isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
