@@ -295,3 +295,51 @@ def test_a_hub_model_id_in_a_filled_cache_fine_tunes_offline(sources, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"--model acme/tiny-vit: transformers ViTForImageClassification from {snapshot}" in result.stdout
     assert read_summary(out)["eval_examples"] == 2000
+
+
+# Units: no training job ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def small_timm(tmp_path_factory) -> Path:
+    """timm's test_resnet with 8 classes, saved by save_for_hf with a 40 px, bicubic, crop 0.9 preprocessing."""
+    import timm
+    from timm.models import save_for_hf
+
+    folder = tmp_path_factory.mktemp("small-timm") / "src"
+    save_for_hf(timm.create_model("test_resnet", num_classes=8), str(folder), safe_serialization=True, data_config={
+        "input_size": (3, 40, 40), "crop_pct": 0.9, "interpolation": "bicubic", "mean": (0.4,) * 3, "std": (0.2,) * 3})
+    return folder
+
+
+def test_flags_given_win_over_the_pretrained_models_preprocessing_and_the_rest_is_taken(small_timm):
+    """Under --augment resized-crop with --eval-crop 0.8 given, a timm folder's 40 px and bicubic become --image-size
+    and --interpolation, --eval-crop stays 0.8, and its mean and std (0.4, 0.2) are returned to replace the data's;
+    --image-size given wins too. One line says what was taken."""
+    import train_cifar
+    from utils.pretrained import apply_preprocessing
+
+    said = []
+    cfg = train_cifar.parse_config(["--model", str(small_timm), "--augment", "resized-crop", "--eval-crop", "0.8"])
+    assert apply_preprocessing(cfg, said.append) == {"mean": (0.4,) * 3, "std": (0.2,) * 3}
+    assert (cfg.image_size, cfg.eval_crop, cfg.interpolation) == (40, 0.8, "bicubic")
+    assert said == [f"--model {small_timm}: preprocessing from timm's pretrained_cfg in {small_timm}: --image-size "
+                    f"40, --interpolation bicubic, mean (0.4000, 0.4000, 0.4000), std (0.2000, 0.2000, 0.2000); flags "
+                    f"given win"]
+    cfg = train_cifar.parse_config(["--model", str(small_timm), "--image-size", "64"])
+    apply_preprocessing(cfg, said.append)
+    assert (cfg.image_size, cfg.eval_crop, cfg.interpolation) == (64, None, None)  # standard crops: size only
+
+
+def test_backbone_lr_factor_trains_the_new_head_at_lr_and_the_pretrained_tensors_at_lr_times_the_factor(small_timm):
+    """build_optimizer with --backbone-lr-factor 0.1 on a timm folder given 2 classes: the head (fc.weight, fc.bias,
+    new) is one group at lr, every other parameter a group at lr x 0.1, and the schedule keeps the ratio."""
+    import train_cifar
+
+    cfg = train_cifar.parse_config(["--model", str(small_timm), "--backbone-lr-factor", "0.1", "--optimizer", "adamw"])
+    model = train_cifar.build_model(cfg, 2)
+    assert model.new_tensors == ["fc.weight", "fc.bias"]
+    optimizer = train_cifar.build_optimizer(cfg, model, lr=1e-3)
+    names = {id(p): n for n, p in model.named_parameters()}
+    head, rest = ([names[id(p)] for p in group["params"]] for group in optimizer.param_groups)
+    assert head == ["fc.weight", "fc.bias"] and set(rest) == set(names.values()) - set(head)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5)
+    assert schedule.get_last_lr() == pytest.approx([5e-4, 5e-5])
