@@ -20,6 +20,7 @@ from conftest import (
     PROBE,
     assert_same_parameters,
     assert_same_state,
+    evaluate_weights,
     read_summary,
     run_train,
     script_env,
@@ -134,6 +135,26 @@ def test_the_exported_timm_run_loads_in_timm_and_its_own_transforms_reproduce_th
                             for i in range(0, len(images), 250)])
     top1 = 100 * (logits.argmax(1) == torch.tensor(table["label"].to_pylist())).float().mean().item()
     assert abs(top1 - read_summary(run)["eval_top1"]) <= 0.1, (top1, read_summary(run)["eval_top1"])
+
+
+def test_the_hub_folder_of_a_timm_run_loads_in_timm_and_evaluate_checkpoint_reproduces_its_top1(timm_runs):
+    """What --push-to-hub uploads from the timm run (<run>/hub) holds timm's config.json, not the run's flags, and
+    timm loads it with the run's weights; evaluate_checkpoint.py, given the run's model.safetensors, rebuilds the
+    model from the same timm folder, normalises as the run trained (mean and std 0.5) and reports the run's top-1."""
+    import timm
+    from safetensors.torch import load_file
+
+    from utils.hub import hub_folder
+
+    run = timm_runs["fine"]
+    s = read_summary(run)
+    folder = hub_folder(run, s, "me/fine-tuned")
+    assert json.loads((folder / "config.json").read_text())["architecture"] == "test_resnet"
+    model = timm.create_model(f"local-dir:{folder}", pretrained=True)
+    weights = load_file(run / "model.safetensors")
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+    result = evaluate_weights(run / "model.safetensors", "--batch-size", "250")
+    assert result["examples"] == 2000 and result["top1"] == s["eval_top1"], (result, s["eval_top1"])
 
 
 @pytest.fixture(scope="module")
@@ -343,3 +364,21 @@ def test_backbone_lr_factor_trains_the_new_head_at_lr_and_the_pretrained_tensors
     assert head == ["fc.weight", "fc.bias"] and set(rest) == set(names.values()) - set(head)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5)
     assert schedule.get_last_lr() == pytest.approx([5e-4, 5e-5])
+
+
+def test_a_timm_vit_under_fsdp_is_sharded_per_block_by_the_size_fallback():
+    """timm's models declare no _no_split_modules: for timm's 6-block test ViT the size fallback makes each of the 6
+    transformer blocks a unit of its own, and the start line names the classes and their counts."""
+    import types
+
+    import timm
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from utils.launch import choose_fsdp_units
+
+    model, said = timm.create_model("test_vit", num_classes=2), []
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap")
+    choose_fsdp_units(types.SimpleNamespace(print=said.append), plugin, model)
+    assert len(model.blocks) == 6 and getattr(model, "_no_split_modules", None) is None
+    assert said[0].startswith("FSDP units: ") and ", 6 Block, " in said[0], said
+    assert "which declares no _no_split_modules), then the whole model" in said[0]
