@@ -186,7 +186,7 @@ def build_optimizer(cfg: Config, model: torch.nn.Module, lr: float, fused: bool 
     kernel = {"fused": True} if fused else {"foreach": True}
     # a pretrained --model names its freshly initialised tensors (its new head; utils/pretrained.py): they train at
     # lr (the first group, the lr logged), its pretrained ones at lr x --backbone-lr-factor
-    new = set(getattr(model, "new_tensors", None) or [name for name, _ in model.named_parameters()])
+    new = set(getattr(model, "new_tensors", [name for name, _ in model.named_parameters()]))  # ready models: all new
     params = [{"params": [p for n, p in model.named_parameters() if n in new]},
               {"params": [p for n, p in model.named_parameters() if n not in new], "lr": lr * cfg.backbone_lr_factor}]
     params = [group for group in params if group["params"]]

@@ -352,7 +352,8 @@ def test_flags_given_win_over_the_pretrained_models_preprocessing_and_the_rest_i
 
 def test_backbone_lr_factor_trains_the_new_head_at_lr_and_the_pretrained_tensors_at_lr_times_the_factor(small_timm):
     """build_optimizer with --backbone-lr-factor 0.1 on a timm folder given 2 classes: the head (fc.weight, fc.bias,
-    new) is one group at lr, every other parameter a group at lr x 0.1, and the schedule keeps the ratio."""
+    new) is one group at lr, every other parameter a group at lr x 0.1, and the schedule keeps the ratio; given the
+    source's 8 classes, nothing is new and every parameter trains at lr x 0.1."""
     import train_cifar
 
     cfg = train_cifar.parse_config(["--model", str(small_timm), "--backbone-lr-factor", "0.1", "--optimizer", "adamw"])
@@ -364,6 +365,9 @@ def test_backbone_lr_factor_trains_the_new_head_at_lr_and_the_pretrained_tensors
     assert head == ["fc.weight", "fc.bias"] and set(rest) == set(names.values()) - set(head)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5)
     assert schedule.get_last_lr() == pytest.approx([5e-4, 5e-5])
+    same_classes = train_cifar.build_model(cfg, 8)  # the source's 8: its head is kept, nothing is new
+    assert same_classes.new_tensors == []
+    assert [g["lr"] for g in train_cifar.build_optimizer(cfg, same_classes, lr=1e-3).param_groups] == [1e-4]
 
 
 def test_a_timm_vit_under_fsdp_is_sharded_per_block_by_the_size_fallback():

@@ -27,7 +27,8 @@ from utils.config_groups import REPO_ID
 from utils.launch import first_on_each_machine
 
 TIMM = "timm:"  # --model timm:NAME: a timm architecture, no weights
-HUB_FILES = ["config.json", "preprocessor_config.json", "model.safetensors"]  # what a Hub model repo is read for
+HUB_FILES = ["config.json", "preprocessor_config.json", "model.safetensors",  # what a Hub model repo is read for
+             "model.safetensors.index.json", "model-*-of-*.safetensors"]  # transformers' weights in shards
 RESAMPLE = {2: "bilinear", 3: "bicubic"}  # PIL's filter numbers (transformers' `resample`) -> the --interpolation
 
 
@@ -174,31 +175,46 @@ def pretrained_model(model: str, num_classes: int) -> torch.nn.Module:
     from accelerate import PartialState
 
     source = pretrained_source(model)
-    if source.library == "timm":
-        import timm
-
-        location = f"local-dir:{source.folder}" if source.weights else model[len(TIMM):]
-        built = timm.create_model(location, pretrained=source.weights, num_classes=num_classes)
-        classifier = built.pretrained_cfg.get("classifier") or ()
-        heads = [classifier] if isinstance(classifier, str) else list(classifier)
-        replaced = source.weights and built.pretrained_cfg.get("num_classes") != num_classes
-        new = [n for n in built.state_dict() if not source.weights or (replaced and n.rsplit(".", 1)[0] in heads)]
-    else:
-        from transformers import AutoModelForImageClassification
-        from transformers.utils import logging
-
-        logging.set_verbosity_error()  # its load report and progress bars: the line below says what matters
-        logging.disable_progress_bar()
-        built, info = AutoModelForImageClassification.from_pretrained(
-            source.folder, num_labels=num_classes, ignore_mismatched_sizes=True, output_loading_info=True)
-        new = sorted({*info["missing_keys"], *(k[0] for k in info["mismatched_keys"])})
-        built.register_forward_hook(lambda module, inputs, output: output.logits)
+    try:
+        built, new = (_timm_model if source.library == "timm" else _transformers_model)(source, num_classes)
+    except (OSError, ValueError, RuntimeError, KeyError) as e:  # no or unreadable weights, a broken config
+        raise UserError(f"--model {model}: {source.library} cannot build it ({first_line(e)}).") from None
     built.new_tensors = new
-    origin = source.folder or "timm, no weights"
-    PartialState().print(f"--model {model}: {source.library} {type(built).__name__} from {origin}; new, freshly "
-                         f"initialised: {', '.join(new[:4]) + (f' (+{len(new) - 4} more)' if len(new) > 4 else '')}"
-                         if new else f"--model {model}: {source.library} {type(built).__name__} from {origin}")
+    if not source.weights:
+        said = f"timm {type(built).__name__}, no weights: all {len(new)} tensors freshly initialised"
+    else:
+        listed = ", ".join(new[:4]) + (f" (+{len(new) - 4} more)" if len(new) > 4 else "")
+        said = f"{source.library} {type(built).__name__} from {source.folder}" + (
+            f"; new, freshly initialised: {listed}" if new else "")
+    PartialState().print(f"--model {model}: {said}")
     return built
+
+
+def _timm_model(source: Pretrained, num_classes: int) -> tuple[torch.nn.Module, list[str]]:
+    """timm's model with a new classifier when the class count differs from its config's (timm drops the old one
+    on loading): that classifier's tensors are the new ones, as its pretrained_cfg names it."""
+    import timm
+
+    location = f"local-dir:{source.folder}" if source.weights else source.name[len(TIMM):]
+    built = timm.create_model(location, pretrained=source.weights, num_classes=num_classes)
+    classifier = built.pretrained_cfg.get("classifier") or ()
+    heads = [classifier] if isinstance(classifier, str) else list(classifier)
+    replaced = source.weights and built.pretrained_cfg.get("num_classes") != num_classes
+    return built, [n for n in built.state_dict() if not source.weights or (replaced and n.rsplit(".", 1)[0] in heads)]
+
+
+def _transformers_model(source: Pretrained, num_classes: int) -> tuple[torch.nn.Module, list[str]]:
+    """AutoModelForImageClassification with num_labels; the tensors it reports missing or reshaped are the new ones.
+    Its forward returns an output object; a hook answers its logits instead."""
+    from transformers import AutoModelForImageClassification
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()  # its load report and progress bars: the start line says what matters
+    logging.disable_progress_bar()
+    built, info = AutoModelForImageClassification.from_pretrained(
+        source.folder, num_labels=num_classes, ignore_mismatched_sizes=True, output_loading_info=True)
+    built.register_forward_hook(lambda module, inputs, output: output.logits)
+    return built, sorted({*info["missing_keys"], *(k[0] for k in info["mismatched_keys"])})
 
 
 # Handing the result back -------------------------------------------------------------------------------------------
