@@ -122,8 +122,9 @@ class Config(HubConfig, LoggingConfig, CheckpointConfig, EvaluationConfig, DataC
                               "processes bitwise")
 
     def validate(self) -> None:  # this script's fields; then each inherited group checks its own
-        check_ranges(self, positive=["epochs", "batch_size", "global_batch_size", "lr", "grad_accum", "max_steps",
-                               "backbone_lr_factor"], non_negative=["weight_decay", "warmup_epochs", "grad_clip"])
+        check_ranges(self, non_negative=["weight_decay", "warmup_epochs", "grad_clip"],
+                     positive=["epochs", "batch_size", "global_batch_size", "lr", "grad_accum", "max_steps",
+                               "backbone_lr_factor"])
         if self.model not in MODELS and not is_pretrained(self.model):
             raise UserError(f"--model {self.model}: not one of {', '.join(MODELS)}, a model folder, a Hub model id "
                             f"(OWNER/NAME) or timm:NAME.")
