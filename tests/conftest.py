@@ -43,7 +43,8 @@ CUDA = torch.cuda.is_available()
 # Fixtures that run training jobs (real processes): a test that uses one is `slow`, as is every test marked so by hand
 # (it starts a job itself). `python -m pytest -m "not slow"` is the quick subset for the edit-test loop.
 JOB_FIXTURES = {"reference", "small_run", "ddp_jobs", "bf16_jobs", "fsdp_jobs", "vit_jobs", "tracked_runs",
-                "two_rank_run", "fine_tuned", "streamed", "killed"}
+                "two_rank_run", "fine_tuned", "streamed", "killed", "sources", "timm_runs", "vit_fsdp_run",
+                "resized_crop_run"}
 
 
 def pytest_collection_modifyitems(config, items):
