@@ -51,7 +51,7 @@ def is_pretrained(model: str) -> bool:
     return model.startswith(TIMM) or Path(model).is_dir() or bool(REPO_ID.fullmatch(model.split("@")[0]))
 
 
-def pretrained_source(model: str, download: bool = True) -> Pretrained:
+def pretrained_source(model: str) -> Pretrained:
     """The library and folder of a pretrained --model (see the module's docstring); one line when it is neither
     layout, not a timm architecture, not an image classifier, or a Hub repo that cannot be had."""
     if model.startswith(TIMM):
@@ -61,9 +61,7 @@ def pretrained_source(model: str, download: bool = True) -> Pretrained:
         if not timm.is_model(name):
             raise UserError(f"--model {model}: timm has no architecture {name!r} (timm.list_models() lists them).")
         return Pretrained(model, "timm", None, {})
-    folder = Path(model) if Path(model).is_dir() else hub_snapshot(model) if download else None
-    if folder is None:
-        raise UserError(f"--model {model}: no such folder.")
+    folder = Path(model) if Path(model).is_dir() else hub_snapshot(model)
     try:
         config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError) as e:
@@ -137,10 +135,10 @@ def model_preprocessing(source: Pretrained) -> dict:
 
 def apply_preprocessing(cfg, say) -> dict:
     """For a pretrained --model: its input size becomes --image-size, and under --augment resized-crop its crop
-    fraction and interpolation --eval-crop and --interpolation, where those flags are unset; says which values and
-    from where (one line). Returns the
-    mean and std the model was trained with ({} when it says none, or for a ready model), which win over the
-    data's. A model of a fixed input size given another --image-size: one line."""
+    fraction and interpolation --eval-crop and --interpolation (bilinear or bicubic; another filter is not taken),
+    where those flags are unset; says which values and from where (one line). Returns the mean and std the model
+    was trained with ({} when it says none, or for a ready model), which win over the data's. A model of a fixed
+    input size given another --image-size: one line."""
     if not is_pretrained(cfg.model):
         return {}
     source = first_on_each_machine(lambda: pretrained_source(cfg.model))  # downloads a Hub repo once per machine
@@ -154,6 +152,8 @@ def apply_preprocessing(cfg, say) -> dict:
                         f"(timm's fixed_input_size); drop --image-size {cfg.image_size} or give that size.")
     cropped = cfg.augment == "resized-crop"
     taken, fields = [], ("image_size", "eval_crop", "interpolation") if cropped else ("image_size",)
+    if values.get("interpolation") not in ("bilinear", "bicubic"):  # the filters --interpolation offers
+        values.pop("interpolation", None)
     for field in fields:
         if field in values and getattr(cfg, field) is None:
             setattr(cfg, field, values[field])
