@@ -414,7 +414,37 @@ def plain(text: str) -> str:
     return " ".join(text.replace("`", "").split()).lower()
 
 
-def guarantee_problems(text: str, docs: dict[str, str]) -> list[str]:
+TOLERANCE = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?e-\d+|\d+(?:\.\d+)?\s?%|\d+(?:\.\d+)? points?)")  # 1e-5, 1%, 8 points
+
+
+def code_of_tests() -> dict[str, tuple[str, bool]]:
+    """Every test function's module code without its docstrings (where its tolerances and constants are), and
+    whether the test can skip (pytest.skip in its body, or a skip or cuda mark), by name."""
+    found = {}
+    for f in (REPO / "tests").glob("test_*.py"):
+        tree = ast.parse(f.read_text())
+        functions = [node for node in tree.body if isinstance(node, ast.FunctionDef)]
+        skips = {node.name: "skip" in ast.unparse(node) or any("skip" in ast.unparse(d) or "cuda" in ast.unparse(d)
+                                                               for d in node.decorator_list) for node in functions}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Module | ast.FunctionDef | ast.ClassDef) and ast.get_docstring(node):
+                node.body = node.body[1:] or [ast.Pass()]
+        code = ast.unparse(tree)
+        found |= {name: (code, can_skip) for name, can_skip in skips.items()}
+    return found
+
+
+def written_forms(tolerance: str) -> set[str]:
+    """How code may write a stated tolerance: 1e-5 as 1e-5 or 1e-05; 1% as 1% or 0.01; 8 points as 8."""
+    number = re.match(r"[\d.]+(?:e-\d+)?", tolerance)[0]
+    value = float(number) / (100 if tolerance.endswith("%") else 1)
+    return {number, repr(value), f"{value:g}", tolerance.replace(" ", "")}
+
+
+def guarantee_problems(text: str, docs: dict[str, str], code: dict[str, tuple[str, bool]] | None = None) -> list[str]:
+    """What is wrong with a page's guarantees: a bullet that names no test, a test that does not exist, a test whose
+    docstring does not state the claim; with `code` (code_of_tests()), a tolerance of the claim that the test's module
+    code does not hold, and a test that can skip under a claim that does not say so."""
     problems = []
     for bullet, claim, tests in guarantees(text):
         if claim is None:
@@ -424,6 +454,13 @@ def guarantee_problems(text: str, docs: dict[str, str]) -> list[str]:
                 problems.append(f"{test} does not exist")
             elif plain(claim) not in plain(docs[test]):
                 problems.append(f"{test}'s docstring does not state the claim {claim!r}")
+            elif code is not None:
+                source, can_skip = code[test]
+                problems += [f"{test}'s code does not hold the tolerance {tol!r} its claim states"
+                             for tol in TOLERANCE.findall(claim) if not written_forms(tol) & set(
+                                 re.findall(r"[\w.%-]+", source))]
+                if can_skip and "skip" not in claim.lower():
+                    problems.append(f"{test} can skip, but its claim does not say when")
     return problems
 
 
@@ -431,10 +468,11 @@ def guarantee_problems(text: str, docs: dict[str, str]) -> list[str]:
 def test_each_guarantee_is_stated_in_the_docstring_of_every_test_it_names(doc):
     """Each bullet under Guarantees (README.md) and More guarantees (docs/testing.md) ends by naming its tests, and
     each named test's docstring contains the bullet's claim word for word (backticks, case and line breaks aside):
-    a claim or a tolerance changed on one side only fails here."""
+    a claim or a tolerance changed on one side only fails here. Each tolerance the claim states (1e-5, 1%, 8 points)
+    appears in the named test's module code, and a test that can skip has a claim that says so."""
     found = guarantees(doc.read_text())
     assert len(found) >= 10, f"{rel(doc)}: {len(found)} guarantees found: the format changed?"
-    problems = guarantee_problems(doc.read_text(), docstrings())
+    problems = guarantee_problems(doc.read_text(), docstrings(), code_of_tests())
     assert not problems, "\n".join(problems)
 
 
@@ -446,15 +484,27 @@ def test_the_guarantee_check_catches_a_changed_tolerance_and_a_bullet_without_a_
         "test_x's docstring does not state the claim 'Two runs end within 1e-6 of each other'"]
     assert len(guarantee_problems("## Guarantees\n\n- Two runs agree.\n", docs)) == 1
     assert guarantee_problems(ok.replace("test_x", "test_y"), docs) == ["test_y does not exist"]
+    # the code: a docstring that states 1e-5 over an assertion of 1e-3, or a test that can skip, unsaid
+    assert guarantee_problems(ok, docs, {"test_x": ("assert d <= 1e-05", False)}) == []
+    assert guarantee_problems(ok, docs, {"test_x": ("assert d <= 1e-3", False)}) == [
+        "test_x's code does not hold the tolerance '1e-5' its claim states"]
+    assert guarantee_problems(ok, docs, {"test_x": ("TOL = 1e-5\npytest.skip('other data')", True)}) == [
+        "test_x can skip, but its claim does not say when"]
+    assert written_forms("1%") >= {"0.01"} and written_forms("8 points") >= {"8"}
 
 
+DURATION = r"\d[\d,.]*\s?(?:ms|s|secs?|seconds?|min|mins|minutes?|h|hours?)\b"  # a time, in any unit
 MEASURED = re.compile(r"(?<![\w./-])\d[\d,.]*\s?(?:img/s|images/s)(?![\w/])|\b\d[\d.]*x (?:faster|slower)\b"
-                      r"|\b(?:took|measured at) \d[\d,.]*\s?(?:s|min|ms)\b")
+                      r"|\b(?:takes?|took|taking|lasts?|lasted|spends?|spent|needs?|needed|measured at|(?:runs?|ran|"
+                      r"finishe[sd]|ends?|ended|trains?|trained) in)\s+(?:about |around |roughly |some |under |over |"
+                      r"nearly |almost )?" + DURATION)
 
 
 def measured_outside_performance(text: str) -> list[str]:
-    """Measured figures (a rate in images/s, "N x faster/slower", "took N s") in prose and not in code, in a sentence
-    that does not link to performance.md, where every measured figure lives with its command, machine and date."""
+    """Measured figures (a rate in images/s, "N x faster/slower", a duration in any tense and unit: "took N s", "takes
+    about N min", "runs in N h") in prose and not in code, in a sentence that does not link to performance.md, where
+    every measured figure lives with its command, machine and date. A limit or a timeout ("within 30 s", "600 s by
+    default") is not a measurement."""
     text = re.sub(r"`[^`]*`", "", prose(text))
     found = []
     for sentence in re.split(r"(?<=[.;])\s+", text):
@@ -471,11 +521,15 @@ def test_measured_figures_live_in_performance_md_or_link_to_it(doc):
     assert not found, f"{rel(doc)}: measured figures without a link to performance.md: {found}"
 
 
-def test_the_measured_figure_check_catches_a_rate_and_a_speedup_without_a_link():
+def test_the_measured_figure_check_catches_a_rate_a_speedup_and_a_duration_without_a_link():
     assert measured_outside_performance("It trains 590 img/s on a Xeon. It is 1.2x faster there.") == [
         "590 img/s", "1.2x faster"]
     assert measured_outside_performance("It trains 590 img/s ([performance.md](performance.md)).") == []
     assert measured_outside_performance("ResNet-18 img/s and MFU; `took 3 s` in code.") == []
+    assert measured_outside_performance("A full run takes 7 min on a laptop. The first decode took about 2 h. It "
+                                        "trains in 40 seconds; the suite ran in under 15 minutes.") == [
+        "takes 7 min", "took about 2 h", "trains in 40 seconds", "ran in under 15 minutes"]
+    assert measured_outside_performance("It stops within 30 s (600 s by default), retried after 4 s.") == []
 
 
 def test_every_docs_page_is_linked_from_the_readme():

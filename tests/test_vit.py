@@ -99,7 +99,7 @@ TRAJECTORY_TOLERANCE = 1e-5
 
 def test_the_vit_ddp_job_repeats_its_stored_loss_trajectory(vit_jobs, cifar_dir):
     """One small ViT job's 16 losses equal a stored trajectory to 1e-5, so a change that moves every run the same
-    way fails."""
+    way fails (on the real CIFAR-10 copy the trajectory was stored for; skipped on other data)."""
     data = {name: (cifar_dir / name).stat().st_size for name in ("train-00000-of-00001.parquet",
                                                                   "test-00000-of-00001.parquet")}
     both = [losses(vit_jobs["ddp"], rank) for rank in (0, 1)]
