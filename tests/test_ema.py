@@ -33,7 +33,8 @@ def recurrence(recorded: dict, name: str, decay) -> torch.Tensor:
 
 def test_the_exported_ema_is_the_warmed_up_average_of_the_weights_after_every_step(reference):
     """The `--ema-decay` weights equal an independent recurrence over the weights recorded after each of 16 steps on
-    2 ranks (rtol 1e-5)."""
+    2 ranks (rtol 1e-5), for 6 recorded tensors: a convolution, the stem's BatchNorm statistics, a BatchNorm weight
+    and the head."""
     recorded = load_file(reference / "probe-weights-rank0.safetensors")
     assert len(recorded) == len(RECORDED_WEIGHTS) * (STEPS + 1)
     ema, weights = load_file(reference / "model_ema.safetensors"), load_file(reference / "model.safetensors")
