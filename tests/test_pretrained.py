@@ -28,6 +28,7 @@ from conftest import (
     write_upscaled_cifar,
 )
 from PIL import Image
+from safetensors.torch import load_file
 from test_checkpoint import _kill_after_checkpoint
 
 from bench.finetune_recipe import pretrain_timm, write_ship_truck
@@ -61,6 +62,20 @@ def sources(cifar_dir, tmp_path_factory) -> dict[str, Path]:
     pretrain_timm(cifar_dir, root / "timm8")
     return {"timm": root / "timm8", "vit": write_vit(root / "vit8"), "data": write_ship_truck(cifar_dir, root / "two"),
             "root": root}
+
+
+def images_of(folder: Path, n: int | None = None) -> tuple[list[Image.Image], torch.Tensor]:
+    """The first n (all) test images of a parquet folder as RGB PIL images, and their labels."""
+    table = pq.read_table(folder / "test-00000-of-00001.parquet").slice(0, n)
+    return ([Image.open(io.BytesIO(cell["bytes"])).convert("RGB") for cell in table["img"].to_pylist()],
+            torch.tensor(table["label"].to_pylist()))
+
+
+def top1_in_batches(classify, images: list[Image.Image], labels: torch.Tensor, batch: int = 250) -> float:
+    """Top-1 (%) of classify(list of PIL images) -> logits, batch by batch, without gradients."""
+    with torch.no_grad():
+        logits = torch.cat([classify(images[i:i + batch]) for i in range(0, len(images), batch)])
+    return 100 * (logits.argmax(1) == labels).float().mean().item()
 
 
 def job(sources, out: Path, model, *extra) -> list[str]:
@@ -128,12 +143,7 @@ def test_the_exported_timm_run_loads_in_timm_and_its_own_transforms_reproduce_th
     model = timm.create_model(f"local-dir:{run}", pretrained=True).eval()
     assert model.num_classes == 2 and model.pretrained_cfg["label_names"] == ["ship", "truck"]
     transform = create_transform(**resolve_data_config({}, model=model))
-    table = pq.read_table(sources["data"] / "test-00000-of-00001.parquet")
-    images = [Image.open(io.BytesIO(cell["bytes"])).convert("RGB") for cell in table["img"].to_pylist()]
-    with torch.no_grad():
-        logits = torch.cat([model(torch.stack([transform(im) for im in images[i:i + 250]]))
-                            for i in range(0, len(images), 250)])
-    top1 = 100 * (logits.argmax(1) == torch.tensor(table["label"].to_pylist())).float().mean().item()
+    top1 = top1_in_batches(lambda ims: model(torch.stack([transform(im) for im in ims])), *images_of(sources["data"]))
     assert abs(top1 - read_summary(run)["eval_top1"]) <= 0.1, (top1, read_summary(run)["eval_top1"])
 
 
@@ -142,7 +152,6 @@ def test_the_hub_folder_of_a_timm_run_loads_in_timm_and_evaluate_checkpoint_repr
     timm loads it with the run's weights; evaluate_checkpoint.py, given the run's model.safetensors, rebuilds the
     model from the same timm folder, normalises as the run trained (mean and std 0.5) and reports the run's top-1."""
     import timm
-    from safetensors.torch import load_file
 
     from utils.hub import hub_folder
 
@@ -192,12 +201,8 @@ def test_the_exported_vit_run_loads_in_transformers_and_its_image_processor_repr
     model = AutoModelForImageClassification.from_pretrained(out).eval()
     processor = AutoImageProcessor.from_pretrained(out)
     assert model.config.id2label == {0: "ship", 1: "truck"}
-    table = pq.read_table(sources["data"] / "test-00000-of-00001.parquet")
-    images = [Image.open(io.BytesIO(cell["bytes"])).convert("RGB") for cell in table["img"].to_pylist()]
-    with torch.no_grad():
-        logits = torch.cat([model(**processor(images[i:i + 250], return_tensors="pt")).logits
-                            for i in range(0, len(images), 250)])
-    top1 = 100 * (logits.argmax(1) == torch.tensor(table["label"].to_pylist())).float().mean().item()
+    top1 = top1_in_batches(lambda ims: model(**processor(ims, return_tensors="pt")).logits,
+                           *images_of(sources["data"]))
     assert abs(top1 - read_summary(out)["eval_top1"]) <= 0.1, (top1, read_summary(out)["eval_top1"])
 
 
@@ -238,9 +243,7 @@ def test_auto_image_processor_loads_a_runs_preprocessor_config_and_gives_its_eva
     for run, data, resize in ((timm_runs["fine"], sources["data"], None), (cropped, upscaled, 40)):
         s = read_summary(run)
         processor = AutoImageProcessor.from_pretrained(run, **options)
-        images = [Image.open(io.BytesIO(cell["bytes"])).convert("RGB")
-                  for cell in pq.read_table(data / "test-00000-of-00001.parquet")["img"].to_pylist()[:24]]
-        images = [im for im in images if im.size[0] == im.size[1]]
+        images = [im for im in images_of(data, 24)[0] if im.size[0] == im.size[1]]
         assert len(images) >= 16
         for im in images:
             got = processor(im, return_tensors="pt")["pixel_values"][0].numpy().transpose(1, 2, 0)
@@ -312,10 +315,20 @@ def test_a_hub_model_id_in_a_filled_cache_fine_tunes_offline(sources, tmp_path):
     (cache / "models--acme--tiny-vit" / "refs" / "main").write_text(revision)
     out = tmp_path / "out"
     result = run_train(job(sources, out, "acme/tiny-vit", "--train-subset", "64", "--batch-size", "16", "--epochs",
-                           "1", "--tracker", "none"), env=script_env(HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1"))
+                           "1", "--tracker", "none"), script=PROBE,
+                       env=script_env(HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1", PROBE_SAVE_INIT="1"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"--model acme/tiny-vit: transformers ViTForImageClassification from {snapshot}" in result.stdout
     assert read_summary(out)["eval_examples"] == 2000
+    # the weights as built equal the cached file's, all but the head; transformers renames some keys as it loads
+    # (ViT's attention query -> q_proj), so the tensors are compared as a multiset of (shape, sum, sum of squares)
+    built, cached = load_file(out / "probe-init-rank0.safetensors"), load_file(snapshot / "model.safetensors")
+    assert built["classifier.weight"].shape == (2, 64) and cached["classifier.weight"].shape == (8, 64)
+
+    def fingerprints(state):
+        return sorted((tuple(t.shape), float(t.double().sum()), float(t.double().square().sum()))
+                      for k, t in state.items() if not k.startswith("classifier."))
+    assert len(built) == len(cached) and fingerprints(built) == fingerprints(cached)
 
 
 # Units: no training job ------------------------------------------------------------------------------------------

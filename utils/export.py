@@ -35,7 +35,7 @@ def export_model(accelerator, model, ema, data: dict, output_dir: str | Path) ->
         (output_dir / PREPROCESSOR_FILE).write_text(json.dumps(preprocessing(data), indent=2) + "\n")
         library = library_config(accelerator.unwrap_model(model, keep_torch_compile=False), data_facts(data))
         if library is not None:
-            (output_dir / LIBRARY_CONFIG).write_text(json.dumps(library[1], indent=2) + "\n")
+            (output_dir / LIBRARY_CONFIG).write_text(json.dumps(library, indent=2) + "\n")
 
 
 def preprocessing(data: dict) -> dict:

@@ -15,8 +15,8 @@ The libraries are imported only when such a model is asked for."""
 from __future__ import annotations
 
 import copy
+import functools
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +51,7 @@ def is_pretrained(model: str) -> bool:
     return model.startswith(TIMM) or Path(model).is_dir() or bool(REPO_ID.fullmatch(model.split("@")[0]))
 
 
+@functools.cache  # asked by apply_preprocessing, then by pretrained_model: one look (and one Hub call) per process
 def pretrained_source(model: str) -> Pretrained:
     """The library and folder of a pretrained --model (see the module's docstring); one line when it is neither
     layout, not a timm architecture, not an image classifier, or a Hub repo that cannot be had."""
@@ -170,8 +171,9 @@ def apply_preprocessing(cfg, say) -> dict:
 def pretrained_model(model: str, num_classes: int) -> torch.nn.Module:
     """The model --model names (a timm or transformers model, see the module's docstring) with a fresh classifier
     for `num_classes`, built by its library. A transformers model answers logits (a forward hook takes them out of
-    its output), so it fits a template's loop as it is. `new_tensors` on the model: the names of its freshly
-    initialised tensors (all of them without weights), which the optimizer may give another learning rate."""
+    its output), so it fits a template's loop as it is. Declared on the model: `new_tensors`, the names of its
+    freshly initialised tensors (all of them without weights), which the optimizer may give another learning rate;
+    `hub_library`, "timm" or "transformers", whose config.json the run's export writes (library_config)."""
     from accelerate import PartialState
 
     source = pretrained_source(model)
@@ -179,7 +181,7 @@ def pretrained_model(model: str, num_classes: int) -> torch.nn.Module:
         built, new = (_timm_model if source.library == "timm" else _transformers_model)(source, num_classes)
     except (OSError, ValueError, RuntimeError, KeyError) as e:  # no or unreadable weights, a broken config
         raise UserError(f"--model {model}: {source.library} cannot build it ({first_line(e)}).") from None
-    built.new_tensors = new
+    built.new_tensors, built.hub_library = new, source.library  # read by build_optimizer and by the export
     if not source.weights:
         said = f"timm {type(built).__name__}, no weights: all {len(new)} tensors freshly initialised"
     else:
@@ -218,13 +220,13 @@ def _transformers_model(source: Pretrained, num_classes: int) -> tuple[torch.nn.
 
 
 # Handing the result back -------------------------------------------------------------------------------------------
-def library_config(model: torch.nn.Module, facts: dict) -> tuple[str, dict] | None:
+def library_config(model: torch.nn.Module, facts: dict) -> dict | None:
     """The config.json that makes a run's folder (its model.safetensors beside it) a model folder of the library
-    that built `model` (unwrapped), with the run's classes and evaluation view: ("timm", timm's config, as
-    timm's save_for_hf writes it) or ("transformers", the model's config with id2label), or None for a model of
-    neither library. `facts`: utils.batches.data_facts of the run's data."""
-    classes = list(facts["classes"])
-    if hasattr(model, "pretrained_cfg") and hasattr(model, "default_cfg"):  # timm's models declare both
+    that built `model` (unwrapped; its `hub_library`, which pretrained_model declares), with the run's classes and
+    evaluation view: timm's config as timm's save_for_hf writes it, or the transformers model's config with
+    id2label; None for any other model. `facts`: utils.batches.data_facts of the run's data."""
+    library, classes = getattr(model, "hub_library", None), list(facts["classes"])
+    if library == "timm":
         import tempfile
 
         from timm.models._hub import save_config_for_hf  # what timm.models.save_for_hf writes, weights aside
@@ -235,10 +237,9 @@ def library_config(model: torch.nn.Module, facts: dict) -> tuple[str, dict] | No
                 "mean": tuple(facts["image_mean"]), "std": tuple(facts["image_std"])}
         with tempfile.TemporaryDirectory() as tmp:
             save_config_for_hf(model, f"{tmp}/config.json", model_config={"label_names": classes}, data_config=view)
-            return "timm", json.loads(Path(f"{tmp}/config.json").read_text())
-    transformers = sys.modules.get("transformers")  # a transformers model imported it; no import for others
-    if transformers is not None and isinstance(model, transformers.PreTrainedModel):
+            return json.loads(Path(f"{tmp}/config.json").read_text())
+    if library == "transformers":
         config = copy.deepcopy(model.config)
         config.id2label, config.label2id = dict(enumerate(classes)), {c: i for i, c in enumerate(classes)}
-        return "transformers", json.loads(config.to_json_string(use_diff=False))
+        return json.loads(config.to_json_string(use_diff=False))
     return None
