@@ -9,7 +9,8 @@ the script (name, path, sha256) and its whole config; this tool imports that scr
 it trusts) and calls its build_model(cfg, num_classes) and load_data(cfg), so a copy of train_cifar.py with its own
 model and data evaluates unchanged. The weights load strictly (every key must match); the evaluation runs as training
 evaluated: the same eval subset, memory format, mixed precision, micro-batch and --tta-flip. Prints one JSON line
-with loss, top-1, top-5, the number of test images and any --metric.
+with loss, top-1, top-5, the number of test images, any --metric, the script and the model it built (its name, if
+it declares one, class and parameters, as summary.json records them).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from utils.evaluation import evaluate, load_metrics
 from utils.hub import hub_file, locate_weights
 from utils.launch import first_on_each_machine
 from utils.scripts import find_script, import_script
+from utils.tracking import model_record
 
 OVERRIDES = ("data_dir", "dataset", "cache_dir", "eval_subset", "image_size", "model")  # flags that replace the run's
 
@@ -62,7 +64,8 @@ def main(argv: list[str] | None = None) -> dict:
     if downloaded and record:  # the script uploaded beside the weights, if any (imported only when trusted)
         first_on_each_machine(lambda: hub_file(args.weights, record["name"], required=False))
     run_dir = summary_path.parent if summary_path else weights.parent
-    template = "train_vit.py" if str(args.model or summary.get("model", "")).startswith("vit") else "train_cifar.py"
+    named = args.model or summary.get("config", {}).get("model", "")
+    template = "train_vit.py" if str(named).startswith("vit") else "train_cifar.py"
     script = find_script(record, run_dir, downloaded, args.script, args.trust_remote_code, default=template)
     module = import_script(script)
     names = {f.name for f in dataclasses.fields(module.Config)}
@@ -93,7 +96,8 @@ def main(argv: list[str] | None = None) -> dict:
     metrics = evaluate(model, loader, transform, accelerator, tta_flip=getattr(cfg, "tta_flip", False),
                        classes=data["classes"], metrics=load_metrics(args.metric, data["classes"], accelerator))
     result = {k: v for k, v in metrics.items() if k != "class_top1"}
-    result |= {"weights": str(args.weights), "script": script.name, "model": getattr(cfg, "model", None)}
+    built = model_record(accelerator.unwrap_model(model))  # what the script's build_model built, as training records
+    result |= {"weights": str(args.weights), "script": script.name, "model": built}
     accelerator.print(json.dumps(result))
     return result
 

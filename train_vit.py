@@ -192,9 +192,13 @@ def main(cfg: Config) -> dict:
         model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
         check_wrapper(accelerator, model, cfg.bf16_grad_sync)  # DDP or FSDP really wraps it; bf16 all-reduce if asked
         transform = BatchTransform.for_data(data, accelerator.device, channels_last=False)  # mean, std, size, classes
+        extra_metrics = load_metrics(cfg.metric, data["classes"], accelerator)  # --metric: loaded, tried once
         run_eval = partial(evaluate, model, eval_loader, transform, accelerator, tta_flip=False,  # each once
-                           classes=data["classes"], metrics=load_metrics(cfg.metric, data["classes"], accelerator))
+                           classes=data["classes"], metrics=extra_metrics)
         ema = WeightEMA(accelerator, model, cfg.ema_decay) if cfg.ema_decay else None  # updated after each step
+        guard = StopGuard(accelerator, HEALTH_CHECK_EVERY, checkpointer)  # preemption signals and a non-finite loss
+        # when to evaluate, the best weights by --best-metric (checked now: a metric it evaluates), an early stop
+        evaluator = Evaluator(cfg, run_eval, accelerator, model, tracker, guard, ema, extra_metrics)
 
         # --- schedule, counted in optimizer steps; not prepared (Accelerate would step it once per process) ---
         steps_per_epoch = len(train_loader) // plan.accumulation  # whole global batches only (EpochSampler)
@@ -205,11 +209,9 @@ def main(cfg: Config) -> dict:
         # --- resume, on any process count: weights, optimizer, RNG (Accelerate), schedule, counters ---
         p = checkpointer.start(resume_from, scheduler, plan, ema)  # fresh: --overwrite clears the old run only now
         accelerator.wait_for_everyone()
-        run_info = {**run_facts(accelerator, cfg, model, plan, total_steps, lr), "fsdp_param_dtype": _param_dtype(fsdp),
-                    **init}
+        run_info = {**run_facts(accelerator, cfg, model, optimizer, plan, total_steps, lr),
+                    "fsdp_param_dtype": _param_dtype(fsdp), **init}
         p.tracker_run_id = tracker.start(accelerator, {**asdict(cfg), **run_info}, p.tracker_run_id, bool(resume_from))
-        guard = StopGuard(accelerator, HEALTH_CHECK_EVERY, checkpointer)  # preemption signals and a non-finite loss
-        evaluator = Evaluator(cfg, run_eval, accelerator, model, tracker, guard, ema)  # when, best weights, early stop
         profiler = StepProfiler(accelerator, cfg.output_dir, enabled=cfg.profile)  # --profile: a trace of a few steps
 
         metrics = None
@@ -229,6 +231,7 @@ def main(cfg: Config) -> dict:
                     # the loss: a mean over the micro-batch; targets are labels (N,), or class probabilities (N, C)
                     # under --mixup / --cutmix, which F.cross_entropy takes as they are
                     loss = F.cross_entropy(model(inputs), targets, label_smoothing=cfg.label_smoothing)
+                    terms = {}  # a loss of several parts names each here too ({"ce": ce, "l2": l2}): train/<name>
                     accelerator.backward(loss)  # divides by grad_accum
                     if accelerator.sync_gradients and (cfg.grad_clip > 0 or tracker.logs_at(p.global_step + 1)):
                         meter.grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
@@ -237,8 +240,8 @@ def main(cfg: Config) -> dict:
                 if memory.hit:  # out of memory (every rank): half the micro-batch, twice the accumulation
                     train_loader, plan = memory.shrink(p, optimizer, plan)
                     break
-                guard.observe(loss, p.global_step + 1)  # on the device: no sync per step
-                meter.add(loss)
+                guard.observe(loss, p.global_step + 1)  # on the device: no sync per step (nor below)
+                meter.add(loss, terms)  # on the device
                 p.took_batch()
                 if not accelerator.sync_gradients:
                     continue
@@ -260,12 +263,12 @@ def main(cfg: Config) -> dict:
                 break
             if memory.shrunk:  # the epoch goes on at the interrupted step's first micro-batch, the new size
                 continue
-            train_loss, epoch_images, epoch_seconds = meter.end_epoch(accelerator)  # syncs
+            losses, epoch_images, epoch_seconds = meter.end_epoch(accelerator)  # the loss and terms' means; syncs
             bar.close()
-            p.end_epoch(train_loss, epoch_images, epoch_seconds, len(train_loader))
+            p.end_epoch(losses, epoch_images, epoch_seconds, len(train_loader))
 
             metrics = evaluator(p)  # raises on a non-finite loss first; best.safetensors; eval/*; an early stop
-            tracker.log_epoch(epoch_number, p.global_step, train_loss, epoch_images, epoch_seconds, metrics)
+            tracker.log_epoch(epoch_number, p.global_step, losses, epoch_images, epoch_seconds, metrics)
             checkpointer.save(p, model, scheduler, plan)
 
         # --- the end. Preempted: the checkpoint just saved is where to continue. Finished: the outputs (full fp32
@@ -276,7 +279,7 @@ def main(cfg: Config) -> dict:
         else:
             metrics = metrics or evaluator.metrics()  # None: resumed from a checkpoint of a finished run
             export_model(accelerator, model, ema, data, cfg.output_dir)  # the weights (EMA's too), how to feed them
-            summary = {**run_info, "model": cfg.model, **data_facts(data), **p.summary(),
+            summary = {**run_info, **data_facts(data), **p.summary(),
                        **{f"eval_{k}": v for k, v in metrics.items()}, "last_checkpoint": str(checkpointer.last),
                        "peak_memory_gb": peak_memory_gb(accelerator.device), "batch_plan": asdict(plan),
                        "resumed_from": resume_from and str(resume_from), "config": asdict(cfg)}

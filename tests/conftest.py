@@ -575,7 +575,7 @@ def assert_same_parameters(a: Path, b: Path, atol: float = 0.0, file: str = "mod
     model_ema.safetensors) are bitwise equal, or within atol (not BatchNorm's running statistics: under DDP they are
     rank 0's, from its micro-batches only, so they differ between process counts by design)."""
     sa, sb = load_file(Path(a) / file), load_file(Path(b) / file)
-    model = json.loads((Path(a) / "summary.json").read_text())["model"]
+    model = json.loads((Path(a) / "summary.json").read_text())["model"]["name"]
     names = [n for n, _ in named_model(model).named_parameters()]
     differ = [n for n in names if not torch.allclose(sa[n], sb[n], rtol=0, atol=atol)]
     assert not differ, f"{len(differ)} of {len(names)} parameters differ, e.g. {differ[:3]}"

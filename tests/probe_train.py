@@ -41,6 +41,7 @@ prepare() returned it and after every optimizer step go to <output-dir>/probe-we
 NAME@STEP (STEP 0: before the first step): what --ema-decay's average is checked against.
 With PROBE_SAVE_INIT=1 the model's state as the script built it, before prepare(), goes to
 <output-dir>/probe-init-rank<R>.safetensors (--init-from's weights, as every rank holds them).
+With PROBE_SCRIPT=PATH it runs that copy of train_cifar.py (its main(), Config and edit points) instead.
 With PROBE_ACCELERATOR_CPU=0 it builds the script's Accelerator with cpu=False, the classic mistake that
 leaves N launched CPU processes training alone (used to test the script's world-size guard).
 With PROBE_NAN_AT_FORWARD=K the loss of the K-th training forward on every rank is NaN (a diverging run).
@@ -72,9 +73,14 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-import train_cifar  # noqa: E402
 from utils import batches, onthefly, stream  # noqa: E402
 from utils.launch import run  # noqa: E402
+from utils.scripts import import_script  # noqa: E402
+
+if os.environ.get("PROBE_SCRIPT"):  # a copy of train_cifar.py, instrumented the same way
+    train_cifar = import_script(Path(os.environ["PROBE_SCRIPT"]))
+else:
+    import train_cifar  # noqa: E402
 
 rec = {"batches": [], "allreduce_at": [], "synced_in_bf16": [], "comm_hook": None, "compiled": None, "fc_dtypes": [],
        "init_digest": None, "eval_buffer_digest": [], "eval_param_digest": [], "eval_forward_digest": [],

@@ -48,7 +48,7 @@ import compare_runs
 
 TWO_RANKS = ["--config_file", str(CPU_YAML)]  # fp32 (cpu.yaml's): exact means bitwise
 EVALUATED_AT = [3, 6, 8, 9, 12, 15, 16]  # --eval-every-steps 3 within each 8-step epoch, and each epoch's end
-EVALUATION_COUNTERS = ["best_eval_top1", "best_checkpoint", "evals_without_gain", "eval_top1", "eval_ema_top1"]
+EVALUATION_COUNTERS = ["best_eval_ema_top1", "best_checkpoint", "evals_without_gain", "eval_top1", "eval_ema_top1"]
 ONE_PROCESS = ["--num_processes", "1"]
 
 
@@ -64,7 +64,7 @@ def test_checkpoints_are_rotated_keeping_the_last_two_and_the_best(reference):
     state = json.loads((reference / "checkpoints" / "step-00000015" / "trainer_state.json").read_text())
     assert state["progress"]["epoch"] == 1 and state["progress"]["batches_in_epoch"] == 7  # mid-epoch position
     assert state["config"]["model"] == "resnet8" and state["world_size"] == 2
-    assert state["batch"] == {"micro": 16, "processes": 2, "accumulation": 1, "halvings": 0} and state["format"] == 2
+    assert state["batch"] == {"micro": 16, "processes": 2, "accumulation": 1, "halvings": 0} and state["format"] == 3
     assert {"model.safetensors", "optimizer.bin", "random_states_0.pkl", "random_states_1.pkl",
             "ema.safetensors"} <= set(state["files"])
     assert not any("rank" in name for name in state["files"])  # no per-rank augmentation stream any more

@@ -57,7 +57,7 @@ def test_the_fast_recipe_compiled_on_a_gpu_trains_and_exports_weights_without_th
     assert result.returncode == 0, result.stderr[-4000:]
     s = read_summary(out)
     assert s["wrapper"] == "OptimizedModule" and s["global_step"] == 4 and s["eval_examples"] == 512
-    assert (s["model"], s["config"]["compile"], s["config"]["data_on_device"], s["config"]["tta_flip"]) == \
+    assert (s["model"]["name"], s["config"]["compile"], s["config"]["data_on_device"], s["config"]["tta_flip"]) == \
         ("resnet9", True, True, True)
     assert math.isfinite(s["train_loss"]) and s["mixed_precision"] == "bf16"
     state = load_file(out / "model.safetensors")

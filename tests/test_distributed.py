@@ -71,7 +71,7 @@ class Run:
         """Trainable parameters only: BatchNorm running statistics differ by design between a 2-rank
         step (each rank normalises its own micro-batch) and the matching 1-rank accumulation step."""
         state = load_file(self.out / "model.safetensors")
-        names = [n for n, _ in named_model(self.summary["model"]).named_parameters()]
+        names = [n for n, _ in named_model(self.summary["model"]["name"]).named_parameters()]
         return {n: state[n] for n in names}
 
     def train_epochs(self, rank: int) -> list[list[list[int]]]:
@@ -267,7 +267,7 @@ def test_every_rank_evaluates_with_the_exported_batchnorm_statistics(ddp_jobs):
     assert probes[0]["eval_forward_digest"] == probes[1]["eval_forward_digest"]
     assert len(probes[0]["eval_forward_digest"]) == run.summary["epochs_completed"]
     state = load_file(run.out / "model.safetensors")
-    names = [n for n, _ in named_model(run.summary["model"]).named_buffers()]
+    names = [n for n, _ in named_model(run.summary["model"]["name"]).named_buffers()]
     exported = hashlib.sha256(b"".join(state[n].float().numpy().tobytes() for n in names)).hexdigest()
     assert probes[1]["eval_forward_digest"][-1] == exported
 

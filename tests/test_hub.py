@@ -66,7 +66,8 @@ class Pairs(evaluate.Metric):
 
 
 # The fields of summary.json that the model card reads, for a one-process run of a one-class folder
-SMALL_SUMMARY = {"model": "resnet9", "parameters": 1, "image_size": 32, "classes": ["a"], "dataset": {"kind": "folder"},
+SMALL_SUMMARY = {"model": {"name": "resnet9", "class": "Sequential", "parameters": 1}, "image_size": 32,
+                 "classes": ["a"], "dataset": {"kind": "folder"},
                  "eval_top1": 1.0, "eval_top5": 1.0, "eval_loss": 1.0, "eval_examples": 1, "global_step": 1,
                  "epochs_completed": 1, "global_batch": 1, "world_size": 1, "wrapper": "ResNet",
                  "mixed_precision": "no", "wall_seconds": 1.0, "config": {}}
@@ -369,7 +370,8 @@ def test_push_without_the_hub_stops_before_training_and_touches_nothing(referenc
 
 
 def test_the_model_card_states_data_classes_metrics_command_versions_and_wandb_run(tmp_path):
-    summary = {"model": "resnet18", "parameters": 11173962, "image_size": 32, "classes": ["cat", "dog"],
+    summary = {"model": {"name": "resnet18", "class": "ResNet", "parameters": 11173962}, "image_size": 32,
+               "classes": ["cat", "dog"],
                "dataset": {"kind": "hub", "source": "uoft-cs/cifar10"}, "eval_top1": 91.234, "eval_top5": 99.5,
                "eval_loss": 0.31, "eval_examples": 10000, "eval_f1_macro": 0.9051, "eval_class_top1": {"cat": 90},
                "global_step": 2340, "epochs_completed": 30, "global_batch": 512, "world_size": 8,
@@ -388,9 +390,14 @@ def test_the_model_card_states_data_classes_metrics_command_versions_and_wandb_r
                  "    accelerate launch --config_file accelerate_configs/fsdp_8gpu.yaml train_cifar.py",
                  "torch 2.9.0, accelerate 1.15.0; code commit abc123", "W&B run: https://wandb.ai/u/p/runs/r1",
                  "python evaluate_checkpoint.py me/cifar",
-                 "python train_cifar.py --init-from me/cifar --model resnet18"):
+                 "`resnet18` (11,173,962 parameters)", "python train_cifar.py --init-from me/cifar --model resnet18"):
         assert text in card, text
     assert "class_top1" not in card
+    # a copy's own network (no name): the card names its class, and the fine-tuning line takes no --model
+    own = model_card({**summary, "model": {"name": None, "class": "SmallNet", "parameters": 3050},
+                      "script": {"name": "my_train.py", "sha256": "0" * 64}}, "me/cifar")
+    assert "`SmallNet` (3,050 parameters)" in own and "python my_train.py --init-from me/cifar --data-dir" in own
+    assert "resnet18" not in own
 
 
 def test_the_hub_folder_links_the_exports_instead_of_copying_them(tmp_path):

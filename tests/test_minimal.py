@@ -68,7 +68,8 @@ def test_minimal_script_trains_exactly_like_train_cifar_and_resumes_exactly(cifa
     named_model("resnet18").load_state_dict(weights, strict=True)
     evaluated = evaluate_checkpoint.main([str(tmp_path / "minimal" / "model.safetensors"), *data, "--cache-dir",
                                           str(cache_dir)])  # the model and test subset from summary.json
-    assert (evaluated["model"], evaluated["examples"], evaluated["top1"]) == ("resnet18", 48, minimal["eval_top1"])
+    assert (evaluated["model"]["name"], evaluated["examples"], evaluated["top1"]) == \
+        ("resnet18", 48, minimal["eval_top1"])
     [run] = compare_runs.load(str(tmp_path / "minimal"))  # its offline W&B run, in its output folder
     assert run.metric(*compare_runs.COLUMNS["final top-1 %"]) == minimal["eval_top1"]
     assert run.metric(*compare_runs.COLUMNS["epochs"]) == 2 and run.config["effective_lr"] == 0.05

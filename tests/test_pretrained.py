@@ -184,8 +184,9 @@ def test_a_transformers_vit_under_fsdp_is_sharded_by_its_no_split_modules_half_o
     s = read_summary(out)
     assert (s["world_size"], s["distributed_type"]) == (2, "FSDP")
     ranks = [json.loads((out / f"probe-rank{r}.json").read_text()) for r in (0, 1)]
-    assert ranks[0]["local_numel"] + ranks[1]["local_numel"] == s["parameters"]
-    assert all(0.45 * s["parameters"] <= rank["local_numel"] <= 0.55 * s["parameters"] for rank in ranks)
+    total = s["model"]["parameters"]
+    assert ranks[0]["local_numel"] + ranks[1]["local_numel"] == total
+    assert all(0.45 * total <= rank["local_numel"] <= 0.55 * total for rank in ranks)
     assert all(rank["fsdp_units"].count("FSDPViTLayer") == 4 for rank in ranks)
     assert "FSDP units: 4 ViTLayer (the model's _no_split_modules; not ViTEmbeddings" in stdout
 

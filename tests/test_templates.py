@@ -23,9 +23,11 @@ from accelerate.utils import set_seed
 from conftest import (
     CPU_YAML,
     FSDP_CPU_YAML,
+    PROBE,
     REPO,
     assert_same_state,
     job_args,
+    kill_job,
     read_summary,
     run_python,
     run_train,
@@ -35,6 +37,7 @@ from conftest import (
 )
 from safetensors.torch import load_file
 
+import compare_runs
 import train_cifar
 import train_vit
 from utils import UserError
@@ -171,23 +174,31 @@ AUX_LOSS = LOSS_LINE + "\nloss = loss + 0.5 * 0.05 * sum(p.pow(2).sum() for p in
 
 
 def edited_copy(tmp_path, function: str | None = None, new: str = "", line: tuple[str, str] | None = None) -> Path:
-    """train_cifar.py as a copier edits it: one module-level function replaced by `new`, or one line of main()
-    replaced (line: (old, new); new's lines get old's indentation); saved outside the repository as my_train.py (it
-    imports utils/ through PYTHONPATH). Checks that the copy differs from the template there and nowhere else."""
+    """train_cifar.py with one edit point changed: a module-level function replaced by `new`, or one line of main()
+    replaced (line: (old, new)). See copy_with_edits."""
+    return copy_with_edits(tmp_path, {function: new} if function else {}, [line] if line else [])
+
+
+def copy_with_edits(tmp_path, functions: dict[str, str], lines: list[tuple[str, str]]) -> Path:
+    """train_cifar.py as a copier edits it: module-level functions replaced (name -> the new text, which may define
+    classes before the function), lines of main() replaced ((old, new); new's lines get old's indentation); saved
+    outside the repository as my_train.py (it imports utils/ through PYTHONPATH). Checks that the copy differs from
+    the template in those functions (main() for a line) and the classes it adds, and nowhere else."""
     text = (REPO / "train_cifar.py").read_text()
-    if function is not None:
+    for function, new in functions.items():
         node = next(n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef) and n.name == function)
-        lines = text.splitlines(keepends=True)
-        text = "".join(lines[:node.lineno - 1]) + new + "".join(lines[node.end_lineno:])
-    else:
-        assert text.count(line[0]) == 1, f"train_cifar.py no longer has {line[0]!r} once: update this test"
-        start = text.index(line[0])
+        lines_of = text.splitlines(keepends=True)
+        text = "".join(lines_of[:node.lineno - 1]) + new + "".join(lines_of[node.end_lineno:])
+    for old, new in lines:
+        assert text.count(old) == 1, f"train_cifar.py no longer has {old!r} once: update this test"
+        start = text.index(old)
         indent = text[text.rindex("\n", 0, start) + 1:start]  # the line's own, for each line of the new text
-        text = text.replace(line[0], line[1].replace("\n", "\n" + indent))
-    template, copy = ast.parse((REPO / "train_cifar.py").read_text()).body, ast.parse(text).body
-    changed = [ast.unparse(b) for a, b in zip(template, copy) if ast.unparse(a) != ast.unparse(b)]
-    edited = function or "main"
-    assert len(template) == len(copy) and len(changed) == 1 and changed[0].startswith(f"def {edited}("), changed
+        text = text.replace(old, new.replace("\n", "\n" + indent))
+    template = ast.parse((REPO / "train_cifar.py").read_text()).body
+    names = {n.name for n in template if isinstance(n, ast.ClassDef)}
+    copy = [n for n in ast.parse(text).body if not (isinstance(n, ast.ClassDef) and n.name not in names)]
+    changed = {b.name for a, b in zip(template, copy) if ast.unparse(a) != ast.unparse(b)}
+    assert len(template) == len(copy) and changed == set(functions) | ({"main"} if lines else set()), changed
     path = tmp_path / "my_train.py"
     path.write_text(text)
     return path
@@ -234,7 +245,8 @@ def test_a_copy_with_torchvisions_mobilenet_trains_under_ddp_and_fsdp_resumes_an
     s = read_summary(tmp_path / "ddp")
     assert (s["world_size"], s["wrapper"], s["global_step"], s["channels_last"]) == (2, "DistributedDataParallel", 4,
                                                                                     True)
-    assert s["script"]["name"] == "my_train.py" and s["parameters"] == 1_528_106  # mobilenet_v3_small, 10 classes
+    assert s["script"]["name"] == "my_train.py"
+    assert s["model"] == {"name": None, "class": "MobileNetV3", "parameters": 1_528_106}  # mobilenet_v3_small
     assert s["config"]["tta_flip"]
     fsdp = job_args(cifar_dir, cache_dir, tmp_path / "fsdp", *SMALL_JOB)
     result = run_copy(script, fsdp, launch=["--config_file", str(FSDP_CPU_YAML)])
@@ -247,7 +259,7 @@ def test_a_copy_with_torchvisions_mobilenet_trains_under_ddp_and_fsdp_resumes_an
     assert {name: int(n) for n, name in (unit.split(" ") for unit in named.split(", "))} == big and len(big) >= 2
     f = read_summary(tmp_path / "fsdp")
     assert (f["world_size"], f["wrapper"], f["global_step"]) == (2, "FSDPMobileNetV3", 4)
-    assert 0.45 < f["parameters_on_main_process"] / f["parameters"] < 0.55
+    assert 0.45 < f["parameters_on_main_process"] / f["model"]["parameters"] < 0.55
     run_copy(script, [*fsdp, "--epochs", "2", "--resume", "auto"], launch=["--config_file", str(FSDP_CPU_YAML)])
     f = read_summary(tmp_path / "fsdp")
     assert Path(f["resumed_from"]).name == "step-00000004" and f["global_step"] == 8
@@ -323,6 +335,153 @@ def test_a_copy_reading_an_npz_file_trains_on_two_ranks_resumes_exactly_after_ki
     assert_same_state(out / "model.safetensors", tmp_path / "whole" / "model.safetensors")
     got = evaluated(tmp_path / "whole" / "model.safetensors")
     assert (got["top1"], got["examples"]) == (s["eval_top1"], 50)
+
+
+# A copy with training signals of its own: its network, AdamW with two parameter groups, a loss of two named terms
+# and a macro-F1 metric (a local `evaluate` script) that picks the best weights.
+SMALL_NET = ("class SmallNet(torch.nn.Module):\n"
+             "    def __init__(self, num_classes):\n"
+             "        super().__init__()\n"
+             "        nn = torch.nn\n"
+             "        self.features = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),\n"
+             "                                      nn.AdaptiveAvgPool2d(4), nn.Flatten())\n"
+             "        self.head = torch.nn.Linear(16 * 4 * 4, num_classes)\n"
+             "\n"
+             "    def forward(self, x):\n"
+             "        return self.head(self.features(x))\n"
+             "\n"
+             "\n"
+             "def build_model(cfg, num_classes):\n"
+             "    return SmallNet(num_classes)\n")
+SMALL_NET_PARAMETERS = (3 * 9 * 16 + 16) + 2 * 16 + (256 * 10 + 10)  # conv, BatchNorm, head
+NO_DECAY_ADAMW = ("def build_optimizer(cfg, model, lr, fused=True):\n"
+                  "    decayed = [p for p in model.parameters() if p.ndim > 1]  # biases and norms: no weight decay\n"
+                  "    rest = [p for p in model.parameters() if p.ndim <= 1]\n"
+                  "    return torch.optim.AdamW([{'params': decayed}, {'params': rest, 'weight_decay': 0.0}], lr=lr,\n"
+                  "                             weight_decay=cfg.weight_decay, fused=fused or None)\n")
+TWO_TERM_LOSS = [(LOSS_LINE, "logits = model(inputs)\n"
+                             "ce = F.cross_entropy(logits, targets, label_smoothing=cfg.label_smoothing)\n"
+                             "penalty = 0.01 * logits.float().pow(2).mean()  # keeps the logits small\n"
+                             "loss = ce + penalty"),
+                 ("terms = {}", 'terms = {"ce": ce, "logit_penalty": penalty}')]
+MACRO_F1 = """
+import datasets
+import evaluate
+
+
+class MacroF1(evaluate.Metric):
+    def _info(self):
+        return evaluate.MetricInfo(description="macro-averaged F1", citation="", inputs_description="",
+                                   features=datasets.Features({"predictions": datasets.Value("int64"),
+                                                               "references": datasets.Value("int64")}))
+
+    def _compute(self, predictions, references):
+        scores = []
+        for c in set(predictions) | set(references):
+            hits = sum(p == r == c for p, r in zip(predictions, references))
+            wrong = sum((p == c) != (r == c) for p, r in zip(predictions, references))
+            scores.append(2 * hits / (2 * hits + wrong))
+        return {"macro_f1": sum(scores) / len(scores)}
+"""
+
+
+def logged_by_step(out: Path, prefix: str) -> dict[int, dict]:
+    """What rank 0 sent to the tracker (accelerator.log, as tests/probe_train.py records it, over every job of the
+    run) whose keys start with `prefix`, by step; timings left out."""
+    by_step = {}
+    for step, values in map(json.loads, (out / "probe-logs-rank0.jsonl").read_text().splitlines()):
+        by_step.setdefault(step, {}).update({k: v for k, v in values.items()
+                                             if k.startswith(prefix) and "per_sec" not in k and "seconds" not in k})
+    return {step: values for step, values in by_step.items() if values}
+
+
+def run_probed(script: Path, args: list[str], launch=None):
+    """The copy run through tests/probe_train.py (PROBE_SCRIPT), which records what it logs."""
+    result = run_train(args, launch=launch, env=script_env(PYTHONPATH=str(REPO), PROBE_SCRIPT=str(script)),
+                       script=PROBE)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def assert_same_logs(ours: dict, theirs: dict) -> None:
+    assert ours.keys() == theirs.keys()
+    for step, values in theirs.items():
+        assert ours[step].keys() == values.keys(), step
+        assert all(ours[step][k] == pytest.approx(v, rel=1e-5) for k, v in values.items()), step
+
+
+@pytest.mark.slow
+def test_a_copy_logs_its_loss_terms_keeps_its_best_f1_weights_and_records_the_network_and_optimizer_it_built(
+        cifar_dir, cache_dir, tmp_path):
+    """A copy with its own network (SmallNet, its parameters counted here), AdamW with two groups (no weight decay on
+    biases and norms), a loss of two named terms (ce + logit_penalty) and --best-metric macro_f1 (a local metric
+    script), on 2 ranks (--deterministic, W&B offline):
+    - summary.json, the W&B run's config and evaluate_checkpoint.py record the network it built (class SmallNet, its
+      parameters, no name: never the template's --model) and the optimizer (AdamW; per group the tensors, parameters,
+      lr 0.003, weight decay 0.05 / 0); the flags stay beside them in summary.json's config;
+    - train/ce and train/logit_penalty are logged at every step and train/epoch_ce, train/epoch_logit_penalty at each
+      epoch's end, summing to train/loss (train/epoch_loss) within 1e-5 (relative); summary.json's train_loss_terms
+      are the last epoch's;
+    - 1 process (accumulation 2) logs the same train/* values as 2 ranks, at every step, within 1e-5 (relative);
+    - kill -9 after the step-3 checkpoint and --resume auto: the two jobs send the tracker (accelerator.log) the same
+      train/* keys at the same steps as the uninterrupted run, values within 1e-5 (relative), and end with its
+      final weights bitwise;
+    - best.safetensors is the evaluation with the highest eval/macro_f1 (the first of equals): best_checkpoint names
+      its step, best_eval_macro_f1 is its value, and evaluate_checkpoint.py gives that macro-F1 from the file."""
+    script = copy_with_edits(tmp_path, {"build_model": SMALL_NET, "build_optimizer": NO_DECAY_ADAMW}, TWO_TERM_LOSS)
+    (tmp_path / "macro_f1.py").write_text(MACRO_F1)
+    job = ["--train-subset", "256", "--eval-subset", "64", "--batch-size", "16", "--global-batch-size", "32",
+           "--epochs", "2", "--eval-every-steps", "2", "--checkpoint-every-steps", "3", "--lr", "0.003",
+           "--weight-decay", "0.05", "--metric", str(tmp_path / "macro_f1.py"), "--best-metric", "macro_f1",
+           "--log-every", "1", "--deterministic", "--tracker", "wandb"]
+    two = ["--config_file", str(CPU_YAML)]
+    whole = tmp_path / "whole"
+    run_probed(script, job_args(cifar_dir, cache_dir, whole, *job), launch=two)
+    s = read_summary(whole)
+    model = {"name": None, "class": "SmallNet", "parameters": SMALL_NET_PARAMETERS}
+    optimizer = {"class": "AdamW", "groups": [
+        {"tensors": 2, "parameters": 3 * 9 * 16 + 256 * 10, "lr": 0.003, "weight_decay": 0.05},
+        {"tensors": 4, "parameters": 16 + 2 * 16 + 10, "lr": 0.003, "weight_decay": 0.0}]}
+    assert (s["world_size"], s["global_step"], s["model"], s["optimizer"]) == (2, 16, model, optimizer)
+    assert (s["config"]["model"], s["config"]["optimizer"]) == ("resnet18", "sgd")  # the flags, which it ignores
+    [run] = compare_runs.load(str(whole))
+    assert (run.config["model"], run.config["optimizer"]) == (model, optimizer)
+
+    logs = logged_by_step(whole, "train/")
+    assert sorted(logs) == list(range(1, 17))
+    for values in logs.values():
+        assert values["train/ce"] + values["train/logit_penalty"] == pytest.approx(values["train/loss"], rel=1e-5)
+        assert values["train/logit_penalty"] > 0
+    for step in (8, 16):
+        epoch = logs[step]
+        assert epoch["train/epoch_ce"] + epoch["train/epoch_logit_penalty"] == pytest.approx(
+            epoch["train/epoch_loss"], rel=1e-5)
+    assert s["train_loss_terms"] == {"ce": logs[16]["train/epoch_ce"],
+                                     "logit_penalty": logs[16]["train/epoch_logit_penalty"]}
+
+    one = tmp_path / "one"
+    run_probed(script, job_args(cifar_dir, cache_dir, one, *job))
+    assert read_summary(one)["world_size"] == 1 and read_summary(one)["grad_accum"] == 2
+    assert_same_logs(logged_by_step(one, "train/"), logs)
+
+    killed = tmp_path / "killed"
+    proc = start(job_args(cifar_dir, cache_dir, killed, *job), two, script=PROBE,
+                 env=script_env(PYTHONPATH=str(REPO), PROBE_SCRIPT=str(script)))
+    wait_for_checkpoint(killed, proc, 3)
+    kill_job(proc)
+    assert not (killed / "summary.json").exists()
+    run_probed(script, job_args(cifar_dir, cache_dir, killed, *job, "--resume", "auto"), launch=two)
+    assert read_summary(killed)["resumed_from"] is not None
+    assert_same_logs(logged_by_step(killed, "train/"), logs)
+    assert_same_state(killed / "model.safetensors", whole / "model.safetensors")
+
+    f1 = {step: values["eval/macro_f1"] for step, values in logged_by_step(whole, "eval/macro_f1").items()}
+    assert sorted(f1) == list(range(2, 17, 2))
+    best_step = min(step for step, value in f1.items() if value == max(f1.values()))
+    assert (s["best_metric"], s["best_metric_mode"]) == ("macro_f1", "max")
+    assert (s["best_eval_macro_f1"], s["best_checkpoint"]) == (f1[best_step], f"step-{best_step:08d}")
+    got = evaluated(whole / "best.safetensors", "--metric", str(tmp_path / "macro_f1.py"))
+    assert got["macro_f1"] == pytest.approx(f1[best_step], abs=1e-12) and got["model"] == model
 
 
 @pytest.mark.slow

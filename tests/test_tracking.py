@@ -272,28 +272,54 @@ def test_profile_writes_each_ranks_chrome_trace_of_steps_6_to_8_and_prints_the_t
 
 
 def test_a_meter_resumed_from_its_checkpointed_sums_logs_what_the_uninterrupted_meter_logs():
-    """Four micro-batch losses, a log window after the second and a mid-epoch checkpoint after the third (its
-    window open): a meter resumed from the sums the checkpoint stored (so_far, through JSON) logs the window of the
-    third and fourth losses as their mean and the epoch as the mean of all four, as the uninterrupted meter does
-    (to 1e-7), and as computed here by hand."""
+    """Four micro-batch losses, each with a named term `reg`, a log window after the second and a mid-epoch
+    checkpoint after the third (its window open): a meter resumed from the sums the checkpoint stored (so_far,
+    through JSON) logs the window of the third and fourth values as their mean and the epoch as the mean of all four,
+    for the loss and the term, as the uninterrupted meter does (to 1e-7), and as computed here by hand."""
     from accelerate import Accelerator
 
     from utils.tracking import TrainMeter
 
     accelerator = Accelerator(cpu=True)
     losses = [torch.tensor(v) for v in (2.5, 2.25, 2.0, 1.5)]
+    terms = [{"reg": torch.tensor(v)} for v in (0.5, 0.25, 0.0, 1.0)]
     whole, first = TrainMeter(torch.device("cpu"), 16), TrainMeter(torch.device("cpu"), 16)
     logged = {"whole": [], "resumed": []}
     for k, loss in enumerate(losses):
-        whole.add(loss)
+        whole.add(loss, terms[k])
         if k < 3:
-            first.add(loss)
+            first.add(loss, terms[k])
         if k == 1:
             logged["whole"].append(whole.window(accelerator)[0])
             logged["resumed"].append(first.window(accelerator)[0])
     resumed = TrainMeter(torch.device("cpu"), 16, json.loads(json.dumps(first.so_far(accelerator))))
-    resumed.add(losses[3])
+    resumed.add(losses[3], terms[3])
     for name, meter in (("whole", whole), ("resumed", resumed)):
         logged[name] += [meter.window(accelerator)[0], meter.end_epoch(accelerator)[0]]
-    assert logged["resumed"] == pytest.approx(logged["whole"], abs=1e-7)
-    assert logged["resumed"] == pytest.approx([2.375, 1.75, 2.0625], abs=1e-7)
+    for name in ("whole", "resumed"):
+        assert [means["loss"] for means in logged[name]] == pytest.approx([2.375, 1.75, 2.0625], abs=1e-7)
+        assert [means["reg"] for means in logged[name]] == pytest.approx([0.375, 0.5, 0.4375], abs=1e-7)
+
+
+def test_loss_terms_with_a_taken_name_another_shape_or_new_names_stop_with_one_line():
+    """A loss term named like a train/* key of the loop's own, or not a one-element tensor, is one line at the first
+    micro-batch; so are terms whose names change within the run, or differ from those a resumed checkpoint carried."""
+    from utils import UserError
+    from utils.tracking import TrainMeter
+
+    one = torch.tensor(1.0)
+    for terms, message in (({"lr": one}, "loss term 'lr': a term's name is an identifier, not one of loss, lr"),
+                           ({"epoch_ce": one}, "not starting with epoch_"),
+                           ({"ce": torch.ones(3)}, "loss term 'ce' must be a one-element tensor, as the loss is (got "
+                                                   "Tensor(3,))"),
+                           ({"ce": 0.5}, "(got float)")):
+        with pytest.raises(UserError) as error:
+            TrainMeter(torch.device("cpu"), 16).add(one, terms)
+        assert message in str(error.value)
+    meter = TrainMeter(torch.device("cpu"), 16)
+    meter.add(one, {"ce": one})
+    with pytest.raises(UserError, match="the loss terms changed names within the run"):
+        meter.add(one, {"ce": one, "l2": one})
+    carried = {"names": ["ce"], "epoch": [[1.0, 1.0], 1], "window": [[1.0, 1.0], 1]}
+    with pytest.raises(UserError, match="the checkpoint resumed from has ce: resume with the script that saved it"):
+        TrainMeter(torch.device("cpu"), 16, carried).add(one, {"focal": one})

@@ -31,6 +31,7 @@ from utils import UserError
 from utils.batches import BatchTransform, make_loader
 from utils.cli import build_parser
 from utils.decode import load_source
+from utils.evaluation import Evaluator
 from utils.models import named_model
 from utils.progress import Progress
 
@@ -363,18 +364,47 @@ def test_a_hub_dataset_without_a_test_split_holds_out_the_stated_part_on_two_ran
 
 # Early stopping ----------------------------------------------------------------------------------------------------
 def test_the_early_stopping_count_resets_on_a_gain_of_more_than_min_delta_only():
-    """An evaluation gains when its top-1 beats the last gain's top-1 (0 before the first) by more than min_delta: with
-    min_delta 1, 13.5 gains over the last gain 12 though it beats the best, 12.5, by exactly 1."""
-    p = Progress()
-    counts = []
+    """An evaluation gains when its value beats the last gain's by more than min_delta, in the metric's direction; the
+    first evaluation is a gain. top1 (max), min_delta 1: 13.5 gains over the last gain 12 though it beats the best,
+    12.5, by exactly 1. loss (min), min_delta 0.1: 1.75 gains over 2.0, 1.7 does not; the best is the lowest. A NaN
+    is neither a gain nor the best; another metric starts the record afresh."""
+    p, counts, best = Progress(), [], []
     for top1 in (10.0, 12.0, 12.5, 11.0, 13.5, 13.0):  # gains (more than 1 over the last gain): 10, 12, 13.5
-        p.is_best(top1, min_delta=1.0)
+        best.append(p.is_best("top1", "max", top1, min_delta=1.0))
         counts.append(p.evals_without_gain)
-    assert counts == [0, 0, 1, 2, 0, 1] and p.best_top1 == 13.5
+    assert counts == [0, 0, 1, 2, 0, 1] and best == [True, True, True, False, True, False] and p.best_value == 13.5
+    p, counts, best = Progress(), [], []
+    for loss in (2.0, 1.95, 1.75, 1.7, float("nan"), 1.8):  # gains: 2.0, 1.75
+        best.append(p.is_best("loss", "min", loss, min_delta=0.1))
+        counts.append(p.evals_without_gain)
+    assert counts == [0, 1, 0, 1, 2, 3] and best == [True, True, True, True, False, False] and p.best_value == 1.7
+    assert p.is_best("top1", "max", 5.0) and (p.best_metric, p.best_value, p.evals_without_gain) == ("top1", 5.0, 0)
+
+
+def test_best_metric_takes_a_direction_from_its_name_or_the_flag_and_names_only_evaluated_metrics():
+    """--best-metric: loss (and ema_loss) lower is better, the rest higher, NAME:min / NAME:max override; unset: top1,
+    or ema_top1 with --ema-decay. A bad form, an ema_ metric without --ema-decay, or a name the evaluation does not
+    produce is one line."""
+    def best(*flags):
+        return train_cifar.parse_config(list(flags)).best()
+
+    assert best() == ("top1", "max") and best("--ema-decay", "0.9") == ("ema_top1", "max")
+    assert best("--best-metric", "loss") == ("loss", "min") and best("--best-metric", "f1_macro") == ("f1_macro", "max")
+    assert best("--best-metric", "ema_loss", "--ema-decay", "0.9") == ("ema_loss", "min")
+    assert best("--best-metric", "mse:min") == ("mse", "min") and best("--best-metric", "loss:max") == ("loss", "max")
+    for flags, message in ((["--best-metric", "top1:up"], "--best-metric top1:up: NAME, NAME:max or NAME:min"),
+                           (["--best-metric", "ema_top1"], "--best-metric ema_top1: an EMA's metric needs "
+                                                           "--ema-decay")):
+        with pytest.raises(UserError, match=re.escape(message)):
+            best(*flags)
+    cfg = train_cifar.parse_config(["--best-metric", "f1"])
+    with pytest.raises(UserError, match=re.escape("--best-metric f1: not a metric this run evaluates (loss, top1, "
+                                                  "top5)")):
+        Evaluator(cfg, None, None, None, None, None)
 
 
 # vit_micro at lr 1e-12 on 64 images stays near chance (about 10-20% top-1 on 100 test images), so with
-# --early-stop-min-delta 50 no evaluation counts as a gain (the best starts at 0).
+# --early-stop-min-delta 50 no evaluation after the first (which is a gain) counts as a gain.
 FROZEN_VIT = ["--model", "vit_micro", "--train-subset", "64", "--eval-subset", "100", "--batch-size", "16",
               "--lr", "1e-12", "--tracker", "none", "--early-stop-patience", "2", "--early-stop-min-delta", "50"]
 
@@ -382,10 +412,11 @@ FROZEN_VIT = ["--model", "vit_micro", "--train-subset", "64", "--eval-subset", "
 @pytest.mark.slow
 def test_early_stopping_ends_both_ranks_within_an_epoch_after_patience_evaluations_with_the_usual_outputs(
         cifar_dir, cache_dir, tmp_path):
-    # 2 ranks x 16 images: 2 optimizer steps per epoch; an evaluation at every step, patience 3: the third (step 3,
-    # the middle of epoch 2) ends the run there; each evaluation is followed by a checkpoint (all kept here). The ViT
-    # mixes its images too (nothing learns at this lr, so the stop is the same): the ViT script's mixing path runs.
-    flags = [*FROZEN_VIT, "--early-stop-patience", "3", "--eval-every-steps", "1", "--epochs", "6", "--keep-last", "9",
+    # 2 ranks x 16 images: 2 optimizer steps per epoch; an evaluation at every step, patience 2: the third (step 3,
+    # the middle of epoch 2; the first is a gain) ends the run there; each evaluation is followed by a checkpoint
+    # (all kept here). The ViT mixes its images too (nothing learns at this lr, so the stop is the same): the ViT
+    # script's mixing path runs.
+    flags = [*FROZEN_VIT, "--early-stop-patience", "2", "--eval-every-steps", "1", "--epochs", "6", "--keep-last", "9",
              "--mixup", "0.2", "--cutmix", "1.0"]
     result = run_train(job_args(cifar_dir, cache_dir, tmp_path, *flags), launch=["--config_file", str(CPU_YAML)],
                        script=REPO / "train_vit.py")
@@ -393,9 +424,9 @@ def test_early_stopping_ends_both_ranks_within_an_epoch_after_patience_evaluatio
     s = read_summary(tmp_path)
     assert 0 < s["best_eval_top1"] < 50
     assert (s["global_step"], s["epochs_completed"], s["stopped_early"], s["evals_without_gain"], s["world_size"]) == \
-        (3, 1, True, 3, 2)
-    line = (f"early stop at step 3 (in epoch 2): 3 evaluations in a row without a top-1 gain (best "
-            f"{s['best_eval_top1']:.2f}%)")
+        (3, 1, True, 2, 2)
+    line = (f"early stop at step 3 (in epoch 2): 2 evaluations in a row without a gain in top1 (best "
+            f"{s['best_eval_top1']:.6g})")
     assert result.stdout.count(line) == 1
     assert (tmp_path / "model.safetensors").is_file() and (tmp_path / "best.safetensors").is_file()
     saved = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
@@ -405,14 +436,14 @@ def test_early_stopping_ends_both_ranks_within_an_epoch_after_patience_evaluatio
 
 @pytest.mark.slow
 def test_the_early_stopping_count_survives_a_resume(cifar_dir, cache_dir, tmp_path):
-    # 1 epoch: one evaluation without a gain; resumed for 6 epochs, the second evaluation is the second without a
-    # gain, so the run stops there (with the count lost it would run to epoch 3)
+    # 2 epochs: the first evaluation (a gain), then one without a gain; resumed for 6 epochs, the third evaluation is
+    # the second without a gain, so the run stops there (with the count lost it would run to epoch 4)
     args = job_args(cifar_dir, cache_dir, tmp_path, *FROZEN_VIT)
-    first = run_train([*args, "--epochs", "1"], script=REPO / "train_vit.py")
+    first = run_train([*args, "--epochs", "2"], script=REPO / "train_vit.py")
     assert first.returncode == 0, first.stderr[-3000:]
     assert (read_summary(tmp_path)["evals_without_gain"], read_summary(tmp_path)["stopped_early"]) == (1, False)
     again = run_train([*args, "--epochs", "6", "--resume", "auto"], script=REPO / "train_vit.py")
     assert again.returncode == 0, again.stderr[-3000:]
     s = read_summary(tmp_path)
-    assert (s["epochs_completed"], s["stopped_early"], s["evals_without_gain"]) == (2, True, 2)
-    assert "early stop at step 8 (after epoch 2)" in again.stdout
+    assert (s["epochs_completed"], s["stopped_early"], s["evals_without_gain"]) == (3, True, 2)
+    assert "early stop at step 12 (after epoch 3)" in again.stdout

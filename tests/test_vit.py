@@ -128,7 +128,8 @@ def test_fsdp_shards_each_vit_block_and_each_rank_holds_about_half(vit_jobs):
     assert ddp["local_numel"] == MICRO_PARAMETERS and ddp["param_types"] == ["Parameter"]
     s = read_summary(vit_jobs["fsdp"])
     assert s["distributed_type"] == "FSDP" and s["wrapper"] == "FSDPVisionTransformer"
-    assert s["parameters"] == MICRO_PARAMETERS and s["parameters_on_main_process"] == held[0]
+    assert s["model"] == {"name": "vit_micro", "class": "VisionTransformer", "parameters": MICRO_PARAMETERS}
+    assert s["parameters_on_main_process"] == held[0]
 
 
 def test_fsdp_losses_at_every_step_and_final_weights_equal_ddp(vit_jobs):
@@ -193,5 +194,5 @@ def test_preempted_fsdp_vit_resumes_from_its_shards_and_exports_a_plain_vit_with
                             str(cifar_dir), "--cache-dir", str(cache_dir)], script_env(), timeout=300)
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     metrics = json.loads(evaluated.stdout.strip().splitlines()[-1])
-    assert metrics["model"] == "vit_micro" and metrics["examples"] == 128
+    assert metrics["model"] == s["model"] and metrics["examples"] == 128
     assert abs(metrics["top1"] - s["eval_top1"]) < 1e-9, (metrics, s["eval_top1"])

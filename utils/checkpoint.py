@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from utils.config_groups import CheckpointConfig
 
 STATE_FILE = "trainer_state.json"
-FORMAT = 2  # 2: sample-keyed augmentation and a batch plan, resumable on another process count (1: per-rank streams)
+FORMAT = 3  # 3: the best evaluation by any metric, the loss terms' sums (2: by top-1; 1: per-rank augmentation)
 NAME = re.compile(r"step-(\d{8})")
 
 
@@ -195,8 +195,9 @@ def load(accelerator, folder: Path) -> dict:
     folder = Path(folder)
     state = read_state(folder)
     if state.get("format") != FORMAT:
-        raise UserError(f"checkpoint {folder} was written by an earlier version of this template (per-process "
-                        f"augmentation streams) and cannot be continued exactly; start over with --overwrite.")
+        raise UserError(f"checkpoint {folder} was written by an earlier version of this template (checkpoint format "
+                        f"{state.get('format', 1)}, this one reads {FORMAT}) and cannot be continued exactly; start "
+                        f"over with --overwrite.")
     try:
         accelerator.load_state(str(folder))
     except RuntimeError as e:  # e.g. size mismatch: weights of another model

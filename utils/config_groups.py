@@ -122,17 +122,36 @@ class EvaluationConfig(Group):
     ema_decay: float | None = opt(None, "keep an exponential moving average of the weights with this decay (e.g. "
                                   "0.999; warmed up as min(D, (1+t)/(10+t)) at update t), evaluated beside them "
                                   "(eval/ema_*), choosing best.safetensors, exported as model_ema.safetensors")
-    early_stop_patience: int | None = opt(None, "stop after this many evaluations in a row without a top-1 gain of "
-                                          "more than --early-stop-min-delta (decided on all ranks together; the "
-                                          "outputs as at the end); unset: never")
-    early_stop_min_delta: float = opt(0.0, "top-1 points an evaluation must beat the last gain's top-1 by (0 before "
-                                      "the first) to count as a gain")
+    best_metric: str | None = opt(None, "the evaluation metric that picks best.safetensors and drives "
+                                  "--early-stop-patience: loss, top1, top5, a --metric's key (eval/KEY), or ema_ and "
+                                  "any of these with --ema-decay; lower is better for loss, higher for the others, "
+                                  "unless NAME:min or NAME:max says otherwise; unset: ema_top1 with --ema-decay, "
+                                  "else top1")
+    early_stop_patience: int | None = opt(None, "stop after this many evaluations in a row without a gain in "
+                                          "--best-metric of more than --early-stop-min-delta (decided on all ranks "
+                                          "together; the outputs as at the end); unset: never")
+    early_stop_min_delta: float = opt(0.0, "what an evaluation must beat the last gain's --best-metric value by, in "
+                                      "that metric's units (top-1: points), to count as a gain (the first evaluation "
+                                      "is one)")
 
     def validate(self) -> None:
         check_ranges(self, positive=["eval_every_steps", "early_stop_patience"], non_negative=["early_stop_min_delta"])
         if self.ema_decay is not None and not 0 < self.ema_decay < 1:
             raise UserError(f"--ema-decay must be between 0 and 1, e.g. 0.999 (got {self.ema_decay}).")
+        self.best()  # its form; the name is checked against the evaluation's keys once the metrics are loaded
         super().validate()
+
+    def best(self) -> tuple[str, str]:
+        """(metric key, mode: max or min) of --best-metric; unset: ema_top1 with --ema-decay, else top1."""
+        if self.best_metric is None:
+            return ("ema_top1" if self.ema_decay else "top1"), "max"
+        name, _, mode = self.best_metric.partition(":")
+        if mode not in ("", "max", "min") or not name:
+            raise UserError(f"--best-metric {self.best_metric}: NAME, NAME:max or NAME:min (e.g. loss, top1, "
+                            f"f1_macro:max).")
+        if name.startswith("ema_") and not self.ema_decay:
+            raise UserError(f"--best-metric {self.best_metric}: an EMA's metric needs --ema-decay.")
+        return name, mode or ("min" if name.removeprefix("ema_") == "loss" else "max")
 
 
 @dataclass

@@ -60,15 +60,22 @@ def evaluate(model, loader, transform, accelerator, classes, tta_flip: bool = Fa
 class Evaluator:
     """A script's evaluations: when (each epoch's end, and every --eval-every-steps optimizer steps within an epoch),
     of which weights (the model's, and with --ema-decay also their EMA: metrics `ema_*`), what is kept
-    (best.safetensors: the weights whose top-1 counts, the EMA's when there is one), what the tracker hears (eval/*
-    at the evaluation's step) and when the run stops early (--early-stop-patience, through the guard).
+    (best.safetensors: the weights of the best evaluation by --best-metric, the EMA's for an ema_ metric), what the
+    tracker hears (eval/* at the evaluation's step) and when the run stops early (--early-stop-patience, no gain in
+    --best-metric, through the guard).
     `run_eval()`: the script's evaluate(...) of its model, loader and transform."""
 
-    def __init__(self, cfg, run_eval, accelerator, model, tracker, guard, ema=None):
+    def __init__(self, cfg, run_eval, accelerator, model, tracker, guard, ema=None, metrics=()):
+        """`metrics`: the --metric ones run_eval computes (load_metrics), whose keys --best-metric may name."""
         self.run_eval, self.accelerator, self.model, self.tracker, self.guard, self.ema = (
             run_eval, accelerator, model, tracker, guard, ema)
         self.every, self.patience = cfg.eval_every_steps, cfg.early_stop_patience
         self.min_delta = cfg.early_stop_min_delta
+        self.best_metric, self.best_mode = cfg.best()
+        keys = ["loss", "top1", "top5", *(key for metric in metrics for key in metric.keys)]
+        keys += [f"ema_{key}" for key in keys] if ema is not None else []
+        if self.best_metric not in keys:
+            raise UserError(f"--best-metric {cfg.best_metric}: not a metric this run evaluates ({', '.join(keys)}).")
         self.best_path = Path(cfg.output_dir) / "best.safetensors"
         self.step, self.last = None, None  # the step of the last evaluation, and its metrics
 
@@ -88,7 +95,7 @@ class Evaluator:
             return self.last
         self.guard.check()
         metrics = self.metrics()
-        if progress.is_best(metrics["ema_top1" if self.ema else "top1"], self.min_delta):
+        if progress.is_best(self.best_metric, self.best_mode, metrics[self.best_metric], self.min_delta):
             with self.ema.applied() if self.ema else nullcontext():
                 export_weights(self.accelerator, self.model, self.best_path)
         self.tracker.log_eval(progress.global_step, progress.epoch_number(), metrics)
@@ -116,6 +123,7 @@ class Metric:
         self.name, self.kwargs = parse_metric(spec)
         self.label = metric_label(self.name, self.kwargs)
         self.module = first_on_each_machine(lambda: self._load(spec))
+        self.keys: list[str] = []  # what compute() returns: known once load_metrics has tried it
 
     def _load(self, spec: str):
         import evaluate
@@ -143,7 +151,7 @@ def load_metrics(specs: list[str] | None, classes: list[str], accelerator) -> li
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                metric.compute(list(range(len(classes))), list(range(len(classes))))
+                metric.keys = list(metric.compute(list(range(len(classes))), list(range(len(classes)))))
         except Exception as e:  # noqa: BLE001 -- whatever a third-party metric raises on its inputs: one line
             raise UserError(f"--metric {spec} fails on {len(classes)}-class predictions: {first_line(e)}") from None
     return metrics

@@ -115,7 +115,7 @@ class StopGuard:
         return "the launcher is gone" if LAUNCHER_GONE.is_set() else "signal on another rank"
 
     def stop_early(self, progress, patience: int | None) -> bool:
-        """--early-stop-patience: True on every rank once `patience` evaluations in a row brought no top-1 gain
+        """--early-stop-patience: True on every rank once `patience` evaluations in a row brought no --best-metric gain
         (Progress counts them). Decided together through Accelerate's trigger (set where the count says so, then an
         all-reduce), so no rank trains on alone; prints one line."""
         if patience is None:
@@ -125,6 +125,7 @@ class StopGuard:
         if not self.accelerator.check_trigger():
             return False
         where = f"{'in' if progress.batches_in_epoch else 'after'} epoch {progress.epoch_number()}"
+        best = "none" if progress.best_value is None else f"{progress.best_value:.6g}"  # None: every value was NaN
         self.accelerator.print(f"early stop at step {progress.global_step} ({where}): {progress.evals_without_gain} "
-                               f"evaluations in a row without a top-1 gain (best {progress.best_top1:.2f}%)")
+                               f"evaluations in a row without a gain in {progress.best_metric} (best {best})")
         return True

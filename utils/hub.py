@@ -174,7 +174,7 @@ def push_to_hub(repo_id: str | None, accelerator, output_dir: str, summary: dict
             api = HfApi()
             api.create_repo(repo_id, exist_ok=True)
             commit = api.upload_folder(repo_id=repo_id, folder_path=folder,
-                                       commit_message=f"{summary['model']}: top-1 {summary['eval_top1']:.2f}%")
+                                       commit_message=f"{network(summary)}: top-1 {summary['eval_top1']:.2f}%")
             print(f"pushed {folder} to {getattr(commit, 'commit_url', repo_id)}", flush=True)
         except (OSError, HfHubHTTPError, ValueError) as e:
             error = (f"the run finished and its outputs are saved, but the upload to {repo_id} failed "
@@ -212,6 +212,11 @@ def _per_channel(values: list[float]) -> str:
     return "(" + ", ".join(f"{v:.4f}" for v in values) + ")"
 
 
+def network(summary: dict) -> str:
+    """The network a run trained, as summary.json records it: the name it was built under, else its class."""
+    return summary["model"]["name"] or summary["model"]["class"]
+
+
 def model_card(summary: dict, repo_id: str) -> str:
     """The model card: huggingface_hub's metadata block (ModelCardData), then the model, its data and classes, the
     evaluation, the exact launch command, the library versions and the W&B run."""
@@ -221,7 +226,7 @@ def model_card(summary: dict, repo_id: str) -> str:
     source = dataset.get("source") if dataset.get("kind") == "hub" else None
     data = ModelCardData(library_name="pytorch", license=None, datasets=[source] if source else None,
                          metrics=["accuracy"], pipeline_tag="image-classification",
-                         tags=["image-classification", "accelerate", "safetensors", summary["model"]])
+                         tags=["image-classification", "accelerate", "safetensors", network(summary)])
     extra = {k[len("eval_"):]: v for k, v in summary.items()  # the --metric values
              if k.startswith("eval_") and k[len("eval_"):] not in BUILT_IN and isinstance(v, int | float)}
     rows = [("top-1 (%)", summary["eval_top1"]), ("top-5 (%)", summary["eval_top5"]), ("loss", summary["eval_loss"]),
@@ -229,11 +234,12 @@ def model_card(summary: dict, repo_id: str) -> str:
     versions = ", ".join(f"{k} {v}" for k, v in summary.get("versions", {}).items())
     wandb = summary.get("wandb_run") or {}
     recorded = summary.get("script") or {}
-    script = recorded.get("name") or ("train_vit.py" if summary["model"].startswith("vit") else "train_cifar.py")
+    script = recorded.get("name") or ("train_vit.py" if cfg.get("model", "").startswith("vit") else "train_cifar.py")
+    name = summary["model"]["name"]  # None: a copy's own network, which --model does not choose
     lines = [
         f"---\n{data.to_yaml()}\n---", "",
         f"# {repo_id.split('/')[-1]}", "",
-        f"`{summary['model']}` ({summary['parameters']:,} parameters), an image classifier for "
+        f"`{network(summary)}` ({summary['model']['parameters']:,} parameters), an image classifier for "
         f"{summary['image_size']} x {summary['image_size']} px images, trained on "
         f"{source or 'a local dataset'} with HuggingFace Accelerate.", "",
         f"Classes ({len(summary['classes'])}): {', '.join(summary['classes'])}.", "",
@@ -259,6 +265,6 @@ def model_card(summary: dict, repo_id: str) -> str:
         f"evaluate_checkpoint.py rebuilds it so (it imports `{script}` from a checkout with the same sha256, or the "
         f"uploaded copy with --trust-remote-code):", "",
         f"    python evaluate_checkpoint.py {repo_id} --data-dir DATA", f"    python {script} --init-from "
-        f"{repo_id} --model {summary['model']} --data-dir YOUR_IMAGES   # fine-tune on your own classes", "",
+        f"{repo_id}{' --model ' + name if name else ''} --data-dir YOUR_IMAGES   # fine-tune on your own classes", "",
     ]
     return "\n".join(lines)

@@ -26,7 +26,14 @@ def named_model(name: str, num_classes: int = 10, image_size: int = 32) -> nn.Mo
     max-pool, which shrinks 32x32 inputs to 8x8 before the first block) for a 3x3 stride-1 conv; or 'resnet9' or
     'resnet8' (below). A name in VITS: vit() below, for image_size x image_size inputs (the ResNets take any size).
     Any other name: a pretrained timm or transformers model (timm:NAME, a model folder or a Hub id), built by its
-    library with a fresh head for num_classes (utils/pretrained.py)."""
+    library with a fresh head for num_classes (utils/pretrained.py). The model declares the name it was built under
+    (`model_name`: what summary.json records as the network's name; a copy's own network has none)."""
+    model = _built(name, num_classes, image_size)
+    model.model_name = name
+    return model
+
+
+def _built(name: str, num_classes: int, image_size: int) -> nn.Module:
     if name not in MODELS and name not in VITS:
         return pretrained_model(name, num_classes)
     if name in VITS:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 
 @dataclass
@@ -15,13 +15,16 @@ class Progress:
     global_step: int = 0  # optimizer steps done
     images_seen: int = 0  # training images, all processes
     train_seconds: float = 0.0  # training time without evaluation
-    best_top1: float = 0.0
+    best_metric: str | None = None  # the metric (--best-metric) that best_value, gains and best_checkpoint follow
+    best_mode: str = "max"  # max: higher is better; min: lower
+    best_value: float | None = None  # the best evaluation's value of best_metric
     best_checkpoint: str | None = None  # kept by the rotation
     tracker_run_id: str | None = None  # the W&B run a resumed job continues
-    evals_without_gain: int = 0  # evaluations in a row that did not beat gain_top1 by --early-stop-min-delta
-    gain_top1: float = 0.0  # the top-1 of the last evaluation that did (a gain)
+    evals_without_gain: int = 0  # evaluations in a row that did not beat gain_value by --early-stop-min-delta
+    gain_value: float | None = None  # best_metric's value at the last evaluation that did (a gain)
     stopped_early: bool = False  # --early-stop-patience ended the run
     train_loss: float = math.nan  # the mean training loss of the last epoch trained (or its part before a stop)
+    train_loss_terms: dict = field(default_factory=dict)  # the means of the loss line's named terms, likewise
     wall_seconds: float = 0.0  # wall time of the run's earlier jobs, from their start of training to their last save
     loss_so_far: dict | None = None  # a mid-epoch checkpoint's: the epoch's loss sums so far (TrainMeter.so_far)
 
@@ -63,31 +66,44 @@ class Progress:
         losses, self.loss_so_far = self.loss_so_far, None
         return losses
 
-    def end_epoch(self, loss: float, images: int, seconds: float, batches_per_epoch: int) -> None:
-        """Counts the epoch's mean loss, training images and time; moves to the next epoch if this one is complete
-        (not after a --max-steps stop in its middle)."""
+    def end_epoch(self, losses: dict, images: int, seconds: float, batches_per_epoch: int) -> None:
+        """Counts the epoch's mean loss and loss terms (TrainMeter.end_epoch), training images and time; moves to the
+        next epoch if this one is complete (not after a --max-steps stop in its middle)."""
         self.trained(images, seconds)
-        self.train_loss = loss
+        self.train_loss = losses["loss"]
+        self.train_loss_terms = {name: value for name, value in losses.items() if name != "loss"}
         if self.batches_in_epoch == batches_per_epoch:
             self.epoch += 1
             self.batches_in_epoch = 0
 
     def summary(self) -> dict:
         return {"epochs_completed": self.epoch, "global_step": self.global_step, "train_loss": self.train_loss,
-                "train_images_seen": self.images_seen,
+                "train_loss_terms": self.train_loss_terms, "train_images_seen": self.images_seen,
                 "train_images_per_sec": self.images_seen / max(self.train_seconds, 1e-9), "wall_seconds": self.wall(),
-                "best_eval_top1": self.best_top1, "best_checkpoint": self.best_checkpoint,
-                "evals_without_gain": self.evals_without_gain, "stopped_early": self.stopped_early}
+                **self.best()}
 
-    def is_best(self, top1: float, min_delta: float = 0.0) -> bool:
-        """Records a new best evaluation; the checkpoint of this step is then kept by the rotation. Counts the
-        evaluations in a row without a gain (--early-stop-patience): a gain beats the last gain's top-1 (0 before the
-        first) by more than `min_delta`."""
-        if top1 > self.gain_top1 + min_delta:
-            self.gain_top1, self.evals_without_gain = top1, 0
+    def best(self) -> dict:
+        """The best evaluation, for summary.json: best_metric, its mode, best_eval_<metric> (after an evaluation)."""
+        value = {f"best_eval_{self.best_metric}": self.best_value} if self.best_metric else {}
+        return {"best_metric": self.best_metric, "best_metric_mode": self.best_mode, **value,
+                "best_checkpoint": self.best_checkpoint, "evals_without_gain": self.evals_without_gain,
+                "stopped_early": self.stopped_early}
+
+    def is_best(self, metric: str, mode: str, value: float, min_delta: float = 0.0) -> bool:
+        """Records an evaluation's `value` of `metric` (mode max: higher is better, min: lower); True when it is the
+        best so far (the checkpoint of this step is then kept by the rotation). Counts the evaluations in a row
+        without a gain (--early-stop-patience): a gain beats the last gain's value by more than `min_delta`; the first
+        evaluation is one. A NaN is neither. Another metric than the recorded one (a resume with another
+        --best-metric) starts the record afresh."""
+        if (metric, mode) != (self.best_metric, self.best_mode):
+            self.best_metric, self.best_mode, self.best_value, self.gain_value = metric, mode, None, None
+            self.evals_without_gain = 0
+        sign = 1.0 if mode == "max" else -1.0
+        if not math.isnan(value) and (self.gain_value is None or sign * (value - self.gain_value) > min_delta):
+            self.gain_value, self.evals_without_gain = value, 0
         else:
             self.evals_without_gain += 1
-        if top1 <= self.best_top1:
+        if math.isnan(value) or (self.best_value is not None and sign * (value - self.best_value) <= 0):
             return False
-        self.best_top1, self.best_checkpoint = top1, f"step-{self.global_step:08d}"
+        self.best_value, self.best_checkpoint = value, f"step-{self.global_step:08d}"
         return True

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 from accelerate.utils import ProfileKwargs
 
+from utils import UserError
 from utils.scripts import script_record
 
 if TYPE_CHECKING:
@@ -85,9 +86,9 @@ class Tracker:
         processes (a sync) and speed to the tracker and the progress bar."""
         if not self.logs_at(progress.global_step):
             return
-        loss, speed = meter.window(self.accelerator)
-        self.log_train(progress.global_step, progress.epoch + 1, loss, lr, speed, meter.last_grad_norm())
-        bar.set_postfix(loss=f"{loss:.3f}", img_s=f"{speed:,.0f}")
+        losses, speed = meter.window(self.accelerator)
+        self.log_train(progress.global_step, progress.epoch + 1, losses, lr, speed, meter.last_grad_norm())
+        bar.set_postfix(loss=f"{losses['loss']:.3f}", img_s=f"{speed:,.0f}")
 
     def logs_at(self, step: int) -> bool:
         """Whether optimizer step `step` is a log step (every --log-every)."""
@@ -99,12 +100,14 @@ class Tracker:
             if self.accelerator.is_main_process:
                 self._note_logged(step)
 
-    def log_train(self, step: int, epoch: int, loss: float, lr: float, images_per_sec: float,
+    def log_train(self, step: int, epoch: int, losses: dict, lr: float, images_per_sec: float,
                   grad_norm: float | None = None) -> None:
-        """A log step's training numbers to the tracker and, without a terminal, now and then to the console."""
+        """A log step's training numbers (`losses`: the loss and the loss line's terms, window means) to the tracker
+        as train/<name> and, without a terminal, now and then to the console."""
         norm = {} if grad_norm is None else {"train/grad_norm": grad_norm}
-        self.log({"train/loss": loss, "train/lr": lr, "epoch": epoch, "train/images_per_sec": images_per_sec, **norm},
-                 step)
+        loss = losses["loss"]
+        self.log({**{f"train/{name}": value for name, value in losses.items()}, "train/lr": lr, "epoch": epoch,
+                  "train/images_per_sec": images_per_sec, **norm}, step)
         now = time.time()
         if not self.console or (self.last_line is not None and now - self.last_line < self.progress_every):
             return
@@ -125,13 +128,15 @@ class Tracker:
         plot = wandb_confusion_matrix(metrics["confusion"], classes) if self.wandb_run is not None and few else {}
         self.log({**scalars, **per_class, "epoch": epoch, **plot}, step=step)
 
-    def log_epoch(self, epoch: int, step: int, train_loss: float, images: int, seconds: float, metrics: dict) -> None:
+    def log_epoch(self, epoch: int, step: int, losses: dict, images: int, seconds: float, metrics: dict) -> None:
         """The end of an epoch (numbered from 1): one console line (with the evaluation's top-1, which log_eval
-        logged); to the tracker the epoch's training loss and speed and the peak memory."""
+        logged); to the tracker the epoch's training loss and loss terms (`losses`, epoch means: train/epoch_<name>),
+        speed and the peak memory."""
         ema = f" (EMA {metrics['ema_top1']:.2f}%)" if "ema_top1" in metrics else ""
-        self.accelerator.print(f"epoch {epoch}/{self.epochs}  train_loss {train_loss:.4f}  eval_top1 "
+        self.accelerator.print(f"epoch {epoch}/{self.epochs}  train_loss {losses['loss']:.4f}  eval_top1 "
                                f"{metrics['top1']:.2f}%{ema}  {images / seconds:,.0f} img/s  {seconds:.1f} s")
-        self.log({"train/epoch_loss": train_loss, "train/epoch_images_per_sec": images / seconds,
+        self.log({**{f"train/epoch_{name}": value for name, value in losses.items()},
+                  "train/epoch_images_per_sec": images / seconds,
                   "train/epoch_seconds": seconds, "sys/peak_memory_gb": peak_memory_gb(self.accelerator.device),
                   "epoch": epoch}, step=step)
 
@@ -182,45 +187,68 @@ class StepProfiler:
 
 
 class TrainMeter:
-    """The training loss summed on the device, and the time, over one epoch and over the current log window; and the
-    global gradient norm (before clipping) of the last optimizer step that measured it, kept on the device. A loss
-    logged is the mean of every process's micro-batch losses in the span. `carried`: the sums a mid-epoch
-    checkpoint stored (`so_far`), {"epoch": [sum, micro-batches], "window": [...]} over all processes, which a
-    resumed epoch adds to its own, so it logs what the uninterrupted epoch logs."""
+    """The training loss, and the named terms a script's loss line gives beside it (`terms`), summed on the device,
+    and the time, over one epoch and over the current log window; and the global gradient norm (before clipping) of
+    the last optimizer step that measured it, kept on the device. A value logged is the mean of every process's
+    micro-batch values in the span. `carried`: the sums a mid-epoch checkpoint stored (`so_far`), {"names": the
+    terms', "epoch": [sums, micro-batches], "window": [...]} over all processes, which a resumed epoch adds to its
+    own, so it logs what the uninterrupted epoch logs."""
 
     def __init__(self, device: torch.device, images_per_batch: int, carried: dict | None = None):
         self.grad_norm: torch.Tensor | None = None  # the loop sets it: every step when clipping, else at log steps
         self.images_per_batch = images_per_batch  # all processes together
-        self.epoch_sum = torch.zeros((), device=device)
-        self.window_sum = self.epoch_sum.clone()
+        self.device = device
+        carried = carried or {}
+        self.names: list[str] | None = carried.get("names")  # the terms': the first add() fixes them for the run
+        self.carried = {k: (list(carried[k][0]), carried[k][1]) if k in carried else None for k in ("epoch", "window")}
+        self.sums: torch.Tensor | None = None  # rows: epoch, window; columns: the loss, then each term
         self.epoch_batches = self.window_batches = 0
         self.epoch_start = self.window_start = time.time()
-        self.carried = {k: tuple(v) for k, v in (carried or {"epoch": (0.0, 0), "window": (0.0, 0)}).items()}
 
-    def add(self, loss: torch.Tensor) -> None:
-        self.epoch_sum += loss.detach()
-        self.window_sum += loss.detach()
+    def add(self, loss: torch.Tensor, terms: dict | None = None) -> None:
+        """One micro-batch's loss and its named terms (scalar tensors; the same names at every call)."""
+        terms = terms or {}
+        if self.sums is None:
+            self.names = check_terms(terms, self.names)
+            self.sums = torch.zeros(2, 1 + len(self.names), device=self.device)
+        elif list(terms) != self.names:
+            raise UserError(f"the loss terms changed names within the run ({', '.join(self.names)} before, "
+                            f"{', '.join(terms)} now); give the same terms at every step.")
+        self.sums += torch.stack([loss.detach().float().reshape(()),
+                                  *(terms[name].detach().float().reshape(()) for name in self.names)])
         self.epoch_batches += 1
         self.window_batches += 1
 
-    def window(self, accelerator) -> tuple[float, float]:
-        """(mean loss over all processes, images per second) since the last call; syncs with the device."""
-        total, count = self._totals(accelerator)["window"]
+    def window(self, accelerator) -> tuple[dict, float]:
+        """({"loss": mean over all processes, each term: its mean}, images per second) since the last call; syncs
+        with the device."""
+        sums, count = self._totals(accelerator)["window"]
         speed = self.window_batches * self.images_per_batch / (time.time() - self.window_start)
-        self.window_sum.zero_()
-        self.window_batches, self.window_start, self.carried["window"] = 0, time.time(), (0.0, 0)
-        return total / count, speed
+        if self.sums is not None:
+            self.sums[1].zero_()
+        self.window_batches, self.window_start, self.carried["window"] = 0, time.time(), None
+        return self._means(sums, count), speed
 
     def so_far(self, accelerator) -> dict:
-        """The epoch's and the log window's loss sums and micro-batch counts over all processes, carried ones
-        included: what a mid-epoch checkpoint stores for the resumed epoch's meter. Collective; syncs."""
-        return {k: list(v) for k, v in self._totals(accelerator).items()}
+        """The epoch's and the log window's sums and micro-batch counts over all processes, carried ones included,
+        and the terms' names: what a mid-epoch checkpoint stores for the resumed epoch's meter. Collective; syncs."""
+        totals = self._totals(accelerator)
+        return {"names": self.names or [], **{k: [sums, count] for k, (sums, count) in totals.items()}}
 
     def _totals(self, accelerator) -> dict:
-        sums = accelerator.reduce(torch.stack([self.epoch_sum, self.window_sum]), reduction="sum").tolist()
+        columns = 1 + len(self.names or [])
+        local = self.sums if self.sums is not None else torch.zeros(2, columns, device=self.device)
+        summed = accelerator.reduce(local, reduction="sum").tolist()
         n = accelerator.num_processes
-        return {"epoch": (self.carried["epoch"][0] + sums[0], self.carried["epoch"][1] + n * self.epoch_batches),
-                "window": (self.carried["window"][0] + sums[1], self.carried["window"][1] + n * self.window_batches)}
+        totals = {}
+        for row, (key, batches) in enumerate((("epoch", self.epoch_batches), ("window", self.window_batches))):
+            earlier_sums, earlier_batches = self.carried[key] or ([0.0] * columns, 0)
+            totals[key] = ([a + b for a, b in zip(earlier_sums, summed[row], strict=True)],
+                           earlier_batches + n * batches)
+        return totals
+
+    def _means(self, sums: list[float], count: int) -> dict:
+        return {name: total / max(1, count) for name, total in zip(["loss", *(self.names or [])], sums, strict=True)}
 
     def last_grad_norm(self) -> float | None:
         """The last measured gradient norm as a number (a sync); under FSDP2 a DTensor, made whole on every rank."""
@@ -246,11 +274,31 @@ class TrainMeter:
     def seconds(self) -> float:
         return time.time() - self.epoch_start
 
-    def end_epoch(self, accelerator) -> tuple[float, int, float]:
-        """The epoch's (mean loss over all processes, images, seconds); syncs with the device. The images and seconds
-        are this job's part (a resumed epoch's earlier part is counted by the checkpoint's Progress)."""
-        total, count = self._totals(accelerator)["epoch"]
-        return total / max(1, count), self.images(), self.seconds()
+    def end_epoch(self, accelerator) -> tuple[dict, int, float]:
+        """The epoch's ({"loss": mean over all processes, each term: its mean}, images, seconds); syncs with the
+        device. The images and seconds are this job's part (a resumed epoch's earlier part is counted by the
+        checkpoint's Progress)."""
+        sums, count = self._totals(accelerator)["epoch"]
+        return self._means(sums, count), self.images(), self.seconds()
+
+
+RESERVED_TERMS = ("loss", "lr", "grad_norm", "images_per_sec")  # train/<name> keys taken by the loop's own values
+
+
+def check_terms(terms: dict, carried: list[str] | None) -> list[str]:
+    """The names of a loss line's terms, checked once (the first micro-batch): identifiers that are not train/*
+    keys already, each a one-element tensor, the names a resumed epoch's checkpoint carried."""
+    for name, value in terms.items():
+        if not isinstance(name, str) or not name.isidentifier() or name in RESERVED_TERMS or name.startswith("epoch_"):
+            raise UserError(f"loss term {name!r}: a term's name is an identifier, not one of "
+                            f"{', '.join(RESERVED_TERMS)} and not starting with epoch_ (it is logged as train/<name>).")
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            raise UserError(f"loss term {name!r} must be a one-element tensor, as the loss is (got "
+                            f"{type(value).__name__}{tuple(value.shape) if isinstance(value, torch.Tensor) else ''}).")
+    if carried is not None and list(terms) != carried:
+        raise UserError(f"the loss terms are {', '.join(terms) or 'none'}; the checkpoint resumed from has "
+                        f"{', '.join(carried) or 'none'}: resume with the script that saved it.")
+    return list(terms)
 
 
 def wandb_offline_without_credentials() -> None:
@@ -284,20 +332,44 @@ def wandb_confusion_matrix(confusion: list[list[int]], classes: list[str]) -> di
         y_true=[t for t, _ in pairs], preds=[q for _, q in pairs], class_names=list(classes))}
 
 
-def run_facts(accelerator, cfg, model, plan, total_steps: int, lr: float) -> dict:
-    """What the run is, for the tracker's config and summary.json: processes, precision, the batch plan, the planned
-    optimizer steps, the learning rate as scaled, the wrapper and parameter counts, the training script (its name,
-    path and sha256: utils.scripts), the launch command, library versions, commit."""
+def run_facts(accelerator, cfg, model, optimizer, plan, total_steps: int, lr: float) -> dict:
+    """What the run is, for the tracker's config and summary.json: what the script built (the model and the
+    optimizer: `model_record`, `optimizer_record`; in the tracker's config they stand where the --model and
+    --optimizer flags would, which a copy's own build_model or build_optimizer does not follow), processes,
+    precision, the batch plan, the planned optimizer steps, the learning rate as scaled, the wrapper, the training
+    script (its name, path and sha256: utils.scripts), the launch command, library versions, commit. `model`,
+    `optimizer`: as prepared."""
     from torch.distributed.tensor import DTensor
 
-    return {"world_size": accelerator.num_processes, "distributed_type": accelerator.distributed_type.value,
+    return {"model": model_record(accelerator.unwrap_model(model, keep_torch_compile=False)),
+            "optimizer": optimizer_record(optimizer.optimizer),
+            "world_size": accelerator.num_processes, "distributed_type": accelerator.distributed_type.value,
             "mixed_precision": accelerator.mixed_precision, "batch_size_per_process": plan.micro,
             "grad_accum": plan.accumulation, "global_batch": plan.global_batch, "total_steps": total_steps,
             "effective_lr": lr, "wrapper": type(model).__name__,
-            "parameters": sum(q.numel() for q in model.parameters()),  # DTensors count in full
             "parameters_on_main_process": sum((q.to_local() if isinstance(q, DTensor) else q).numel()
                                               for q in model.parameters()),  # FSDP2: this process's shards
             "script": script_record(cfg), "command": launch_command(), **environment()}
+
+
+def model_record(model: torch.nn.Module) -> dict:
+    """The network a script built (unwrapped): its class (an FSDP2-sharded model's own, not the FSDP subclass), the
+    name it was built under if it declares one (`model_name`: utils.models.named_model's models do; a copy's own
+    network does not, and then has no name here), its parameters (DTensors count in full)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = type(model).__bases__[-1] if isinstance(model, FSDPModule) else type(model)  # fully_shard: FSDP<cls>
+    return {"name": getattr(model, "model_name", None), "class": cls.__qualname__,
+            "parameters": sum(q.numel() for q in model.parameters())}
+
+
+def optimizer_record(optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer a script built: its class and, per parameter group, the tensors and parameters it holds, its
+    peak learning rate (before the schedule scales it) and its weight decay."""
+    return {"class": type(optimizer).__qualname__, "groups": [
+        {"tensors": len(group["params"]), "parameters": sum(q.numel() for q in group["params"]),
+         "lr": group.get("initial_lr", group["lr"]), "weight_decay": group.get("weight_decay")}
+        for group in optimizer.param_groups]}
 
 
 def launch_command() -> str:
