@@ -334,3 +334,8 @@ def test_a_shard_the_server_keeps_refusing_stops_with_one_line_naming_it_after_i
         _fails_cleanly(tmp_path, ["--data-dir", url, *STREAM], f"{shard} is not a readable tar shard ("
                        f"ClientResponseError: 503, message='Service Unavailable', url='{shard}', 6 tries).")
         assert state["log"].count(("HEAD", "train-00002-of-00005.tar")) == 6
+
+
+def test_a_best_metric_the_run_does_not_evaluate_stops_before_training_naming_the_ones_it_does(tmp_path, small_data):
+    flags = ["--data-dir", str(small_data), "--model", "resnet8", "--batch-size", "16", "--best-metric", "f1"]
+    _fails_cleanly(tmp_path, flags, "--best-metric f1: not a metric this run evaluates (loss, top1, top5).")

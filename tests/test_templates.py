@@ -413,7 +413,9 @@ def assert_same_logs(ours: dict, theirs: dict) -> None:
 @pytest.mark.slow
 def test_a_copy_logs_its_loss_terms_keeps_its_best_f1_weights_and_records_the_network_and_optimizer_it_built(
         cifar_dir, cache_dir, tmp_path):
-    """A copy with its own network (SmallNet, its parameters counted here), AdamW with two groups (no weight decay on
+    """A copy's named loss terms are logged, the same on 1 process as on 2 ranks, and resume exactly; its best weights
+    follow its own metric; the run records the network and optimizer it built, not the flags.
+    A copy with its own network (SmallNet, its parameters counted here), AdamW with two groups (no weight decay on
     biases and norms), a loss of two named terms (ce + logit_penalty) and --best-metric macro_f1 (a local metric
     script), on 2 ranks (--deterministic, W&B offline):
     - summary.json, the W&B run's config and evaluate_checkpoint.py record the network it built (class SmallNet, its

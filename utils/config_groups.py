@@ -121,7 +121,8 @@ class EvaluationConfig(Group):
                                        "any of them")
     ema_decay: float | None = opt(None, "keep an exponential moving average of the weights with this decay (e.g. "
                                   "0.999; warmed up as min(D, (1+t)/(10+t)) at update t), evaluated beside them "
-                                  "(eval/ema_*), choosing best.safetensors, exported as model_ema.safetensors")
+                                  "(eval/ema_*), choosing best.safetensors unless --best-metric says otherwise, "
+                                  "exported as model_ema.safetensors")
     best_metric: str | None = opt(None, "the evaluation metric that picks best.safetensors and drives "
                                   "--early-stop-patience: loss, top1, top5, a --metric's key (eval/KEY), or ema_ and "
                                   "any of these with --ema-decay; lower is better for loss, higher for the others, "
