@@ -238,6 +238,8 @@ def labels(runs: list[Run], settings: bool = True) -> list[str]:
 
 
 def _text(value) -> str:
+    if isinstance(value, dict) and "class" in value:  # what a script built (model, optimizer): its name, else class
+        return value.get("name") or value["class"]
     return value if isinstance(value, str) else json.dumps(value)
 
 
@@ -262,8 +264,8 @@ def differing(runs: list[Run]) -> list[str]:
 # process count and precision first.
 LAUNCH_FACTS = ("world_size", "mixed_precision")
 DERIVED_KEYS = {"distributed_type", "batch_size_per_process", "grad_accum", "global_batch", "total_steps",
-                "effective_lr", "wrapper", "parameters", "parameters_on_main_process", "script", "channels_last",
-                "fsdp_param_dtype", "init_weights", "init_new_keys"}
+                "effective_lr", "wrapper", "model", "optimizer", "parameters_on_main_process", "script",
+                "channels_last", "fsdp_param_dtype", "init_weights", "init_new_keys"}
 
 
 def differing_settings(runs: list[Run]) -> list[str]:

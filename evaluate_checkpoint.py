@@ -26,7 +26,9 @@ from accelerate import Accelerator
 from safetensors.torch import load_file
 
 from utils import UserError, first_line
-from utils.batches import BatchTransform, checked_data, make_loader, take_prefix
+from utils.data.contract import checked_data
+from utils.data.loaders import make_loader, take_prefix
+from utils.data.transform import BatchTransform
 from utils.evaluation import evaluate, load_metrics
 from utils.hub import hub_file, locate_weights
 from utils.launch import first_on_each_machine

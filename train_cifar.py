@@ -44,10 +44,13 @@ from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, se
 from tqdm.auto import tqdm
 
 from utils import UserError
-from utils.batches import BatchTransform, build_loaders, checked_data, data_facts
 from utils.checkpoint import Checkpointer
 from utils.cli import check_ranges, opt, parse
 from utils.config_groups import CheckpointConfig, DataConfig, EvaluationConfig, HubConfig, LoggingConfig
+from utils.data.builtin import load_builtin
+from utils.data.contract import checked_data, data_facts
+from utils.data.loaders import build_loaders
+from utils.data.transform import BatchTransform
 from utils.ema import WeightEMA
 from utils.evaluation import Evaluator, evaluate, load_metrics
 from utils.export import export_model
@@ -64,7 +67,6 @@ from utils.launch import (
     shard_on_cpu_too,
 )
 from utils.models import MODELS, check_logits, named_model
-from utils.onthefly import load_builtin
 from utils.output_dir import check_output_dir, lock_output_dir
 from utils.plan import plan_batches, use_plan
 from utils.pretrained import apply_preprocessing, is_pretrained
@@ -178,7 +180,7 @@ def load_data(cfg: Config) -> dict:
     image folder) or --dataset (the Hub), decoded once per machine into a cache that its other processes read, or
     (--decode workers, full-size images) kept encoded and decoded by batch in the loader's workers, or (--decode
     stream) parquet or tar shards read block by block from a folder or a URL, decoded the same way."""
-    return load_builtin(cfg)  # --data-dir / --dataset by --decode (utils/onthefly.py)
+    return load_builtin(cfg)  # --data-dir / --dataset by --decode (utils/data/encoded.py)
 
 
 def build_optimizer(cfg: Config, model: torch.nn.Module, lr: float, fused: bool = True) -> torch.optim.Optimizer:
@@ -210,7 +212,7 @@ def main(cfg: Config) -> dict:
         cpu=not torch.cuda.is_available(),  # without it, N launched CPU processes each train alone (no gloo group)
         log_with=tracker.log_with, project_dir=cfg.output_dir,  # the tracker; the checkpoints' folder
         dynamo_backend="inductor" if cfg.compile else None,  # None: whatever the launcher configured
-        dataloader_config=DataLoaderConfiguration(non_blocking=True),  # the order: utils.batches.EpochSampler
+        dataloader_config=DataLoaderConfiguration(non_blocking=True),  # the order: utils.data.images.EpochSampler
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout))],  # a dead peer fails
         fsdp_plugin=fsdp,
     )  # no mixed_precision argument on purpose: the launcher's choice must win

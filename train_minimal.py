@@ -7,7 +7,7 @@
 The same training as train_cifar.py with --no-channels-last --grad-clip 0 --scale-lr (the tests hold the two to the
 same losses and weights), without its surroundings: no atomic checkpoints, preemption handling, NaN guard, FSDP,
 run continuation in W&B or recipes. Copy train_cifar.py when you need those. The data path (decode once, shard,
-augment on the device) comes from utils/decode.py and utils/batches.py, the model from utils/models.py; the
+augment on the device) comes from utils/data/ (decode.py, loaders.py, transform.py), the model from utils/models.py; the
 Accelerate idioms (prepare, accumulate, gather_for_metrics, save_state) are written out here on purpose, though
 train_cifar.py uses them too.
 "PITFALL" marks each line that avoids one of the classic silent failures of the seed (its sections 12-14).
@@ -29,8 +29,10 @@ from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration, set_seed
 
 from utils import UserError, process_count_problem
-from utils.batches import BatchTransform, check_one_batch, crop_padding, make_loader, take_prefix
-from utils.decode import load_source
+from utils.data.decode import load_source
+from utils.data.images import crop_padding
+from utils.data.loaders import check_one_batch, make_loader, take_prefix
+from utils.data.transform import BatchTransform
 from utils.launch import run
 from utils.models import named_model
 from utils.schedule import warmup_cosine

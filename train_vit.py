@@ -34,10 +34,13 @@ from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, se
 from tqdm.auto import tqdm
 
 from utils import UserError
-from utils.batches import BatchTransform, build_loaders, checked_data, data_facts
 from utils.checkpoint import Checkpointer
 from utils.cli import check_ranges, opt, parse
 from utils.config_groups import CheckpointConfig, DataConfig, EvaluationConfig, HubConfig, LoggingConfig
+from utils.data.builtin import load_builtin
+from utils.data.contract import checked_data, data_facts
+from utils.data.loaders import build_loaders
+from utils.data.transform import BatchTransform
 from utils.ema import WeightEMA
 from utils.evaluation import Evaluator, evaluate, load_metrics
 from utils.export import export_model
@@ -54,7 +57,6 @@ from utils.launch import (
     shard_on_cpu_too,
 )
 from utils.models import VITS, check_logits, checkpoint_blocks, named_model
-from utils.onthefly import load_builtin
 from utils.output_dir import check_output_dir, lock_output_dir
 from utils.plan import plan_batches, use_plan
 from utils.schedule import warmup_cosine
@@ -128,7 +130,7 @@ def build_model(cfg: Config, num_classes: int) -> torch.nn.Module:
 def load_data(cfg: Config) -> dict:
     """{"train": (images, labels), "test": (images, labels), "classes": names}, as train_cifar.py's load_data (its
     docstring and docs/customizing.md give the contract): here the built-in source, --data-dir or --dataset."""
-    return load_builtin(cfg)  # --data-dir / --dataset by --decode (utils/onthefly.py)
+    return load_builtin(cfg)  # --data-dir / --dataset by --decode (utils/data/encoded.py)
 
 
 def build_optimizer(cfg: Config, model: torch.nn.Module, lr: float) -> torch.optim.AdamW:
@@ -158,7 +160,7 @@ def main(cfg: Config) -> dict:
         cpu=not torch.cuda.is_available(),  # without it, N launched CPU processes each train alone (no gloo group)
         log_with=tracker.log_with, project_dir=cfg.output_dir,  # the tracker; the checkpoints' folder
         dynamo_backend="inductor" if cfg.compile else None,  # None: whatever the launcher configured
-        dataloader_config=DataLoaderConfiguration(non_blocking=True),  # the order: utils.batches.EpochSampler
+        dataloader_config=DataLoaderConfiguration(non_blocking=True),  # the order: utils.data.images.EpochSampler
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout))],
         fsdp_plugin=fsdp,
     )  # no mixed_precision argument on purpose: the launcher's choice must win

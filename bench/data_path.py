@@ -31,8 +31,10 @@ from torchvision import transforms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import add_data_args, data_flags, header, report  # noqa: E402
-from utils.batches import BatchTransform, Mixing, make_loader  # noqa: E402
-from utils.decode import load_source  # noqa: E402
+from utils.data.decode import load_source  # noqa: E402
+from utils.data.draws import Mixing  # noqa: E402
+from utils.data.loaders import make_loader  # noqa: E402
+from utils.data.transform import BatchTransform  # noqa: E402
 
 
 class PilDataset(torch.utils.data.Dataset):

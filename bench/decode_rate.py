@@ -21,8 +21,8 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import header, report  # noqa: E402
-from utils import decode as decode_module  # noqa: E402
-from utils.decode import load_source  # noqa: E402
+from utils.data import decode as decode_module  # noqa: E402
+from utils.data.decode import load_source  # noqa: E402
 
 CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 

@@ -1,7 +1,7 @@
 """Images per second per loader worker at 224 px, decoding JPEGs on the fly with the natural-image crop recipe:
-utils/onthefly.py's DecodingDataset (a batch per call, crops keyed by sample) against torchvision's ImageFolder with
+utils/data/encoded.py's DecodingDataset (a batch per call, crops keyed by sample) against torchvision's ImageFolder with
 transforms.v2 doing the same decode, random-resized crop and flip (a sample per call, default_collate), and the same
-DecodingDataset reading the same JPEGs from webdataset tar shards as --decode stream plans them (utils/stream.py),
+DecodingDataset reading the same JPEGs from webdataset tar shards as --decode stream plans them (utils/data/stream.py),
 all in this one process (num_workers=0: the rate of one worker), alternating. Prints each rate, the ratios to
 torchvision's and how many workers a GPU training at --gpu-rate images/s needs.
 
@@ -29,9 +29,9 @@ import torchvision.transforms.v2 as T  # noqa: E402
 from conftest import write_tar_shards, write_upscaled_cifar  # noqa: E402
 
 from bench.common import image_bench_parser  # noqa: E402
-from utils.crops import CropRecipe  # noqa: E402
-from utils.onthefly import load_encoded  # noqa: E402
-from utils.stream import StreamSettings  # noqa: E402
+from utils.data.builtin import load_encoded  # noqa: E402
+from utils.data.crops import CropRecipe  # noqa: E402
+from utils.data.stream import StreamSettings  # noqa: E402
 
 
 def rate(loader, images: int) -> float:

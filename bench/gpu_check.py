@@ -101,7 +101,7 @@ def plan(args) -> list[Part]:
     py, work = sys.executable, Path(args.work)
     data = ["--data-dir", args.data_dir] if args.data_dir else []
     cache = ["--cache-dir", str(work / "decoded")]
-    decode = ("import sys; sys.path.insert(0, '.'); from utils.decode import load_source; "
+    decode = ("import sys; sys.path.insert(0, '.'); from utils.data.decode import load_source; "
               f"load_source({args.data_dir!r}, cache_dir={str(work / 'decoded')!r})")
     test_env = {"TEST_CACHE_DIR": str(work / "decoded"), **({"TEST_DATA_DIR": args.data_dir} if args.data_dir else {})}
     race = [py, "bench/gpu_race.py", *data, *cache, "--work", str(work / "race")]

@@ -211,7 +211,7 @@ def airbench(data_dir: str | None, cache_dir: str | None, work: Path) -> dict:
 
     if importlib.util.find_spec("airbench") is None:
         raise PartFailed("airbench is not installed (offline: carry its wheel, see docs/gpu-check.md)")
-    from utils.decode import load_source
+    from utils.data.decode import load_source
 
     folder = work / "airbench" / "cifar10"
     folder.mkdir(parents=True, exist_ok=True)

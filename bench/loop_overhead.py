@@ -21,8 +21,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train_cifar  # noqa: E402
 from bench.common import add_data_args, header, report  # noqa: E402
-from utils.batches import BatchTransform, augment_draws  # noqa: E402
-from utils.decode import load_source  # noqa: E402
+from utils.data.decode import load_source  # noqa: E402
+from utils.data.draws import augment_draws  # noqa: E402
+from utils.data.transform import BatchTransform  # noqa: E402
 from utils.models import named_model  # noqa: E402
 from utils.schedule import warmup_cosine  # noqa: E402
 

@@ -1,6 +1,6 @@
 """The seed cheat sheet's DDP script, kept faithful for P1, changed only where this machine forces it:
 gloo on the CPU instead of NCCL on GPUs, and the CIFAR-10 images from the local parquet copy (decoded once
-by utils.decode, then served per sample as PIL images, as torchvision.datasets.CIFAR10 does) instead of a
+by utils.data.decode, then served per sample as PIL images, as torchvision.datasets.CIFAR10 does) instead of a
 download. Prints one JSON line: images/s over the training loop, all ranks.
 
     torchrun --nproc_per_node 2 bench/seed_ddp.py --data-dir ../shared/data/cifar10 --images 5000
@@ -26,7 +26,7 @@ from torchvision.models import resnet18
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import add_data_args  # noqa: E402
 from bench.data_path import PilDataset  # noqa: E402
-from utils.decode import load_source  # noqa: E402
+from utils.data.decode import load_source  # noqa: E402
 
 
 def main():

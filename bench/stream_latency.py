@@ -29,9 +29,9 @@ import torch  # noqa: E402
 from conftest import RangeHandler, write_tar_shards, write_upscaled_cifar  # noqa: E402
 
 from bench.common import header, image_bench_parser  # noqa: E402
-from utils.crops import CropRecipe  # noqa: E402
-from utils.onthefly import load_encoded  # noqa: E402
-from utils.stream import StreamSettings  # noqa: E402
+from utils.data.builtin import load_encoded  # noqa: E402
+from utils.data.crops import CropRecipe  # noqa: E402
+from utils.data.stream import StreamSettings  # noqa: E402
 
 
 class SlowHandler(RangeHandler):

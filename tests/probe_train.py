@@ -73,7 +73,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-from utils import batches, onthefly, stream  # noqa: E402
+from utils.data import encoded, stream  # noqa: E402
+from utils.data import images as image_kinds  # noqa: E402
 from utils.launch import run  # noqa: E402
 from utils.scripts import import_script  # noqa: E402
 
@@ -106,7 +107,7 @@ def digest(tensors) -> str:
     return h.hexdigest()
 
 
-real_getitems = batches.BatchedTensorDataset.__getitems__
+real_getitems = image_kinds.BatchedTensorDataset.__getitems__
 
 
 def getitems(self, indices):
@@ -127,7 +128,7 @@ def stream_record(line: dict) -> None:
 
 real_index_shard = stream.index_shard
 real_stream_read = stream.StreamRows.read
-real_decoding_getitems = onthefly.DecodingDataset.__getitems__
+real_decoding_getitems = encoded.DecodingDataset.__getitems__
 
 
 def index_shard(url, columns, cache=None):
@@ -312,10 +313,10 @@ def fake_hub(folder: str) -> None:
 
 if os.environ.get("PROBE_FAKE_HUB"):
     fake_hub(os.environ["PROBE_FAKE_HUB"])
-batches.BatchedTensorDataset.__getitems__ = getitems
+image_kinds.BatchedTensorDataset.__getitems__ = getitems
 stream.StreamRows.read = stream_read
 stream.index_shard = index_shard
-onthefly.DecodingDataset.__getitems__ = decoding_getitems
+encoded.DecodingDataset.__getitems__ = decoding_getitems
 Accelerator.prepare = prepare
 torch.nn.parallel.DistributedDataParallel.register_comm_hook = register_comm_hook
 train_cifar.evaluate = evaluate

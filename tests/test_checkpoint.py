@@ -355,7 +355,7 @@ def test_nan_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(cifar
 
 def test_exported_weights_evaluate_to_the_reported_top1(reference, cifar_dir, cache_dir):
     s = read_summary(reference)
-    expected = {"model.safetensors": s["eval_top1"], "best.safetensors": s["best_eval_top1"],
+    expected = {"model.safetensors": s["eval_top1"], "best.safetensors": s["best_eval_ema_top1"],
                 "model_ema.safetensors": s["eval_ema_top1"]}
     # One single-threaded process evaluates the three files through the tool's main(), as its command line would.
     argv = [[str(reference / name), "--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--batch-size", "50"]

@@ -6,6 +6,7 @@ import io
 import os
 import stat
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -24,9 +25,13 @@ from conftest import (
 )
 from PIL import Image
 
-from utils import UserError, batches, decode, sources
-from utils.batches import BatchTransform, augment_draws, make_loader
-from utils.decode import default_cache_dir, load_source
+from utils import UserError
+from utils.data import decode, loaders, sources
+from utils.data.decode import default_cache_dir, load_source
+from utils.data.draws import Mixing, augment_draws, mix_draws
+from utils.data.images import crop_padding
+from utils.data.loaders import make_loader
+from utils.data.transform import BatchTransform
 
 MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)  # per channel, CIFAR-10's training images, in [0, 1]
 
@@ -336,9 +341,9 @@ def test_decoding_needs_no_network(tmp_path, accelerator, monkeypatch):
 
 
 def test_a_training_split_smaller_than_one_global_batch_stops_with_one_sentence():
-    batches.check_one_batch(torch.zeros(128), batch_size=32, processes=2, accumulation=2)  # exactly one: fine
+    loaders.check_one_batch(torch.zeros(128), batch_size=32, processes=2, accumulation=2)  # exactly one: fine
     with pytest.raises(UserError) as e:
-        batches.check_one_batch(torch.zeros(127), batch_size=32, processes=2, accumulation=2)
+        loaders.check_one_batch(torch.zeros(127), batch_size=32, processes=2, accumulation=2)
     assert str(e.value) == ("127 training images do not fill one global batch of 128 (32 on each of 2 processes x 2 "
                             "accumulation steps).")
 
@@ -431,7 +436,7 @@ def test_cifar10_normalisation_from_the_data_is_the_published_constants(cifar_di
 
 
 def test_the_crop_padding_is_4_pixels_at_32_and_in_proportion_at_other_sizes():
-    assert [batches.crop_padding(s) for s in (8, 32, 48, 96)] == [1, 4, 6, 12]
+    assert [crop_padding(s) for s in (8, 32, 48, 96)] == [1, 4, 6, 12]
 
 
 def test_integer_labels_without_class_names_make_classes_named_by_their_numbers(tmp_path, accelerator):
@@ -550,8 +555,8 @@ def test_mixing_draws_follow_torchvisions_mixup_and_cutmix_laws_per_image():
     from scipy.stats import ks_2samp
     from torchvision.transforms import v2
 
-    mixing = batches.Mixing(mixup=0.2, cutmix=1.0, prob=0.8)
-    partner, weight, box = (torch.cat(t) for t in zip(*(batches.mix_draws(3, 0, range(b, b + 128), 32, mixing)
+    mixing = Mixing(mixup=0.2, cutmix=1.0, prob=0.8)
+    partner, weight, box = (torch.cat(t) for t in zip(*(mix_draws(3, 0, range(b, b + 128), 32, mixing)
                                                          for b in range(0, 128 * 40, 128))))
     n = len(partner)  # 5,120 images
     positions = torch.arange(n) % 128
@@ -568,9 +573,9 @@ def test_mixing_draws_follow_torchvisions_mixup_and_cutmix_laws_per_image():
     assert ks_2samp(area, reference_area[reference_area > 0]).pvalue > 1e-3
     assert abs(area.mean() - reference_area[reference_area > 0].mean()) < 0.03
     # keyed by (seed, epoch, image): the same batch again gives the same draws; another epoch, others
-    again = batches.mix_draws(3, 0, range(128), 32, mixing)
+    again = mix_draws(3, 0, range(128), 32, mixing)
     assert all(torch.equal(a, b[:128]) for a, b in zip(again, (partner, weight, box)))
-    assert not torch.equal(batches.mix_draws(3, 1, range(128), 32, mixing)[2], box[:128])
+    assert not torch.equal(mix_draws(3, 1, range(128), 32, mixing)[2], box[:128])
 
 
 @pytest.mark.parametrize("channels_last", [True, False])
@@ -579,7 +584,7 @@ def test_mixed_pixels_and_soft_targets_are_exact_for_drawn_images(channels_last)
     images = torch.randint(0, 256, (16, 3, 32, 32), dtype=torch.uint8, generator=gen)
     labels = torch.arange(16) % 10
     transform = BatchTransform(torch.device("cpu"), channels_last=channels_last, mean=MEAN, std=STD, num_classes=10)
-    draws = augment_draws(7, 0, range(16), 4) + batches.mix_draws(7, 0, range(16), 32, batches.Mixing(0.4, 1.0))
+    draws = augment_draws(7, 0, range(16), 4) + mix_draws(7, 0, range(16), 32, Mixing(0.4, 1.0))
     inputs, targets = transform.train(images, labels, draws)
     plain = transform(images, draws[:2]).clone()  # cropped, flipped, normalised, unmixed
     partner, weight, box = draws[2:]
@@ -605,3 +610,71 @@ def test_mixed_pixels_and_soft_targets_are_exact_for_drawn_images(channels_last)
     assert inputs.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     unmixed_inputs, unmixed_targets = transform.train(images, labels, draws[:2])  # no mixing: labels as they are
     assert torch.equal(unmixed_inputs, plain) and unmixed_targets is labels
+
+
+# A copy's own torch Dataset (utils/data/items.py) ------------------------------------------------------------------
+class Items(torch.utils.data.Dataset):
+    """(image, label) items as given; the checks below break one of them."""
+
+    def __init__(self, items):
+        self.items = items
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+def test_a_dataset_item_of_the_wrong_type_label_or_size_stops_with_one_line_naming_the_item():
+    """Each broken item of a load_data Dataset is one line naming the split, the item's index and what is wrong: not a
+    pair, a float tensor, a label out of range, a label that is not an integer, an image of another size than the
+    train split's first, a non-square image."""
+    from PIL import Image
+
+    from utils.data.contract import checked_data
+
+    good = [(torch.zeros(3, 8, 8, dtype=torch.uint8), k % 2) for k in range(4)]
+    pil = [(Image.new("RGB", (8, 8)), 1)] * 3
+
+    def error(train, test=pil) -> str:
+        with pytest.raises(UserError) as e:
+            checked_data({"train": Items(train), "test": Items(test), "classes": ["a", "b"]})
+        return str(e.value)
+
+    assert error([*good[:2], torch.zeros(3, 8, 8)]) == (
+        "load_data: the train Dataset's item 2 must be a pair (image, label) (got Tensor).")
+    assert error([*good[:1], (torch.zeros(3, 8, 8), 0)]) == (
+        "load_data: the train Dataset's item 1's image must be a PIL image or a uint8 tensor 3 x S x S or S x S x 3 "
+        "(got float32 tensor (3, 8, 8)).")
+    assert error([*good, (good[0][0], 2)]) == (
+        "load_data: the train split has label 2 at row 4; with 2 classes, labels are 0-1.")
+    assert error([*good, (good[0][0], 0.0)]) == (
+        "load_data: the train Dataset's item 4's label must be an integer (got float 0.0).")
+    assert error(good, [(Image.new("RGB", (8, 8)), 0), (Image.new("RGB", (9, 9)), 0)]).startswith(
+        "load_data: the test Dataset's item 1's image is 9 x 9 with 3 channels; every image must be RGB and 8 x 8, as "
+        "item 0 of the train split is: resize in the Dataset")
+    assert error([(torch.zeros(3, 8, 6, dtype=torch.uint8), 0)]).startswith(
+        "load_data: the train Dataset's item 0's image is 6 x 8 with 3 channels; every image must be RGB and square")
+    data = checked_data({"train": Items(good), "test": Items(pil), "classes": ["a", "b"]})
+    assert data["image_size"] == 8 and data["train"][1].tolist() == [0, 1, 0, 1] and len(data["test"][0]) == 3
+    assert data["mean"] == (0.0, 0.0, 0.0)
+
+
+def test_a_dataset_split_is_refused_with_one_line_for_the_device_and_for_resized_crops(tmp_path):
+    """--data-on-device and --augment resized-crop need other kinds of images: each is one line for a Dataset."""
+    from utils.data.contract import checked_data
+    from utils.data.loaders import build_loaders
+    from utils.plan import BatchPlan
+
+    items = Items([(torch.zeros(3, 8, 8, dtype=torch.uint8), k % 2) for k in range(8)])
+    data = checked_data({"train": items, "test": items, "classes": ["a", "b"]})
+    plan = BatchPlan(micro=4, processes=1, accumulation=1)
+    accelerator = Accelerator(cpu=True)
+    for flags, message in ((dict(data_on_device=True), "--data-on-device keeps decoded images on the GPU"),
+                           (dict(augment="resized-crop"), "--augment resized-crop crops whole images as they are")):
+        cfg = SimpleNamespace(train_subset=None, eval_subset=None, data_on_device=False, augment="standard", seed=0,
+                              mixup=0.0, cutmix=0.0, mix_prob=1.0, data_workers=None)
+        vars(cfg).update(flags)
+        with pytest.raises(UserError, match=message):
+            build_loaders(data, cfg, accelerator, plan)

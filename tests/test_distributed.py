@@ -38,8 +38,9 @@ from conftest import (
 from safetensors.torch import load_file
 
 import train_cifar
-from utils.batches import BatchTransform, make_loader
-from utils.decode import load_source
+from utils.data.decode import load_source
+from utils.data.loaders import make_loader
+from utils.data.transform import BatchTransform
 from utils.models import named_model
 
 TRAIN_SUBSET, EVAL_SUBSET = 200, 101  # 200 = 3 global batches of 64 + 8 dropped; 101 is odd: eval shards are padded

@@ -75,8 +75,8 @@ def test_both_ranks_evaluate_the_ema_with_the_exported_batchnorm_statistics(refe
     statistics, not its own (DDP copies them only at a forward after one with gradients, not for the EMA's
     evaluation, which follows the model's). 1e-4: kernels of another batch layout round differently; rank 1's own
     statistics moved its logits by 0.03."""
-    from utils.batches import BatchTransform
-    from utils.decode import load_source
+    from utils.data.decode import load_source
+    from utils.data.transform import BatchTransform
     from utils.models import named_model
 
     summary = read_summary(reference)

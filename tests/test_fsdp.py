@@ -80,9 +80,10 @@ def test_fsdp_config_shards_every_block_so_each_rank_holds_half_the_parameters(f
         assert rec["param_types"] == ["DTensor"]
     # the start's line names what was sharded: the 3 blocks, counted here from the prepared model
     assert "FSDP units: 3 BasicBlock (the model's _no_split_modules), then the whole model" in fsdp_jobs["stdout"]
-    assert ranks[0]["local_numel"] + ranks[1]["local_numel"] == s["parameters"] == ddp["parameters"]  # stored once
-    assert s["parameters_on_main_process"] == ranks[0]["local_numel"] < 0.51 * s["parameters"]
-    assert ddp["parameters_on_main_process"] == ddp["parameters"] and ddp["wrapper"] == "DistributedDataParallel"
+    total = s["model"]["parameters"]
+    assert ranks[0]["local_numel"] + ranks[1]["local_numel"] == total == ddp["model"]["parameters"]  # stored once
+    assert s["parameters_on_main_process"] == ranks[0]["local_numel"] < 0.51 * total
+    assert ddp["parameters_on_main_process"] == total and ddp["wrapper"] == "DistributedDataParallel"
 
 
 def test_fsdp_loss_trajectory_and_weights_match_ddp(fsdp_jobs):
@@ -128,7 +129,7 @@ def test_fsdp_exported_weights_load_into_a_plain_model(fsdp_jobs):
     model.load_state_dict(state, strict=True)
     names = dict(model.named_parameters())
     # full tensors, not rank 0's shard
-    assert sum(state[k].numel() for k in names) == read_summary(fsdp_jobs["fsdp"])["parameters"]
+    assert sum(state[k].numel() for k in names) == read_summary(fsdp_jobs["fsdp"])["model"]["parameters"]
 
 
 def test_fsdp_checkpoints_are_sharded_per_rank_and_a_preempted_job_resumes_on_one_process_exactly(

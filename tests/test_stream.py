@@ -1,5 +1,5 @@
-"""Streamed shards (--decode stream, utils/stream.py): CIFAR-10 images upscaled to 96-128 px JPEGs, in 5 train shards
-(a count that divides neither 2 nor 4) and 3 test shards, as webdataset tars and as parquet (tests/conftest.py's
+"""Streamed shards (--decode stream, utils/data/stream.py): CIFAR-10 images upscaled to 96-128 px JPEGs, in 5 train
+shards (a count that divides neither 2 nor 4) and 3 test shards, as webdataset tars and as parquet (tests/conftest.py's
 stream_shards). Real jobs through train_cifar.py (tests/probe_train.py where what each loader worker read is
 recorded), 2 gloo ranks x 2 loader workers under cpu.yaml, fp32 with --deterministic, so "the same" means bitwise."""
 
@@ -31,10 +31,10 @@ from conftest import (
     write_cifar_tars,
 )
 
-from utils import stream
-from utils.batches import key_stream
-from utils.onthefly import choose_decode
-from utils.stream import class_mix, find_shards, index_shards, stream_plan, warn_if_poorly_mixed
+from utils.data import stream
+from utils.data.builtin import choose_decode
+from utils.data.draws import key_stream
+from utils.data.stream import class_mix, find_shards, index_shards, stream_plan, warn_if_poorly_mixed
 
 TWO_RANKS = ["--config_file", str(CPU_YAML), "--main_process_port", "0"]
 ONE_PROCESS = ["--num_processes", "1", "--cpu", "--main_process_port", "0"]

@@ -13,23 +13,32 @@ def runtime_imports() -> dict[str, dict[str, list[int]]]:
     """module -> {imported utils module: [lines]}, of utils/*.py (`__init__` is utils itself); with a function-level
     import's line negated."""
     graph = {}
-    for path in sorted((REPO / "utils").glob("*.py")):
+    for path in sorted([*(REPO / "utils").glob("*.py"), *(REPO / "utils" / "data").glob("*.py")]):
         tree, found = ast.parse(path.read_text()), {}
+        me = module_name(path)
 
         def visit(node, in_function: bool, found: dict = found) -> None:
             if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
                 return
             if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "utils":
-                name = node.module.split(".")[1] if "." in node.module else "__init__"
-                found.setdefault(name, []).append(-node.lineno if in_function else node.lineno)
+                parts = node.module.split(".")[1:]
+                names = ([f"data.{a.name}" for a in node.names] if parts == ["data"] else
+                         [".".join(parts) or "__init__"])
+                for name in names:
+                    found.setdefault(name, []).append(-node.lineno if in_function else node.lineno)
             inner = in_function or isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
             for child in ast.iter_child_nodes(node):
                 visit(child, inner, found)
 
         visit(tree, False)
-        found.pop(path.stem, None)
-        graph[path.stem] = found
+        found.pop(me, None)
+        graph[me] = found
     return graph
+
+
+def module_name(path) -> str:
+    """utils/x.py -> 'x' (utils/__init__.py: '__init__'); utils/data/x.py -> 'data.x'."""
+    return path.stem if path.parent.name == "utils" else f"data.{path.stem}"
 
 
 def cycle(graph: dict[str, dict]) -> list[str] | None:
@@ -62,3 +71,55 @@ def test_no_utils_module_imports_another_inside_a_function():
 def test_the_cycle_finder_finds_a_cycle():
     assert cycle({"a": {"b": [1]}, "b": {"c": [1]}, "c": {"a": [1]}}) == ["a", "b", "c", "a"]
     assert cycle({"a": {"b": [1]}, "b": {}}) is None
+
+
+# The data layer (utils/data/): one module per role, in the order its package docstring lists them ------------------
+def data_layers(docstring: str) -> list[str]:
+    """The modules utils/data/__init__.py's docstring lists, bottom up: its lines `  name   what it does`."""
+    return [line.split()[0] for line in docstring.splitlines()[1:] if line.startswith("  ") and
+            not line.startswith("   ")]
+
+
+def upward_imports(graph: dict[str, dict], layers: list[str]) -> list[str]:
+    """Imports of a data module by one listed before it (a module importing its consumer), and unlisted modules."""
+    rank = {f"data.{name}": k for k, name in enumerate(layers)}
+    problems = [f"{m} is not listed in utils/data/__init__.py" for m in graph if m.startswith("data.") and
+                m not in rank and m != "data.__init__"]
+    for module, imports in graph.items():
+        for name in imports:
+            if module in rank and name in rank and rank[name] >= rank[module]:
+                problems.append(f"{module} imports {name}, listed after it (its consumer)")
+    return problems
+
+
+def probes(source: str) -> list[int]:
+    """The lines of hasattr( / getattr( calls: a data object's kind is what it declares (utils.data.images.Images),
+    not what it is found to have."""
+    return [node.lineno for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Call) and
+            isinstance(node.func, ast.Name) and node.func.id in ("hasattr", "getattr")]
+
+
+def test_each_data_module_imports_only_the_modules_listed_before_it():
+    """utils/data/__init__.py lists its modules bottom up; each imports only modules listed before it, so no module
+    imports its consumer (the loaders use the `Images` protocol, never a kind's module)."""
+    layers = data_layers(ast.get_docstring(ast.parse((REPO / "utils" / "data" / "__init__.py").read_text())))
+    assert layers[:2] == ["draws", "images"] and "loaders" in layers
+    assert {f"{name}.py" for name in layers} == {p.name for p in (REPO / "utils" / "data").glob("*.py")} - \
+        {"__init__.py"}
+    problems = upward_imports(runtime_imports(), layers)
+    assert not problems, problems
+
+
+def test_no_data_module_probes_an_object_with_hasattr_or_getattr():
+    found = {p.name: probes(p.read_text()) for p in (REPO / "utils" / "data").glob("*.py")}
+    assert not {name: lines for name, lines in found.items() if lines}, found
+
+
+def test_the_layer_and_probe_checks_catch_a_module_importing_its_consumer_and_a_probe():
+    """Mutants: images importing loaders, and a hasattr on the images in loaders."""
+    layers = ["draws", "images", "loaders"]
+    assert upward_imports({"data.images": {"data.loaders": [3]}, "data.loaders": {"data.images": [4]}}, layers) == [
+        "data.images imports data.loaders, listed after it (its consumer)"]
+    assert upward_imports({"data.loaders": {"data.images": [4]}, "data.draws": {}}, layers) == []
+    assert probes("def f(images):\n    return hasattr(images, 'dataset')\n") == [2]
+    assert probes("def f(images):\n    return isinstance(images, Images)\n") == []

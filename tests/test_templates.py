@@ -25,6 +25,7 @@ from conftest import (
     FSDP_CPU_YAML,
     PROBE,
     REPO,
+    assert_same_parameters,
     assert_same_state,
     job_args,
     kill_job,
@@ -42,7 +43,7 @@ import train_cifar
 import train_vit
 from utils import UserError
 from utils.config_groups import CheckpointConfig, DataConfig, EvaluationConfig, HubConfig, LoggingConfig
-from utils.decode import load_source
+from utils.data.decode import load_source
 from utils.models import named_model
 from utils.scripts import find_script, sha256
 
@@ -69,17 +70,17 @@ ALLOWED = [
       "optimizer = build_optimizer(cfg, model, lr)"],
      "the ResNet runs channels-last (not under FSDP2) with fused SGD; the ViT may checkpoint its blocks, and uses "
      "its own AdamW parameter groups"),
-    (["transform = BatchTransform.for_data(data, accelerator.device, channels_last)",
-      "run_eval = partial(evaluate, model, eval_loader, transform, accelerator, tta_flip=cfg.tta_flip, "
-      "classes=data['classes'], metrics=load_metrics(cfg.metric, data['classes'], accelerator))"],
-     ["transform = BatchTransform.for_data(data, accelerator.device, channels_last=False)",
-      "run_eval = partial(evaluate, model, eval_loader, transform, accelerator, tta_flip=False, "
-      "classes=data['classes'], metrics=load_metrics(cfg.metric, data['classes'], accelerator))"],
-     "the ViT's patch embedding takes NCHW; flip test-time augmentation is the ResNet recipes' (the ViT has no "
-     "--tta-flip)"),
-    (["run_info = {**run_facts(accelerator, cfg, model, plan, total_steps, lr), 'channels_last': channels_last, "
-      "**init}"],
-     ["run_info = {**run_facts(accelerator, cfg, model, plan, total_steps, lr), 'fsdp_param_dtype': "
+    (["transform = BatchTransform.for_data(data, accelerator.device, channels_last)"],
+     ["transform = BatchTransform.for_data(data, accelerator.device, channels_last=False)"],
+     "the ViT's patch embedding takes NCHW"),
+    (["run_eval = partial(evaluate, model, eval_loader, transform, accelerator, tta_flip=cfg.tta_flip, "
+      "classes=data['classes'], metrics=extra_metrics)"],
+     ["run_eval = partial(evaluate, model, eval_loader, transform, accelerator, tta_flip=False, "
+      "classes=data['classes'], metrics=extra_metrics)"],
+     "flip test-time augmentation is the ResNet recipes' (the ViT has no --tta-flip)"),
+    (["run_info = {**run_facts(accelerator, cfg, model, optimizer, plan, total_steps, lr), 'channels_last': "
+      "channels_last, **init}"],
+     ["run_info = {**run_facts(accelerator, cfg, model, optimizer, plan, total_steps, lr), 'fsdp_param_dtype': "
       "_param_dtype(fsdp), **init}"],
      "each run records its own layout fact: channels-last for the ResNet, FSDP's parameter dtype for the ViT"),
 ]
@@ -484,6 +485,75 @@ def test_a_copy_logs_its_loss_terms_keeps_its_best_f1_weights_and_records_the_ne
     assert (s["best_eval_macro_f1"], s["best_checkpoint"]) == (f1[best_step], f"step-{best_step:08d}")
     got = evaluated(whole / "best.safetensors", "--metric", str(tmp_path / "macro_f1.py"))
     assert got["macro_f1"] == pytest.approx(f1[best_step], abs=1e-12) and got["model"] == model
+
+
+# A copy whose load_data returns torch Datasets: train items (PIL image, int), test items (uint8 tensor 3 x S x S, int).
+DATASETS_DATA = ("def load_data(cfg):\n"
+                 "    import numpy as np\n"
+                 "    from PIL import Image\n"
+                 "\n"
+                 "    class Pictures(torch.utils.data.Dataset):\n"
+                 "        def __init__(self, images, labels, as_pil):\n"
+                 "            self.images, self.labels, self.as_pil = images, labels, as_pil\n"
+                 "\n"
+                 "        def __len__(self):\n"
+                 "            return len(self.labels)\n"
+                 "\n"
+                 "        def __getitem__(self, i):\n"
+                 "            pixels = self.images[i]  # 32 x 32 x 3 uint8\n"
+                 "            if self.as_pil:\n"
+                 "                return Image.fromarray(pixels), int(self.labels[i])\n"
+                 "            return torch.from_numpy(pixels).permute(2, 0, 1), int(self.labels[i])\n"
+                 "\n"
+                 "    arrays = np.load(cfg.data_dir)  # x_* uint8 N x 32 x 32 x 3, y_* int64\n"
+                 "    return {'train': Pictures(arrays['x_train'], arrays['y_train'], as_pil=True),\n"
+                 "            'test': Pictures(arrays['x_test'], arrays['y_test'], as_pil=False),\n"
+                 "            'classes': [str(name) for name in arrays['classes']]}\n")
+
+
+def write_cifar_npz(cifar_dir, cache_dir, path: Path) -> list[str]:
+    """The first 256 training and 64 test CIFAR-10 images as a .npz of NHWC uint8 arrays; returns the classes."""
+    cifar = load_source(str(cifar_dir), cache_dir=str(cache_dir))
+    arrays = {f"{x}_{split}": t[:n].permute(0, 2, 3, 1).numpy() if x == "x" else t[:n].numpy()
+              for split, n in (("train", 256), ("test", 64)) for x, t in zip("xy", cifar[split])}
+    np.savez(path, classes=np.array(cifar["classes"]), **arrays)
+    return list(cifar["classes"])
+
+
+@pytest.mark.slow
+def test_a_copy_whose_load_data_returns_torch_datasets_trains_as_its_arrays_on_any_process_count_and_resumes(
+        cifar_dir, cache_dir, tmp_path):
+    """load_data returns map-style torch Datasets (train items: PIL images; test items: uint8 tensors 3 x S x S) of the
+    first 256 / 64 CIFAR-10 images, read in the loader's workers: 2 ranks end with the weights of the same images
+    given as arrays bitwise, 1 process with the trainable parameters of 2 ranks bitwise, and kill -9 after the step-3
+    checkpoint and --resume auto with the uninterrupted run's bitwise (fp32, --deterministic); evaluate_checkpoint.py
+    rebuilds the Datasets through the copy and gives the reported top-1 exactly."""
+    classes = write_cifar_npz(cifar_dir, cache_dir, tmp_path / "cifar.npz")
+    for name in ("arrays-copy", "datasets-copy"):
+        (tmp_path / name).mkdir()
+    arrays, datasets = (edited_copy(tmp_path / name, "load_data", text) for name, text in
+                        (("arrays-copy", NPZ_DATA), ("datasets-copy", DATASETS_DATA)))
+    job = ["--data-dir", str(tmp_path / "cifar.npz"), "--model", "resnet8", "--eval-subset", "50", "--batch-size",
+           "16", "--global-batch-size", "32", "--epochs", "2", "--checkpoint-every-steps", "3", "--deterministic",
+           "--tracker", "none"]
+    two = ["--config_file", str(CPU_YAML)]
+    for script, out, launch in ((arrays, "arrays", two), (datasets, "two", two), (datasets, "one", None)):
+        run_copy(script, [*job, "--output-dir", str(tmp_path / out)], launch=launch)
+    s = read_summary(tmp_path / "two")
+    assert (s["world_size"], s["global_step"], s["eval_examples"], s["classes"]) == (2, 16, 50, classes)
+    assert read_summary(tmp_path / "one")["world_size"] == 1
+    assert_same_state(tmp_path / "two" / "model.safetensors", tmp_path / "arrays" / "model.safetensors")
+    assert_same_parameters(tmp_path / "one", tmp_path / "two")  # BatchNorm's statistics: 1 process saw every batch
+    out = tmp_path / "killed"
+    proc = start([*job, "--output-dir", str(out)], two, script=datasets, env=script_env(PYTHONPATH=str(REPO)))
+    wait_for_checkpoint(out, proc, 3)
+    kill_job(proc)
+    assert not (out / "summary.json").exists()
+    run_copy(datasets, [*job, "--output-dir", str(out), "--resume", "auto"], launch=two)
+    assert read_summary(out)["resumed_from"] is not None
+    assert_same_state(out / "model.safetensors", tmp_path / "two" / "model.safetensors")
+    got = evaluated(tmp_path / "two" / "model.safetensors")
+    assert (got["top1"], got["examples"]) == (s["eval_top1"], 50)
 
 
 @pytest.mark.slow

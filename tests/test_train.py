@@ -28,9 +28,10 @@ from safetensors.torch import load_file
 
 import train_cifar
 from utils import UserError
-from utils.batches import BatchTransform, make_loader
 from utils.cli import build_parser
-from utils.decode import load_source
+from utils.data.decode import load_source
+from utils.data.loaders import make_loader
+from utils.data.transform import BatchTransform
 from utils.evaluation import Evaluator
 from utils.models import named_model
 from utils.progress import Progress

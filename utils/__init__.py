@@ -1,10 +1,9 @@
 """The machinery under the training scripts, a stack without import cycles (tests/test_structure.py), bottom up: the
 user-error type and the process-count check (here); the command line (utils.cli) and the shared flag groups
-(utils.config_groups); how processes start and end (utils.launch); the batch plan (utils.plan); batches, their order
-and augmentation and the data contract (utils.batches); the built-in data sources (utils.sources), decoded once
-(utils.decode), decoded on the fly (utils.crops, utils.onthefly) or streamed from shards (utils.stream); pretrained
-timm and transformers models (utils.pretrained) and the ready models (utils.models); the output folder
-(utils.output_dir); progress (utils.progress); checkpoints (utils.checkpoint); the EMA (utils.ema); evaluation
+(utils.config_groups); how processes start and end (utils.launch); the batch plan (utils.plan); the data layer
+(utils.data: sources, decoding, the kinds of images and their protocol, the contract, the loaders and the batch
+transform); pretrained timm and transformers models (utils.pretrained) and the ready models (utils.models); the output
+folder (utils.output_dir); progress (utils.progress); checkpoints (utils.checkpoint); the EMA (utils.ema); evaluation
 (utils.evaluation); the Hub (utils.hub); the guards around the loop (utils.guard); tracking and the summary
 (utils.tracking); the training script a run came from (utils.scripts). A copier edits the script, not these."""
 

@@ -10,7 +10,7 @@ the manifest is checked, so a checkpoint truncated or corrupted later is skipped
 previous one is used. Nothing here deletes a checkpoint it could not verify.
 
 A checkpoint resumes on any process count: the weights and optimizer state are whole under DDP and resharded by
-torch.distributed.checkpoint under FSDP2, the augmentation is keyed by the sample (utils.batches.augment_draws), the
+torch.distributed.checkpoint under FSDP2, the augmentation is keyed by the sample (utils.data.draws.augment_draws), the
 position in the epoch is converted through global samples and the global batch is kept (utils.plan.plan_batches).
 
 Written by hand because Accelerate's save_state/load_state (which this uses for the contents) has no notion

@@ -52,8 +52,8 @@ class DataConfig(Group):
                       "workers does; auto: stream for a URL or tar shards, workers for --augment resized-crop or when "
                       "the decoded images would not fit the cache folder's free space, else cache",
                       ("auto", "cache", "workers", "stream"))
-    data_workers: int | None = opt(None, "--decode workers / stream: loader worker processes per process; unset: "
-                                   "this process's share of the cores")
+    data_workers: int | None = opt(None, "--decode workers / stream, or a Dataset from load_data: loader worker "
+                                   "processes per process; unset: this process's share of the cores")
     shuffle_buffer: int = opt(4096, "--decode stream: each reader shuffles its rows within windows of this many "
                               "images (it holds at most three windows' encoded images)")
     shuffle_block: int = opt(64, "--decode stream: the shards are cut into blocks of this many rows, shuffled across "
@@ -216,20 +216,20 @@ class HubConfig(Group):
         super().validate()
 
 
-# The validators' helpers (also used by utils/decode.py and utils/evaluation.py) -------------------------------
+# The validators' helpers (also used by utils/data/decode.py and utils/evaluation.py) -------------------------------
 DATA_LAYOUTS = ("--data-dir takes a folder of train-*.parquet / test-*.parquet files (a Hub dataset's layout) or an "
                 "image folder (train/<class>/*.png, test/<class>/...); leave it out to download uoft-cs/cifar10 from "
                 "the Hub, or pass --dataset OWNER/NAME.")
 
 
 def is_url(path: str | None) -> bool:
-    """Whether --data-dir names shards at a URL (s3://, hf://, https://: read through fsspec, utils/stream.py)."""
+    """Whether --data-dir names shards at a URL (s3://, hf://, https://: read through fsspec, utils/data/stream.py)."""
     return path is not None and "://" in path
 
 
 def check_source(data_dir: str | None, dataset: str | None, val_fraction: float | None) -> None:
     """One line for source flags that contradict each other or are out of range (the data group's validate() and
-    utils.decode.load_source)."""
+    utils.data.decode.load_source)."""
     if data_dir is not None and dataset is not None:
         raise UserError(f"pass either --data-dir ({data_dir}) or --dataset ({dataset}), not both.")
     if data_dir is not None and not is_url(data_dir) and not Path(data_dir).exists():  # URLs: when listed

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from utils.batches import data_facts
 from utils.checkpoint import WRITE_ERRORS, raise_if_write_failed, write_error
+from utils.data.contract import data_facts
 from utils.pretrained import RESAMPLE, library_config
 
 PREPROCESSOR_FILE = "preprocessor_config.json"
@@ -24,8 +24,8 @@ FILTER = {name: number for number, name in RESAMPLE.items()}  # "bicubic" -> PIL
 
 def export_model(accelerator, model, ema, data: dict, output_dir: str | Path) -> None:
     """The end of a finished run (collective): model.safetensors, model_ema.safetensors (with --ema-decay),
-    preprocessor_config.json (from `data`, utils.batches.checked_data's dict) and, for a timm or transformers model,
-    its library's config.json, in `output_dir`."""
+    preprocessor_config.json (from `data`, utils.data.contract.checked_data's dict) and, for a timm or transformers
+    model, its library's config.json, in `output_dir`."""
     output_dir = Path(output_dir)
     export_weights(accelerator, model, output_dir / "model.safetensors")
     if ema is not None:

@@ -10,7 +10,7 @@ import signal
 import torch
 
 from utils import UserError
-from utils.batches import rebatched
+from utils.data.loaders import rebatched
 from utils.launch import LAUNCHER_GONE
 from utils.plan import BatchPlan, use_plan
 

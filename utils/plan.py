@@ -33,7 +33,7 @@ def plan_batches(processes: int, batch_size: int, global_batch_size: int | None,
     """--batch-size images per process per micro-step, and either --grad-accum micro-steps per optimizer step (1 if
     unset) or a fixed --global-batch-size G, which the accumulation then absorbs: G / (batch_size x processes),
     exactly. With G and the batch size fixed, every optimizer step trains the same micro-batches at any process
-    count (utils.batches.EpochSampler). `saved`: the plan of the checkpoint being resumed; on another process count
+    count (utils.data.images.EpochSampler). `saved`: the plan of the checkpoint being resumed; on another process count
     its global batch is kept (unless G is given) and what changed is said; a micro-batch that out-of-memory errors
     halved is kept too, with its global batch."""
     if grad_accum is not None and global_batch_size is not None:

@@ -224,7 +224,7 @@ def library_config(model: torch.nn.Module, facts: dict) -> dict | None:
     """The config.json that makes a run's folder (its model.safetensors beside it) a model folder of the library
     that built `model` (unwrapped; its `hub_library`, which pretrained_model declares), with the run's classes and
     evaluation view: timm's config as timm's save_for_hf writes it, or the transformers model's config with
-    id2label; None for any other model. `facts`: utils.batches.data_facts of the run's data."""
+    id2label; None for any other model. `facts`: utils.data.contract.data_facts of the run's data."""
     library, classes = getattr(model, "hub_library", None), list(facts["classes"])
     if library == "timm":
         import tempfile

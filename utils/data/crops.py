@@ -1,5 +1,5 @@
 """The crop recipe for natural images (--augment resized-crop), each draw keyed by (seed, epoch, sample) as the
-small-image crops of utils/batches.py are, so a sample is cropped the same way by whichever process and worker
+small-image crops of utils/data/draws.py are, so a sample is cropped the same way by whichever process and worker
 decodes it, at any process count, before and after a resume:
   training    a random-resized crop (area a uniform share of the image in --crop-scale, aspect ratio log-uniform in
               --crop-ratio; torchvision's RandomResizedCrop sampling, its 10 tries and its centre-crop fallback),
@@ -7,7 +7,7 @@ decodes it, at any process count, before and after a resume:
   evaluation  the image resized so its shorter side is int(S / --eval-crop), then its centre S x S.
 The draws are here; the pixels are torchvision.transforms.v2.functional's on the PIL image (the same operations as
 torchvision's RandomResizedCrop, RandomHorizontalFlip, Resize and CenterCrop), in the loader's workers
-(utils/onthefly.py). Written by hand only because torchvision's transforms draw from a global RNG, not from a key.
+(utils/data/encoded.py). Written by hand only because torchvision's transforms draw from a global RNG, not from a key.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from utils.batches import key_stream, splitmix64, uniform01
+from utils.data.draws import key_stream, splitmix64, uniform01
 
 TRIES = 10  # torchvision's RandomResizedCrop: tries before its fallback
 

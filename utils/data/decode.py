@@ -1,13 +1,13 @@
-"""Image classification data, decoded once: read a source (utils/sources.py: local parquet files, an image folder,
+"""Image classification data, decoded once: read a source (utils/data/sources.py: local parquet files, an image folder,
 or a Hub dataset, with an evaluation part held out when it has none), and decode every image, in parallel, straight
 into a safetensors cache file through a memory map: one (N, S, S, 3) uint8 tensor per split (channels-last, as JPEGs
 decode and as the models run), keyed by the source files and the decode settings. Every process then reads the
 images through a map of that file: a machine's processes share one copy in the page cache, and a dataset larger
 than memory trains from disk. This is the module to replace for data none of its sources covers; what its result
-must satisfy is utils/batches.py's contract (docs/customizing.md).
+must satisfy is utils/data/contract.py's (docs/customizing.md).
 
 `load_source` is the entry point: the first process of each machine reads and decodes, the others wait for it and then
-read the cache. For images too large to cache decoded, utils/onthefly.py decodes each as a batch asks for it.
+read the cache. For images too large to cache decoded, utils/data/encoded.py decodes each as a batch asks for it.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import numpy as np
 import torch
 
 from utils import UserError, first_line
-from utils.batches import SPLITS, channel_stats
+from utils.data.images import SPLITS, channel_stats
+from utils.data.sources import Rows, fingerprint, first_size, locate, open_image, read_rows, row_pixels, split_rows
 from utils.launch import first_on_each_machine, main_print
-from utils.sources import Rows, fingerprint, first_size, locate, open_image, read_rows, row_pixels, split_rows
 
 CACHE_FORMAT = 6  # bump when the cache file changes (4: class names, mean and std; 5: held-out splits; 6: mean and
 # std as tensors, labels first: decoded into through a memory map)
@@ -55,7 +55,7 @@ def decode_split(ds, split: str, size: int | None = None, columns: tuple[str | N
 
 def square_pixels(im, size: int) -> np.ndarray:
     """An RGB PIL image as (S, S, 3) uint8, resized (bicubic) to S x S unless it is that size: how every image enters
-    the cache, and the on-the-fly path's images without --augment resized-crop (utils/onthefly.py), bit for bit."""
+    the cache, and the on-the-fly path's images without --augment resized-crop (utils/data/encoded.py), bit for bit."""
     from PIL import Image
 
     if im.size != (size, size):

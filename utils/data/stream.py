@@ -1,6 +1,6 @@
 """Shards streamed as training reads them (--decode stream): parquet or webdataset tar shards, in a local folder or
 at an fsspec URL (hf://datasets/..., s3://...; the same code reads both), with no local copy. For data larger than
-the disk. The images are decoded by batch in the loader's workers as on the on-the-fly path (utils/onthefly.py),
+the disk. The images are decoded by batch in the loader's workers as on the on-the-fly path (utils/data/encoded.py),
 whose DecodingDataset reads them through `StreamRows` here instead of a memory-mapped table.
 
 What is read where, each epoch (`stream_plan`, a function of the shards' row counts, the seed, the epoch, the
@@ -11,7 +11,7 @@ layout (processes x loader workers x micro-batch), the window and the block):
      shards were written class by class) end up spread over the whole stream, whatever the shards' order or content,
      and a stretch of it holds each class in about its share;
   2. the stream cut to whole global batches (the N mod B rows at its end sit out this epoch, as N mod B images do
-     under utils.batches.EpochSampler; the next epoch's order leaves out others) and split into one contiguous range
+     under utils.data.images.EpochSampler; the next epoch's order leaves out others) and split into one contiguous range
      per reader (a process's loader worker), so each row is read by exactly one reader;
   3. each reader's range shuffled within windows of --shuffle-buffer rows, keyed by (seed, epoch, row): a window
      mixes the rows of about window / block blocks, drawn from the whole dataset;
@@ -69,13 +69,13 @@ import torch.distributed as dist
 from fsspec.exceptions import FSTimeoutError
 
 from utils import UserError, first_line
-from utils.batches import key_stream, splitmix64
+from utils.data.draws import key_stream, splitmix64
+from utils.data.images import KeyedSampler
+from utils.data.sources import IMAGE_COLUMNS, IMAGE_SUFFIXES, LABEL_COLUMNS, EncodedRows, pick_column, shared_classes
 from utils.launch import main_print, raise_if_any
-from utils.sources import IMAGE_COLUMNS, LABEL_COLUMNS, shared_classes
 
 SHARD_SUFFIXES = (".parquet", ".tar")
 STATE_FILE = "stream.json"  # in each checkpoint: the epoch in progress and the layout, window and block of its plan
-IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "bmp", "gif", "tif", "tiff", "webp")  # a webdataset sample's image
 ATTEMPTS, BACKOFF_S = 6, 0.25  # a transient read error is tried again after 0.25, 0.5, 1, 2 and 4 s, then stops
 VERSION_FIELDS = ("ETag", "etag", "Content-MD5", "Digest", "Last-Modified", "LastModified", "mtime", "md5Hash",
                   "blob_id", "generation")  # what fsspec's filesystems report of a file's version (info())
@@ -258,14 +258,8 @@ def _index_parquet(url: str, f, columns) -> Shard:
 
     pf = pq.ParquetFile(f)
     features = datasets.Features.from_arrow_schema(pf.schema_arrow)
-    picked = []
-    for given, names, what in ((columns[0], IMAGE_COLUMNS, "image"), (columns[1], LABEL_COLUMNS, "label")):
-        found = [c for c in ([given] if given else names) if c in features]
-        if not found:
-            raise UserError(f"{url} has no {what} column {given or ' or '.join(names)} (its columns: "
-                            f"{', '.join(features)}).")
-        picked.append(found[0])
-    image, label = picked
+    image, label = (pick_column(list(features), url, names, what, given) for given, names, what in
+                    ((columns[0], IMAGE_COLUMNS, "image"), (columns[1], LABEL_COLUMNS, "label")))
     if not isinstance(features[image], datasets.Image):
         raise UserError(f"{url}: its column {image!r} is {features[image]}, not images.")
     names = features[label].names if isinstance(features[label], datasets.ClassLabel) else None
@@ -289,7 +283,7 @@ def _index_tar(url: str, f) -> Shard:
             key = f"{folder}/{stem}"
             if key not in images and key not in classes:
                 keys.append(key)
-            if ext.lower() in IMAGE_EXTENSIONS:
+            if f".{ext.lower()}" in IMAGE_SUFFIXES:
                 images[key] = (m.offset_data, m.size)
             elif ext == "cls":
                 classes[key] = m
@@ -435,7 +429,7 @@ class _OpenFiles(threading.local):
         self.files = {}
 
 
-class StreamRows:
+class StreamRows(EncodedRows):
     """A split's shards where utils.sources.Rows has a table: `labels` (every row's, in shard order), `names`,
     `split`, `fetch(rows)` (their encoded images) and `where(row)`. Rows are numbered through the shards in their
     sorted order; `counts` keeps a prefix of each (--train-subset, --eval-subset). `fetch` reads by window of the
@@ -562,7 +556,7 @@ class StreamRows:
         return StreamSampler(dataset, self, train, seed, step_images, (processes, dataset.images.workers, micro))
 
 
-class StreamSampler(torch.utils.data.Sampler):
+class StreamSampler(KeyedSampler):
     """The sampler of a streamed split: its order is `stream_plan`'s for (seed, epoch) in the layout, and it hands
     the plan to the rows before the loader's workers start (they are not persistent: each epoch's fork it). Training
     reads whole global batches of `step_images`. Its state (checkpointed through Accelerate's hooks, `save_with`)

@@ -2,12 +2,13 @@
 `datasets`' own builders (`parquet`, `imagefolder`, `load_dataset`). `locate` finds what --data-dir / --dataset
 hold, `split_rows` reads each split's encoded images (parquet rows' bytes, or image files' paths), labels and class
 names, in a fixed order: an image folder's rows shuffled once so that a prefix is class-balanced, and an evaluation
-part held out of train when the source has none (`hold_out`). Both data paths start here: utils/decode.py decodes
-every image once into a cache, utils/onthefly.py decodes each as a batch asks for it.
+part held out of train when the source has none (`hold_out`). Both data paths start here: utils/data/decode.py decodes
+every image once into a cache, utils/data/encoded.py decodes each as a batch asks for it.
 """
 
 from __future__ import annotations
 
+import abc
 import errno
 import hashlib
 import io
@@ -21,12 +22,12 @@ import numpy as np
 import torch
 
 from utils import UserError, first_line
-from utils.batches import SPLITS
 from utils.config_groups import DATA_LAYOUTS, check_source
+from utils.data.images import SPLITS, EpochSampler
 
 EVAL_SPLITS = ("test", "validation")  # the source's evaluation split: the first of these it has
 VAL_FRACTION = 0.1  # held out of train for evaluation when the source has no evaluation split
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")  # files; tar shard members
 IMAGE_COLUMNS, LABEL_COLUMNS = ("img", "image"), ("label", "labels", "fine_label")
 
 
@@ -203,22 +204,49 @@ def root_cause(e: BaseException) -> BaseException:
     return e
 
 
-def _column(ds, split: str, names: tuple[str, ...], what: str, given: str | None) -> str:
-    """The split's image or label column: `given` (--image-column / --label-column), else the first of `names`."""
+def pick_column(columns: list[str], where: str, names: tuple[str, ...], what: str, given: str | None) -> str:
+    """The image or label column of a table or shard (`where` names it in messages) with these `columns`: `given`
+    (--image-column / --label-column), else the first of `names` (IMAGE_COLUMNS, LABEL_COLUMNS)."""
     if given is not None:
-        if given not in ds.column_names:
-            raise UserError(f"the {split} split has no column {given!r} (--{what}-column); its columns: "
-                            f"{ds.column_names}.")
+        if given not in columns:
+            raise UserError(f"{where} has no column {given!r} (--{what}-column); its columns: {columns}.")
         return given
-    found = [n for n in names if n in ds.column_names]
+    found = [n for n in names if n in columns]
     if not found:
         article = "an" if what == "image" else "a"
-        raise UserError(f"the {split} split has columns {ds.column_names}; expected {article} {what} column named "
+        raise UserError(f"{where} has columns {columns}; expected {article} {what} column named "
                         f"{' or '.join(repr(n) for n in names)} (or name it with --{what}-column).")
     return found[0]
 
 
-class Rows:
+class EncodedRows(abc.ABC):
+    """A split's encoded images as utils/data/encoded.py reads them, from a datasets table (`Rows`) or a stream's
+    shards (utils/data/stream.py's StreamRows): `labels` (every row's), `names` (the class names, or None), `split`,
+    `len()`, `take(order)` (the rows in that order), `where(i)` (row i, for messages), `fetch(indices)` (their encoded
+    images) and the training order (`sampler`)."""
+
+    labels: torch.Tensor
+    names: tuple[str, ...] | None
+    split: str
+
+    @abc.abstractmethod
+    def __len__(self) -> int: ...
+
+    @abc.abstractmethod
+    def take(self, order: torch.Tensor) -> EncodedRows: ...
+
+    @abc.abstractmethod
+    def where(self, i: int) -> str: ...
+
+    @abc.abstractmethod
+    def fetch(self, indices) -> list: ...
+
+    def sampler(self, dataset, train: bool, seed: int, step_images: int, micro: int, processes: int):
+        """EpochSampler in training (a stream plans its own), None in evaluation (every row in order)."""
+        return EpochSampler(dataset, seed, step_images) if train else None
+
+
+class Rows(EncodedRows):
     """A split's encoded images, labels and class names. `sources`: each row's image, a parquet row's bytes or an
     image file's path: a list, or a TableImages that reads them from the datasets table when asked (`fetch`).
     `numbers`: each row's number in the source split, for messages."""
@@ -272,16 +300,16 @@ class TableImages:
 
 def read_rows(ds, split: str, columns: tuple[str | None, str | None], encoded: bool = False) -> Rows:
     """A split's Rows: its image and label columns found and checked; `encoded`: the images left in the table."""
-    from datasets import ClassLabel
+    from datasets import ClassLabel, Value
     from datasets import Image as ImageFeature
 
-    image_col = _column(ds, split, IMAGE_COLUMNS, "image", columns[0])
-    label_col = _column(ds, split, LABEL_COLUMNS, "label", columns[1])
+    image_col = pick_column(ds.column_names, f"the {split} split", IMAGE_COLUMNS, "image", columns[0])
+    label_col = pick_column(ds.column_names, f"the {split} split", LABEL_COLUMNS, "label", columns[1])
     if not isinstance(ds.features[image_col], ImageFeature):
         raise UserError(f"the {split} split's column {image_col!r} is {ds.features[image_col]}, not images.")
     feature = ds.features[label_col]
     names = tuple(feature.names) if isinstance(feature, ClassLabel) else None
-    if names is None and not (hasattr(feature, "dtype") and feature.dtype.startswith(("int", "uint"))):
+    if names is None and not (isinstance(feature, Value) and feature.dtype.startswith(("int", "uint"))):
         raise UserError(f"the {split} split's label column {label_col!r} is {feature}, neither class names (a "
                         f"ClassLabel) nor integers.")
     # Undecoded: the images are decoded straight into the cache file or a batch, not one PIL object per row. A
@@ -308,8 +336,8 @@ def open_image(source, split: str, where: str):
 
 def row_pixels(rows, i: int, im, view) -> np.ndarray:
     """view(the RGB image) of row i's opened image (open_image), closed after; one line naming the row if its pixels
-    cannot be decoded. What every decode goes through: the cache's (utils/decode.py) and the workers'
-    (utils/onthefly.py)."""
+    cannot be decoded. What every decode goes through: the cache's (utils/data/decode.py) and the workers'
+    (utils/data/encoded.py)."""
     try:
         with im:
             return view(im.convert("RGB"))  # grayscale repeated into 3 channels, RGBA's alpha dropped, palettes too

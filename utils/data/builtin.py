@@ -1,0 +1,97 @@
+"""The built-in sources for a template's load_data (--data-dir, --dataset), on the path --decode chooses:
+decoded once into the cache (utils/data/decode.py), kept encoded and decoded by batch in the loader's workers
+(utils/data/encoded.py), or streamed from shards (utils/data/stream.py). `load_builtin` is the entry point;
+`choose_decode` says which path --decode auto takes; `load_encoded` gives the encoded kind."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from utils.config_groups import is_url
+from utils.data.crops import CropRecipe
+from utils.data.decode import default_cache_dir, load_source
+from utils.data.encoded import EncodedImages
+from utils.data.images import SPLITS, worker_share
+from utils.data.sources import fingerprint, first_size, locate, split_rows
+from utils.data.stream import StreamSettings, holds_tar_shards_only, open_stream
+from utils.launch import main_print
+
+
+def load_encoded(data_dir: str | None, dataset: str | None = None, image_size: int | None = None,
+                 columns: tuple[str | None, str | None] = (None, None), val_fraction: float | None = None,
+                 recipe: CropRecipe | None = None, workers: int | None = None, stream: StreamSettings | None = None
+                 ) -> dict:
+    """The built-in sources (as utils.data.decode.load_source gives them), with EncodedImages in place of the image
+    tensors: nothing is decoded but the first training images, for the per-channel mean and std (EncodedImages.
+    channel_stats).
+    image_size: S; None: the first training image's size. recipe: the crop recipe (--augment resized-crop), or None.
+    workers: the DataLoader's decoding worker processes (per process); None: this process's share of the cores.
+    stream: read the shards of data_dir (a folder or a URL; --dataset: the Hub's) as a stream (utils/data/stream.py)
+    with these settings, instead of through datasets' table (whose index every process reads; no cache file is
+    written)."""
+    if stream:
+        rows, classes, description = open_stream(data_dir or f"hf://datasets/{dataset}", columns, stream)
+    else:
+        source = locate(data_dir, dataset, val_fraction)
+        rows, classes = split_rows(source, columns, encoded=True)
+        source.announce_held_out(main_print, len(rows["train"]), len(rows["test"]))
+        key = fingerprint(source.paths, {"columns": list(columns), "val_fraction": source.fraction})
+        description = {**source.describe(key), "decode": "workers"}
+    size = image_size or first_size(rows)[0]
+    data = {s: (EncodedImages(rows[s], size, recipe, workers or worker_share()), rows[s].labels) for s in SPLITS}
+    mean, std = data["train"][0].channel_stats()
+    view = {"eval_crop": recipe.eval_crop, "interpolation": recipe.interpolation} if recipe else {}  # how it evaluates
+    return data | {"classes": classes, "mean": mean, "std": std, "dataset": description} | view
+
+
+def load_builtin(cfg) -> dict:
+    """The built-in sources by a script's data flags (its DataConfig group), for its load_data: --data-dir or
+    --dataset (neither: CIFAR-10 from the Hub), on the path choose_decode picks: decoded once into the cache
+    (utils/data/decode.py), kept encoded and decoded by batch in the loader's workers, or streamed from shards
+    (utils/data/stream.py)."""
+    dataset = cfg.dataset or (None if cfg.data_dir else "uoft-cs/cifar10")
+    columns = (cfg.image_column, cfg.label_column)
+    decode = choose_decode(cfg, dataset)  # printed, with why
+    if decode == "cache":
+        return load_source(cfg.data_dir, dataset, cfg.image_size, columns, cfg.val_fraction, cfg.cache_dir,
+                           cfg.decode_workers)
+    recipe = CropRecipe(cfg.crop_scale, cfg.crop_ratio, cfg.eval_crop or CropRecipe.eval_crop,  # unset: defaults
+                        cfg.interpolation or CropRecipe.interpolation) if cfg.augment == "resized-crop" else None
+    stream = None
+    if decode == "stream":
+        local = cfg.data_dir if cfg.data_dir and not is_url(cfg.data_dir) else None
+        stream = StreamSettings(cfg.shuffle_buffer, cfg.shuffle_block, cfg.read_ahead,
+                                Path(cfg.cache_dir or default_cache_dir(local)) / "stream-index")
+    return load_encoded(cfg.data_dir, dataset, cfg.image_size, columns, cfg.val_fraction, recipe, cfg.data_workers,
+                        stream=stream)
+
+
+def choose_decode(cfg, dataset: str | None) -> str:
+    """The path --decode takes, said on the main process with why: 'cache', 'workers' or 'stream'. auto: stream for a
+    --data-dir URL or a folder of tar shards; workers for --augment resized-crop (its crops need whole images), or when
+    the decoded images (N x 3 x S x S bytes; S: --image-size, else the first training image's own size) would not
+    fit in the cache folder's free space; else the cache. cfg: the data group of a script's Config (contradicting
+    flags are refused when they are parsed)."""
+    if cfg.decode != "auto":
+        choice, why = cfg.decode, f"--decode {cfg.decode}"
+    elif is_url(cfg.data_dir):
+        choice, why = "stream", "--decode auto: --data-dir is a URL"
+    elif cfg.data_dir and holds_tar_shards_only(Path(cfg.data_dir)):
+        choice, why = "stream", "--decode auto: --data-dir holds tar shards"
+    elif cfg.augment == "resized-crop":
+        choice, why = "workers", "--decode auto: --augment resized-crop crops whole images"
+    else:
+        folder = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir(cfg.data_dir)
+        while not folder.exists():
+            folder = folder.parent
+        source = locate(cfg.data_dir, dataset, cfg.val_fraction)
+        side = cfg.image_size or first_size(split_rows(source, (cfg.image_column, cfg.label_column), True)[0])[0]
+        need, free = source.count() * 3 * side ** 2, shutil.disk_usage(folder).free
+        choice = "workers" if need > free else "cache"
+        why = (f"--decode auto: the decoded images take {need / 2**20:,.1f} MiB at {side} x {side} px, {folder} has "
+               f"{free / 2**20:,.1f} free")
+    main_print({"workers": f"decoding each batch in the loader's workers ({why})",
+                "stream": f"streaming the shards, each batch decoded in the loader's workers ({why})",
+                "cache": f"decoding the images once into the cache ({why})"}[choice])
+    return choice

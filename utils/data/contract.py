@@ -1,0 +1,98 @@
+"""The data contract of a template's `load_data` (docs/customizing.md): `checked_data` checks what it returns and
+puts each split's images in the form the loaders take, an `Images` kind (utils/data/images.py); `data_facts` is
+what summary.json records of the data."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+
+from utils import UserError
+from utils.data.images import SPLITS, Images, TensorImages
+from utils.data.items import DatasetImages
+
+
+def checked_data(data: dict, where: str = "load_data") -> dict:
+    """A template's load_data(cfg) result, checked and put in the form the loaders take. The contract (the edit point
+    of docs/customizing.md): 'train' and 'test', each a pair (images, labels): uint8 images N x H x W x 3 or
+    N x 3 x H x W, square, both splits the same size, as numpy arrays (memory-mapped is fine) or tensors, or another
+    kind of `Images` (the built-in sources'); integer labels 0 .. C-1; or each a map-style torch Dataset of
+    (image, label) items (utils/data/items.py); and 'classes', the C class names. Optional: 'mean' and 'std' (per
+    channel, in [0, 1]; computed from the training images when absent), 'dataset' (a JSON-able description, for
+    summary.json), and 'eval_crop' and 'interpolation' (the built-in loader's: the test images are resized to S /
+    eval_crop on their shorter side with that filter, then centre-cropped to S; for preprocessor_config.json).
+    Returns them with each split's images as an `Images` kind (arrays and tensors: TensorImages, an (N, 3, S, S)
+    view, no copy of NHWC input), int64 labels and 'image_size' S. A broken contract: one line naming `where` and
+    what is wrong."""
+    if not isinstance(data, dict) or not {"train", "test", "classes"} <= data.keys():
+        got = sorted(data) if isinstance(data, dict) else type(data).__name__
+        raise UserError(f"{where} must return a dict with 'train', 'test' and 'classes' (got {got}).")
+    classes = tuple(str(c) for c in data["classes"])
+    out = {"classes": classes, "dataset": data.get("dataset", {"source": where})}
+    for split in SPLITS:
+        if isinstance(data[split], torch.utils.data.Dataset):  # a copy's own: read once here, in the workers later
+            size = out["train"][0].image_size if split == "test" else None  # the test items: the train items' size
+            images, labels = DatasetImages.read(data[split], f"{where}: the {split} Dataset", size)
+        else:
+            try:
+                images, labels = data[split]
+            except (TypeError, ValueError):
+                raise UserError(f"{where}: data[{split!r}] must be a pair (images, labels) or a torch Dataset.") \
+                    from None
+            images = images if isinstance(images, Images) else TensorImages(_images(images, f"{where}: the {split} "
+                                                                                            f"images"))
+        out[split] = images, _labels(labels, len(classes), where, split)
+        if len(out[split][0]) != len(out[split][1]):
+            raise UserError(f"{where}: the {split} split has {len(out[split][0])} images but {len(out[split][1])} "
+                            f"labels.")
+    size, test_size = (out[split][0].image_size for split in SPLITS)
+    if size != test_size:
+        raise UserError(f"{where}: the train images are {size} px and the test images {test_size} px; give both "
+                        f"splits one size.")
+    if "mean" in data and "std" in data:
+        out["mean"], out["std"] = tuple(map(float, data["mean"])), tuple(map(float, data["std"]))
+    else:
+        out["mean"], out["std"] = out["train"][0].channel_stats()
+    view = {k: data[k] for k in ("eval_crop", "interpolation") if k in data}  # the built-in loader's resized crops
+    return out | {"image_size": int(size)} | view
+
+
+def data_facts(data: dict) -> dict:
+    """For summary.json: where the data came from, its classes and what the model takes (image size; the per-channel
+    mean and std the inputs are normalised with; the evaluation's resize and crop, when resized-crop)."""
+    return {"dataset": data["dataset"], "classes": list(data["classes"]), "image_size": data["image_size"],
+            "image_mean": [float(m) for m in data["mean"]], "image_std": [float(s) for s in data["std"]],
+            **{k: data[k] for k in ("eval_crop", "interpolation") if k in data}}
+
+
+def _images(images, what: str) -> torch.Tensor:
+    """uint8 N x H x W x 3 or N x 3 x H x W (numpy or torch) -> an (N, 3, S, S) tensor, a view where possible."""
+    if isinstance(images, np.ndarray):
+        with warnings.catch_warnings():  # a read-only memory map: torch warns that writing would be undefined
+            warnings.simplefilter("ignore", UserWarning)
+            images = torch.from_numpy(images)
+    if not isinstance(images, torch.Tensor) or images.dtype != torch.uint8 or images.dim() != 4:
+        kind = (f"{str(images.dtype).removeprefix('torch.')} {tuple(images.shape)}" if isinstance(images, torch.Tensor)
+                else type(images).__name__)
+        raise UserError(f"{what} must be uint8 (0-255), N x H x W x 3 or N x 3 x H x W (got {kind}).")
+    if images.shape[1] != 3 and images.shape[3] == 3:
+        images = images.permute(0, 3, 1, 2)  # NHWC -> an NCHW view of channels-last memory
+    if images.shape[1] != 3 or images.shape[2] != images.shape[3]:
+        raise UserError(f"{what} must be square with 3 channels (got {tuple(images.shape)}).")
+    return images
+
+
+def _labels(labels, classes: int, where: str, split: str) -> torch.Tensor:
+    labels = torch.as_tensor(np.asarray(labels) if not isinstance(labels, torch.Tensor) else labels)
+    if labels.dim() != 1 or labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        raise UserError(f"{where}: the {split} labels must be integers, one per image (got "
+                        f"{str(labels.dtype).removeprefix('torch.')} "
+                        f"{tuple(labels.shape)}).")
+    labels = labels.to(torch.int64)
+    bad = torch.nonzero((labels < 0) | (labels >= classes)).flatten()
+    if len(bad):
+        raise UserError(f"{where}: the {split} split has label {int(labels[bad[0]])} at row {int(bad[0])}; with "
+                        f"{classes} classes, labels are 0-{classes - 1}.")
+    return labels

@@ -1,0 +1,80 @@
+"""The keyed draws: every random choice of the data path (the epoch's order, each image's crop, flip and mixing,
+a resized crop's box, a stream's shard order) is a hash of (seed, epoch, purpose) and the sample's index, so any
+process draws the same for a sample at any process count, worker count and after a resume. A leaf: it imports
+nothing of the project."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+def splitmix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser on uint64 arrays (wrapping arithmetic): a counter-based hash, so the draw for key k is
+    computed from k alone, in any order, by any process."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def key_stream(seed: int, epoch: int, purpose: int) -> np.ndarray:
+    """A (1,) uint64 key of (seed, epoch, purpose): 0 the epoch's shuffle (EpochSampler's, or a stream's: its shards'
+    order, utils/data/stream.py), 1 its augmentation, 2 its mixing, 3 its resized crops (utils/data/crops.py). Two
+    bits."""
+    return splitmix64(np.array([(seed % 2**32) << 32 | (epoch % 2**30) << 2 | purpose], dtype=np.uint64))
+
+
+def augment_draws(seed: int, epoch: int, indices, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The crop and flip of each training sample in `indices`, a function of (seed, epoch, sample index) only: an
+    image is augmented the same way whichever process draws it at whatever process count. Returns (the positions
+    in the batch of the images to mirror, each image's crop offset: an index into the (2 pad + 1)^2 (dy, dx)).
+    On the host, beside the sampler's indices (128 hashes in numpy: about 50 us on the 2-core CPU), because how
+    many images are mirrored sets the shapes of the transform's kernels: drawn on a GPU, that count would cost a
+    device sync per batch."""
+    h = splitmix64(np.asarray(indices).astype(np.uint64) ^ key_stream(seed, epoch, 1))
+    mirrored = np.flatnonzero(h >> np.uint64(63))  # the top bit: a fair coin
+    crop = (h & np.uint64(0xFFFFFFFF)) % np.uint64((2 * pad + 1) ** 2)  # the low 32 bits: uniform to 2e-8
+    return torch.from_numpy(mirrored.astype(np.int64)), torch.from_numpy(crop.astype(np.int64))
+
+
+@dataclass(frozen=True)
+class Mixing:
+    """--mixup / --cutmix / --mix-prob: torchvision.transforms.v2's MixUp and CutMix, drawn per sample."""
+    mixup: float = 0.0  # Beta(alpha, alpha) of mixup's lambda; 0: no mixup
+    cutmix: float = 0.0  # of cutmix's; 0: no cutmix
+    prob: float = 1.0  # the chance that a sample is mixed at all; with both on, each is then chosen with chance 1/2
+
+
+def uniform01(h: np.ndarray) -> np.ndarray:
+    return (h >> np.uint64(11)).astype(np.float64) * 2.0 ** -53  # the top 53 bits: uniform in [0, 1)
+
+
+def mix_draws(seed: int, epoch: int, indices, size: int, mixing: Mixing):
+    """Each training sample's mixing, a function of (seed, epoch, sample index) and its micro-batch only (the
+    batches are the same at any process count, see EpochSampler): (partner: the position in the batch of the
+    image mixed in, never its own; mixup weight: 1 - lambda of a mixup sample, else 0; box: (y0, y1, x0, x1) of a
+    cutmix sample's pasted region, else empty). lambda ~ Beta(alpha, alpha) by the inverse of its CDF; the cutmix
+    box is torchvision's: a centre uniform over the pixels, half-sides sqrt(1 - lambda) / 2 of the image's, clipped
+    to it (the pasted area then sets the label weight). On the host, beside augment_draws (no device sync)."""
+    from scipy.special import betaincinv  # imported here: only mixing runs use it
+
+    n, hashes = len(indices), []
+    h = np.asarray(indices).astype(np.uint64) ^ key_stream(seed, epoch, 2)
+    for _ in range(6):  # one stream per sample, hashed on for each value it needs
+        h = splitmix64(h)
+        hashes.append(h)
+    apply, choose, lam, offset, cy, cx = hashes
+    mixed = (uniform01(apply) < mixing.prob) & (n > 1)
+    cut = mixed & (mixing.cutmix > 0) & ((mixing.mixup == 0) | (uniform01(choose) < 0.5))
+    alpha = np.where(cut, mixing.cutmix, mixing.mixup if mixing.mixup > 0 else 1.0)
+    lam = np.where(mixed, betaincinv(alpha, alpha, uniform01(lam)), 1.0)
+    partner = (np.arange(n) + 1 + (offset % np.uint64(max(n - 1, 1))).astype(np.int64)) % n
+    weight = np.where(mixed & ~cut, 1.0 - lam, 0.0)
+    half = (0.5 * np.sqrt(1.0 - lam) * size).astype(np.int64)  # int(r * W) in torchvision, W = H = size
+    y, x = (np.floor(uniform01(c) * size).astype(np.int64) for c in (cy, cx))
+    box = np.stack([np.clip(y - half, 0, size), np.clip(y + half, 0, size), np.clip(x - half, 0, size),
+                    np.clip(x + half, 0, size)], axis=1) * cut[:, None]
+    return torch.from_numpy(partner), torch.from_numpy(weight.astype(np.float32)), torch.from_numpy(box)

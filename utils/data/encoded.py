@@ -1,0 +1,91 @@
+"""Images decoded on the fly (--decode workers, --decode stream): the source's images stay encoded (parquet rows in
+datasets' memory-mapped table, an image folder's files, or a stream's shards) and the DataLoader's worker processes
+decode each batch as the sampler asks for it. For images whose decoded copy would not fit the cache
+(utils/data/decode.py) or that the crop recipe for natural images needs whole (--augment resized-crop,
+utils/data/crops.py). The sampler's contract holds as on the cached path: the order comes from the rows' sampler
+(EpochSampler, or a stream's), each sample's crop, flip and mixing from (seed, epoch, sample index), so batches are
+the same at any process count, worker count and after a resume. `EncodedImages` is this kind of `Images`
+(utils/data/images.py); utils/data/builtin.py makes it."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+import torch
+
+from utils.data.crops import CropRecipe, eval_view, resized_crop_draws, train_view
+from utils.data.decode import square_pixels
+from utils.data.images import Images, LoaderDataset, channel_stats
+from utils.data.sources import EncodedRows, open_image, row_pixels
+
+STATS_IMAGES = 512  # training images the per-channel mean and std are estimated from (the first, decoded at S)
+
+
+class EncodedImages(Images):
+    """A split's encoded images at --image-size S: where the cached path holds an (N, 3, S, S) uint8 tensor. The
+    view of each image: `recipe` None: resized to S x S as the cache does (the small-image crops then run on the
+    device, as there); a CropRecipe: the random-resized crop in training, resize and centre crop in evaluation.
+    `rows`: a table's or a stream's (utils/data/sources.py's EncodedRows), which also gives the training order."""
+
+    def __init__(self, rows: EncodedRows, size: int, recipe: CropRecipe | None, workers: int):
+        self.rows, self.image_size, self.recipe, self.workers = rows, size, recipe, workers
+        self.crops_whole = recipe is not None
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def prefix(self, n: int) -> EncodedImages:
+        return EncodedImages(self.rows.take(torch.arange(n)), self.image_size, self.recipe, self.workers)
+
+    def loader_dataset(self, labels, train, seed, augment, pad, mixing) -> DecodingDataset:
+        return DecodingDataset(self, labels, seed if train else None, augment, pad, mixing)
+
+    def sampler(self, dataset, train, seed, step_images, micro, processes):
+        return self.rows.sampler(dataset, train, seed, step_images, micro, processes)
+
+    def channel_stats(self):
+        """Estimated from the first STATS_IMAGES training images, decoded at S (resized as the cache would)."""
+        sample = self.rows.take(torch.arange(min(STATS_IMAGES, len(self.rows))))
+        pixels = np.stack([row_pixels(sample, i, _open(sample, s, i), partial(square_pixels, size=self.image_size))
+                           for i, s in enumerate(sample.fetch(range(len(sample))))])
+        return channel_stats(torch.from_numpy(pixels).permute(0, 3, 1, 2))
+
+
+class DecodingDataset(LoaderDataset):
+    """BatchedTensorDataset's batches (utils/data/images.py) from encoded images: `__getitems__` decodes the batch's
+    images, in a DataLoader worker, into one (B, S, S, 3) uint8 array. A training set (`augment_seed` given) returns
+    (images, labels, draws) as there: the small-image crop and flip drawn for the device, or with the crop recipe
+    cropped and flipped here already (draws (None, None), then the mixing draws if any)."""
+
+    def __init__(self, images: EncodedImages, labels: torch.Tensor, augment_seed: int | None, augment: bool,
+                 pad: int, mixing):
+        super().__init__(augment_seed, augment, pad, mixing)
+        self.images, self.labels = images, labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitems__(self, indices: list[int]):
+        host = np.asarray(indices, dtype=np.int64)
+        rows, size, recipe = self.images.rows, self.images.image_size, self.images.recipe
+        out = np.empty((len(host), size, size, 3), dtype=np.uint8)
+        opened = [_open(rows, source, int(i)) for source, i in zip(rows.fetch(host), host)]
+        cropped_here = recipe is not None and self.augment_seed is not None and self.augment
+        if cropped_here:
+            boxes, mirrored = resized_crop_draws(self.augment_seed, self.epoch, host, [im.size for im in opened],
+                                                 recipe)
+        for k, im in enumerate(opened):
+            if cropped_here:
+                view = partial(train_view, box=boxes[k], mirrored=bool(mirrored[k]), size=size, recipe=recipe)
+            else:
+                view = partial(eval_view, size=size, recipe=recipe) if recipe else partial(square_pixels, size=size)
+            out[k] = row_pixels(rows, int(host[k]), im, view)
+        batch = torch.from_numpy(out).permute(0, 3, 1, 2), self.labels[torch.from_numpy(host)]
+        if self.augment_seed is None:
+            return batch
+        return (*batch, self.draws(host, size, cropped=cropped_here))
+
+
+def _open(rows: EncodedRows, source, i: int):
+    return open_image(source, rows.split, rows.where(i))

@@ -1,0 +1,204 @@
+"""What a split's images are to the loaders, whatever holds them: `Images`, the declared protocol that every kind
+implements, and the kind that holds decoded uint8 tensors in memory (`TensorImages`: the decode cache's images, a
+copy's arrays). The other kinds: encoded rows decoded by batch in the loader's workers, read from a table or a
+stream (utils/data/encoded.py), and a copy's torch Dataset read in the loader's workers (utils/data/items.py). The
+loaders (utils/data/loaders.py) use only what `Images` declares; each kind's loader dataset is a `LoaderDataset`
+(one whole batch per `__getitems__`, with its draws) and its training order a `KeyedSampler`."""
+
+from __future__ import annotations
+
+import abc
+import os
+
+import numpy as np
+import torch
+
+from utils import UserError
+from utils.data.draws import Mixing, augment_draws, key_stream, mix_draws
+
+SPLITS = ("train", "test")  # load_data's splits: "test" is the one evaluated on
+
+
+def worker_share() -> int:
+    """Loader worker processes for this process: its share of the machine's cores (at least 1), for the kinds read and
+    decoded in workers."""
+    return max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+
+
+def crop_padding(size: int) -> int:
+    """The zero padding of the random crop: 4 pixels at 32 x 32, in proportion at other sizes."""
+    return max(1, round(size / 8))
+
+
+def channel_stats(images: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per-channel mean and standard deviation (population) of uint8 (N, 3, S, S) images, in [0, 1]: what the
+    transform normalises with. Summed in float64, a few million pixels at a time."""
+    pixels = images.permute(0, 2, 3, 1).reshape(-1, 3)  # a view of channels-last memory
+    total, squares = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
+    for chunk in pixels.split(1 << 22):
+        chunk = chunk.double()
+        total += chunk.sum(0)
+        squares += (chunk * chunk).sum(0)
+    n = max(len(pixels), 1)
+    mean = total / n
+    std = (squares / n - mean * mean).clamp(min=0).sqrt()
+    return tuple((mean / 255).tolist()), tuple((std / 255).tolist())
+
+
+class LoaderDataset(torch.utils.data.Dataset):
+    """The datasets the loaders iterate: `__getitems__` gets the sampler's indices of one batch and returns the whole
+    batch, (images, labels) as uint8 (B, 3, S, S) and int64 (B,), and for a training set also its draws (`draws`).
+    Holds what a training batch's draws are keyed by: `augment_seed` (None: an evaluation set), `epoch` (set by the
+    sampler), `augment` (off: no crop and flip), `pad` (the crop's padding) and `mixing`."""
+
+    def __init__(self, augment_seed: int | None, augment: bool, pad: int, mixing: Mixing | None):
+        self.augment_seed, self.augment, self.pad, self.mixing, self.epoch = augment_seed, augment, pad, mixing, 0
+
+    def draws(self, host: np.ndarray, size: int, cropped: bool = False) -> tuple | None:
+        """A training batch's draws for BatchTransform.train, from this dataset's augment_seed, epoch, augment, pad
+        and mixing: None without augmentation; else the crop and flip (augment_draws; (None, None) when the images
+        come `cropped` already, utils/data/encoded.py) followed by the mixing draws (mix_draws), if any; None when
+        that leaves nothing to draw."""
+        if not self.augment:
+            return None
+        crops = (None, None) if cropped else augment_draws(self.augment_seed, self.epoch, host, self.pad)
+        if self.mixing is None:
+            return None if cropped else crops
+        return crops + mix_draws(self.augment_seed, self.epoch, host, size, self.mixing)
+
+
+class BatchedTensorDataset(LoaderDataset):
+    """Images and labels as two tensors. The DataLoader calls `__getitems__` once per batch with the
+    sampler's indices, so a batch costs one tensor index instead of `batch_size` Python calls.
+    A training set (`augment_seed` given) returns (images, labels, draws): each sample's crop and flip for the
+    current `epoch` (set by `EpochSampler`), from `augment_draws`, and with `mixing` its mixing (`mix_draws`); draws
+    is None when `augment` is off."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, augment_seed: int | None = None,
+                 augment: bool = True, pad: int = 4, mixing: Mixing | None = None):
+        assert len(images) == len(labels)
+        super().__init__(augment_seed, augment, pad, mixing)
+        # NHWC rows: a batch is then one row copy per image, and arrives in the layout the transform reads.
+        self.images, self.labels = images.contiguous(memory_format=torch.channels_last), labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        return self.images[i], self.labels[i]
+
+    def __getitems__(self, indices: list[int]):
+        # Measured on the 2-core CPU, 128 uint8 images:
+        # - index_select copies whole rows: 8 us; advanced indexing (images[idx]) goes element by element: 2.3 ms.
+        # - on the (N, 32, 32, 3) view the batch stays NHWC; on the channels-last 4-D tensor itself index_select
+        #   returns NCHW (a transposing copy, 8x slower).
+        # - the indices through numpy: 3 us; torch.as_tensor(list) 14 us.
+        # non_blocking: with the data on a GPU a blocking copy would wait for all queued GPU work every batch (a
+        # copy from pageable memory is staged before the call returns, so the host array may go away at once).
+        host = np.asarray(indices, dtype=np.int64)  # once, for the batch and its draws
+        idx = torch.from_numpy(host).to(self.labels.device, non_blocking=True)
+        nhwc = self.images.permute(0, 2, 3, 1).index_select(0, idx)
+        batch = nhwc.permute(0, 3, 1, 2), self.labels.index_select(0, idx)
+        if self.augment_seed is None:
+            return batch
+        return (*batch, self.draws(host, self.images.shape[-1]))
+
+
+class KeyedSampler(torch.utils.data.Sampler):
+    """A training order keyed by (seed, epoch); `set_epoch` also tells the dataset the epoch that keys its draws.
+    `save_with` registers what the order needs in each checkpoint (a stream's plan); nothing here."""
+
+    def save_with(self, accelerator) -> None:
+        """Registers the sampler's state with Accelerate's checkpoints (`register_for_checkpointing`), if it has
+        any."""
+
+
+class EpochSampler(KeyedSampler):
+    """The training order: a permutation of the samples per epoch, a function of (seed, epoch) only, cut to whole
+    optimizer steps of `step_images` (the global batch). Accelerate's prepare() splits its micro-batches over the
+    processes (micro-batch k to process k mod P), so optimizer step s takes the same micro-batches at any process
+    count P with P x accumulation fixed.
+    Written by hand because Accelerate's seedable sampler keeps the whole epoch and its shards then drop a tail that
+    depends on P (a last, partial optimizer step of other micro-batches), and it cannot tell the dataset the epoch
+    that keys the augmentation. Has no `generator` attribute on purpose: Accelerate then leaves the RNG alone."""
+
+    def __init__(self, dataset: LoaderDataset, seed: int, step_images: int):
+        self.dataset, self.seed, self.step_images, self.epoch = dataset, seed, step_images, 0
+
+    def set_epoch(self, epoch: int) -> None:  # called by the prepared loader's set_epoch and at each iteration
+        self.epoch = self.dataset.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.dataset) // self.step_images * self.step_images
+
+    def __iter__(self):
+        order = torch.Generator().manual_seed(int(key_stream(self.seed, self.epoch, 0)[0]))
+        return iter(torch.randperm(len(self.dataset), generator=order)[:len(self)].tolist())
+
+
+class Images(abc.ABC):
+    """A split's images, as every kind gives them to the loaders: `len()`, the first n (`prefix`), their side
+    `image_size` (square S x S), the loader worker processes per process that read and decode them (`workers`; 0:
+    the main process indexes them), the loader dataset of (images, labels) for training or evaluation
+    (`loader_dataset`), the training order (`sampler`), the per-channel mean and std of the images (`channel_stats`),
+    and three facts the loaders check the flags against: `in_memory` (decoded tensors in this process, which
+    --data-on-device may move to the GPU: `to`), `on_device` (they are there) and `crops_whole` (the random-resized
+    crop of --augment resized-crop is cut from each whole image as it is decoded)."""
+
+    image_size: int
+    workers: int = 0
+    in_memory: bool = False
+    on_device: bool = False
+    crops_whole: bool = False
+
+    @abc.abstractmethod
+    def __len__(self) -> int: ...
+
+    @abc.abstractmethod
+    def prefix(self, n: int) -> Images:
+        """The first n images (--train-subset, --eval-subset); a source's rows are shuffled, so a prefix is
+        class-balanced."""
+
+    @abc.abstractmethod
+    def loader_dataset(self, labels: torch.Tensor, train: bool, seed: int, augment: bool, pad: int,
+                       mixing: Mixing | None) -> LoaderDataset: ...
+
+    @abc.abstractmethod
+    def channel_stats(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """The per-channel mean and std, in [0, 1], that the inputs are normalised with (when load_data gives none)."""
+
+    def sampler(self, dataset: LoaderDataset, train: bool, seed: int, step_images: int, micro: int,
+                processes: int) -> KeyedSampler | None:
+        """The training order (evaluation: None, every image in order): EpochSampler unless the kind plans its own
+        (a stream plans what each process and loader worker reads)."""
+        return EpochSampler(dataset, seed, step_images) if train else None
+
+    def to(self, device: torch.device) -> Images:
+        raise UserError("--data-on-device keeps decoded images on the GPU; these are decoded by batch in the loader's "
+                        "workers (--decode workers or stream, or a Dataset from load_data) and cannot stay there.")
+
+
+class TensorImages(Images):
+    """Decoded uint8 images (N, 3, S, S) in memory (a view of NHWC memory is fine, memory-mapped too), indexed by one
+    tensor index per batch in the main process (BatchedTensorDataset)."""
+
+    in_memory = True
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor, self.image_size, self.workers = tensor, int(tensor.shape[-1]), 0
+        self.on_device = tensor.device.type != "cpu"
+
+    def __len__(self) -> int:
+        return len(self.tensor)
+
+    def prefix(self, n: int) -> TensorImages:
+        return TensorImages(self.tensor[:n])
+
+    def loader_dataset(self, labels, train, seed, augment, pad, mixing) -> BatchedTensorDataset:
+        return BatchedTensorDataset(self.tensor, labels, seed if train else None, augment, pad, mixing)
+
+    def channel_stats(self):
+        return channel_stats(self.tensor)
+
+    def to(self, device: torch.device) -> TensorImages:
+        return TensorImages(self.tensor.to(device))

@@ -1,0 +1,98 @@
+"""The loaders, from a split's images of any kind (utils/data/images.py's `Images`, the only thing used of them) to
+batches the same at any process count:
+  1. the kind's training order (`EpochSampler`: by (seed, epoch) alone, cut to whole global batches; a stream's own),
+  2. its loader dataset's `__getitems__`, one whole batch per call with each image's draws from (seed, epoch, index),
+     so the DataLoader that `accelerator.prepare` wraps (sharding, skip_first_batches, gather_for_metrics all stay
+     Accelerate's) does no per-image Python work,
+  3. then, on the device, utils/data/transform.py's BatchTransform.
+"""
+
+from __future__ import annotations
+
+import torch
+from accelerate.utils import broadcast_object_list
+
+from utils import UserError
+from utils.data.draws import Mixing
+from utils.data.images import Images, TensorImages, crop_padding
+
+
+def check_one_batch(labels: torch.Tensor, batch_size: int, processes: int, accumulation: int = 1) -> None:
+    """Training keeps whole global batches only: a split smaller than one would train nothing."""
+    if len(labels) < batch_size * processes * accumulation:
+        raise UserError(f"{len(labels)} training images do not fill one global batch of "
+                        f"{batch_size * processes * accumulation} ({batch_size} on each of {processes} processes x "
+                        f"{accumulation} accumulation steps).")
+
+
+def take_prefix(pair: tuple[torch.Tensor, torch.Tensor], n: int | None, flag: str):
+    """The first n (images, labels) of a split (all with n None); a prefix is class-balanced (rows are shuffled)."""
+    images, labels = pair
+    if n is not None and n > len(labels):
+        raise UserError(f"{flag} {n} is larger than the split ({len(labels)} images).")
+    if n is None:
+        return pair
+    return (images.prefix(n) if isinstance(images, Images) else images[:n]), labels[:n]
+
+
+def keep_batch(batch):
+    """collate_fn for BatchedTensorDataset: `__getitems__` already returned the collated batch."""
+    return batch
+
+
+def make_loader(images: Images | torch.Tensor, labels: torch.Tensor, batch_size: int, train: bool, seed: int = 0,
+                augment: bool = False, pad: int = 4, global_batch: int | None = None, mixing: Mixing | None = None,
+                processes: int = 1) -> torch.utils.data.DataLoader:
+    """A plain DataLoader for `accelerate.prepare`, over any kind of images (a bare uint8 tensor is TensorImages).
+    Training: the kind's sampler (EpochSampler: reshuffled per epoch from the seed, whole global batches only;
+    global_batch unset: batch_size) and batches (images, labels, draws); evaluation keeps every image in order, as
+    (images, labels). The kind's loader workers read and decode (none for images in memory)."""
+    images = images if isinstance(images, Images) else TensorImages(images)
+    dataset = images.loader_dataset(labels, train, seed, augment, pad, mixing)
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=images.sampler(dataset, train, seed, global_batch or batch_size, batch_size, processes),
+        drop_last=train,
+        collate_fn=keep_batch,
+        pin_memory=torch.cuda.is_available() and not images.on_device,  # asynchronous copies
+        # not persistent: each epoch's workers start after set_epoch, with the epoch that keys their draws
+        num_workers=images.workers,
+    )
+
+
+def rebatched(loader: torch.utils.data.DataLoader, batch_size: int) -> torch.utils.data.DataLoader:
+    """make_loader's DataLoader (before prepare()) again, over the same dataset and sampler, in batches of
+    batch_size: the same images in the same order, cut finer (utils.guard.MemoryGuard)."""
+    return torch.utils.data.DataLoader(loader.dataset, batch_size=batch_size, sampler=loader.sampler,
+                                       drop_last=loader.drop_last, collate_fn=loader.collate_fn,
+                                       pin_memory=loader.pin_memory, num_workers=loader.num_workers)
+
+
+def build_loaders(data: dict, cfg, accelerator, plan):
+    """Training and evaluation DataLoaders over checked_data's splits; prepare() then shards them and moves batches
+    to the device. The training order and augmentation are keyed by --seed, the epoch and the sample, and every
+    epoch is whole optimizer steps of the plan's global batch (utils.plan.BatchPlan). cfg: the data group of a
+    script's Config (train_subset, eval_subset, data_on_device, seed, augment, mixup, cutmix, mix_prob,
+    data_workers)."""
+    train_split = take_prefix(data["train"], cfg.train_subset, "--train-subset")
+    eval_split = take_prefix(data["test"], cfg.eval_subset, "--eval-subset")
+    check_one_batch(train_split[1], plan.micro, accelerator.num_processes, plan.accumulation)
+    if cfg.data_on_device:  # GPU-resident: Accelerate's move to the device becomes a no-op
+        train_split, eval_split = ((images.to(accelerator.device), labels.to(accelerator.device))
+                                   for images, labels in (train_split, eval_split))
+    if cfg.augment == "resized-crop" and not train_split[0].crops_whole:
+        raise UserError("--augment resized-crop crops whole images as they are decoded: load_data must return images "
+                        "decoded on the fly (utils.data.builtin.load_encoded with a crop recipe), not decoded tensors "
+                        "or a Dataset.")
+    if train_split[0].workers and cfg.data_workers:  # the flag over a kind's own share of the cores
+        train_split[0].workers = eval_split[0].workers = cfg.data_workers
+    if train_split[0].workers and accelerator.num_processes > 1:  # main's count of loader workers on every process
+        # (machines may have other core counts): a stream's plan is laid out by it
+        train_split[0].workers = eval_split[0].workers = broadcast_object_list([train_split[0].workers])[0]
+    mixing = Mixing(cfg.mixup, cfg.cutmix, cfg.mix_prob) if cfg.mixup or cfg.cutmix else None
+    train = make_loader(*train_split, plan.micro, train=True, seed=cfg.seed, augment=cfg.augment != "none",
+                        pad=crop_padding(data["image_size"]), global_batch=plan.global_batch, mixing=mixing,
+                        processes=plan.processes)
+    train.sampler.save_with(accelerator)  # a stream's: the layout its epoch was planned in, in each checkpoint
+    return train, make_loader(*eval_split, plan.micro, train=False, processes=plan.processes)
