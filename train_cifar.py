@@ -180,7 +180,7 @@ def load_data(cfg: Config) -> dict:
     image folder) or --dataset (the Hub), decoded once per machine into a cache that its other processes read, or
     (--decode workers, full-size images) kept encoded and decoded by batch in the loader's workers, or (--decode
     stream) parquet or tar shards read block by block from a folder or a URL, decoded the same way."""
-    return load_builtin(cfg)  # --data-dir / --dataset by --decode (utils/data/encoded.py)
+    return load_builtin(cfg)  # --data-dir / --dataset by --decode (utils/data/builtin.py)
 
 
 def build_optimizer(cfg: Config, model: torch.nn.Module, lr: float, fused: bool = True) -> torch.optim.Optimizer:
@@ -296,8 +296,8 @@ def main(cfg: Config) -> dict:
                 if memory.hit:  # out of memory (every rank): half the micro-batch, twice the accumulation
                     train_loader, plan = memory.shrink(p, optimizer, plan)
                     break
-                guard.observe(loss, p.global_step + 1)  # on the device: no sync per step (nor below)
-                meter.add(loss, terms)  # on the device
+                guard.observe(loss, p.global_step + 1)  # on the device: no sync per step
+                meter.add(loss, terms)  # summed on the device: no sync either
                 p.took_batch()
                 if not accelerator.sync_gradients:
                     continue

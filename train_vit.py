@@ -130,7 +130,7 @@ def build_model(cfg: Config, num_classes: int) -> torch.nn.Module:
 def load_data(cfg: Config) -> dict:
     """{"train": (images, labels), "test": (images, labels), "classes": names}, as train_cifar.py's load_data (its
     docstring and docs/customizing.md give the contract): here the built-in source, --data-dir or --dataset."""
-    return load_builtin(cfg)  # --data-dir / --dataset by --decode (utils/data/encoded.py)
+    return load_builtin(cfg)  # --data-dir / --dataset by --decode (utils/data/builtin.py)
 
 
 def build_optimizer(cfg: Config, model: torch.nn.Module, lr: float) -> torch.optim.AdamW:
@@ -242,8 +242,8 @@ def main(cfg: Config) -> dict:
                 if memory.hit:  # out of memory (every rank): half the micro-batch, twice the accumulation
                     train_loader, plan = memory.shrink(p, optimizer, plan)
                     break
-                guard.observe(loss, p.global_step + 1)  # on the device: no sync per step (nor below)
-                meter.add(loss, terms)  # on the device
+                guard.observe(loss, p.global_step + 1)  # on the device: no sync per step
+                meter.add(loss, terms)  # summed on the device: no sync either
                 p.took_batch()
                 if not accelerator.sync_gradients:
                     continue

@@ -53,11 +53,11 @@ def main() -> None:
             Path(tmp) / "parquet", Path(args.data_dir), n_train=args.images, n_test=64, sizes=(256, 288, 320),
             parquet_shards=4))
         data = load_encoded(str(folder), image_size=args.size, recipe=CropRecipe(), workers=1)
-        ours_set = data["train"][0].dataset(data["train"][1], True, 0, True, 0, None)
+        ours_set = data["train"][0].loader_dataset(data["train"][1], True, 0, True, 0, None)
         ours = torch.utils.data.DataLoader(ours_set, batch_size=128, collate_fn=lambda b: b)
         streamed = load_encoded(str(shards), image_size=args.size, recipe=CropRecipe(), workers=1,
                                 stream=StreamSettings())
-        stream_set = streamed["train"][0].dataset(streamed["train"][1], True, 0, True, 0, None)
+        stream_set = streamed["train"][0].loader_dataset(streamed["train"][1], True, 0, True, 0, None)
         order = streamed["train"][0].rows.sampler(stream_set, True, 0, 128, 128, 1)
         stream = torch.utils.data.DataLoader(stream_set, batch_size=128, sampler=order, collate_fn=lambda b: b)
         recipe = T.Compose([T.RandomResizedCrop(args.size, antialias=True), T.RandomHorizontalFlip(), T.PILToTensor()])

@@ -44,7 +44,7 @@ class SlowHandler(RangeHandler):
 
 def loader(source: str, size: int, settings: StreamSettings):
     data = load_encoded(source, image_size=size, recipe=CropRecipe(), workers=1, stream=settings)
-    dataset = data["train"][0].dataset(data["train"][1], True, 0, True, 0, None)
+    dataset = data["train"][0].loader_dataset(data["train"][1], True, 0, True, 0, None)
     sampler = data["train"][0].rows.sampler(dataset, True, 0, 128, 128, 1)
     return sampler, torch.utils.data.DataLoader(dataset, batch_size=128, sampler=sampler, collate_fn=lambda b: b)
 

@@ -523,11 +523,11 @@ def write_cifar_npz(cifar_dir, cache_dir, path: Path) -> list[str]:
 @pytest.mark.slow
 def test_a_copy_whose_load_data_returns_torch_datasets_trains_as_its_arrays_on_any_process_count_and_resumes(
         cifar_dir, cache_dir, tmp_path):
-    """load_data returns map-style torch Datasets (train items: PIL images; test items: uint8 tensors 3 x S x S) of the
-    first 256 / 64 CIFAR-10 images, read in the loader's workers: 2 ranks end with the weights of the same images
-    given as arrays bitwise, 1 process with the trainable parameters of 2 ranks bitwise, and kill -9 after the step-3
-    checkpoint and --resume auto with the uninterrupted run's bitwise (fp32, --deterministic); evaluate_checkpoint.py
-    rebuilds the Datasets through the copy and gives the reported top-1 exactly."""
+    """When load_data returns map-style torch Datasets, 2 ranks end with the weights of the same images given as arrays
+    bitwise, 1 process with the trainable parameters of 2 ranks bitwise, and kill -9 after the step-3 checkpoint and
+    --resume auto with the uninterrupted run's bitwise (fp32, --deterministic). The Datasets: train items PIL images,
+    test items uint8 tensors 3 x S x S, of the first 256 / 64 CIFAR-10 images, read in the loader's workers;
+    evaluate_checkpoint.py rebuilds them through the copy and gives the reported top-1 exactly."""
     classes = write_cifar_npz(cifar_dir, cache_dir, tmp_path / "cifar.npz")
     for name in ("arrays-copy", "datasets-copy"):
         (tmp_path / name).mkdir()

@@ -58,13 +58,7 @@ class DecodingDataset(LoaderDataset):
     (images, labels, draws) as there: the small-image crop and flip drawn for the device, or with the crop recipe
     cropped and flipped here already (draws (None, None), then the mixing draws if any)."""
 
-    def __init__(self, images: EncodedImages, labels: torch.Tensor, augment_seed: int | None, augment: bool,
-                 pad: int, mixing):
-        super().__init__(augment_seed, augment, pad, mixing)
-        self.images, self.labels = images, labels
-
-    def __len__(self) -> int:
-        return len(self.labels)
+    images: EncodedImages
 
     def __getitems__(self, indices: list[int]):
         host = np.asarray(indices, dtype=np.int64)
@@ -81,10 +75,8 @@ class DecodingDataset(LoaderDataset):
             else:
                 view = partial(eval_view, size=size, recipe=recipe) if recipe else partial(square_pixels, size=size)
             out[k] = row_pixels(rows, int(host[k]), im, view)
-        batch = torch.from_numpy(out).permute(0, 3, 1, 2), self.labels[torch.from_numpy(host)]
-        if self.augment_seed is None:
-            return batch
-        return (*batch, self.draws(host, size, cropped=cropped_here))
+        return self.finish(torch.from_numpy(out).permute(0, 3, 1, 2), self.labels[torch.from_numpy(host)], host,
+                           cropped=cropped_here)
 
 
 def _open(rows: EncodedRows, source, i: int):

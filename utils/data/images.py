@@ -47,12 +47,24 @@ def channel_stats(images: torch.Tensor) -> tuple[tuple[float, ...], tuple[float,
 
 class LoaderDataset(torch.utils.data.Dataset):
     """The datasets the loaders iterate: `__getitems__` gets the sampler's indices of one batch and returns the whole
-    batch, (images, labels) as uint8 (B, 3, S, S) and int64 (B,), and for a training set also its draws (`draws`).
-    Holds what a training batch's draws are keyed by: `augment_seed` (None: an evaluation set), `epoch` (set by the
-    sampler), `augment` (off: no crop and flip), `pad` (the crop's padding) and `mixing`."""
+    batch (`finish`), (images, labels) as uint8 (B, 3, S, S) and int64 (B,), and for a training set also its draws.
+    Holds the split's `images` (its kind's) and `labels`, and what a training batch's draws are keyed by:
+    `augment_seed` (None: an evaluation set), `epoch` (set by the sampler), `augment` (off: no crop and flip), `pad`
+    (the crop's padding) and `mixing`."""
 
-    def __init__(self, augment_seed: int | None, augment: bool, pad: int, mixing: Mixing | None):
+    def __init__(self, images, labels: torch.Tensor, augment_seed: int | None, augment: bool, pad: int,
+                 mixing: Mixing | None):
+        self.images, self.labels = images, labels
         self.augment_seed, self.augment, self.pad, self.mixing, self.epoch = augment_seed, augment, pad, mixing, 0
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def finish(self, images: torch.Tensor, labels: torch.Tensor, host: np.ndarray, cropped: bool = False):
+        """The batch as the loader returns it: (images, labels), and for a training set (images, labels, draws)."""
+        if self.augment_seed is None:
+            return images, labels
+        return images, labels, self.draws(host, images.shape[-1], cropped)
 
     def draws(self, host: np.ndarray, size: int, cropped: bool = False) -> tuple | None:
         """A training batch's draws for BatchTransform.train, from this dataset's augment_seed, epoch, augment, pad
@@ -77,12 +89,9 @@ class BatchedTensorDataset(LoaderDataset):
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, augment_seed: int | None = None,
                  augment: bool = True, pad: int = 4, mixing: Mixing | None = None):
         assert len(images) == len(labels)
-        super().__init__(augment_seed, augment, pad, mixing)
         # NHWC rows: a batch is then one row copy per image, and arrives in the layout the transform reads.
-        self.images, self.labels = images.contiguous(memory_format=torch.channels_last), labels
-
-    def __len__(self) -> int:
-        return len(self.labels)
+        super().__init__(images.contiguous(memory_format=torch.channels_last), labels, augment_seed, augment, pad,
+                         mixing)
 
     def __getitem__(self, i):
         return self.images[i], self.labels[i]
@@ -98,10 +107,7 @@ class BatchedTensorDataset(LoaderDataset):
         host = np.asarray(indices, dtype=np.int64)  # once, for the batch and its draws
         idx = torch.from_numpy(host).to(self.labels.device, non_blocking=True)
         nhwc = self.images.permute(0, 2, 3, 1).index_select(0, idx)
-        batch = nhwc.permute(0, 3, 1, 2), self.labels.index_select(0, idx)
-        if self.augment_seed is None:
-            return batch
-        return (*batch, self.draws(host, self.images.shape[-1]))
+        return self.finish(nhwc.permute(0, 3, 1, 2), self.labels.index_select(0, idx), host)
 
 
 class KeyedSampler(torch.utils.data.Sampler):
@@ -141,13 +147,12 @@ class Images(abc.ABC):
     `image_size` (square S x S), the loader worker processes per process that read and decode them (`workers`; 0:
     the main process indexes them), the loader dataset of (images, labels) for training or evaluation
     (`loader_dataset`), the training order (`sampler`), the per-channel mean and std of the images (`channel_stats`),
-    and three facts the loaders check the flags against: `in_memory` (decoded tensors in this process, which
-    --data-on-device may move to the GPU: `to`), `on_device` (they are there) and `crops_whole` (the random-resized
-    crop of --augment resized-crop is cut from each whole image as it is decoded)."""
+    the move to the GPU of --data-on-device (`to`: decoded tensors only), and two facts the loaders check:
+    `on_device` (the images are on the GPU already) and `crops_whole` (the random-resized crop of --augment
+    resized-crop is cut from each whole image as it is decoded)."""
 
     image_size: int
     workers: int = 0
-    in_memory: bool = False
     on_device: bool = False
     crops_whole: bool = False
 
@@ -181,8 +186,6 @@ class Images(abc.ABC):
 class TensorImages(Images):
     """Decoded uint8 images (N, 3, S, S) in memory (a view of NHWC memory is fine, memory-mapped too), indexed by one
     tensor index per batch in the main process (BatchedTensorDataset)."""
-
-    in_memory = True
 
     def __init__(self, tensor: torch.Tensor):
         self.tensor, self.image_size, self.workers = tensor, int(tensor.shape[-1]), 0

@@ -93,13 +93,7 @@ class ItemsDataset(LoaderDataset):
     """A batch of a Dataset's items, read in a DataLoader worker into one (B, 3, S, S) uint8 view of NHWC memory, as
     BatchedTensorDataset gives the same images from memory; a training set's with its draws."""
 
-    def __init__(self, images: DatasetImages, labels: torch.Tensor, augment_seed: int | None, augment: bool,
-                 pad: int, mixing):
-        super().__init__(augment_seed, augment, pad, mixing)
-        self.images, self.labels = images, labels
-
-    def __len__(self) -> int:
-        return len(self.labels)
+    images: DatasetImages
 
     def __getitems__(self, indices: list[int]):
         host = np.asarray(indices, dtype=np.int64)
@@ -107,7 +101,4 @@ class ItemsDataset(LoaderDataset):
         out = np.empty((len(host), size, size, 3), dtype=np.uint8)
         for k, i in enumerate(host):
             out[k] = item_pixels(self.images.dataset[int(i)], f"{self.images.what}'s item {i}", size)[0]
-        batch = torch.from_numpy(out).permute(0, 3, 1, 2), self.labels[torch.from_numpy(host)]
-        if self.augment_seed is None:
-            return batch
-        return (*batch, self.draws(host, size))
+        return self.finish(torch.from_numpy(out).permute(0, 3, 1, 2), self.labels[torch.from_numpy(host)], host)
