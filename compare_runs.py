@@ -45,10 +45,12 @@ class Run:
     summary: dict = field(default_factory=dict)
     folder: str | None = None  # the output folder it was read from, as given
 
-    def metric(self, summary_key: str, history_key: str, pick=lambda values: values[-1]) -> float:
-        """A number from the final summary (summary.json's keys), else from the history (a run that did not finish)."""
-        if isinstance(self.summary.get(summary_key), int | float):
-            return self.summary[summary_key]
+    def metric(self, summary_key: str | tuple[str, ...], history_key: str, pick=lambda values: values[-1]) -> float:
+        """A number from the final summary (summary.json's key, or the first of several it has), else from the history
+        (a run that did not finish)."""
+        for key in (summary_key,) if isinstance(summary_key, str) else summary_key:
+            if isinstance(self.summary.get(key), int | float):
+                return self.summary[key]
         values = [row[history_key] for row in self.history if isinstance(row.get(history_key), int | float)]
         return pick(values) if values else math.nan
 
@@ -201,7 +203,8 @@ def load(source: str) -> list[Run]:
 # Report: table, config differences, groups, plots
 # ====================================================================================================
 COLUMNS = {  # column -> (summary.json key, history key, pick from history)
-    "best top-1 %": ("best_eval_top1", "eval/top1", max),
+    "best top-1 %": (("best_eval_top1", "best_eval_ema_top1"), "eval/top1", max),  # best.safetensors' top-1, when
+    # --best-metric picked it by top-1 (the EMA's with --ema-decay); else the best of the logged eval/top1
     "final top-1 %": ("eval_top1", "eval/top1", lambda v: v[-1]),
     "images/s": ("train_images_per_sec", "train/epoch_images_per_sec", statistics.fmean),
     "wall s": ("wall_seconds", "_runtime", lambda v: v[-1]),

@@ -172,3 +172,14 @@ def test_the_group_plot_draws_each_groups_mean_in_a_band_from_its_lowest_to_its_
     [band] = fig.axes[0].collections
     ys = sorted({round(y, 6) for _, y in band.get_paths()[0].vertices})
     assert ys == [10.0, 14.0, 20.0, 30.0]  # min and max at each epoch
+
+
+def test_best_top1_is_the_best_weights_top1_of_either_the_model_or_its_ema_else_the_best_logged():
+    """The "best top-1 %" column: best_eval_top1 (--best-metric top1), else best_eval_ema_top1 (the default with
+    --ema-decay), else the highest logged eval/top1 (a run whose best weights follow another metric)."""
+    spec = compare_runs.COLUMNS["best top-1 %"]
+    assert compare_runs.Run("a", "a", summary={"best_eval_top1": 51.0, "eval_top1": 50.0}).metric(*spec) == 51.0
+    assert compare_runs.Run("e", "e", summary={"best_eval_ema_top1": 52.5, "eval_top1": 50.0}).metric(*spec) == 52.5
+    by_loss = compare_runs.Run("l", "l", summary={"best_eval_loss": 1.2, "eval_top1": 50.0},
+                               history=[{"_step": 8, "eval/top1": 47.0}, {"_step": 16, "eval/top1": 49.5}])
+    assert by_loss.metric(*spec) == 49.5
