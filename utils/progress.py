@@ -26,7 +26,7 @@ class Progress:
     train_loss: float = math.nan  # the mean training loss of the last epoch trained (or its part before a stop)
     train_loss_terms: dict = field(default_factory=dict)  # the means of the loss line's named terms, likewise
     wall_seconds: float = 0.0  # wall time of the run's earlier jobs, from their start of training to their last save
-    loss_so_far: dict | None = None  # a mid-epoch checkpoint's: the epoch's loss sums so far (TrainMeter.so_far)
+    loss_so_far: dict | None = None  # a mid-epoch checkpoint's: the loss and terms' sums so far (TrainMeter.so_far)
 
     def __post_init__(self):
         self._clock = time.monotonic()  # this job's share of the wall time counts from here (not a field: not saved)

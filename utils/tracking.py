@@ -2,8 +2,8 @@
 
 `Tracker` owns the policies: W&B offline without credentials, the same W&B run continued across resumes, logging
 only past the last logged step, the confusion-matrix plot, progress lines when there is no terminal, the final
-summary. `TrainMeter` sums the training loss on the device (no host sync per step) and reads it once per log window
-and per epoch."""
+summary. `TrainMeter` sums the training loss and its named terms on the device (no host sync per step) and reads
+them once per log window and per epoch."""
 
 from __future__ import annotations
 
