@@ -27,7 +27,7 @@ def item_pixels(item, what: str, size: int | None = None) -> tuple[np.ndarray, i
     if isinstance(image, Image.Image):
         pixels = np.asarray(image.convert("RGB"))
     elif isinstance(image, torch.Tensor) and image.dtype == torch.uint8 and image.dim() == 3:
-        pixels = (image.permute(1, 2, 0) if image.shape[0] == 3 and image.shape[2] != 3 else image).numpy()
+        pixels = (image.permute(1, 2, 0) if image.shape[0] == 3 and image.shape[2] != 3 else image).cpu().numpy()
     else:
         kind = (f"{str(image.dtype).removeprefix('torch.')} tensor {tuple(image.shape)}"
                 if isinstance(image, torch.Tensor) else type(image).__name__)
