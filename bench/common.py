@@ -62,3 +62,21 @@ def report(name_a: str, rates_a: list[float], name_b: str, rates_b: list[float],
     print(f"{name_b}: {b:,.0f} {unit} (median of {len(rates_b)}: {', '.join(f'{r:,.0f}' for r in rates_b)})")
     print(f"ratio {name_a} / {name_b}: {a / b:.2f}x")
     return a / b
+
+
+def alternate_sides(script: str, sides: tuple[str, ...], flags: list[str], repeats: int) -> dict[str, list]:
+    """Each side's measurement from `repeats` fresh processes of `python script --side SIDE FLAGS`, the sides
+    alternating (machines drift: each side meets the same conditions); a child prints its result as JSON on its last
+    line. A child that fails ends the bench with its stderr."""
+    import json
+    import subprocess
+    import sys
+
+    found: dict[str, list] = {side: [] for side in sides}
+    for _ in range(repeats):
+        for side in sides:
+            result = subprocess.run([sys.executable, script, "--side", side, *flags], capture_output=True, text=True)
+            if result.returncode != 0:
+                sys.exit(result.stderr[-3000:])
+            found[side].append(json.loads(result.stdout.strip().splitlines()[-1]))
+    return found

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ from PIL import Image
 from torchvision import transforms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import add_data_args, data_flags, header, report  # noqa: E402
+from bench.common import add_data_args, alternate_sides, data_flags, header, report  # noqa: E402
 from utils.data.decode import load_source  # noqa: E402
 from utils.data.draws import Mixing  # noqa: E402
 from utils.data.loaders import make_loader  # noqa: E402
@@ -106,14 +105,7 @@ def main() -> None:
     forward = [*data_flags(args), "--images", str(args.images), "--seed-images", str(args.seed_images),
                "--batch-size", str(args.batch_size), "--passes", str(args.passes), "--warmup", str(args.warmup),
                "--mixup", str(args.mixup), "--cutmix", str(args.cutmix)]
-    rates: dict[str, list[float]] = {"ours": [], "seed": []}
-    for _ in range(args.repeats):
-        for side, found in rates.items():
-            result = subprocess.run([sys.executable, __file__, "--side", side, *forward], capture_output=True,
-                                    text=True)
-            if result.returncode != 0:
-                sys.exit(result.stderr[-3000:])
-            found.append(json.loads(result.stdout.strip().splitlines()[-1]))
+    rates = alternate_sides(__file__, ("ours", "seed"), forward, args.repeats)
     print(f"device: {torch.device('cuda' if torch.cuda.is_available() else 'cpu')}; batch {args.batch_size}; "
           f"augmentation: crop (pad 4) + flip + normalise (ours: mixup {args.mixup}, cutmix {args.cutmix}); "
           f"each number: one fresh process, median of {args.passes} "

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ from accelerate import Accelerator
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import add_data_args, data_flags, header, report  # noqa: E402
+from bench.common import add_data_args, alternate_sides, data_flags, header, report  # noqa: E402
 from utils.data.contract import checked_data  # noqa: E402
 from utils.data.decode import load_source  # noqa: E402
 from utils.data.loaders import make_loader  # noqa: E402
@@ -88,14 +87,7 @@ def main() -> None:
     header("a copy's torch Dataset (PIL items) against the same images as arrays, through the template's loader")
     forward = [*data_flags(args), "--images", str(args.images), "--batch-size", str(args.batch_size), "--passes",
                str(args.passes), "--warmup", str(args.warmup)]
-    found: dict[str, list[dict]] = {"dataset": [], "arrays": []}
-    for _ in range(args.repeats):
-        for side, results in found.items():
-            result = subprocess.run([sys.executable, __file__, "--side", side, *forward], capture_output=True,
-                                    text=True)
-            if result.returncode != 0:
-                sys.exit(result.stderr[-3000:])
-            results.append(json.loads(result.stdout.strip().splitlines()[-1]))
+    found = alternate_sides(__file__, ("dataset", "arrays"), forward, args.repeats)
     print(f"{args.images:,} training images, batch {args.batch_size}, crop + flip + normalise; the Dataset read by "
           f"{found['dataset'][0]['workers']} loader worker(s); each number: one fresh process, median of "
           f"{args.passes} passes after {args.warmup} warm-up pass(es)")
