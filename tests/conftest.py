@@ -611,3 +611,25 @@ def tracked_runs(cifar_dir, cache_dir, tmp_path_factory) -> dict[str, Path]:
         assert result.returncode == 0, result.stderr[-3000:]
         (out[name] / "stdout.txt").write_text(result.stdout)
     return out
+
+
+def metric_script(name: str, compute: str, imports: str = "") -> str:
+    """The text of a local `evaluate` metric script (what `evaluate.load(path)` and --metric PATH take) on class
+    predictions: class `name`, whose _compute is `compute` (its def and body, indented as a method); `imports`: what
+    that body needs besides datasets and evaluate."""
+    return (f"{imports}import datasets\nimport evaluate\n\n\nclass {name}(evaluate.Metric):\n"
+            f"    def _info(self):\n"
+            f"        features = {{'predictions': datasets.Value('int64'), 'references': datasets.Value('int64')}}\n"
+            f"        return evaluate.MetricInfo(description={name!r}, citation='', inputs_description='',\n"
+            f"                                   features=datasets.Features(features))\n"
+            f"\n{compute}")
+
+
+def kill_9_after_checkpoint(args: list[str], launch: list[str], script: Path, env: dict, out: Path,
+                            step: int = 3) -> None:
+    """Starts the job, kills every process of it with kill -9 once its step-`step` checkpoint is written, and checks
+    that it left no summary.json (it was killed before its end)."""
+    proc = start(args, launch, script=script, env=env)
+    wait_for_checkpoint(out, proc, step)
+    kill_job(proc)
+    assert not (out / "summary.json").exists()

@@ -25,6 +25,7 @@ from conftest import (
     FSDP_CPU_YAML,
     PROBE,
     REPO,
+    metric_script,
     read_summary,
     run_python,
     run_train,
@@ -43,26 +44,11 @@ PER_CLASS = {"train": 64, "test": 16}
 
 # A metric script as `evaluate.load(path)` takes it: it appends what compute() received, per rank, to
 # $PAIRS_OUT/rank<R>.jsonl, and returns the count and the hits.
-PAIRS_METRIC = '''
-import json
-import os
-from pathlib import Path
-
-import datasets
-import evaluate
-
-
-class Pairs(evaluate.Metric):
-    def _info(self):
-        return evaluate.MetricInfo(description="records its inputs", citation="", inputs_description="",
-                                   features=datasets.Features({"predictions": datasets.Value("int64"),
-                                                               "references": datasets.Value("int64")}))
-
-    def _compute(self, predictions, references, scale=1):
+PAIRS_METRIC = metric_script("Pairs", '''    def _compute(self, predictions, references, scale=1):
         with open(Path(os.environ["PAIRS_OUT"], f"rank{os.environ.get('RANK', '0')}.jsonl"), "a") as f:
             f.write(json.dumps([list(predictions), list(references)]) + "\\n")
         return {"n": len(predictions) * scale, "hits": sum(p == r for p, r in zip(predictions, references))}
-'''
+''', imports="import json\nimport os\nfrom pathlib import Path\n")
 
 
 # The fields of summary.json that the model card reads, for a one-process run of a one-class folder

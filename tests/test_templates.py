@@ -15,7 +15,6 @@ from dataclasses import fields
 from pathlib import Path
 
 import numpy as np
-import psutil
 import pytest
 import torch
 import torchvision
@@ -28,13 +27,12 @@ from conftest import (
     assert_same_parameters,
     assert_same_state,
     job_args,
-    kill_job,
+    kill_9_after_checkpoint,
+    metric_script,
     read_summary,
     run_python,
     run_train,
     script_env,
-    start,
-    wait_for_checkpoint,
 )
 from safetensors.torch import load_file
 
@@ -325,12 +323,7 @@ def test_a_copy_reading_an_npz_file_trains_on_two_ranks_resumes_exactly_after_ki
     assert (s["world_size"], s["global_step"], s["eval_examples"]) == (2, 16, 50)
     assert s["dataset"] == {"source": "load_data"} and s["classes"] == list(cifar["classes"])
     out = tmp_path / "killed"
-    proc = start([*job, "--output-dir", str(out)], two, script=script, env=script_env(PYTHONPATH=str(REPO)))
-    wait_for_checkpoint(out, proc, 3)
-    for process in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
-        process.kill()
-    proc.wait()
-    assert not (out / "summary.json").exists()
+    kill_9_after_checkpoint([*job, "--output-dir", str(out)], two, script, script_env(PYTHONPATH=str(REPO)), out)
     run_copy(script, [*job, "--output-dir", str(out), "--resume", "auto"], launch=two)
     assert read_summary(out)["resumed_from"] is not None
     assert_same_state(out / "model.safetensors", tmp_path / "whole" / "model.safetensors")
@@ -365,25 +358,14 @@ TWO_TERM_LOSS = [(LOSS_LINE, "logits = model(inputs)\n"
                              "penalty = 0.01 * logits.float().pow(2).mean()  # keeps the logits small\n"
                              "loss = ce + penalty"),
                  ("terms = {}", 'terms = {"ce": ce, "logit_penalty": penalty}')]
-MACRO_F1 = """
-import datasets
-import evaluate
-
-
-class MacroF1(evaluate.Metric):
-    def _info(self):
-        return evaluate.MetricInfo(description="macro-averaged F1", citation="", inputs_description="",
-                                   features=datasets.Features({"predictions": datasets.Value("int64"),
-                                                               "references": datasets.Value("int64")}))
-
-    def _compute(self, predictions, references):
+MACRO_F1 = metric_script("MacroF1", """    def _compute(self, predictions, references):
         scores = []
         for c in set(predictions) | set(references):
             hits = sum(p == r == c for p, r in zip(predictions, references))
             wrong = sum((p == c) != (r == c) for p, r in zip(predictions, references))
             scores.append(2 * hits / (2 * hits + wrong))
         return {"macro_f1": sum(scores) / len(scores)}
-"""
+""")
 
 
 def logged_by_step(out: Path, prefix: str) -> dict[int, dict]:
@@ -468,11 +450,8 @@ def test_a_copy_logs_its_loss_terms_keeps_its_best_f1_weights_and_records_the_ne
     assert_same_logs(logged_by_step(one, "train/"), logs)
 
     killed = tmp_path / "killed"
-    proc = start(job_args(cifar_dir, cache_dir, killed, *job), two, script=PROBE,
-                 env=script_env(PYTHONPATH=str(REPO), PROBE_SCRIPT=str(script)))
-    wait_for_checkpoint(killed, proc, 3)
-    kill_job(proc)
-    assert not (killed / "summary.json").exists()
+    kill_9_after_checkpoint(job_args(cifar_dir, cache_dir, killed, *job), two, PROBE,
+                            script_env(PYTHONPATH=str(REPO), PROBE_SCRIPT=str(script)), killed)
     run_probed(script, job_args(cifar_dir, cache_dir, killed, *job, "--resume", "auto"), launch=two)
     assert read_summary(killed)["resumed_from"] is not None
     assert_same_logs(logged_by_step(killed, "train/"), logs)
@@ -545,10 +524,7 @@ def test_a_copy_whose_load_data_returns_torch_datasets_trains_as_its_arrays_on_a
     assert_same_state(tmp_path / "two" / "model.safetensors", tmp_path / "arrays" / "model.safetensors")
     assert_same_parameters(tmp_path / "one", tmp_path / "two")  # BatchNorm's statistics: 1 process saw every batch
     out = tmp_path / "killed"
-    proc = start([*job, "--output-dir", str(out)], two, script=datasets, env=script_env(PYTHONPATH=str(REPO)))
-    wait_for_checkpoint(out, proc, 3)
-    kill_job(proc)
-    assert not (out / "summary.json").exists()
+    kill_9_after_checkpoint([*job, "--output-dir", str(out)], two, datasets, script_env(PYTHONPATH=str(REPO)), out)
     run_copy(datasets, [*job, "--output-dir", str(out), "--resume", "auto"], launch=two)
     assert read_summary(out)["resumed_from"] is not None
     assert_same_state(out / "model.safetensors", tmp_path / "two" / "model.safetensors")

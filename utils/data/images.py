@@ -205,3 +205,9 @@ class TensorImages(Images):
 
     def to(self, device: torch.device) -> TensorImages:
         return TensorImages(self.tensor.to(device))
+
+
+def as_images(images: Images | torch.Tensor) -> Images:
+    """A split's images as the loaders take them: a kind of `Images` as it is; a bare uint8 (N, 3, S, S) tensor (from
+    a script that calls the loaders without checked_data, as train_minimal.py does) as TensorImages."""
+    return images if isinstance(images, Images) else TensorImages(images)

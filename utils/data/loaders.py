@@ -14,7 +14,7 @@ from accelerate.utils import broadcast_object_list
 
 from utils import UserError
 from utils.data.draws import Mixing
-from utils.data.images import Images, TensorImages, crop_padding
+from utils.data.images import Images, as_images, crop_padding
 
 
 def check_one_batch(labels: torch.Tensor, batch_size: int, processes: int, accumulation: int = 1) -> None:
@@ -25,14 +25,12 @@ def check_one_batch(labels: torch.Tensor, batch_size: int, processes: int, accum
                         f"{accumulation} accumulation steps).")
 
 
-def take_prefix(pair: tuple[torch.Tensor, torch.Tensor], n: int | None, flag: str):
+def take_prefix(pair: tuple[Images | torch.Tensor, torch.Tensor], n: int | None, flag: str):
     """The first n (images, labels) of a split (all with n None); a prefix is class-balanced (rows are shuffled)."""
     images, labels = pair
     if n is not None and n > len(labels):
         raise UserError(f"{flag} {n} is larger than the split ({len(labels)} images).")
-    if n is None:
-        return pair
-    return (images.prefix(n) if isinstance(images, Images) else images[:n]), labels[:n]
+    return pair if n is None else (as_images(images).prefix(n), labels[:n])
 
 
 def keep_batch(batch):
@@ -47,7 +45,7 @@ def make_loader(images: Images | torch.Tensor, labels: torch.Tensor, batch_size:
     Training: the kind's sampler (EpochSampler: reshuffled per epoch from the seed, whole global batches only;
     global_batch unset: batch_size) and batches (images, labels, draws); evaluation keeps every image in order, as
     (images, labels). The kind's loader workers read and decode (none for images in memory)."""
-    images = images if isinstance(images, Images) else TensorImages(images)
+    images = as_images(images)
     dataset = images.loader_dataset(labels, train, seed, augment, pad, mixing)
     return torch.utils.data.DataLoader(
         dataset,
