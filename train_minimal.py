@@ -109,7 +109,7 @@ def main(args: argparse.Namespace) -> dict:
     # same order on every rank, each rank taking its own slice. Each batch brings its crops and flips, keyed by
     # (seed, epoch, image): different images get different crops, the same image the same one at any world size.
     train_loader = make_loader(*train_split, args.batch_size, train=True, seed=args.seed, augment=True,
-                               pad=crop_padding(train_split[0].shape[-1]), global_batch=global_batch)
+                               pad=crop_padding(train_split[0].image_size), global_batch=global_batch)
     eval_loader = make_loader(*take_prefix(data["test"], args.eval_subset, "--eval-subset"), args.batch_size,
                               train=False)
 
@@ -122,7 +122,7 @@ def main(args: argparse.Namespace) -> dict:
     # statistics (CUDA only).
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     assert world == 1 or isinstance(model, torch.nn.parallel.DistributedDataParallel), type(model)  # grads averaged
-    transform = BatchTransform(accelerator.device, channels_last=False, pad=crop_padding(train_split[0].shape[-1]),
+    transform = BatchTransform(accelerator.device, channels_last=False, pad=crop_padding(train_split[0].image_size),
                                mean=data["mean"], std=data["std"])  # the batch's crops + flips, then normalise
     steps_per_epoch = len(train_loader) // args.grad_accum
     # Stepped once per optimizer step, by us: a prepared scheduler would step world-size times per optimizer step.

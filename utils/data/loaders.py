@@ -26,11 +26,12 @@ def check_one_batch(labels: torch.Tensor, batch_size: int, processes: int, accum
 
 
 def take_prefix(pair: tuple[Images | torch.Tensor, torch.Tensor], n: int | None, flag: str):
-    """The first n (images, labels) of a split (all with n None); a prefix is class-balanced (rows are shuffled)."""
-    images, labels = pair
+    """The first n (images, labels) of a split (all with n None), the images as an `Images` kind (as_images); a
+    prefix is class-balanced (rows are shuffled)."""
+    images, labels = as_images(pair[0]), pair[1]
     if n is not None and n > len(labels):
         raise UserError(f"{flag} {n} is larger than the split ({len(labels)} images).")
-    return pair if n is None else (as_images(images).prefix(n), labels[:n])
+    return (images, labels) if n is None else (images.prefix(n), labels[:n])
 
 
 def keep_batch(batch):
