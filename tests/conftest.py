@@ -274,9 +274,11 @@ class RangeHandler(http.server.SimpleHTTPRequestHandler):
 
 
 class FlakyRangeHandler(RangeHandler):
-    """RangeHandler that counts the bytes of the .tar files it sends and refuses requests as its server's `state`
-    says: with every = n, every n-th request is answered 503 (a request refused once is answered when it comes
-    again, so each read succeeds within a few tries); every request for a file named in `broken` is answered 503."""
+    """RangeHandler that counts the bytes of the .tar files it sends and fails requests as its server's `state`
+    says: with every = n, every n-th request fails, the first time it comes (asked again, it is answered, so each
+    request succeeds within a few tries), the way `fault` says: "refuse" answers 503, "cut" sends the headers and
+    half the body, then closes the connection, "stall" answers nothing for `stall` seconds, then closes it. Every
+    request for a file named in `broken` is answered 503, and with `always`, every request."""
 
     state: dict
 
@@ -284,12 +286,18 @@ class FlakyRangeHandler(RangeHandler):
         state, key = self.state, (self.command, self.path, self.headers.get("Range"))
         with state["lock"]:
             state["requests"] += 1
-            state["log"].append((self.command, Path(self.path).name))
-            refuse = Path(self.path).name in state["broken"] or (
+            state["log"].append((self.command, self.path))
+            fail = state["always"] or Path(self.path).name in state["broken"] or (
                 state["every"] and state["requests"] % state["every"] == 0 and key not in state["refused"])
-            if refuse:
+            if fail:
                 state["refused"].add(key)
-        if refuse:
+        faulty = fail and not state["always"] and Path(self.path).name not in state["broken"]  # else: a 503
+        self.cut = faulty and state["fault"] == "cut"
+        if fail and not self.cut:
+            if faulty and state["fault"] == "stall":
+                time.sleep(state["stall"])
+                self.close_connection = True
+                return None
             self.send_error(503)
             return None
         return super().send_head()
@@ -297,8 +305,11 @@ class FlakyRangeHandler(RangeHandler):
     def copyfile(self, source, outputfile):
         data = source.read()
         try:
-            outputfile.write(data)
+            outputfile.write(data[:len(data) // 2] if self.cut else data)
         except (BrokenPipeError, ConnectionResetError):  # a client that stopped reading (fsspec's size probe)
+            return
+        if self.cut:
+            self.close_connection = True
             return
         if self.path.endswith(".tar"):
             with self.state["lock"]:
@@ -306,10 +317,11 @@ class FlakyRangeHandler(RangeHandler):
 
 
 @contextlib.contextmanager
-def serving(folder: Path, every: int = 0, broken: tuple[str, ...] = ()):
+def serving(folder: Path, every: int = 0, broken: tuple[str, ...] = (), fault: str = "refuse", stall: float = 0.0,
+            always: bool = False):
     """folder served over HTTP from this process by FlakyRangeHandler: (its URL, the server's state)."""
     state = {"lock": threading.Lock(), "requests": 0, "tar_bytes": 0, "refused": set(), "every": every,
-             "broken": set(broken), "log": []}
+             "broken": set(broken), "log": [], "fault": fault, "stall": stall, "always": always}
     handler = functools.partial(type("Handler", (FlakyRangeHandler,), {"state": state}), directory=str(folder))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()

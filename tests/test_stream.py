@@ -195,19 +195,108 @@ def test_fsdp_streams_the_shards_and_evaluate_checkpoint_streams_the_test_shards
     assert evaluated["loss"] == pytest.approx(s["eval_loss"], rel=1e-4)
 
 
+def nested(flat: Path, root: Path) -> Path:
+    """The shards of `flat` in nested folders that keep their sorted order (training shards 0-1 in 2026/a/, 2-4 in
+    2026/b/, the test shards in eval/), beside the cache folder a local run keeps in its data folder
+    (.decoded/stream-index, written by indexing the shards there) and a hidden folder holding a stale copy of a
+    training shard: a listing that walks into either trains on other rows, or asks for what is not a shard."""
+    kind = "tar" if any(flat.glob("*.tar")) else "parquet"
+    for shard in sorted(flat.glob(f"*.{kind}")):
+        k = int(shard.name.split("-")[1])
+        part = "eval" if shard.name.startswith("test") else "2026/a" if k < 2 else "2026/b"
+        (root / part).mkdir(parents=True, exist_ok=True)
+        shutil.copy(shard, root / part / shard.name)
+    (root / ".old").mkdir()
+    shutil.copy(flat / f"train-00001-of-00005.{kind}", root / ".old" / f"train-00005-of-00006.{kind}")
+    found = find_shards(str(root))
+    for urls in found.values():
+        index_shards(urls, (None, None), root / ".decoded" / "stream-index")
+    assert len(list((root / ".decoded" / "stream-index").glob("index-*.npz"))) == 8
+    return root
+
+
 @pytest.mark.slow
-def test_shards_over_a_server_refusing_every_third_request_train_as_the_local_ones(streamed, stream_shards, tmp_path):
-    """The tar shards served over HTTP by a server that answers every third request with 503, on 2 ranks x 2 loader
-    workers reading ahead: the run's trainable parameters are the local run's bitwise. (A refused request is answered
-    when asked again; the server refused at least 10 during the run.)"""
-    with serving(stream_shards["tar"], every=3) as (url, state):
+@pytest.mark.parametrize("every", [2, 3])
+def test_nested_shards_over_a_server_failing_every_kth_request_train_as_the_local_ones(streamed, stream_shards,
+                                                                                       tmp_path, every):
+    """The tar shards in nested folders beside a cache folder and a hidden folder, served over HTTP by a server that
+    answers every k-th request (k = 2, 3) with 503, on 2 ranks x 2 loader workers reading ahead: the run trains the 192 training images of the 5 shards and ends with the local flat folder's trainable parameters
+    bitwise; no request goes into a hidden folder. (A refused request is answered when asked again: each request
+    is retried on its own; the server refused at least 10.)"""
+    served = nested(stream_shards["tar"], tmp_path / "served")
+    with serving(served, every=every) as (url, state):
         out = tmp_path / "flaky"
         result = run_train(args(url, out, "--data-workers", "2", "--cache-dir", str(tmp_path / "cache")),
                            launch=TWO_RANKS)
         assert result.returncode == 0, result.stderr[-4000:]
         assert len(state["refused"]) >= 10
-    assert read_summary(out)["dataset"]["source"] == url
+        assert [path for _, path in state["log"] if "/." in path] == []
+    s = read_summary(out)
+    assert (s["dataset"]["source"], s["dataset"]["shards"], s["train_images_seen"]) == \
+        (url, {"train": 5, "test": 3}, N_TRAIN)
     assert_same_parameters(out, streamed)
+
+
+@pytest.mark.parametrize(("kind", "fault", "every"), [("tar", "refuse", 2), ("tar", "cut", 2), ("tar", "stall", 4),
+                                                      ("parquet", "refuse", 2), ("parquet", "cut", 3)])
+def test_a_listing_the_indices_and_an_epochs_reads_through_a_failing_server_give_the_local_bytes(
+        stream_shards, tmp_path, monkeypatch, kind, fault, every):
+    """Listing the nested folders (`nested`), indexing the shards without a cache and reading an epoch's windows
+    (reading ahead) over HTTP from a server failing every k-th request, the first time it comes: answered 503
+    ("refuse"), its body cut short and the connection closed ("cut"), or no answer within the timeout ("stall",
+    TIMEOUT_S 0.5 s here, the server silent for 2 s): the same shards, the same labels and the same bytes of every
+    row, in order, as the local folder gives. At least 5 requests failed."""
+    monkeypatch.setattr(stream, "BACKOFF_S", 0.0)
+    monkeypatch.setattr(stream, "TIMEOUT_S", 0.5)
+    served = nested(stream_shards[kind], tmp_path / "served")
+
+    def read_all(data_dir: str):
+        found = find_shards(data_dir)
+        rows = stream.StreamRows(index_shards(found["train"], (None, None)), "train",
+                                 stream.StreamSettings(window=16, block=8, read_ahead=2))
+        rows.use_plan(stream_plan(rows.counts, 192, (1, 1, 16), 16, 8, key_stream(0, 0, 0)))
+        names = {s: [u.removeprefix(data_dir.rstrip("/") + "/") for u in urls] for s, urls in found.items()}
+        return names, rows.labels.tolist(), rows.fetch(rows.plan.order)
+
+    local = read_all(str(served))
+    with serving(served, every=every, fault=fault, stall=2.0) as (url, state):
+        remote = read_all(url)
+        failed = len(state["refused"])
+    assert remote[0] == local[0] == {"train": [f"2026/{'a' if k < 2 else 'b'}/train-0000{k}-of-00005.{kind}"
+                                               for k in range(5)],
+                                     "test": [f"eval/test-0000{k}-of-00003.{kind}" for k in range(3)]}
+    assert remote[1] == local[1] and len(local[1]) == N_TRAIN
+    assert remote[2] == local[2]
+    assert failed >= 5
+
+
+def test_the_listing_skips_hidden_folders_and_the_cache_folder(stream_shards, tmp_path):
+    """A local folder's listing leaves out the shards in a hidden folder and, given the cache folder (--cache-dir
+    inside the data folder), those in it; the cache folder not given, its shard is listed."""
+    served = nested(stream_shards["tar"], tmp_path / "served")
+    (served / "cache" / "stream-index").mkdir(parents=True)
+    shutil.copy(served / "eval" / "test-00000-of-00003.tar", served / "cache" / "test-00003-of-00004.tar")
+    skipping = find_shards(str(served), served / "cache" / "stream-index")
+    assert [Path(u).relative_to(served).as_posix() for u in skipping["test"]] == \
+        [f"eval/test-0000{k}-of-00003.tar" for k in range(3)]
+    assert len(skipping["train"]) == 5
+    assert len(find_shards(str(served))["test"]) == 4
+
+
+@pytest.mark.slow
+def test_a_listing_the_server_always_refuses_is_one_line_naming_the_url_and_writes_nothing(stream_shards, tmp_path):
+    """A --data-dir URL whose server answers every request with 503: the job stops with one line naming the URL,
+    the server's answer and the 6 tries, after 6 requests for the listing, and leaves no output folder."""
+    with serving(stream_shards["tar"], always=True) as (url, state):
+        out = tmp_path / "runs" / "out"
+        result = run_train(args(url, out, "--cache-dir", str(tmp_path / "cache")))
+        assert result.returncode == 2, result.stderr[-3000:]
+        assert result.stderr.strip().splitlines()[-1] == (
+            f"error: cannot list --data-dir {url} (ClientResponseError: 503, message='Service Unavailable', "
+            f"url='{url}', 6 tries).")
+        assert state["log"] == [("GET", "/")] * 6
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "cache").exists()
 
 
 def test_a_second_start_reads_no_tar_through_and_a_changed_shard_is_read_again(stream_shards, tmp_path):

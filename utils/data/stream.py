@@ -24,8 +24,11 @@ the part of one in the window: one byte range) and one per parquet row group (re
 the block is read once for each window that holds one of its blocks). With --read-ahead R, up to R requests are in
 flight on the reader's threads, and the next window of its range is asked for as soon as it starts on one. Memory:
 a reader holds at most three windows of encoded images (the one it decodes, the one before and the next), plus a
-row group per parquet request in flight. A transient error (a 5xx, a timeout, a reset connection) is retried
-ATTEMPTS times with backoff, then stops the run with one line naming the shard.
+row group per parquet request in flight. Every request to a remote folder is tried on its own (`retried`): a
+folder's listing, a file's size, a byte range (a tar's run of rows; a block of a parquet file or of the index pass,
+`RemoteFile`); a transient error (a 5xx, 408 or 429, a timeout, a reset connection, a body cut short) is tried again
+ATTEMPTS times with backoff, then stops the run with one line naming the URL. The listing skips hidden folders (the
+cache's `.decoded` among them) and the cache folder.
 
 The index (a parquet shard's footer and label column; a tar's headers and .cls members, which means reading it
 through) is read once per job, shard i by process i mod P, and kept in the cache folder keyed by the file's URL,
@@ -50,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import hashlib
+import io
 import json
 import math
 import os
@@ -58,10 +62,13 @@ import tarfile
 import threading
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path, PurePosixPath
 
 import aiohttp
 import fsspec
+import fsspec.caching
+import fsspec.implementations.local
 import numpy as np
 import pyarrow.parquet as pq
 import torch
@@ -76,7 +83,9 @@ from utils.launch import main_print, raise_if_any
 
 SHARD_SUFFIXES = (".parquet", ".tar")
 STATE_FILE = "stream.json"  # in each checkpoint: the epoch in progress and the layout, window and block of its plan
-ATTEMPTS, BACKOFF_S = 6, 0.25  # a transient read error is tried again after 0.25, 0.5, 1, 2 and 4 s, then stops
+ATTEMPTS, BACKOFF_S = 6, 0.25  # a request failing transiently is tried again after 0.25, 0.5, 1, 2 and 4 s, then stops
+TIMEOUT_S = 30  # an HTTP(S) request waiting this long to connect, or for the server's next bytes, fails (transient)
+READ_BLOCK = 5 * 2**20  # a remote file (parquet, the index pass) is read in ranges of at least this (fsspec's block)
 VERSION_FIELDS = ("ETag", "etag", "Content-MD5", "Digest", "Last-Modified", "LastModified", "mtime", "md5Hash",
                   "blob_id", "generation")  # what fsspec's filesystems report of a file's version (info())
 POOR_MIX = 0.8  # the start warns when micro-batches hold fewer than this share of a uniform shuffle's classes
@@ -124,10 +133,10 @@ def transient(e: BaseException | None) -> BaseException | None:
     return None
 
 
-def retried(call, failed: str, forget=None):
-    """call(), tried again after a transient error, ATTEMPTS times in all with a doubling wait (forget() first: drop
-    what the failed try left open); another error, or the last, raises one line: `failed`, then why. Written by
-    hand: fsspec's HTTP filesystem does not retry, and a run should not stop on one 503 among millions of reads."""
+def retried(call, failed: str):
+    """call(), one request, tried again after a transient error, ATTEMPTS times in all with a doubling wait; another
+    error, or the last, raises one line: `failed`, then why. Written by hand: fsspec's HTTP filesystem does not
+    retry, and a run should not stop on one 503 among millions of reads."""
     for attempt in range(ATTEMPTS):
         try:
             return call()
@@ -138,22 +147,72 @@ def retried(call, failed: str, forget=None):
             if passing is None or attempt == ATTEMPTS - 1:
                 why = f"{first_line(passing)}, {ATTEMPTS} tries" if passing else first_line(e)
                 raise UserError(f"{failed} ({why}).") from None
-            if forget:
-                forget()
             time.sleep(BACKOFF_S * 2 ** attempt)
+
+
+def one_line(call, failed: str):
+    """call(), several requests each retried on its own: an error that is not already one line (a file that does not
+    parse) becomes one: `failed`, then why."""
+    try:
+        return call()
+    except UserError:
+        raise
+    except Exception as e:
+        raise UserError(f"{failed} ({first_line(e)}).") from None
+
+
+def url_to_fs(url: str):
+    """(filesystem, path) of a URL or local path; over HTTP(S), a request fails after TIMEOUT_S without progress
+    (aiohttp's default waits 5 minutes in all)."""
+    if url.startswith(("http://", "https://")):
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=TIMEOUT_S, sock_read=TIMEOUT_S)
+        return fsspec.core.url_to_fs(url, client_kwargs={"timeout": timeout})
+    return fsspec.core.url_to_fs(url)
+
+
+class RemoteFile(io.RawIOBase):
+    """A remote file, read-only and seekable, whose every request is one byte range retried on its own (`retried`),
+    through fsspec's read-ahead cache (READ_BLOCK past each read, as fsspec's own files read): a tar's or a parquet
+    file's reader never repeats requests that succeeded. Written by hand: fsspec's files do not retry a request."""
+
+    def __init__(self, url: str, failed: str, size: int | None = None):
+        self.fs, self.path = url_to_fs(url)
+        if size is None:
+            size = retried(lambda: self.fs.info(self.path), failed).get("size")
+        if size is None:
+            raise UserError(f"{failed} (its server reports no size; byte ranges need one).")
+        self.size, self.pos = int(size), 0
+        fetch = lambda a, b: retried(lambda: self.fs.cat_file(self.path, start=a, end=b), failed)  # noqa: E731
+        self.cache = fsspec.caching.ReadAheadCache(READ_BLOCK, fetch, self.size)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self.pos = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence] + offset
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, buffer) -> int:
+        data = self.cache._fetch(self.pos, min(self.pos + len(buffer), self.size))
+        buffer[:len(data)] = data
+        self.pos += len(data)
+        return len(data)
 
 
 # ----------------------------------------------------------------------------------------------------
 # Finding and indexing the shards (footers and label columns; a tar's headers and .cls members)
 # ----------------------------------------------------------------------------------------------------
-def find_shards(data_dir: str) -> dict[str, list[str]]:
-    """{split: its shards' URLs, sorted}: files named <split>-*.parquet / *-<split>-*.tar (any depth) for train and
-    the first of test or validation that has any."""
-    def listing():
-        fs, root = fsspec.core.url_to_fs(data_dir)
-        return fs, [f for f in fs.find(root) if f.endswith(SHARD_SUFFIXES)]
-
-    fs, files = retried(listing, f"cannot list --data-dir {data_dir}")
+def find_shards(data_dir: str, cache: Path | None = None) -> dict[str, list[str]]:
+    """{split: its shards' URLs, sorted}: files named <split>-*.parquet / *-<split>-*.tar (any depth but in hidden
+    folders and the cache folder) for train and the first of test or validation that has any."""
+    fs, root = url_to_fs(data_dir)
+    files = shard_files(fs, root, f"cannot list --data-dir {data_dir}", cache)
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     found = {}
     for split in ("train", "test", "validation"):
@@ -170,14 +229,44 @@ def find_shards(data_dir: str) -> dict[str, list[str]]:
     return {"train": found["train"], eval_split: found[eval_split]}
 
 
+def shard_files(fs, root: str, failed: str, cache: Path | None = None) -> list[str]:
+    """The .parquet and .tar files under root, folder by folder, each folder's listing one retried request (a
+    folder's listing page; an object store's list request, paged by its filesystem); hidden folders (.decoded, the
+    default cache, among them) and a local cache folder are never walked. Written by hand: fsspec's find() lists the
+    whole tree at once, so a retry would repeat every listing."""
+    local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+    skip = os.path.realpath(cache.parent) if cache is not None and local else None  # <cache folder>/stream-index
+    files, folders, seen = [], [root], {root}
+    while folders:
+        folder = folders.pop()
+        for entry in retried(partial(fs.ls, folder, detail=True), failed):
+            name = entry["name"]
+            if PurePosixPath(name.rstrip("/")).name.startswith("."):
+                continue
+            if entry["type"] == "directory":
+                if name not in seen and not (skip and os.path.realpath(name) == skip):
+                    seen.add(name)
+                    folders.append(name)
+            elif name.endswith(SHARD_SUFFIXES):
+                files.append(name)
+    return files
+
+
 def holds_tar_shards_only(folder: Path) -> bool:
     """Whether a local folder holds training tar shards and neither parquet files nor an image folder."""
-    return (not (folder / "train").is_dir() and not any(folder.rglob("train-*.parquet"))  # an image folder is not
-            and any(folder.rglob("*train*.tar")))  # walked: only a folder without train/ or parquet files is
+    if (folder / "train").is_dir():  # an image folder is not walked
+        return False
+    fs, root = url_to_fs(str(folder))
+    names = [PurePosixPath(f).name for f in shard_files(fs, root, f"cannot list --data-dir {folder}")]
+    return not any(n.startswith("train-") and n.endswith(".parquet") for n in names) and \
+        any("train" in n and n.endswith(".tar") for n in names)
 
 
-def _open(url: str):
-    return fsspec.open(url, "rb").open()
+def _open(url: str, failed: str, size: int | None = None):
+    """A shard as a file: a local one opened, a remote one as a RemoteFile (each request retried)."""
+    fs, path = url_to_fs(url)
+    return fs.open(path, "rb") if isinstance(fs, fsspec.implementations.local.LocalFileSystem) else \
+        RemoteFile(url, failed, size)
 
 
 def index_shard(url: str, columns: tuple[str | None, str | None], cache: Path | None = None) -> Shard:
@@ -185,10 +274,11 @@ def index_shard(url: str, columns: tuple[str | None, str | None], cache: Path | 
     its filesystem reports them; a file reporting no version is read each time), else read and kept there. One
     line naming the shard if it cannot be read (after retries, for a transient error)."""
     failed = f"{url} is not a readable {'parquet' if url.endswith('.parquet') else 'tar'} shard"
-    kept = None
+    kept, size = None, None
     if cache is not None:
-        fs, path = fsspec.core.url_to_fs(url)
+        fs, path = url_to_fs(url)
         info = retried(lambda: fs.info(path), failed)
+        size = info.get("size")
         version = {k: str(info[k]) for k in VERSION_FIELDS if info.get(k)}
         if version:
             key = json.dumps([url, list(columns), info.get("size"), version], sort_keys=True)
@@ -196,14 +286,14 @@ def index_shard(url: str, columns: tuple[str | None, str | None], cache: Path | 
             shard = _load_index(kept, url)
             if shard is not None:
                 return shard
-    shard = retried(lambda: _read_index(url, columns), failed)
+    shard = one_line(lambda: _read_index(url, columns, failed, size), failed)
     if kept is not None:
         _keep_index(shard, kept)
     return shard
 
 
-def _read_index(url: str, columns) -> Shard:
-    with _open(url) as f:
+def _read_index(url: str, columns, failed: str, size: int | None) -> Shard:
+    with _open(url, failed, size) as f:
         return _index_parquet(url, f, columns) if url.endswith(".parquet") else _index_tar(url, f)
 
 
@@ -521,20 +611,20 @@ class StreamRows(EncodedRows):
 
     def _read_piece(self, k: int, part: np.ndarray) -> list[bytes]:
         shard = self.shards[k]
-        return retried(lambda: self._read_once(shard, part), f"cannot read the {self.split} shard {shard.url}",
-                       forget=lambda: self._close(shard.url))
-
-    def _read_once(self, shard: Shard, part: np.ndarray) -> list[bytes]:
+        failed = f"cannot read the {self.split} shard {shard.url}"
         if shard.members is not None:  # consecutive members: one byte range from the first image to the last
             (first, _), (last, size) = shard.members[part[0]], shard.members[part[-1]]
-            fs, path = fsspec.core.url_to_fs(shard.url)
-            data = fs.cat_file(path, start=int(first), end=int(last + size))
+            fs, path = url_to_fs(shard.url)
+            data = retried(lambda: fs.cat_file(path, start=int(first), end=int(last + size)), failed)
             return [data[o - first:o - first + n] for o, n in shard.members[part].tolist()]
+        return one_line(lambda: self._read_row_group(shard, part, failed), failed)
+
+    def _read_row_group(self, shard: Shard, part: np.ndarray, failed: str) -> list[bytes]:
         files = self.open.files
         if shard.url not in files:
             for old in list(files)[:-1]:
                 self._close(old)
-            f = _open(shard.url)
+            f = _open(shard.url, failed)
             files[shard.url] = (f, pq.ParquetFile(f))
         g = int(np.searchsorted(shard.groups, part[0], "right") - 1)
         cells = files[shard.url][1].read_row_group(g, columns=[shard.column]).column(0).combine_chunks()
@@ -617,7 +707,7 @@ class StreamSampler(KeyedSampler):
 
 def open_stream(data_dir: str, columns: tuple[str | None, str | None], settings: StreamSettings):
     """({'train': StreamRows, 'test': StreamRows}, the class names, a description) of the shards in data_dir."""
-    found = find_shards(data_dir)
+    found = find_shards(data_dir, settings.index_cache)
     eval_split = [s for s in found if s != "train"][0]
     shards = {s: index_shards(urls, columns, settings.index_cache) for s, urls in found.items()}
     check_same_classes(shards["train"] + shards[eval_split])
