@@ -229,21 +229,39 @@ def run_table(runs: list[Run]) -> str:
 
 def labels(runs: list[Run], settings: bool = True) -> list[str]:
     """Each run's label: its name (--run-name), else the output folder it was read from, else its W&B id; with
-    `settings`, then the values of the (at most 3) settings that differ between the runs: "runs/a (lr 0.1)". Runs
-    whose labels would be the same get their id too."""
-    differ = differing_settings(runs)[:3] if settings else []
+    `settings`, then the model it trained and the values of the (at most 3) other settings that differ between the
+    runs: "runs/a (resnet8; lr 0.1)". Runs whose labels would be the same get their id too."""
+    differ = [k for k in differing_settings(runs) if k != "model"][:3] if settings else []
     out = []
     for run in runs:
         base = run.name if run.name and run.name != run.id else (run.folder or run.id)
         values = ", ".join(f"{k} {shorten(_text(run.config.get(k)), 24)}" for k in differ)
-        out.append(f"{base} ({values})" if values else base)
+        model = model_name(run) if settings else None
+        inside = "; ".join(part for part in (model, values) if part)
+        out.append(f"{base} ({inside})" if inside else base)
     return out if len(set(out)) == len(out) else [f"{label} [{run.id}]" for label, run in zip(out, runs, strict=True)]
+
+
+def model_name(run: Run) -> str | None:
+    """The network a run trained: the model record's name, else its class (W&B's config and summary.json hold the
+    record), else the --model flag."""
+    for record in (run.config.get("model"), run.summary.get("model")):
+        if isinstance(record, dict) and "class" in record:
+            return _text(record)
+    return run.config.get("model") if isinstance(run.config.get("model"), str) else None
 
 
 def _text(value) -> str:
     if isinstance(value, dict) and "class" in value:  # what a script built (model, optimizer): its name, else class
         return value.get("name") or value["class"]
     return value if isinstance(value, str) else json.dumps(value)
+
+
+def _cell(value, width: int) -> str:
+    """A config value in a table: a built model or optimizer record as its name or class, whole; else JSON, cut."""
+    if isinstance(value, dict) and "class" in value:
+        return _text(value)
+    return shorten(json.dumps(value, sort_keys=True), width)
 
 
 def shorten(text: str, width: int = 48) -> str:
@@ -285,7 +303,7 @@ def config_differences(runs: list[Run]) -> str:
     lines = ["config: the same settings" if not settings else "config keys that differ:"]
     if settings:
         rows = [["config key", *labels(runs, settings=False)]]
-        rows += [[k, *(shorten(json.dumps(run.config.get(k))) for run in runs)] for k in settings]
+        rows += [[k, *(_cell(run.config.get(k), 48) for run in runs)] for k in settings]
         lines.append(table(rows))
     if names:
         lines.append(f"also different (names, paths, logging): {', '.join(names)}")
@@ -313,8 +331,9 @@ def group_table(groups: dict[str, list[Run]]) -> str:
 
 
 def _settings(run: Run) -> dict[str, str]:
-    """How a run trains: its config without names, paths and the seed, each value as JSON."""
-    return {k: json.dumps(v, sort_keys=True) for k, v in run.config.items() if k not in IDENTITY_KEYS | {"seed"}}
+    """How a run trains: its config without names, paths and the seed, each value as the table shows it (a record:
+    its name or class; else JSON)."""
+    return {k: _cell(v, 10**9) for k, v in run.config.items() if k not in IDENTITY_KEYS | {"seed"}}
 
 
 def group_differences(groups: dict[str, list[Run]]) -> tuple[str, list[str]]:
@@ -333,7 +352,8 @@ def group_differences(groups: dict[str, list[Run]]) -> tuple[str, list[str]]:
     if not differ:
         return "groups: the same settings", notes
     rows = [["config key", *groups]]
-    rows += [[k, *(shorten(" | ".join(values[name][k]), 32) for name in groups)] for k in differ]
+    rows += [[k, *(" | ".join(values[name][k]) if k == "model" else shorten(" | ".join(values[name][k]), 32)
+                   for name in groups)] for k in differ]
     return "config keys that differ between the groups:\n" + table(rows), notes
 
 
@@ -412,11 +432,13 @@ def verdicts(groups: dict[str, list[Run]], baseline: str) -> list[str]:
     return lines
 
 
-FIGURES = [  # file, x (history key; "_wall": seconds since the run's first log), y, y label
-    ("eval_top1_vs_epoch.png", "epoch", "eval/top1", "eval top-1 (%)"),
-    ("eval_top1_vs_wall_clock.png", "_wall", "eval/top1", "eval top-1 (%)"),
-    ("train_loss_vs_step.png", "_step", "train/loss", "train loss (every --log-every steps)"),
-    ("train_epoch_loss_vs_epoch.png", "epoch", "train/epoch_loss", "train loss (epoch mean)"),  # every run has it
+FIGURES = [  # file, x (history key; "_wall": seconds since the run's first log), y (history keys: the first a run
+    # has; a run shorter than --log-every steps logged only its epoch loss), y label
+    ("eval_top1_vs_epoch.png", "epoch", ("eval/top1",), "eval top-1 (%)"),
+    ("eval_top1_vs_wall_clock.png", "_wall", ("eval/top1",), "eval top-1 (%)"),
+    ("train_loss_vs_step.png", "_step", ("train/loss", "train/epoch_loss"),
+     "train loss (every --log-every steps; else epoch means)"),
+    ("train_epoch_loss_vs_epoch.png", "epoch", ("train/epoch_loss",), "train loss (epoch mean)"),  # every run has it
 ]
 FEW_POINTS = 20  # a series with at most this many points is drawn with markers: one point alone is no line
 
@@ -433,9 +455,10 @@ def points(run: Run, x: str, y: str) -> list[tuple[float, float]]:
             if isinstance(px, int | float) and not math.isnan(px) and isinstance(row.get(y), int | float)]
 
 
-def figure(runs: list[Run], x: str, y: str, label: str, by_group: bool):
-    """One comparison chart: a curve per run, or with by_group each group's mean at the x values its runs share, in a
-    band from their lowest to their highest value (wall-clock points never line up: drawn one by one)."""
+def figure(runs: list[Run], x: str, y: str | tuple[str, ...], y_label: str, by_group: bool):
+    """One comparison chart: a curve per run (from the first of the y keys it logged), or with by_group each group's
+    mean at the x values its runs share, in a band from their lowest to their highest value (wall-clock points never
+    line up: drawn one by one)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -444,9 +467,10 @@ def figure(runs: list[Run], x: str, y: str, label: str, by_group: bool):
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     curves: dict[str, list[list[tuple[float, float]]]] = {}
-    for run, label in zip(runs, labels(runs), strict=True):
-        name = (run.group or label) if by_group else label
-        curves.setdefault(name, []).append(points(run, x, y))
+    for run, legend in zip(runs, labels(runs), strict=True):
+        name = (run.group or legend) if by_group else legend
+        ys = (y,) if isinstance(y, str) else y
+        curves.setdefault(name, []).append(next((p for p in (points(run, x, k) for k in ys) if p), []))
     for name, members in curves.items():
         members = [m for m in members if m]
         shared = set.intersection(*(set(px for px, _ in m) for m in members)) if members else set()
@@ -463,7 +487,7 @@ def figure(runs: list[Run], x: str, y: str, label: str, by_group: bool):
     ax.set_xlabel({"_wall": "wall-clock seconds", "_step": "optimizer step"}.get(x, x))
     if x in ("epoch", "_step"):  # counts: whole-number ticks
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_ylabel(label)
+    ax.set_ylabel(y_label)
     ax.grid(alpha=0.3)
     if ax.lines:
         ax.legend(fontsize=8)
@@ -479,8 +503,8 @@ def plot(runs: list[Run], folder: Path, by_group: bool) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     written = []
     for grouped in (False, True) if by_group else (False,):
-        for filename, x, y, label in FIGURES:
-            fig = figure(runs, x, y, label, grouped)
+        for filename, x, y, y_label in FIGURES:
+            fig = figure(runs, x, y, y_label, grouped)
             written.append(folder / f"{'groups_' if grouped else ''}{filename}")
             fig.savefig(written[-1], dpi=100)
             plt.close(fig)

@@ -22,6 +22,7 @@ from conftest import (
     write_image_folder,
     write_parquet,
 )
+from PIL import Image
 
 
 def _digest(folder: Path) -> dict:
@@ -73,6 +74,24 @@ def test_a_missing_data_dir_is_the_only_output_and_creates_no_output_folder(tmp_
         f"test-*.parquet files (a Hub dataset's layout) or an image folder (train/<class>/*.png, test/<class>/...); "
         f"leave it out to download uoft-cs/cifar10 from the Hub, or pass --dataset OWNER/NAME."]
     assert not out.exists()
+
+
+def test_a_data_dir_pointing_into_an_image_folder_stops_with_one_line_and_leaves_no_folder_anywhere(tmp_path):
+    """--data-dir mine/train (the training split of an image folder, not the folder) into a new --output-dir
+    runs/new: one line, exit 2; no output folder (nor runs/), and nothing new in the data folder (no cache folder)."""
+    mine = tmp_path / "mine"
+    for split in ("train", "test"):
+        for c in ("cat", "dog"):
+            (mine / split / c).mkdir(parents=True)
+            for i in range(2):
+                Image.new("RGB", (12, 12), (40 * i, 0, 200)).save(mine / split / c / f"{i}.png")
+    before = sorted(p.relative_to(mine).as_posix() for p in mine.rglob("*"))
+    out = tmp_path / "runs" / "new"
+    result = run_train(["--data-dir", str(mine / "train"), "--output-dir", str(out), "--tracker", "none"])
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(f"error: --data-dir {mine / 'train'} holds no ")
+    assert not (tmp_path / "runs").exists()
+    assert sorted(p.relative_to(mine).as_posix() for p in mine.rglob("*")) == before
 
 
 def test_empty_data_dir(tmp_path):

@@ -183,3 +183,57 @@ def test_best_top1_is_the_best_weights_top1_of_either_the_model_or_its_ema_else_
     by_loss = compare_runs.Run("l", "l", summary={"best_eval_loss": 1.2, "eval_top1": 50.0},
                                history=[{"_step": 8, "eval/top1": 47.0}, {"_step": 16, "eval/top1": 49.5}])
     assert by_loss.metric(*spec) == 49.5
+
+
+def test_each_chart_names_its_metric_and_draws_every_run_under_a_legend_naming_its_model_first(tmp_path):
+    """Every chart compare_runs.py writes, for two runs (a resnet8 at lr 0.001 logging its loss every 2 steps; a
+    copy's own network, which has a class and no name, at lr 0.1, shorter than --log-every: epoch losses only): its
+    y axis names the chart's metric, its legend names each run's model first and then the lr, the one setting else
+    that differs, and each run's line holds exactly the points it logged (the short run's loss from its epoch
+    means). The PNG files are the figures drawn here."""
+    ft = compare_runs.Run("ft", "id-ft", config={"model": {"name": "resnet8", "class": "ResNet", "parameters": 78042},
+                                                 "lr": 0.001, "epochs": 2}, history=[
+        {"_step": 2, "train/loss": 2.0, "_timestamp": 100.0}, {"_step": 4, "train/loss": 1.5, "_timestamp": 101.0},
+        {"_step": 4, "epoch": 1, "eval/top1": 40.0, "train/epoch_loss": 1.8, "_timestamp": 102.0},
+        {"_step": 6, "train/loss": 1.2, "_timestamp": 103.0}, {"_step": 8, "train/loss": 1.0, "_timestamp": 104.0},
+        {"_step": 8, "epoch": 2, "eval/top1": 55.0, "train/epoch_loss": 1.1, "_timestamp": 105.0}])
+    own = compare_runs.Run("own", "id-own", config={"model": {"class": "MyNet", "parameters": 1000}, "lr": 0.1,
+                                                    "epochs": 2}, history=[
+        {"_step": 3, "epoch": 1, "eval/top1": 20.0, "train/epoch_loss": 2.2, "_timestamp": 50.0},
+        {"_step": 6, "epoch": 2, "eval/top1": 30.0, "train/epoch_loss": 2.0, "_timestamp": 60.0}])
+    legends = ["ft (resnet8; lr 0.001)", "own (MyNet; lr 0.1)"]
+    expected = {  # file -> (y label, {legend: (xs, ys)})
+        "eval_top1_vs_epoch.png": ("eval top-1 (%)", {legends[0]: ([1, 2], [40.0, 55.0]),
+                                                      legends[1]: ([1, 2], [20.0, 30.0])}),
+        "eval_top1_vs_wall_clock.png": ("eval top-1 (%)", {legends[0]: ([2.0, 5.0], [40.0, 55.0]),
+                                                           legends[1]: ([0.0, 10.0], [20.0, 30.0])}),
+        "train_loss_vs_step.png": ("train loss (every --log-every steps; else epoch means)",
+                                   {legends[0]: ([2, 4, 6, 8], [2.0, 1.5, 1.2, 1.0]),
+                                    legends[1]: ([3, 6], [2.2, 2.0])}),
+        "train_epoch_loss_vs_epoch.png": ("train loss (epoch mean)", {legends[0]: ([1, 2], [1.8, 1.1]),
+                                                                      legends[1]: ([1, 2], [2.2, 2.0])}),
+    }
+    assert [f[0] for f in compare_runs.FIGURES] == list(expected)
+    for filename, x, y, y_label in compare_runs.FIGURES:
+        fig = compare_runs.figure([ft, own], x, y, y_label, by_group=False)
+        ax = fig.axes[0]
+        drawn = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ax.lines}
+        assert (ax.get_ylabel(), drawn) == expected[filename], filename
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == legends
+        assert all(line.get_marker() == "o" for line in ax.lines)  # few points: each one drawn
+    written = compare_runs.plot([ft, own], tmp_path, by_group=False)
+    assert sorted(p.name for p in written) == sorted(expected) and all(p.stat().st_size > 0 for p in written)
+
+
+def test_the_group_table_names_each_groups_model_whole():
+    """The settings table of two groups shows the model record's name whole (a timm name of 44 characters), not cut
+    at the table's width."""
+    name = "vit_small_patch16_224.augreg_in21k_ft_in1k_x"
+    runs = [compare_runs.Run(f"{g}{s}", f"{g}{s}", group=g, config={"seed": s, "model": record})
+            for g, record in (("A", {"name": name, "class": "VisionTransformer", "parameters": 21_000_000}),
+                              ("B", {"class": "VisionTransformer", "parameters": 21_000_000}))
+            for s in (0, 1)]
+    text, notes = compare_runs.group_differences(compare_runs.by_group_of(runs))
+    assert notes == []
+    [row] = [line for line in text.splitlines() if line.startswith("model")]
+    assert row.split() == ["model", name, "VisionTransformer"]

@@ -220,9 +220,10 @@ def nested(flat: Path, root: Path) -> Path:
 def test_nested_shards_over_a_server_failing_every_kth_request_train_as_the_local_ones(streamed, stream_shards,
                                                                                        tmp_path, every):
     """The tar shards in nested folders beside a cache folder and a hidden folder, served over HTTP by a server that
-    answers every k-th request (k = 2, 3) with 503, on 2 ranks x 2 loader workers reading ahead: the run trains the 192 training images of the 5 shards and ends with the local flat folder's trainable parameters
-    bitwise; no request goes into a hidden folder. (A refused request is answered when asked again: each request
-    is retried on its own; the server refused at least 10.)"""
+    answers every k-th request (k = 2, 3) with 503, on 2 ranks x 2 loader workers reading ahead: the run trains the
+    192 training images of the 5 shards and ends with the local flat folder's trainable parameters bitwise; no
+    request goes into a hidden folder. (A refused request is answered when asked again: each request is retried on
+    its own; the server refused at least 10.)"""
     served = nested(stream_shards["tar"], tmp_path / "served")
     with serving(served, every=every) as (url, state):
         out = tmp_path / "flaky"

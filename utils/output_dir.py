@@ -3,6 +3,7 @@ around the job) and room for the next checkpoint (`free_space_warning`)."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -21,12 +22,41 @@ LOCK_FILE = ".lock"
 
 
 def check_output_dir(path: str) -> None:
-    """Creates the output folder; one clear error if it cannot be written."""
+    """One clear error if the output folder cannot be written (it, or the nearest folder above it that exists);
+    creates nothing: lock_output_dir makes the folder, and takes it away again if the job fails before writing."""
+    existing = Path(path)
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
     try:
-        os.makedirs(path, exist_ok=True)
-        tempfile.TemporaryFile(dir=path).close()
+        if not existing.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
+        tempfile.TemporaryFile(dir=existing).close()
     except OSError as e:
         raise UserError(f"--output-dir {path} cannot be written ({e.strerror or e}).") from None
+
+
+def make_folder(path: str | Path) -> Path | None:
+    """Creates the folder and those above it that are missing; returns the topmost one it created (None: it
+    existed). Another process creating the same folder at the same time is not an error."""
+    path, made = Path(path), None
+    for folder in reversed([path, *path.parents]):
+        if not folder.exists():
+            try:
+                folder.mkdir()
+                made = made or folder
+            except FileExistsError:
+                pass
+    return made
+
+
+def remove_empty(folder: Path) -> None:
+    """Removes folder and the folders under it that hold no file, deepest first (rmdir only: nothing written is
+    lost)."""
+    for here, _, _ in os.walk(folder, topdown=False):
+        try:
+            os.rmdir(here)
+        except OSError:
+            pass
 
 
 class OutputDirLock:
@@ -83,21 +113,31 @@ class OutputDirLock:
 
 @contextmanager
 def lock_output_dir(accelerator, output_dir: str | Path):
-    """`with lock_output_dir(accelerator, cfg.output_dir):` around a job. Collective: the main process takes the
-    output folder's lock and holds it until the block ends (or the process dies); if another live job holds it,
-    every process raises the same UserError."""
-    lock, problem = None, None
+    """`with lock_output_dir(accelerator, cfg.output_dir):` around a job. Collective: the main process makes the
+    output folder, takes its lock and holds it until the block ends (or the process dies); if another live job holds
+    it, every process raises the same UserError. A job that fails inside the block leaves no folder it made that
+    holds no file (a bad input found before training writes nothing)."""
+    lock, problem, made = None, None, None
     if accelerator.is_main_process:
-        lock = OutputDirLock(output_dir)
         try:
+            made = make_folder(output_dir)
+            lock = OutputDirLock(output_dir)
             lock.acquire()
         except UserError as e:
             problem = str(e)
-        if lock.taken_over:
+        except OSError as e:
+            problem = f"--output-dir {output_dir} cannot be written ({e.strerror or e})."
+        if lock is not None and lock.taken_over:
             print(f"note: took over the lock of a job that is gone ({describe(lock.taken_over)})", flush=True)
-    raise_if_any(problem)
     try:
+        raise_if_any(problem)
         yield lock
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        if made is not None:
+            remove_empty(made)
+        raise
     finally:
         if lock is not None:
             lock.release()

@@ -120,9 +120,14 @@ def decode_all(rows: dict[str, Rows], outputs: dict[str, np.ndarray], size: int,
 # ----------------------------------------------------------------------------------------------------
 # Cache: one safetensors file, decoded into through a memory map and read through one
 # ----------------------------------------------------------------------------------------------------
-def _writable_dir(path: Path) -> bool:
+def _writable_dir(path: Path, create: bool = True) -> bool:
+    """Whether files can be written in `path`; create=False: judged without making it (a missing folder by the one
+    above it), so a run that stops before writing leaves no folder behind."""
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        if create:
+            path.mkdir(parents=True, exist_ok=True)
+        elif not path.exists():
+            path = path.parent
         tempfile.TemporaryFile(dir=path).close()
         return True
     except OSError:
@@ -132,7 +137,8 @@ def _writable_dir(path: Path) -> bool:
 def default_cache_dir(data_dir: str | None) -> Path:
     """<data-dir>/.decoded when that can be written, else a per-user cache folder. A data folder without
     write permission bits counts as read-only even for root, who could write there anyway."""
-    if data_dir is not None and os.stat(data_dir).st_mode & 0o222 and _writable_dir(Path(data_dir) / ".decoded"):
+    if data_dir is not None and os.stat(data_dir).st_mode & 0o222 and _writable_dir(Path(data_dir) / ".decoded",
+                                                                                   create=False):
         return Path(data_dir) / ".decoded"
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "accelerate-cifar"
 
