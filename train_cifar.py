@@ -223,6 +223,9 @@ def main(cfg: Config) -> dict:
     with lock_output_dir(accelerator, cfg.output_dir):  # one job per output folder, until the job ends
         checkpointer = Checkpointer(accelerator, cfg)  # the checkpoint flags; saves the whole config
         resume_from = checkpointer.resume_point()
+        if (finished := checkpointer.finished_run(resume_from)) is not None:  # said; nothing trained or rewritten
+            push_to_hub(cfg.push_to_hub, accelerator, cfg.output_dir, finished)  # --push-to-hub: the run as it is
+            return finished
         # micro-batch x processes x accumulation; a resume on another process count keeps the global batch
         plan = plan_batches(accelerator.num_processes, cfg.batch_size, cfg.global_batch_size, cfg.grad_accum,
                             saved=checkpointer.saved_plan(resume_from), say=accelerator.print)

@@ -29,6 +29,7 @@ from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration, set_seed
 
 from utils import UserError, process_count_problem
+from utils.cli import FlagParser, write_config_file
 from utils.data.decode import load_source
 from utils.data.images import crop_padding
 from utils.data.loaders import check_one_batch, make_loader, take_prefix
@@ -42,7 +43,7 @@ REFERENCE_BATCH = 128  # --lr is the learning rate for this many images per opti
 
 
 def parse_config(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = FlagParser(description=__doc__.splitlines()[0])  # argparse: whole names, --config FILE.yaml, one-line errors
     p.add_argument("--data-dir", help="folder with the Hub's parquet files; unset: download uoft-cs/cifar10")
     p.add_argument("--output-dir", default="runs/minimal", help="checkpoints, summary.json, model.safetensors")
     p.add_argument("--epochs", type=int, default=30, help="passes over the training set")
@@ -137,6 +138,8 @@ def main(args: argparse.Namespace) -> dict:
         accelerator.print(f"resumed from {done[-1]}: epoch {start_epoch + 1}")
     config = {**vars(args), "model": "resnet18", "world_size": world, "global_batch": global_batch, "effective_lr": lr}
     accelerator.init_trackers("cifar10-accelerate", config, init_kwargs={"wandb": {"dir": str(out)}})  # W&B files
+    if accelerator.is_main_process:
+        write_config_file(vars(args), out)  # the flags: --config RUN/config.yaml --output-dir NEW repeats the run
 
     train_seconds, images_seen, top1, examples, train_loss = 0.0, 0, 0.0, 0, float("nan")
     for epoch in range(start_epoch, args.epochs):

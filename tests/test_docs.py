@@ -20,6 +20,8 @@ import pytest
 from accelerate.commands.launch import launch_command_parser
 from conftest import REPO
 
+from utils.cli import FlagParser
+
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 SCRIPT = re.compile(r"\b(train_cifar|train_vit|train_minimal)\.py\b")
 REPO_PATH = re.compile(r"`((?:tests|utils|bench|slurm|accelerate_configs|notebooks|docs|\.ci)/[\w./-]+)`")
@@ -78,6 +80,7 @@ class _Parsed(BaseException):  # not an Exception: the scripts' own error handli
 
 
 _PARSE_ARGS = argparse.ArgumentParser.parse_args
+_FLAG_PARSE_ARGS = FlagParser.parse_args  # the scripts' parser (utils/cli.py): argparse's, with --config and its errors
 
 
 def parse_only(script: Path, argv: list[str]) -> tuple[argparse.ArgumentParser | None, object]:
@@ -86,8 +89,12 @@ def parse_only(script: Path, argv: list[str]) -> tuple[argparse.ArgumentParser |
     def stop(self, args=None, namespace=None):
         raise _Parsed(self, _PARSE_ARGS(self, args, namespace))
 
+    def stop_flags(self, args=None, namespace=None):
+        raise _Parsed(self, _FLAG_PARSE_ARGS(self, args, namespace))
+
     err = io.StringIO()
     with mock.patch.object(argparse.ArgumentParser, "parse_args", stop), \
+            mock.patch.object(FlagParser, "parse_args", stop_flags), \
             mock.patch.object(sys, "argv", [str(script), *argv]), \
             contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
         try:

@@ -146,16 +146,18 @@ def test_fine_tuning_from_a_hub_repo_replaces_the_head_and_starts_every_rank_fro
     assert s["classes"] == list(THREE) and s["global_step"] == 6
 
 
-def test_a_resumed_run_keeps_its_checkpoint_and_never_reads_init_from(fine_tuned):
-    missing = fine_tuned["root"] / "missing.safetensors"
-    assert f"--init-from {missing}: not loaded, the run continues from" in fine_tuned["again"].stdout
-    assert read_summary(fine_tuned["out"])["global_step"] == 6  # the finished run, not a new one
+def test_a_finished_run_started_again_trains_nothing_and_never_reads_init_from(fine_tuned):
+    """The finished run started again (--resume auto, an --init-from that does not exist) says it is finished and
+    trains nothing: its summary.json is the first job's, byte for byte."""
+    assert f"the run in {fine_tuned['out']} is finished (epoch 1 of 1, step 6): nothing to train" in \
+        fine_tuned["again"].stdout
+    assert read_summary(fine_tuned["out"]) == fine_tuned["summary"]
 
 
 def test_rerunning_a_finished_run_to_push_it_keeps_its_training_loss_and_sums_its_wall_time(fine_tuned):
-    """`--resume auto --push-to-hub` on a finished run trains nothing: the summary.json it writes (and uploads) keeps
-    the run's training loss (finite, equal to the first job's), counters and top-1, and its wall_seconds is summed
-    over the jobs: at least the wall time its last checkpoint recorded, which is positive."""
+    """`--resume auto --push-to-hub` on a finished run trains nothing: the summary.json it uploads keeps the run's
+    training loss (finite, equal to the first job's), counters and top-1, and its wall_seconds is at least the wall
+    time its last checkpoint recorded, which is positive."""
     first, again = fine_tuned["summary"], read_summary(fine_tuned["out"])
     assert math.isfinite(first["train_loss"]) and again["train_loss"] == first["train_loss"]
     for key in ("global_step", "epochs_completed", "train_images_seen", "eval_top1", "best_eval_top1"):

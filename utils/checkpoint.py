@@ -35,6 +35,7 @@ from safetensors import SafetensorError
 from torch.distributed.checkpoint.api import CheckpointException
 
 from utils import UserError
+from utils.cli import write_config_file
 from utils.launch import first_error, share_bn_statistics
 from utils.output_dir import free_space_warning
 from utils.plan import BatchPlan, use_plan
@@ -259,6 +260,21 @@ class Checkpointer:
         self.last = path
         return path
 
+    def finished_run(self, folder: Path | None) -> dict | None:
+        """The summary of a finished run when `folder` (the resume point) is its last checkpoint: its epochs done (or
+        --max-steps, or an early stop) and its summary.json written. Said aloud; the script then trains nothing and
+        rewrites nothing (summary.json, the weights, the tracker's run stay as they are). None otherwise."""
+        summary_file = self.root.parent / "summary.json"
+        if folder is None or not summary_file.is_file():
+            return None
+        done, epochs, max_steps = read_state(folder)["progress"], self.config["epochs"], self.config.get("max_steps")
+        if not (done["epoch"] >= epochs or done["stopped_early"] or (max_steps and done["global_step"] >= max_steps)):
+            return None
+        self.accelerator.print(f"the run in {self.root.parent} is finished (epoch {done['epoch']} of {epochs}, step "
+                               f"{done['global_step']}): nothing to train; its outputs are left as they are (raise "
+                               f"--epochs to train it further)")
+        return json.loads(summary_file.read_text())
+
     @staticmethod
     def saved_plan(folder: Path | None) -> dict | None:
         """The batch plan checkpoint `folder` was saved with (None: a fresh start), for utils.plan.plan_batches."""
@@ -294,8 +310,10 @@ class Checkpointer:
         """Where the run starts: the progress of checkpoint `folder`, restored with all it holds (`restore`; `ema`,
         utils.ema.WeightEMA or None, too), or a fresh Progress. --overwrite deletes the earlier run's checkpoints only
         here, once every check that could stop the job (flags, data, the launch) has passed with the old run
-        intact."""
+        intact; the run's config.yaml (utils.cli.write_config_file) is written here too."""
         self.ema = ema
+        if self.accelerator.is_main_process:
+            write_config_file(self.config, self.root.parent)
         if folder:
             return Progress(**self.restore(folder, scheduler, plan))
         if self.config["overwrite"]:

@@ -3,18 +3,28 @@ choices; `--flag/--no-flag` for booleans; a `list[str]` field's flag may be give
 `tuple[float, float]` field's takes two values. A comment line
 `# --- name: purpose ---` in the class body starts a group of flags in --help, as in docs/flags.md. Written by hand
 (a few lines of argparse) so that a script's Config stays a plain dataclass, printed at start, sent to the tracker
-and written to summary.json."""
+and written to summary.json.
+
+`FlagParser`, the parser of every script: whole flag names only (no abbreviations: a flag added later must not
+change what an old command means); a flag it does not know is one line naming the nearest ones (and the names the
+transformers and Accelerate examples use for ours); `--config FILE.yaml` takes flags from a file (keys: the flags'
+names with underscores, as the run's config.yaml holds them), the command line winning."""
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import inspect
+import json
+import os
 import re
+import sys
 import types
 import typing
-from dataclasses import field, fields
+from dataclasses import asdict, field, fields
+from pathlib import Path
 
-from utils import UserError
+from utils import UserError, first_line
 
 GROUP_LINE = re.compile(r"^\s*#\s*---\s*([\w ]+?)\s*(?::\s*(.*?))?\s*---\s*$")
 FIELD_LINE = re.compile(r"^\s*(\w+)\s*:")
@@ -48,8 +58,108 @@ def groups(config_class) -> dict[str, tuple[str, str]]:
     return found
 
 
+# The flag names of the transformers and Accelerate examples (run_image_classification.py, nlp_example.py) -> ours;
+# their --output_dir, --data_dir, --seed ...: ours with hyphens (FlagParser.suggest)
+OTHER_NAMES = {"--num_train_epochs": "--epochs", "--num_epochs": "--epochs", "--learning_rate": "--lr",
+               "--learning-rate": "--lr", "--per_device_train_batch_size": "--batch-size",
+               "--train_batch_size": "--batch-size", "--gradient_accumulation_steps": "--grad-accum",
+               "--max_grad_norm": "--grad-clip", "--label_smoothing_factor": "--label-smoothing",
+               "--model_name_or_path": "--model", "--dataset_name": "--dataset", "--train_dir": "--data-dir",
+               "--resume_from_checkpoint": "--resume", "--report_to": "--tracker", "--with_tracking": "--tracker"}
+
+
+class FlagParser(argparse.ArgumentParser):
+    """argparse without abbreviations, whose errors are one line (a UserError: printed once, exit 2, by
+    utils.launch.run), an unknown flag's naming the nearest known ones; with `--config FILE.yaml`."""
+
+    def __init__(self, **kwargs):
+        super().__init__(allow_abbrev=False, **kwargs)
+        self.add_argument("--config", metavar="FILE.yaml", help="take flags from this YAML file (keys: the flags' "
+                          "names with underscores, as a run's config.yaml holds them); flags given here win")
+
+    def error(self, message: str):
+        raise UserError(f"{message}.") from None
+
+    def parse_args(self, args=None, namespace=None):
+        argv = self.with_file(list(sys.argv[1:] if args is None else args))
+        parsed, unknown = self.parse_known_args(argv, namespace)
+        if unknown:
+            raise UserError("; ".join(self.suggest(a) for a in unknown if a.startswith("-")) or
+                            f"unrecognized arguments: {' '.join(unknown)}.")
+        return parsed
+
+    def suggest(self, flag: str) -> str:
+        """'--epoks: did you mean --epochs?', or the flag alone when nothing is near."""
+        name, known = flag.split("=")[0], [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+        ours = OTHER_NAMES.get(name) or (name.replace("_", "-") if name.replace("_", "-") in known else None)
+        near = [ours] if ours in known else difflib.get_close_matches(name, known, n=3, cutoff=0.7)
+        return f"{name}: not a flag of this script" + (f"; did you mean {' or '.join(near)}?" if near else
+                                                       " (--help lists them).")
+
+    def with_file(self, argv: list[str]) -> list[str]:
+        """argv behind the flags of --config FILE (those given in argv left out), as if typed first."""
+        peek = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+        peek.add_argument("--config")
+        path = peek.parse_known_args(argv)[0].config
+        if path is None:
+            return argv
+        import yaml
+
+        try:
+            values = yaml.safe_load(Path(path).read_text())
+        except (OSError, ValueError, yaml.YAMLError) as e:
+            raise UserError(f"--config {path} cannot be read ({first_line(e)}).") from None
+        if not isinstance(values, dict):
+            raise UserError(f"--config {path} is not a mapping of flag names to values.")
+        actions = {a.dest: a for a in self._actions if a.option_strings and a.dest not in ("help", "config")}
+        given = {a.split("=")[0] for a in argv if a.startswith("--")}
+        tokens = []
+        for key, value in values.items():
+            if key == "config":  # a run's record of the file it read its flags from
+                continue
+            action = actions.get(str(key).replace("-", "_"))
+            if action is None:
+                near = difflib.get_close_matches(str(key).replace("-", "_"), actions, n=3, cutoff=0.7)
+                raise UserError(f"--config {path}: {key} is not a flag of this script" +
+                                (f"; did you mean {' or '.join(near)}?" if near else "."))
+            if given & set(action.option_strings) or value is None:
+                continue
+            tokens += flag_tokens(action, value)
+        try:
+            self.parse_known_args(tokens)
+        except UserError as e:
+            raise UserError(f"--config {path}: {e}") from None
+        return [*tokens, *argv]
+
+
+def flag_tokens(action: argparse.Action, value) -> list[str]:
+    """The command-line tokens that give `value` to `action`'s flag."""
+    flag = action.option_strings[0]
+    if isinstance(action, argparse.BooleanOptionalAction):
+        return [flag if value else action.option_strings[1]]
+    values = value if isinstance(value, list | tuple) else [value]
+    text = [v if isinstance(v, str) else json.dumps(v) for v in values]
+    if isinstance(action, argparse._AppendAction):
+        return [t for v in text for t in (flag, v)]
+    return [flag, *text]
+
+
+def write_config_file(cfg, folder: str | Path) -> Path:
+    """The whole config as `folder`/config.yaml (tuples as lists), written whole or not at all: `--config` takes it
+    back, so `--config RUN/config.yaml --output-dir NEW` repeats a run."""
+    import yaml
+
+    path = Path(folder) / "config.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".config.yaml.{os.getpid()}.tmp")
+    values = cfg if isinstance(cfg, dict) else asdict(cfg)
+    tmp.write_text(yaml.safe_dump(json.loads(json.dumps(values)), sort_keys=False))
+    os.replace(tmp, path)
+    return path
+
+
 def build_parser(config_class, description: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=description, usage="%(prog)s [-h] [--flag VALUE ...]")
+    parser = FlagParser(description=description, usage="%(prog)s [-h] [--flag VALUE ...]")
     where, hints = groups(config_class), typing.get_type_hints(config_class)
     titles = list(dict.fromkeys(where[f.name] for f in fields(config_class) if f.name in where))
     titles.sort(key=lambda t: HELP_ORDER.index(t[0]) if t[0] in HELP_ORDER else len(HELP_ORDER))  # stable
@@ -78,12 +188,15 @@ def parse(config_class, argv: list[str] | None, description: str, presets: dict[
     so flags given on the command line still win, and --help shows the recipe's values."""
     parser = build_parser(config_class, description)
     if presets:
-        first = argparse.ArgumentParser(add_help=False)  # the recipe's defaults must be in place before --help
-        first.add_argument("--recipe", choices=sorted(presets))
-        recipe = first.parse_known_args(argv)[0].recipe
+        first = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # the recipe's defaults must be in place
+        first.add_argument("--recipe")  # before --help; the main parser checks its value
+        recipe = first.parse_known_args(parser.with_file(list(sys.argv[1:] if argv is None else argv)))[0].recipe
+        recipe = recipe if recipe in presets else None
         if recipe:
             parser.set_defaults(**presets[recipe])
-    cfg = config_class(**vars(parser.parse_args(argv)))
+    values = vars(parser.parse_args(argv))
+    values.pop("config")  # --config FILE: its flags are in the others
+    cfg = config_class(**values)
     if hasattr(cfg, "validate"):
         cfg.validate()
     return cfg
