@@ -15,31 +15,26 @@ it declares one, class and parameters, as summary.json records them).
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import json
 import sys
-from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from safetensors.torch import load_file
 
-from utils import UserError, first_line
+from utils import UserError
+from utils.cli import FlagParser
 from utils.data.contract import checked_data
 from utils.data.loaders import make_loader, take_prefix
 from utils.data.transform import BatchTransform
 from utils.evaluation import evaluate, load_metrics
-from utils.hub import hub_file, locate_weights
-from utils.launch import first_on_each_machine
-from utils.scripts import find_script, import_script
+from utils.runs import build_trained_model, open_run
 from utils.tracking import model_record
 
 OVERRIDES = ("data_dir", "dataset", "cache_dir", "eval_subset", "image_size", "model")  # flags that replace the run's
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = FlagParser(config_file=False, description=__doc__.splitlines()[0])
     parser.add_argument("weights", help="a .safetensors file written by a training script, or a Hub model repo "
                         "(owner/name[@revision]) that --push-to-hub wrote")
     parser.add_argument("--data-dir", default=None, help="parquet or image folder; default: the run's")
@@ -59,34 +54,13 @@ def main(argv: list[str] | None = None) -> dict:
                         "the run folder or the Hub repo (it runs that script's code)")
     args = parser.parse_args(argv)
 
-    weights, summary_path = first_on_each_machine(lambda: locate_weights(args.weights))
-    summary = json.loads(summary_path.read_text()) if summary_path else {}
-    downloaded = not Path(args.weights).exists()  # a Hub repo id
-    record = summary.get("script")
-    if downloaded and record:  # the script uploaded beside the weights, if any (imported only when trusted)
-        first_on_each_machine(lambda: hub_file(args.weights, record["name"], required=False))
-    run_dir = summary_path.parent if summary_path else weights.parent
-    named = args.model or summary.get("config", {}).get("model", "")
-    template = "train_vit.py" if str(named).startswith("vit") else "train_cifar.py"
-    script = find_script(record, run_dir, downloaded, args.script, args.trust_remote_code, default=template)
-    module = import_script(script)
-    names = {f.name for f in dataclasses.fields(module.Config)}
-    trained = {k: v for k, v in summary.get("config", {}).items() if k in names}
-    given = {k: getattr(args, k) for k in OVERRIDES if getattr(args, k) is not None and k in names}
-    if {"data_dir", "dataset"} & given.keys():  # a new source replaces the run's, whichever kind it was
-        trained.pop("data_dir", None), trained.pop("dataset", None)
-    cfg = module.Config(**(trained | given))
-
+    run = open_run(args.weights, script=args.script, trust_remote_code=args.trust_remote_code,
+                   overrides={k: getattr(args, k) for k in OVERRIDES})
+    summary, cfg, script = run.summary, run.cfg, run.script
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=summary.get("mixed_precision"))
     stats = {"mean": summary["image_mean"], "std": summary["image_std"]} if "image_mean" in summary else {}
-    data = checked_data(module.load_data(cfg) | stats, f"{script.name}'s load_data")  # normalised as it trained
-    model = module.build_model(cfg, len(data["classes"]))
-    try:
-        model.load_state_dict(load_file(weights), strict=True)
-    except (RuntimeError, OSError) as e:
-        raise UserError(f"{args.weights} does not hold the weights {script.name}'s build_model builds for "
-                        f"{len(data['classes'])} classes (--model {getattr(cfg, 'model', '?')}): {first_line(e)}") \
-            from None
+    data = checked_data(run.module.load_data(cfg) | stats, f"{script.name}'s load_data")  # normalised as it trained
+    model = build_trained_model(run, len(data["classes"]))
     channels_last = summary.get("channels_last", False)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)

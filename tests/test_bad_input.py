@@ -173,7 +173,7 @@ def test_decode_auto_decodes_in_the_loader_workers_when_the_cache_would_not_fit_
                             "--epochs", "1", "--tracker", "none"])
         assert result.returncode == 0, result.stderr[-3000:]
         assert (f"decoding each batch in the loader's workers (--decode auto: the decoded images take 3.8 MiB at 128 x "
-                f"128 px, {disk} has 1.0 free)") in result.stdout
+                f"128 px, {disk} has 1.0 MiB free)") in result.stdout
         summary = json.loads((tmp_path / "out" / "summary.json").read_text())
         assert summary["dataset"]["decode"] == "workers" and summary["eval_examples"] == 16
         assert list(disk.iterdir()) == []

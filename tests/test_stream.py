@@ -465,7 +465,7 @@ def test_decode_auto_weighs_the_images_own_size_when_no_image_size_is_given(stre
         assert choose_decode(cfg, None) == "workers"
         assert capsys.readouterr().out == (
             f"decoding each batch in the loader's workers (--decode auto: the decoded images take 6.3 MiB at 96 x 96 "
-            f"px, {disk} has 1.0 free)\n")
+            f"px, {disk} has 1.0 MiB free)\n")
 
 
 def test_class_sorted_shards_give_micro_batches_of_nearly_every_class():

@@ -72,10 +72,11 @@ class FlagParser(argparse.ArgumentParser):
     """argparse without abbreviations, whose errors are one line (a UserError: printed once, exit 2, by
     utils.launch.run), an unknown flag's naming the nearest known ones; with `--config FILE.yaml`."""
 
-    def __init__(self, **kwargs):
+    def __init__(self, config_file: bool = True, **kwargs):
         super().__init__(allow_abbrev=False, **kwargs)
-        self.add_argument("--config", metavar="FILE.yaml", help="take flags from this YAML file (keys: the flags' "
-                          "names with underscores, as a run's config.yaml holds them); flags given here win")
+        if config_file:  # a training script's; the tools take their few flags on the command line
+            self.add_argument("--config", metavar="FILE.yaml", help="take flags from this YAML file (keys: the "
+                              "flags' names with underscores, as a run's config.yaml holds them); flags given here win")
 
     def error(self, message: str):
         raise UserError(f"{message}.") from None
@@ -101,7 +102,7 @@ class FlagParser(argparse.ArgumentParser):
         peek = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
         peek.add_argument("--config")
         path = peek.parse_known_args(argv)[0].config
-        if path is None:
+        if path is None or "--config" not in self._option_string_actions:
             return argv
         import yaml
 

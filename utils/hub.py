@@ -70,17 +70,21 @@ def init_weights(model: torch.nn.Module, source: str | None, model_name: str, ac
     return {"init_weights": origin, "init_new_keys": new}
 
 
-def locate_weights(source: str) -> tuple[Path, Path | None]:
+def locate_weights(source: str, filename: str = "model.safetensors") -> tuple[Path, Path | None]:
     """The safetensors file SOURCE names and the summary.json that describes it (None: none): a file and the summary
-    beside it, a run folder's model.safetensors, or a Hub model repo's (owner/name, optionally @revision) two files,
-    downloaded into the Hugging Face cache. --init-from and evaluate_checkpoint.py read their weights through it."""
+    beside it, a run folder's `filename`, or a Hub model repo's (owner/name, optionally @revision) two files,
+    downloaded into the Hugging Face cache. --init-from and the tools (utils/runs.py) read their weights through it."""
     path = Path(source)
-    path = path / "model.safetensors" if path.is_dir() else path
+    if path.is_dir():
+        if not (path / filename).is_file():
+            why = "a run without --ema-decay has none" if "ema" in filename else "is it a finished run's folder?"
+            raise UserError(f"{source} holds no {filename} ({why}).")
+        path = path / filename
     if path.is_file():
         return path, path.parent / "summary.json" if (path.parent / "summary.json").is_file() else None
     if path.suffix == ".safetensors" or not REPO_ID.fullmatch(source.split("@")[0]):
         raise UserError(f"{source}: no such file or folder, nor a Hub model repo id (owner/name).")
-    return hub_file(source, "model.safetensors"), hub_file(source, "summary.json", required=False)
+    return hub_file(source, filename), hub_file(source, "summary.json", required=False)
 
 
 def hub_file(source: str, filename: str, required: bool = True) -> Path | None:

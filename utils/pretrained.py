@@ -77,6 +77,19 @@ def pretrained_source(model: str) -> Pretrained:
                     f"nor a transformers model's (model_type).")
 
 
+def library_of(folder: Path) -> str | None:
+    """"timm" or "transformers" when `folder` is a model folder of that library (its config.json in the library's
+    layout, its model.safetensors beside it: what a run's export leaves), else None."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict) or not (Path(folder) / "model.safetensors").is_file():
+        return None
+    return "timm" if "architecture" in config and "pretrained_cfg" in config else \
+        "transformers" if "model_type" in config else None
+
+
 def hub_snapshot(repo: str) -> Path:
     """The Hub model repo `repo` (owner/name[@revision]) as a folder of huggingface_hub's cache: its config,
     image processor and weights (downloaded unless cached; offline, the cached copy)."""
@@ -164,7 +177,62 @@ def apply_preprocessing(cfg, say) -> dict:
     shown = ", ".join(taken + [f"{k} ({', '.join(f'{v:.4f}' for v in stats[k])})" for k in stats]) or "nothing"
     where = "timm's pretrained_cfg" if source.library == "timm" else "its image processor"
     say(f"--model {cfg.model}: preprocessing from {where} in {source.folder}: {shown}; flags given win")
+    if taken and taken[0].startswith("--image-size"):
+        say_size(cfg, say)
+    check_input_size(cfg, source)
     return stats if len(stats) == 2 else {}
+
+
+def check_input_size(cfg, source: Pretrained) -> None:
+    """Before any image is read: the model's skeleton, built on the meta device (no weights, no memory, no compute),
+    given one image of the size the run will feed it (--image-size, else the data's first image's); a model that
+    refuses it (a shape check of its own: ValueError, AssertionError) stops with one line, as check_logits would only
+    after decoding. A model the meta device cannot run is left to that check."""
+    size = cfg.image_size
+    if size is None and cfg.data_dir is not None and "://" not in cfg.data_dir:
+        from utils.data.sources import first_image_size
+
+        found = first_image_size(cfg.data_dir, cfg.image_column)
+        size = found[0] if found and found[0] == found[1] else None
+    if size is None:
+        return
+    try:
+        with torch.device("meta"):
+            if source.library == "timm":
+                import timm
+
+                location = f"local-dir:{source.folder}" if source.weights else source.name[len(TIMM):]
+                skeleton = timm.create_model(location, pretrained=False, num_classes=2)
+            else:
+                from transformers import AutoConfig, AutoModelForImageClassification
+
+                config = AutoConfig.from_pretrained(source.folder, num_labels=2)
+                skeleton = AutoModelForImageClassification.from_config(config)
+            skeleton.eval()(torch.zeros(1, 3, size, size))
+    except (ValueError, AssertionError) as e:
+        raise UserError(f"--model {cfg.model} does not take the data's {size} x {size} px images "
+                        f"({first_line(e)}).") from None
+    except Exception:  # noqa: BLE001 - an op without a meta kernel, say: check_logits decides after the data
+        return
+
+
+def say_size(cfg, say) -> None:
+    """When the model's input size (now --image-size) differs from the data's own, one line: which size is used, why,
+    what it costs in pixels per image against the data's size, and how to choose that one instead."""
+    from utils.config_groups import is_url
+    from utils.data.sources import first_image_size
+
+    if cfg.data_dir is None or is_url(cfg.data_dir):
+        return
+    found = first_image_size(cfg.data_dir, cfg.image_column)
+    if found is None or found == (cfg.image_size, cfg.image_size):
+        return
+    (w, h), s = found, cfg.image_size
+    ratio = s * s / (w * h)
+    say(f"--model {cfg.model}: trains at its input size, {s} x {s} px, where the data's first image is {w} x {h} px: "
+        f"{ratio:.1f}x its pixels per image, and about that much more compute per image than at {min(w, h)} px; "
+        f"--image-size {min(w, h)} trains at the data's size (the model then sees another size than it was "
+        f"pretrained at)")
 
 
 # Building ---------------------------------------------------------------------------------------------------------
@@ -188,6 +256,9 @@ def pretrained_model(model: str, num_classes: int) -> torch.nn.Module:
         listed = ", ".join(new[:4]) + (f" (+{len(new) - 4} more)" if len(new) > 4 else "")
         said = f"{source.library} {type(built).__name__} from {source.folder}" + (
             f"; new, freshly initialised: {listed}" if new else "")
+        saved = source.config.get("architectures") or []  # what transformers saved: a backbone, or a classifier
+        if source.library == "transformers" and saved and not any(a.endswith("ForImageClassification") for a in saved):
+            said += f" (the folder holds a {saved[0]}, a backbone without a classification head: the head is new)"
     PartialState().print(f"--model {model}: {said}")
     return built
 

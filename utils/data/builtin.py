@@ -90,7 +90,7 @@ def choose_decode(cfg, dataset: str | None) -> str:
         need, free = source.count() * 3 * side ** 2, shutil.disk_usage(folder).free
         choice = "workers" if need > free else "cache"
         why = (f"--decode auto: the decoded images take {need / 2**20:,.1f} MiB at {side} x {side} px, {folder} has "
-               f"{free / 2**20:,.1f} free")
+               f"{free / 2**20:,.1f} MiB free")
     main_print({"workers": f"decoding each batch in the loader's workers ({why})",
                 "stream": f"streaming the shards, each batch decoded in the loader's workers ({why})",
                 "cache": f"decoding the images once into the cache ({why})"}[choice])

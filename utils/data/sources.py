@@ -94,6 +94,26 @@ def locate(data_dir: str | None, dataset: str | None, val_fraction: float | None
     return Source(str(data_dir) if data_dir is not None else dataset, kind, files, hub, paths, source_eval, fraction)
 
 
+def first_image_size(data_dir: str, image_column: str | None = None) -> tuple[int, int] | None:
+    """(width, height) of a local --data-dir's first training image, from its header alone (an image folder's first
+    file, a parquet folder's first row); None when it cannot be told cheaply (the load says what is wrong)."""
+    from PIL import Image
+
+    try:
+        kind, files = find_source(data_dir)
+        first = files["train"][0]
+        if kind == "parquet":
+            import pyarrow.parquet as pq
+
+            table = pq.ParquetFile(first).read_row_group(0)
+            cell = table.column(pick_column(table.column_names, first, IMAGE_COLUMNS, "image", image_column))[0]
+            first = io.BytesIO(cell.as_py()["bytes"])
+        with Image.open(first) as im:
+            return im.size
+    except Exception:  # noqa: BLE001 - a broken source is reported by the load, in its own words
+        return None
+
+
 def fingerprint(paths: list[str | Path], settings: dict, version: int = 0) -> str:
     """Changes when any source file is replaced, grown or touched, or the settings (or their format's version)
     change; cheap (no hashing of the contents)."""
@@ -165,6 +185,8 @@ def read_local(kind: str, files: dict[str, list[Path]]):
             pq.read_metadata(path)
         except Exception as e:
             raise UserError(f"{path} is not a readable parquet file ({first_line(e)}).") from None
+    shown = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # local files: its "Downloading data" bars download nothing
     try:
         if kind == "parquet":  # a builder per split: one for both would cast the test file to the train file's features
             return {s: datasets.load_dataset(kind, data_files={s: [str(p) for p in ps]}, split=s)  # (class names too)
@@ -180,6 +202,9 @@ def read_local(kind: str, files: dict[str, list[Path]]):
                 f"({free / 2**20:,.0f} MiB free); free some space or point HF_DATASETS_CACHE at a larger disk."
             ) from None
         raise UserError(f"cannot read the {kind} files in {files['train'][0].parent}: {first_line(cause)}") from None
+    finally:
+        if shown:
+            datasets.enable_progress_bars()
 
 
 def read_hub(name: str):

@@ -1,0 +1,303 @@
+"""Predict the classes of new images with a trained run: one row per image, in a CSV or JSON Lines file.
+
+    python predict.py runs/cifar10 photos/ --output predictions.csv
+    python predict.py runs/cifar10 list.txt --output predictions.jsonl --top-k 3 --weights best
+    accelerate launch --config_file accelerate_configs/cpu.yaml predict.py runs/cifar10 photos/ --output p.csv
+
+RUN is a run folder, one of its .safetensors files, or a Hub model repo a run pushed (OWNER/NAME); IMAGES a folder,
+searched recursively for image files (in sorted order), or a text file of image paths, one a line (relative ones
+from the file's folder). Each row: `path` (as found under IMAGES, or as listed), `prediction` (the class name) and
+its softmax `probability`, with --top-k K the next K-1 as `prediction_2`, `probability_2`, ..., and `error`: empty,
+or why the image could not be read (the job goes on; a last line counts them). The model is rebuilt through the
+script that trained it (utils/runs.py, as evaluate_checkpoint.py does) and sees each image as the run's evaluation
+did: the same decode, resize and crop (the functions training used: utils/data/decode.py's square_pixels, or
+utils/data/crops.py's eval_view for an --augment resized-crop run), mean, std, memory format, precision, micro-batch
+and --tta-flip. When IMAGES is a tree of class folders named as the run's classes, it also prints the top-1 against
+the folder names.
+
+Under `accelerate launch` each process predicts its share (Accelerate's sharding; images decoded in each process's
+loader workers) and the main process writes every image's row once, in the input's order. The rows go to
+FILE.partial as each global batch ends, with a record of where each batch ended (FILE.partial.json); a job killed
+midway and started again with the same command continues after the last whole global batch and ends with the file
+an uninterrupted job writes. FILE appears, whole, when the last row is written.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
+from tqdm.auto import tqdm
+
+from utils import UserError, first_line
+from utils.cli import FlagParser
+from utils.data.crops import CropRecipe, eval_view
+from utils.data.decode import square_pixels
+from utils.data.images import worker_share
+from utils.data.sources import IMAGE_SUFFIXES
+from utils.data.transform import BatchTransform
+from utils.launch import run as run_job
+from utils.runs import WEIGHTS, build_trained_model, open_run
+
+
+def parse_args(argv: list[str] | None = None):
+    parser = FlagParser(config_file=False, description=__doc__.splitlines()[0])
+    parser.add_argument("run", help="a run folder, one of its .safetensors files, or a Hub model repo a run pushed")
+    parser.add_argument("images", help="a folder of images (searched recursively) or a text file of image paths")
+    parser.add_argument("--output", required=True, help="the predictions: FILE.csv, or FILE.jsonl for JSON Lines")
+    parser.add_argument("--top-k", type=int, default=1, help="the K most probable classes of each image")
+    parser.add_argument("--weights", choices=list(WEIGHTS), default="final", help="a run folder's final weights "
+                        "(model.safetensors), its best (best.safetensors) or its EMA (model_ema.safetensors)")
+    parser.add_argument("--batch-size", type=int, default=None, help="images per process per batch; default: the "
+                        "run's micro-batch (the batches it evaluated)")
+    parser.add_argument("--workers", type=int, default=None, help="loader worker processes per process that decode "
+                        "the images; default: this process's share of the cores")
+    parser.add_argument("--script", default=None, help="the training script to rebuild the model with; default: "
+                        "the one summary.json records, found locally with the same sha256")
+    parser.add_argument("--trust-remote-code", action="store_true", help="import a training script that came with "
+                        "the run folder or the Hub repo (it runs that script's code)")
+    args = parser.parse_args(argv)
+    if Path(args.output).suffix not in (".csv", ".jsonl"):
+        raise UserError(f"--output {args.output}: name a .csv or a .jsonl file.")
+    for name in ("top_k", "batch_size", "workers"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(args, name)}).")
+    return args
+
+
+def find_images(images: str) -> tuple[list[Path], list[str]]:
+    """(the files, each one's path as the output names it): a folder's image files, recursively, sorted (hidden
+    folders, such as a cache's .decoded, left out); or a list file's lines."""
+    source = Path(images)
+    if source.is_dir():
+        files = sorted(p for p in source.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file()
+                       and not any(part.startswith(".") for part in p.relative_to(source).parts))
+        names = [p.relative_to(source).as_posix() for p in files]
+    elif source.is_file():
+        try:
+            names = [line.strip() for line in source.read_text().splitlines() if line.strip()]
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"{images} cannot be read as a list of image paths ({first_line(e)}).") from None
+        files = [p if p.is_absolute() else source.parent / p for p in map(Path, names)]
+    else:
+        raise UserError(f"{images}: no such folder or file of image paths.")
+    if not files:
+        raise UserError(f"{images} holds no image files ({', '.join(IMAGE_SUFFIXES)}).")
+    return files, names
+
+
+class ImageFiles(torch.utils.data.Dataset):
+    """Image files decoded in the loader's workers into the run's evaluation view: item i is ((S, S, 3) uint8, i,
+    1), or a black image with 0 when the file cannot be read (the main process says why)."""
+
+    def __init__(self, files: list[Path], first: int, view):
+        self.files, self.first, self.view = files, first, view
+
+    def __len__(self) -> int:
+        return len(self.files) - self.first
+
+    def __getitem__(self, k: int):
+        i = self.first + k
+        try:
+            pixels = torch.from_numpy(np.array(read_view(self.files[i], self.view)))  # writable: a copy
+            return pixels, i, 1
+        except Exception:  # noqa: BLE001 - any unreadable file gets its row; the reason is read again on the main
+            size = self.view.keywords["size"]
+            return torch.zeros(size, size, 3, dtype=torch.uint8), i, 0
+
+
+def read_view(path: Path, view):
+    from PIL import Image
+
+    with Image.open(path) as im:
+        return view(im.convert("RGB"))
+
+
+def why_unreadable(path: Path, view) -> str:
+    try:
+        read_view(path, view)
+        return "unreadable"
+    except Exception as e:  # noqa: BLE001 - said in its row
+        return first_line(e)
+
+
+def evaluation_view(summary: dict):
+    """The run's evaluation view of an RGB PIL image, as training decoded its test images."""
+    from functools import partial
+
+    size = summary["image_size"]
+    if "eval_crop" in summary:
+        return partial(eval_view, size=size, recipe=CropRecipe(eval_crop=summary["eval_crop"],
+                                                               interpolation=summary["interpolation"]))
+    return partial(square_pixels, size=size)
+
+
+class Output:
+    """The predictions file, written by the main process: rows go to FILE.partial, and after each global batch the
+    byte offset and row count it ended at go to FILE.partial.json, with what the rows depend on (the weights, the
+    images, the columns); a job started again with the same identity continues from the last whole global batch of
+    its own size. `finish` renames the partial file to FILE."""
+
+    def __init__(self, path: Path, identity: dict, columns: list[str]):
+        self.path, self.identity, self.columns = path, identity, columns
+        self.partial, self.record = path.with_name(path.name + ".partial"), path.with_name(path.name + ".partial.json")
+        self.csv = path.suffix == ".csv"
+        self.ends: list[list[int]] = [[0, 0]]  # (rows, bytes) after the header and after each global batch
+
+    def resume_point(self, global_batch: int) -> int:
+        """The rows already written by an earlier job of the same identity, cut to whole global batches of this
+        job's size (its batches then hold the images the uninterrupted job's do); 0 for a fresh start."""
+        try:
+            kept = json.loads(self.record.read_text())
+        except (OSError, ValueError):
+            kept = None
+        if kept is None or kept.get("identity") != self.identity or not self.partial.is_file():
+            self.start()
+            return 0
+        self.ends = [end for end in kept["ends"] if end[0] % global_batch == 0]
+        rows, size = self.ends[-1]
+        with open(self.partial, "r+b") as f:
+            f.truncate(size)
+        return rows
+
+    def start(self) -> None:
+        header = (",".join(self.columns) + "\n") if self.csv else ""
+        self.partial.write_text(header)
+        self.ends = [[0, len(header.encode())]]
+        self._save_record()
+
+    def write(self, rows: list[dict]) -> None:
+        text = io.StringIO()
+        for row in rows:
+            if self.csv:
+                csv.writer(text, lineterminator="\n").writerow(["" if row[c] is None else row[c] for c in self.columns])
+            else:
+                text.write(json.dumps({c: row[c] for c in self.columns}) + "\n")
+        with open(self.partial, "a") as f:
+            f.write(text.getvalue())
+            f.flush()
+            os.fsync(f.fileno())
+        self.ends.append([self.ends[-1][0] + len(rows), self.partial.stat().st_size])
+        self._save_record()
+
+    def _save_record(self) -> None:
+        tmp = self.record.with_name(self.record.name + ".tmp")
+        tmp.write_text(json.dumps({"identity": self.identity, "ends": self.ends}))
+        os.replace(tmp, self.record)
+
+    def finish(self) -> None:
+        os.replace(self.partial, self.path)
+        self.record.unlink(missing_ok=True)
+
+
+def columns(k: int) -> list[str]:
+    extra = [name for j in range(2, k + 1) for name in (f"prediction_{j}", f"probability_{j}")]
+    return ["path", "prediction", "probability", *extra, "error"]
+
+
+def identity(run, names: list[str], args) -> dict:
+    """What the rows depend on: a partial file of another identity is started over."""
+    stat = run.weights.stat()
+    listed = hashlib.sha256("\n".join(names).encode()).hexdigest()
+    return {"weights": str(run.weights.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+            "images": listed, "top_k": args.top_k, "batch_size": args.batch_size}
+
+
+def main(args) -> dict:
+    run = open_run(args.run, args.weights, args.script, args.trust_remote_code)
+    summary, classes = run.summary, run.classes
+    if not classes or "image_size" not in summary:
+        raise UserError(f"{args.run}: its summary.json names no classes and image size; predict.py needs a run "
+                        f"folder (or repo) a training script finished.")
+    if args.top_k > len(classes):
+        raise UserError(f"--top-k {args.top_k}: the run has {len(classes)} classes.")
+    files, names = find_images(args.images)
+    out = Path(args.output)
+    if not out.parent.is_dir():
+        raise UserError(f"--output {args.output}: its folder {out.parent} does not exist.")
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=summary.get("mixed_precision"))
+    model = build_trained_model(run, len(classes))  # its one line, if the weights do not fit, before any output
+    view = evaluation_view(summary)
+    batch = args.batch_size or summary.get("batch_size_per_process", 500)
+    args.batch_size = batch
+    output = Output(out, identity(run, names, args), columns(args.top_k))
+    first = [output.resume_point(batch * accelerator.num_processes) if accelerator.is_main_process else 0]
+    broadcast_object_list(first)  # every process starts at the main's resume point
+    first = first[0]
+    if first:
+        accelerator.print(f"continuing {output.partial}: {first} of {len(files)} images done")
+
+    channels_last = summary.get("channels_last", False)
+    model = model.to(memory_format=torch.channels_last) if channels_last else model
+    workers = args.workers or worker_share()
+    loader = torch.utils.data.DataLoader(ImageFiles(files, first, view), batch_size=batch, num_workers=workers,
+                                         persistent_workers=False)
+    model, loader = accelerator.prepare(model, loader)
+    model.eval()
+    transform = BatchTransform(accelerator.device, channels_last, mean=summary["image_mean"],
+                               std=summary["image_std"])
+    tta = summary.get("config", {}).get("tta_flip", False)
+    bar = tqdm(total=len(files), initial=first, desc="predict", disable=None if accelerator.is_main_process else True)
+    with torch.no_grad():
+        for pixels, index, ok in loader:
+            inputs = transform(pixels.permute(0, 3, 1, 2))
+            logits = (model(inputs) + model(inputs.flip(3))) / 2 if tta else model(inputs)
+            best = logits.float().softmax(dim=1).topk(args.top_k, dim=1)
+            index, ok, values, picks = accelerator.gather_for_metrics((index.to(accelerator.device),
+                                                                        ok.to(accelerator.device), best.values,
+                                                                        best.indices))
+            if accelerator.is_main_process:
+                rows = [row(i, good, v, c, names, files, classes, view) for i, good, v, c in
+                        zip(index.tolist(), ok.tolist(), values.tolist(), picks.tolist())]
+                output.write(sorted(rows, key=lambda r: r["index"]))
+                bar.update(len(rows))
+    bar.close()
+    accelerator.wait_for_everyone()
+    result = {}
+    if accelerator.is_main_process:
+        output.finish()
+        result = report(out, names, classes, Path(args.images).is_dir())
+        print(result["line"], flush=True)
+    accelerator.end_training()
+    return result
+
+
+def row(i: int, good: int, values: list[float], picks: list[int], names, files, classes, view) -> dict:
+    out = {"index": i, "path": names[i], "error": None}
+    for j, (p, c) in enumerate(zip(values, picks), start=1):
+        suffix = "" if j == 1 else f"_{j}"
+        out[f"prediction{suffix}"], out[f"probability{suffix}"] = (classes[c], round(p, 6)) if good else (None, None)
+    if not good:
+        out["error"] = why_unreadable(files[i], view)
+    return out
+
+
+def report(out: Path, names: list[str], classes: list[str], folder: bool) -> dict:
+    """The last line: rows written, images that could not be read and, for a tree of class folders named as the
+    run's classes, the top-1 against the folder names."""
+    with open(out, newline="") as f:
+        rows = list(csv.DictReader(f)) if out.suffix == ".csv" else [json.loads(line) for line in f]
+    bad = sum(1 for r in rows if r["error"])
+    line = f"wrote {len(rows)} predictions to {out}" + (f"; {bad} images could not be read (their error column)"
+                                                          if bad else "")
+    result = {"rows": len(rows), "unreadable": bad}
+    labels = [Path(name).parent.name for name in names]
+    if folder and all(label in classes for label in labels):
+        good = [(r["prediction"], label) for r, label in zip(rows, labels) if not r["error"]]
+        top1 = 100.0 * sum(p == label for p, label in good) / max(len(good), 1)
+        line += f"; top-1 against the folder names: {top1:.2f}% of {len(good)} images"
+        result["top1"] = top1
+    return result | {"line": line}
+
+
+if __name__ == "__main__":
+    sys.exit(run_job(lambda: main(parse_args())))  # bad input: one line, exit status 2

@@ -1,0 +1,184 @@
+"""predict.py: new images through a finished run. The run: resnet8 trained on jpeg_folder (CIFAR-10 images upscaled
+to 96-128 px JPEGs of several sizes and aspect ratios, 192 training and 48 test images) with the natural-image recipe
+at 48 px (--augment resized-crop: its evaluation view resizes and centre-crops), so every image is resized as a
+camera photo would be. Jobs run in real processes, 2 gloo ranks under cpu.yaml where it says so."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import CPU_YAML, REPO, kill_job, read_summary, run_python, run_train, script_env, start
+from PIL import Image
+from safetensors.torch import load_file
+from test_templates import SMALL_NET, edited_copy
+
+from utils.models import named_model
+
+PREDICT = REPO / "predict.py"
+TWO_RANKS = ["--config_file", str(CPU_YAML), "--main_process_port", "0"]
+JOB = ["--model", "resnet8", "--image-size", "48", "--augment", "resized-crop", "--decode", "workers", "--epochs", "3",
+       "--batch-size", "16", "--lr", "0.05", "--deterministic", "--tracker", "none"]
+
+
+@pytest.fixture(scope="module")
+def trained(jpeg_folder, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("predict") / "run"
+    result = run_train(["--data-dir", str(jpeg_folder), "--output-dir", str(out), *JOB])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def predict(*args, launch: list[str] | None = None):
+    argv = [str(PREDICT), *map(str, args)]
+    if launch is not None:
+        argv = ["-m", "accelerate.commands.launch", *launch, *argv]
+    return run_python(argv, script_env(), timeout=600)
+
+
+def read_rows(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f)) if path.suffix == ".csv" else [json.loads(line) for line in f]
+
+
+def torchvision_probabilities(run: Path, files: list[Path]) -> torch.Tensor:
+    """The softmax of the run's exported weights on each file, prepared by torchvision's own transforms from the
+    run's preprocessor_config.json (shorter side resized with its filter, centre crop, mean and std): a reference
+    computed without predict.py or utils/data."""
+    from torchvision.transforms import v2
+
+    pre = json.loads((run / "preprocessor_config.json").read_text())
+    resample = {2: v2.InterpolationMode.BILINEAR, 3: v2.InterpolationMode.BICUBIC}[pre["resample"]]
+    transform = v2.Compose([v2.Resize(pre["size"]["shortest_edge"], interpolation=resample, antialias=True),
+                            v2.CenterCrop(pre["crop_size"]["height"]), v2.PILToTensor(),  # on the PIL image
+                            v2.ToDtype(torch.float32, scale=True), v2.Normalize(pre["image_mean"], pre["image_std"])])
+    model = named_model("resnet8", len(pre["classes"]))
+    model.load_state_dict(load_file(run / "model.safetensors"))
+    model.eval()
+    batch = torch.stack([transform(Image.open(f).convert("RGB")) for f in files])
+    with torch.no_grad():
+        return model(batch).softmax(dim=1)
+
+
+@pytest.mark.slow
+def test_two_ranks_predict_each_image_once_in_order_as_torchvision_would_and_the_folder_top1_is_the_runs(
+        trained, jpeg_folder, tmp_path):
+    """On 2 ranks, the 48 test JPEGs (a class folder tree) give one row each, in sorted path order, written once;
+    each row's 3 classes and probabilities are those of torchvision's transforms and the exported weights (to 1e-5);
+    the top-1 against the folder names, printed and recomputed here from the rows, is the run's reported top-1; 1
+    process writes the same predictions."""
+    out = tmp_path / "two.csv"
+    result = predict(trained, jpeg_folder / "test", "--output", out, "--top-k", "3", launch=TWO_RANKS)
+    assert result.returncode == 0, result.stderr[-3000:]
+    files = sorted((jpeg_folder / "test").rglob("*.jpg"))
+    rows = read_rows(out)
+    assert [r["path"] for r in rows] == [f.relative_to(jpeg_folder / "test").as_posix() for f in files]
+    assert not list(tmp_path.glob("*.partial*"))
+    classes = read_summary(trained)["classes"]
+    reference = torchvision_probabilities(trained, files)
+    top = reference.topk(3, dim=1)
+    for r, values, picks in zip(rows, top.values.tolist(), top.indices.tolist()):
+        assert [r["prediction"], r["prediction_2"], r["prediction_3"]] == [classes[c] for c in picks]
+        got = [float(r["probability"]), float(r["probability_2"]), float(r["probability_3"])]
+        assert got == pytest.approx(values, abs=1e-5) and r["error"] == ""
+    top1 = 100.0 * sum(r["prediction"] == Path(r["path"]).parent.name for r in rows) / len(rows)
+    assert top1 == read_summary(trained)["eval_top1"]
+    assert f"wrote 48 predictions to {out}; top-1 against the folder names: {top1:.2f}% of 48 images" in result.stdout
+    one = tmp_path / "one.csv"
+    result = predict(trained, jpeg_folder / "test", "--output", one, "--top-k", "3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [(r["path"], r["prediction"], r["prediction_2"]) for r in read_rows(one)] == \
+        [(r["path"], r["prediction"], r["prediction_2"]) for r in rows]
+
+
+@pytest.mark.slow
+def test_a_prediction_job_killed_midway_and_started_again_ends_with_the_uninterrupted_file(trained, jpeg_folder,
+                                                                                           tmp_path):
+    """2 ranks, micro-batch 2, the 240 JPEGs of both splits listed in a text file (paths relative to its folder),
+    JSON Lines, top 2: a job killed
+    with kill -9 after some global batches were written, then started again with the same command, continues (it
+    says from where) and ends with the uninterrupted job's file, byte for byte."""
+    files = sorted(jpeg_folder.rglob("*.jpg"))
+    listing = tmp_path / "list.txt"
+    listing.write_text("".join(f"{os.path.relpath(f, tmp_path)}\n" for f in files))  # relative to the list's folder
+    whole, cut = tmp_path / "whole.jsonl", tmp_path / "cut.jsonl"
+    flags = ["--top-k", "2", "--batch-size", "2", "--workers", "1"]
+    result = predict(trained, listing, "--output", whole, *flags, launch=TWO_RANKS)
+    assert result.returncode == 0, result.stderr[-3000:]
+    proc = start([str(trained), str(listing), "--output", str(cut), *flags], TWO_RANKS, script=PREDICT)
+    record = tmp_path / "cut.jsonl.partial.json"
+    deadline = time.time() + 300
+    while not (record.exists() and len(json.loads(record.read_text() or "{}").get("ends", [])) > 10):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.time() < deadline
+        time.sleep(0.01)
+    kill_job(proc)
+    done = json.loads(record.read_text())["ends"][-1][0]
+    assert 0 < done < len(files) and not cut.exists()
+    result = predict(trained, listing, "--output", cut, *flags, launch=TWO_RANKS)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "continuing" in result.stdout and f"of {len(files)} images done" in result.stdout
+    assert cut.read_bytes() == whole.read_bytes() and len(read_rows(cut)) == len(files)
+
+
+@pytest.mark.slow
+def test_an_unreadable_image_gets_a_row_saying_why_and_the_job_goes_on(trained, jpeg_folder, tmp_path):
+    """Among the test JPEGs: a file of text named .jpg, an empty .png and a JPEG cut in half. Each gets a row with
+    its error and no prediction; the others are predicted as without them; the last line counts the 3."""
+    photos = tmp_path / "photos"
+    shutil.copytree(jpeg_folder / "test", photos)
+    (photos / "cat" / "text.jpg").write_text("not an image")
+    (photos / "dog" / "empty.png").write_bytes(b"")
+    whole = sorted(photos.rglob("*.jpg"))[0].read_bytes()
+    (photos / "frog" / "half.jpg").write_bytes(whole[:len(whole) // 2])
+    out = tmp_path / "p.csv"
+    result = predict(trained, photos, "--output", out)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {r["path"]: r for r in read_rows(out)}
+    assert len(rows) == 51
+    for name, why in (("cat/text.jpg", "UnidentifiedImageError"), ("dog/empty.png", "UnidentifiedImageError"),
+                      ("frog/half.jpg", "OSError")):
+        assert rows[name]["error"].startswith(why) and rows[name]["prediction"] == "", rows[name]
+    assert sum(1 for r in rows.values() if r["error"]) == 3
+    assert "; 3 images could not be read (their error column)" in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("args", "line"), [
+    (lambda run, photos, tmp: [tmp / "empty", photos], "holds no model.safetensors (is it a finished run's folder?)"),
+    (lambda run, photos, tmp: [run, tmp / "empty"], "holds no image files"),
+    (lambda run, photos, tmp: [run, tmp / "nowhere"], "no such folder or file of image paths."),
+    (lambda run, photos, tmp: [run, photos, "--weights", "ema"], "holds no model_ema.safetensors (a run without "
+                                                                 "--ema-decay has none)."),
+    (lambda run, photos, tmp: [run, photos, "--top-k", "11"], "--top-k 11: the run has 10 classes."),
+])
+def test_bad_input_to_predict_is_one_line_and_writes_nothing(trained, jpeg_folder, tmp_path, args, line):
+    (tmp_path / "empty").mkdir()
+    out = tmp_path / "p.csv"
+    result = predict(*args(trained, jpeg_folder / "test", tmp_path), "--output", out)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: ") and line in lines[-1], lines[-3:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
+
+
+@pytest.mark.slow
+def test_a_copys_own_build_model_predicts_through_its_script(jpeg_folder, tmp_path):
+    """A copy of train_cifar.py whose build_model builds its own small network, trained on the JPEGs: predict.py
+    rebuilds the network through the copy and its top-1 against the folder names is the run's."""
+    script = edited_copy(tmp_path, "build_model", SMALL_NET)
+    out = tmp_path / "run"
+    result = run_train(["--data-dir", str(jpeg_folder), "--output-dir", str(out), *JOB], script=script,
+                       env=script_env(PYTHONPATH=str(REPO)))  # the copy lives outside the checkout
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = predict(out, jpeg_folder / "test", "--output", tmp_path / "p.csv")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_rows(tmp_path / "p.csv")
+    top1 = 100.0 * sum(r["prediction"] == Path(r["path"]).parent.name for r in rows) / len(rows)
+    assert top1 == read_summary(out)["eval_top1"] and len(rows) == 48

@@ -1,0 +1,82 @@
+"""A finished run as the tools see it (evaluate_checkpoint.py, predict.py): its weights, its summary.json and the
+training script that built them, imported (utils/scripts.py says which copy it trusts) with the run's own config,
+and the model rebuilt through that script's build_model with the weights loaded strictly (every key must match).
+A timm or transformers model is rebuilt from the run folder's own config.json, which the export wrote (the library's
+config with the run's classes): the pretrained folder the run started from may be gone, and no tensor is freshly
+initialised before the trained weights are loaded."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from utils import UserError, first_line
+from utils.hub import hub_file, locate_weights
+from utils.launch import first_on_each_machine
+from utils.pretrained import library_of
+from utils.scripts import find_script, import_script
+
+WEIGHTS = {"final": "model.safetensors", "best": "best.safetensors", "ema": "model_ema.safetensors"}
+
+
+@dataclass
+class TrainedRun:
+    """`weights`: the file to load; `summary`: its summary.json ({} when none); `folder`: where that lies (the run
+    folder, or a Hub repo's snapshot); `script` and `module`: the training script and its import; `cfg`: its Config
+    with the run's values (and the tool's overrides)."""
+    source: str
+    weights: Path
+    summary: dict
+    folder: Path
+    script: Path
+    module: object
+    cfg: object
+
+    @property
+    def classes(self) -> list[str]:
+        return list(self.summary.get("classes") or [])
+
+
+def open_run(source: str, weights: str = "final", script: str | None = None, trust_remote_code: bool = False,
+             overrides: dict | None = None) -> TrainedRun:
+    """The run SOURCE names (a run folder, one of its .safetensors files, or a Hub model repo a run pushed), with
+    `weights` (final, best or ema) of a folder or repo. overrides: Config fields that replace the run's (None:
+    keep); a new --data-dir or --dataset replaces the run's source, whichever kind it was."""
+    overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
+    path, summary_path = first_on_each_machine(lambda: locate_weights(source, WEIGHTS[weights]))
+    summary = json.loads(summary_path.read_text()) if summary_path else {}
+    downloaded = not Path(source).exists()  # a Hub repo id
+    record = summary.get("script")
+    if downloaded:  # the script and the library config uploaded beside the weights, if any (a script is imported
+        for name in [*([record["name"]] if record else []), "config.json"]:  # only when trusted)
+            first_on_each_machine(lambda name=name: hub_file(source, name, required=False))
+    folder = summary_path.parent if summary_path else path.parent
+    named = overrides.get("model") or summary.get("config", {}).get("model", "")
+    template = "train_vit.py" if str(named).startswith("vit") else "train_cifar.py"
+    script_path = find_script(record, folder, downloaded, script, trust_remote_code, default=template)
+    module = import_script(script_path)
+    names = {f.name for f in dataclasses.fields(module.Config)}
+    trained = {k: v for k, v in summary.get("config", {}).items() if k in names}
+    given = {k: v for k, v in overrides.items() if k in names}
+    if {"data_dir", "dataset"} & given.keys():  # a new source replaces the run's, whichever kind it was
+        trained.pop("data_dir", None), trained.pop("dataset", None)
+    if "model" in names and "model" not in given and library_of(folder):  # the run folder is that library's
+        trained["model"] = str(folder)  # model folder (its config.json, its weights): rebuilt from there
+    return TrainedRun(source, path, summary, folder, script_path, module, module.Config(**(trained | given)))
+
+
+def build_trained_model(run: TrainedRun, num_classes: int) -> torch.nn.Module:
+    """The script's build_model(cfg, num_classes) with the run's weights, loaded strictly; one line if they do not
+    fit."""
+    model = run.module.build_model(run.cfg, num_classes)
+    try:
+        model.load_state_dict(load_file(run.weights), strict=True)
+    except (RuntimeError, OSError) as e:
+        raise UserError(f"{run.source} does not hold the weights {run.script.name}'s build_model builds for "
+                        f"{num_classes} classes (--model {getattr(run.cfg, 'model', '?')}): {first_line(e)}") from None
+    return model
