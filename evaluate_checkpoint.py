@@ -27,7 +27,7 @@ from utils.data.contract import checked_data
 from utils.data.loaders import make_loader, take_prefix
 from utils.data.transform import BatchTransform
 from utils.evaluation import evaluate, load_metrics
-from utils.runs import build_trained_model, open_run
+from utils.runs import add_run_flags, build_trained_model, open_run
 from utils.tracking import model_record
 
 OVERRIDES = ("data_dir", "dataset", "cache_dir", "eval_subset", "image_size", "model")  # flags that replace the run's
@@ -44,14 +44,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--image-size", type=int, default=None, help="default: the run's")
     parser.add_argument("--model", default=None, help="default: the run's (needed only for weights without a "
                         "summary.json)")
-    parser.add_argument("--batch-size", type=int, default=None, help="images per process per batch; default: the "
-                        "run's micro-batch (the batches it evaluated)")
     parser.add_argument("--metric", action="append", default=None, help="also an `evaluate` metric, as for "
                         "train_cifar.py: NAME[:key=value,...] or a local metric script; once per metric")
-    parser.add_argument("--script", default=None, help="the training script to rebuild the model and data with; "
-                        "default: the one summary.json records, found locally with the same sha256")
-    parser.add_argument("--trust-remote-code", action="store_true", help="import a training script that came with "
-                        "the run folder or the Hub repo (it runs that script's code)")
+    add_run_flags(parser, "the model and data")
     args = parser.parse_args(argv)
 
     run = open_run(args.weights, script=args.script, trust_remote_code=args.trust_remote_code,

@@ -46,7 +46,7 @@ from utils.data.images import worker_share
 from utils.data.sources import IMAGE_SUFFIXES
 from utils.data.transform import BatchTransform
 from utils.launch import run as run_job
-from utils.runs import WEIGHTS, build_trained_model, open_run
+from utils.runs import WEIGHTS, add_run_flags, build_trained_model, open_run
 
 
 def parse_args(argv: list[str] | None = None):
@@ -57,14 +57,9 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--top-k", type=int, default=1, help="the K most probable classes of each image")
     parser.add_argument("--weights", choices=list(WEIGHTS), default="final", help="a run folder's final weights "
                         "(model.safetensors), its best (best.safetensors) or its EMA (model_ema.safetensors)")
-    parser.add_argument("--batch-size", type=int, default=None, help="images per process per batch; default: the "
-                        "run's micro-batch (the batches it evaluated)")
     parser.add_argument("--workers", type=int, default=None, help="loader worker processes per process that decode "
                         "the images; default: this process's share of the cores")
-    parser.add_argument("--script", default=None, help="the training script to rebuild the model with; default: "
-                        "the one summary.json records, found locally with the same sha256")
-    parser.add_argument("--trust-remote-code", action="store_true", help="import a training script that came with "
-                        "the run folder or the Hub repo (it runs that script's code)")
+    add_run_flags(parser, "the model")
     args = parser.parse_args(argv)
     if Path(args.output).suffix not in (".csv", ".jsonl"):
         raise UserError(f"--output {args.output}: name a .csv or a .jsonl file.")

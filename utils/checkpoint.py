@@ -265,8 +265,8 @@ class Checkpointer:
         --max-steps, or an early stop) and its summary.json written. Said aloud; the script then trains nothing and
         rewrites nothing (summary.json, the weights, the tracker's run stay as they are). None otherwise."""
         summary_file = self.root.parent / "summary.json"
-        if folder is None or not summary_file.is_file():
-            return None
+        if folder is None or not summary_file.is_file() or read_state(folder).get("format") != FORMAT:
+            return None  # (a checkpoint of another format: refused with its reason where it is loaded)
         done, epochs, max_steps = read_state(folder)["progress"], self.config["epochs"], self.config.get("max_steps")
         if not (done["epoch"] >= epochs or done["stopped_early"] or (max_steps and done["global_step"] >= max_steps)):
             return None
@@ -310,10 +310,8 @@ class Checkpointer:
         """Where the run starts: the progress of checkpoint `folder`, restored with all it holds (`restore`; `ema`,
         utils.ema.WeightEMA or None, too), or a fresh Progress. --overwrite deletes the earlier run's checkpoints only
         here, once every check that could stop the job (flags, data, the launch) has passed with the old run
-        intact; the run's config.yaml (utils.cli.write_config_file) is written here too."""
+        intact."""
         self.ema = ema
-        if self.accelerator.is_main_process:
-            write_config_file(self.config, self.root.parent)
         if folder:
             return Progress(**self.restore(folder, scheduler, plan))
         if self.config["overwrite"]:
@@ -352,6 +350,8 @@ class Checkpointer:
                  "scheduler": scheduler.state_dict()}
         extra = [self.ema] if self.ema is not None else []
         self.last = save(self.accelerator, self.root, progress.global_step, state, extra)
+        if self.saved_step is None and self.accelerator.is_main_process:  # this job's first checkpoint: its flags
+            write_config_file(self.config, self.root.parent)  # beside, as config.yaml (utils.cli.write_config_file)
         self.saved_step = progress.global_step
         if self.accelerator.is_main_process:
             rotate(self.root, self.keep_last, keep={progress.best_checkpoint})

@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from utils import UserError, first_line
-from utils.config_groups import REPO_ID
+from utils.config_groups import REPO_ID, is_url
+from utils.data.sources import first_image_size
 from utils.launch import first_on_each_machine
 
 TIMM = "timm:"  # --model timm:NAME: a timm architecture, no weights
@@ -189,9 +190,7 @@ def check_input_size(cfg, source: Pretrained) -> None:
     refuses it (a shape check of its own: ValueError, AssertionError) stops with one line, as check_logits would only
     after decoding. A model the meta device cannot run is left to that check."""
     size = cfg.image_size
-    if size is None and cfg.data_dir is not None and "://" not in cfg.data_dir:
-        from utils.data.sources import first_image_size
-
+    if size is None and cfg.data_dir is not None and not is_url(cfg.data_dir):
         found = first_image_size(cfg.data_dir, cfg.image_column)
         size = found[0] if found and found[0] == found[1] else None
     if size is None:
@@ -219,9 +218,6 @@ def check_input_size(cfg, source: Pretrained) -> None:
 def say_size(cfg, say) -> None:
     """When the model's input size (now --image-size) differs from the data's own, one line: which size is used, why,
     what it costs in pixels per image against the data's size, and how to choose that one instead."""
-    from utils.config_groups import is_url
-    from utils.data.sources import first_image_size
-
     if cfg.data_dir is None or is_url(cfg.data_dir):
         return
     found = first_image_size(cfg.data_dir, cfg.image_column)

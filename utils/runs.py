@@ -42,6 +42,17 @@ class TrainedRun:
         return list(self.summary.get("classes") or [])
 
 
+def add_run_flags(parser, rebuilds: str) -> None:
+    """The flags both tools take to rebuild a run: --batch-size, --script and --trust-remote-code (`rebuilds`: what
+    the script rebuilds, for the help)."""
+    parser.add_argument("--batch-size", type=int, default=None, help="images per process per batch; default: the "
+                        "run's micro-batch (the batches it evaluated)")
+    parser.add_argument("--script", default=None, help=f"the training script to rebuild {rebuilds} with; default: the "
+                        "one summary.json records, found locally with the same sha256")
+    parser.add_argument("--trust-remote-code", action="store_true", help="import a training script that came with "
+                        "the run folder or the Hub repo (it runs that script's code)")
+
+
 def open_run(source: str, weights: str = "final", script: str | None = None, trust_remote_code: bool = False,
              overrides: dict | None = None) -> TrainedRun:
     """The run SOURCE names (a run folder, one of its .safetensors files, or a Hub model repo a run pushed), with
