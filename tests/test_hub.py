@@ -6,6 +6,7 @@ huggingface_hub itself reads it on an offline node."""
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import os
@@ -336,6 +337,20 @@ def test_a_pushed_repo_reads_back_into_evaluate_checkpoint_on_one_process(fine_t
     assert confusion.tolist() == got["confusion"]  # the metric saw the predictions the built-in metrics counted
     assert sorted(labels) == sorted(fine_tuned["probes"][0]["eval_outputs"][0]["labels"])  # the 2-rank run's images
     assert got["pairs_n"] == n and got["pairs_hits"] == round(got["top1"] * n / 100)
+
+
+def test_predict_reads_a_pushed_repo_and_its_top1_against_the_folder_names_is_the_runs(fine_tuned, tmp_path):
+    """predict.py given the pushed repo's id (offline, the repo in the Hub cache) and the run's test image folder:
+    a row for each of the 48 images, and a top-1 against the folder names within one image of the run's."""
+    cache = hub_cache(tmp_path / "hf", "tester/three", fine_tuned["uploads"] / "rank0" / "tester/three")
+    out = tmp_path / "p.csv"
+    result = run_python([str(REPO / "predict.py"), "tester/three", str(fine_tuned["root"] / "three" / "test"),
+                         "--output", str(out)], script_env(HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(cache)), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = list(csv.DictReader(out.open()))
+    n = sum(PER_CLASS["test"] for _ in THREE)
+    top1 = 100 * sum(r["prediction"] == Path(r["path"]).parent.name for r in rows) / len(rows)
+    assert len(rows) == n and abs(top1 - fine_tuned["summary"]["eval_top1"]) <= 100 / n
 
 
 def test_push_without_the_hub_stops_before_training_and_touches_nothing(reference, tmp_path):
