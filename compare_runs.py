@@ -252,7 +252,10 @@ def model_name(run: Run) -> str | None:
 
 
 def _text(value) -> str:
-    if isinstance(value, dict) and "class" in value:  # what a script built (model, optimizer): its name, else class
+    if isinstance(value, dict) and "groups" in value:  # the optimizer a script built: its class, each group's lr, wd
+        groups = " / ".join(f"lr {g.get('lr', '?'):g} wd {g.get('weight_decay', '?'):g}" for g in value["groups"])
+        return f"{value['class']} ({groups})"
+    if isinstance(value, dict) and "class" in value:  # the model a script built: its name, else its class
         return value.get("name") or value["class"]
     return value if isinstance(value, str) else json.dumps(value)
 

@@ -227,7 +227,7 @@ def test_each_chart_names_its_metric_and_draws_every_run_under_a_legend_naming_i
 
 def test_the_group_table_names_each_groups_model_whole():
     """The settings table of two groups shows the model record's name whole (a timm name of 44 characters), not cut
-    at the table's width."""
+    at the table's width; an optimizer record shows its class and each group's lr and weight decay."""
     name = "vit_small_patch16_224.augreg_in21k_ft_in1k_x"
     runs = [compare_runs.Run(f"{g}{s}", f"{g}{s}", group=g, config={"seed": s, "model": record})
             for g, record in (("A", {"name": name, "class": "VisionTransformer", "parameters": 21_000_000}),
@@ -237,3 +237,6 @@ def test_the_group_table_names_each_groups_model_whole():
     assert notes == []
     [row] = [line for line in text.splitlines() if line.startswith("model")]
     assert row.split() == ["model", name, "VisionTransformer"]
+    sgd = {"class": "SGD", "groups": [{"tensors": 62, "parameters": 11, "lr": 0.1, "weight_decay": 5e-4},
+                                      {"tensors": 2, "parameters": 3, "lr": 0.01, "weight_decay": 0.0}]}
+    assert compare_runs._cell(sgd, 48) == "SGD (lr 0.1 wd 0.0005 / lr 0.01 wd 0)"  # an optimizer: its groups' lr, wd
