@@ -351,6 +351,7 @@ if __name__ == "__main__":
     io_counters = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
     rec["bytes_written"] = int(io_counters["write_bytes"])
     rank = int(os.environ.get("RANK", "0"))
+    Path(output_dir).mkdir(parents=True, exist_ok=True)  # a job that failed before writing removed its new folder
     Path(output_dir, f"probe-rank{rank}.json").write_text(json.dumps(rec))
     if recorded:
         save_file(recorded, Path(output_dir, f"probe-weights-rank{rank}.safetensors"))

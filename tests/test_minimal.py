@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from conftest import CPU_YAML, REPO, assert_same_state, read_summary, run_train, script_env
 from safetensors.torch import load_file
 
@@ -70,6 +71,8 @@ def test_minimal_script_trains_exactly_like_train_cifar_and_resumes_exactly(cifa
                                           str(cache_dir)])  # the model and test subset from summary.json
     assert (evaluated["model"]["name"], evaluated["examples"], evaluated["top1"]) == \
         ("resnet18", 48, minimal["eval_top1"])
+    kept = yaml.safe_load((tmp_path / "minimal" / "config.yaml").read_text())  # its flags, for --config
+    assert kept == {k: minimal["config"][k] for k in kept} and (kept["epochs"], kept["lr"]) == (2, 0.2)
     [run] = compare_runs.load(str(tmp_path / "minimal"))  # its offline W&B run, in its output folder
     assert run.metric(*compare_runs.COLUMNS["final top-1 %"]) == minimal["eval_top1"]
     assert run.metric(*compare_runs.COLUMNS["epochs"]) == 2 and run.config["effective_lr"] == 0.05

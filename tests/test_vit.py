@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -76,6 +77,19 @@ def max_weight_difference(a, b, file: str = "model.safetensors") -> float:
     sa, sb = load_file(a / file), load_file(b / file)
     assert sa.keys() == sb.keys()
     return max((sa[k] - sb[k]).abs().max().item() for k in sa)
+
+
+def test_the_vit_run_writes_its_whole_config_as_config_yaml_and_config_parses_it_back(vit_jobs):
+    """train_vit.py's run folder holds config.yaml: its whole config (summary.json's), which `--config` parses back
+    to the same Config."""
+    import yaml
+
+    import train_vit
+
+    kept = yaml.safe_load((vit_jobs["ddp"] / "config.yaml").read_text())
+    assert kept == read_summary(vit_jobs["ddp"])["config"] and kept["model"] == "vit_micro"
+    again = train_vit.parse_config(["--config", str(vit_jobs["ddp"] / "config.yaml")])
+    assert json.loads(json.dumps(asdict(again))) == kept
 
 
 def test_vit_micro_has_the_parameters_its_shapes_give():
