@@ -199,12 +199,12 @@ def columns(k: int) -> list[str]:
     return ["path", "prediction", "probability", *extra, "error"]
 
 
-def identity(run, names: list[str], args) -> dict:
+def identity(run, names: list[str], top_k: int, batch: int) -> dict:
     """What the rows depend on: a partial file of another identity is started over."""
     stat = run.weights.stat()
     listed = hashlib.sha256("\n".join(names).encode()).hexdigest()
     return {"weights": str(run.weights.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
-            "images": listed, "top_k": args.top_k, "batch_size": args.batch_size}
+            "images": listed, "top_k": top_k, "batch_size": batch}
 
 
 def main(args) -> dict:
@@ -223,8 +223,7 @@ def main(args) -> dict:
     model = build_trained_model(run, len(classes))  # its one line, if the weights do not fit, before any output
     view = evaluation_view(summary)
     batch = args.batch_size or summary.get("batch_size_per_process", 500)
-    args.batch_size = batch
-    output = Output(out, identity(run, names, args), columns(args.top_k))
+    output = Output(out, identity(run, names, args.top_k, batch), columns(args.top_k))
     first = [output.resume_point(batch * accelerator.num_processes) if accelerator.is_main_process else 0]
     broadcast_object_list(first)  # every process starts at the main's resume point
     first = first[0]
@@ -243,7 +242,7 @@ def main(args) -> dict:
     tta = summary.get("config", {}).get("tta_flip", False)
     bar = tqdm(total=len(files), initial=first, desc="predict", disable=None if accelerator.is_main_process else True)
     with torch.no_grad():
-        for pixels, index, ok in loader:
+        for pixels, index, ok in (loader if first < len(files) else []):  # [] : killed between its last row and the end
             inputs = transform(pixels.permute(0, 3, 1, 2))
             logits = (model(inputs) + model(inputs.flip(3))) / 2 if tta else model(inputs)
             best = logits.float().softmax(dim=1).topk(args.top_k, dim=1)

@@ -24,6 +24,8 @@ import typing
 from dataclasses import asdict, field, fields
 from pathlib import Path
 
+import yaml
+
 from utils import UserError, first_line
 
 GROUP_LINE = re.compile(r"^\s*#\s*---\s*([\w ]+?)\s*(?::\s*(.*?))?\s*---\s*$")
@@ -104,8 +106,6 @@ class FlagParser(argparse.ArgumentParser):
         path = peek.parse_known_args(argv)[0].config
         if path is None or "--config" not in self._option_string_actions:
             return argv
-        import yaml
-
         try:
             values = yaml.safe_load(Path(path).read_text())
         except (OSError, ValueError, yaml.YAMLError) as e:
@@ -141,15 +141,13 @@ def flag_tokens(action: argparse.Action, value) -> list[str]:
     values = value if isinstance(value, list | tuple) else [value]
     text = [v if isinstance(v, str) else json.dumps(v) for v in values]
     if isinstance(action, argparse._AppendAction):
-        return [t for v in text for t in (flag, v)]
-    return [flag, *text]
+        return [f"{flag}={v}" for v in text]  # flag=value: a value starting with "-" stays a value
+    return [flag, *text] if action.nargs == 2 else [f"{flag}={text[0]}"]
 
 
 def write_config_file(cfg, folder: str | Path) -> Path:
     """The whole config as `folder`/config.yaml (tuples as lists), written whole or not at all: `--config` takes it
     back, so `--config RUN/config.yaml --output-dir NEW` repeats a run."""
-    import yaml
-
     path = Path(folder) / "config.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".config.yaml.{os.getpid()}.tmp")
