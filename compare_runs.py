@@ -458,7 +458,7 @@ def points(run: Run, x: str, y: str) -> list[tuple[float, float]]:
             if isinstance(px, int | float) and not math.isnan(px) and isinstance(row.get(y), int | float)]
 
 
-def figure(runs: list[Run], x: str, y: str | tuple[str, ...], y_label: str, by_group: bool):
+def figure(runs: list[Run], x: str, ys: tuple[str, ...], y_label: str, by_group: bool):
     """One comparison chart: a curve per run (from the first of the y keys it logged), or with by_group each group's
     mean at the x values its runs share, in a band from their lowest to their highest value (wall-clock points never
     line up: drawn one by one)."""
@@ -472,8 +472,7 @@ def figure(runs: list[Run], x: str, y: str | tuple[str, ...], y_label: str, by_g
     curves: dict[str, list[list[tuple[float, float]]]] = {}
     for run, legend in zip(runs, labels(runs), strict=True):
         name = (run.group or legend) if by_group else legend
-        ys = (y,) if isinstance(y, str) else y
-        curves.setdefault(name, []).append(next((p for p in (points(run, x, k) for k in ys) if p), []))
+        curves.setdefault(name, []).append(next((p for p in (points(run, x, y) for y in ys) if p), []))
     for name, members in curves.items():
         members = [m for m in members if m]
         shared = set.intersection(*(set(px for px, _ in m) for m in members)) if members else set()

@@ -10,10 +10,10 @@ from the file's folder). Each row: `path` (as found under IMAGES, or as listed),
 its softmax `probability`, with --top-k K the next K-1 as `prediction_2`, `probability_2`, ..., and `error`: empty,
 or why the image could not be read (the job goes on; a last line counts them). The model is rebuilt through the
 script that trained it (utils/runs.py, as evaluate_checkpoint.py does) and sees each image as the run's evaluation
-did: the same decode, resize and crop (the functions training used: utils/data/decode.py's square_pixels, or
-utils/data/crops.py's eval_view for an --augment resized-crop run), mean, std, memory format, precision, micro-batch
-and --tta-flip. When IMAGES is a tree of class folders named as the run's classes, it also prints the top-1 against
-the folder names.
+did: the same decode, resize and crop (utils/data/encoded.py's evaluation_view, which `--decode workers` evaluates
+through: the cache's resize, or an --augment resized-crop run's resize and centre crop), mean, std, memory format,
+precision, micro-batch and --tta-flip. When IMAGES is a tree of class folders named as the run's classes, it also
+prints the top-1 against the folder names.
 
 Under `accelerate launch` each process predicts its share (Accelerate's sharding; images decoded in each process's
 loader workers) and the main process writes every image's row once, in the input's order. The rows go to
@@ -38,10 +38,10 @@ from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 from tqdm.auto import tqdm
 
-from utils import UserError, first_line
+from utils import UserError, first_line, write_text_atomically
 from utils.cli import FlagParser
-from utils.data.crops import CropRecipe, eval_view
-from utils.data.decode import square_pixels
+from utils.data.crops import CropRecipe
+from utils.data.encoded import evaluation_view
 from utils.data.images import worker_share
 from utils.data.sources import IMAGE_SUFFIXES
 from utils.data.transform import BatchTransform
@@ -91,11 +91,11 @@ def find_images(images: str) -> tuple[list[Path], list[str]]:
 
 
 class ImageFiles(torch.utils.data.Dataset):
-    """Image files decoded in the loader's workers into the run's evaluation view: item i is ((S, S, 3) uint8, i,
-    1), or a black image with 0 when the file cannot be read (the main process says why)."""
+    """Image files decoded in the loader's workers into the run's evaluation view at `size`: item i is ((S, S, 3)
+    uint8, i, 1), or a black image with 0 when the file cannot be read (the main process says why)."""
 
-    def __init__(self, files: list[Path], first: int, view):
-        self.files, self.first, self.view = files, first, view
+    def __init__(self, files: list[Path], first: int, view, size: int):
+        self.files, self.first, self.view, self.size = files, first, view, size
 
     def __len__(self) -> int:
         return len(self.files) - self.first
@@ -106,8 +106,7 @@ class ImageFiles(torch.utils.data.Dataset):
             pixels = torch.from_numpy(np.array(read_view(self.files[i], self.view)))  # writable: a copy
             return pixels, i, 1
         except Exception:  # noqa: BLE001 - any unreadable file gets its row; the reason is read again on the main
-            size = self.view.keywords["size"]
-            return torch.zeros(size, size, 3, dtype=torch.uint8), i, 0
+            return torch.zeros(self.size, self.size, 3, dtype=torch.uint8), i, 0
 
 
 def read_view(path: Path, view):
@@ -125,15 +124,12 @@ def why_unreadable(path: Path, view) -> str:
         return first_line(e)
 
 
-def evaluation_view(summary: dict):
-    """The run's evaluation view of an RGB PIL image, as training decoded its test images."""
-    from functools import partial
-
-    size = summary["image_size"]
-    if "eval_crop" in summary:
-        return partial(eval_view, size=size, recipe=CropRecipe(eval_crop=summary["eval_crop"],
-                                                               interpolation=summary["interpolation"]))
-    return partial(square_pixels, size=size)
+def run_view(summary: dict):
+    """The run's evaluation view of an RGB PIL image, as training decoded its test images (summary.json records
+    the crop recipe's eval_crop and interpolation for a resized-crop run)."""
+    recipe = CropRecipe(eval_crop=summary["eval_crop"], interpolation=summary["interpolation"]) \
+        if "eval_crop" in summary else None
+    return evaluation_view(summary["image_size"], recipe)
 
 
 class Output:
@@ -172,9 +168,10 @@ class Output:
 
     def write(self, rows: list[dict]) -> None:
         text = io.StringIO()
+        writer = csv.writer(text, lineterminator="\n")
         for row in rows:
             if self.csv:
-                csv.writer(text, lineterminator="\n").writerow(["" if row[c] is None else row[c] for c in self.columns])
+                writer.writerow(["" if row[c] is None else row[c] for c in self.columns])
             else:
                 text.write(json.dumps({c: row[c] for c in self.columns}) + "\n")
         with open(self.partial, "a") as f:
@@ -185,9 +182,7 @@ class Output:
         self._save_record()
 
     def _save_record(self) -> None:
-        tmp = self.record.with_name(self.record.name + ".tmp")
-        tmp.write_text(json.dumps({"identity": self.identity, "ends": self.ends}))
-        os.replace(tmp, self.record)
+        write_text_atomically(self.record, json.dumps({"identity": self.identity, "ends": self.ends}))
 
     def finish(self) -> None:
         os.replace(self.partial, self.path)
@@ -221,7 +216,7 @@ def main(args) -> dict:
         raise UserError(f"--output {args.output}: its folder {out.parent} does not exist.")
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=summary.get("mixed_precision"))
     model = build_trained_model(run, len(classes))  # its one line, if the weights do not fit, before any output
-    view = evaluation_view(summary)
+    view = run_view(summary)
     batch = args.batch_size or summary.get("batch_size_per_process", 500)
     output = Output(out, identity(run, names, args.top_k, batch), columns(args.top_k))
     first = [output.resume_point(batch * accelerator.num_processes) if accelerator.is_main_process else 0]
@@ -233,8 +228,8 @@ def main(args) -> dict:
     channels_last = summary.get("channels_last", False)
     model = model.to(memory_format=torch.channels_last) if channels_last else model
     workers = args.workers or worker_share()
-    loader = torch.utils.data.DataLoader(ImageFiles(files, first, view), batch_size=batch, num_workers=workers,
-                                         persistent_workers=False)
+    images = ImageFiles(files, first, view, summary["image_size"])
+    loader = torch.utils.data.DataLoader(images, batch_size=batch, num_workers=workers, persistent_workers=False)
     model, loader = accelerator.prepare(model, loader)
     model.eval()
     transform = BatchTransform(accelerator.device, channels_last, mean=summary["image_mean"],

@@ -165,7 +165,7 @@ def test_the_group_plot_draws_each_groups_mean_in_a_band_from_its_lowest_to_its_
 
     runs = [run("a0", "A", [10.0, 20.0]), run("a1", "A", [14.0, 30.0]), run("a2", "A", [12.0, 22.0]),
             run("b0", "B", [40.0, 41.0])]
-    fig = compare_runs.figure(runs, "epoch", "eval/top1", "eval top-1 (%)", by_group=True)
+    fig = compare_runs.figure(runs, "epoch", ("eval/top1",), "eval top-1 (%)", by_group=True)
     lines = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in fig.axes[0].lines}
     assert lines["A (mean of 3, band: min to max)"] == ([1, 2], [pytest.approx(12.0), pytest.approx(24.0)])
     assert lines["B"] == ([1, 2], [40.0, 41.0])  # a group of one run: its own curve

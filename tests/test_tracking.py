@@ -129,7 +129,7 @@ def test_chart_legends_name_each_run_with_the_settings_that_differ_and_epochs_ar
     """Two plain runs (no --run-name) that differ in lr and process count: each curve's legend is the run's output
     folder and the differing settings' values; the epoch axis has whole-number ticks only."""
     runs = [*compare_runs.load(str(tracked_runs["a0"])), *compare_runs.load(str(tracked_runs["b"]))]
-    fig = compare_runs.figure(runs, "epoch", "eval/top1", "eval top-1 (%)", by_group=False)
+    fig = compare_runs.figure(runs, "epoch", ("eval/top1",), "eval top-1 (%)", by_group=False)
     legend = [text.get_text() for text in fig.axes[0].get_legend().get_texts()]
     assert legend[0].startswith(f"{tracked_runs['a0']} (") and "lr 0.05" in legend[0] and "world_size 1" in legend[0]
     assert legend[1].startswith("b-run (") and "lr 0.2" in legend[1] and "world_size 2" in legend[1]

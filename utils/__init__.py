@@ -32,6 +32,17 @@ def process_count_problem(accelerate_world: int) -> str | None:
     return None
 
 
+def write_text_atomically(path, text: str) -> None:
+    """`text` into `path`, through a temporary file renamed over it: a process killed mid-write (kill -9 lands
+    anywhere) leaves the old file or the new one, never a part."""
+    from pathlib import Path
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def first_line(error: BaseException) -> str:
     """An exception as one line, its type and its message's first line, for a UserError that quotes a library."""
     text = str(error).strip().splitlines()

@@ -265,9 +265,10 @@ class Checkpointer:
         --max-steps, or an early stop) and its summary.json written. Said aloud; the script then trains nothing and
         rewrites nothing (summary.json, the weights, the tracker's run stay as they are). None otherwise."""
         summary_file = self.root.parent / "summary.json"
-        if folder is None or not summary_file.is_file() or read_state(folder).get("format") != FORMAT:
-            return None  # (a checkpoint of another format: refused with its reason where it is loaded)
-        done, epochs, max_steps = read_state(folder)["progress"], self.config["epochs"], self.config.get("max_steps")
+        state = read_state(folder) if folder is not None and summary_file.is_file() else {}
+        if state.get("format") != FORMAT:
+            return None  # none, or a checkpoint of another format: refused with its reason where it is loaded
+        done, epochs, max_steps = state["progress"], self.config["epochs"], self.config.get("max_steps")
         if not (done["epoch"] >= epochs or done["stopped_early"] or (max_steps and done["global_step"] >= max_steps)):
             return None
         self.accelerator.print(f"the run in {self.root.parent} is finished (epoch {done['epoch']} of {epochs}, step "

@@ -16,7 +16,6 @@ import argparse
 import difflib
 import inspect
 import json
-import os
 import re
 import sys
 import types
@@ -26,7 +25,7 @@ from pathlib import Path
 
 import yaml
 
-from utils import UserError, first_line
+from utils import UserError, first_line, write_text_atomically
 
 GROUP_LINE = re.compile(r"^\s*#\s*---\s*([\w ]+?)\s*(?::\s*(.*?))?\s*---\s*$")
 FIELD_LINE = re.compile(r"^\s*(\w+)\s*:")
@@ -150,10 +149,8 @@ def write_config_file(cfg, folder: str | Path) -> Path:
     back, so `--config RUN/config.yaml --output-dir NEW` repeats a run."""
     path = Path(folder) / "config.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".config.yaml.{os.getpid()}.tmp")
     values = cfg if isinstance(cfg, dict) else asdict(cfg)
-    tmp.write_text(yaml.safe_dump(json.loads(json.dumps(values)), sort_keys=False))
-    os.replace(tmp, path)
+    write_text_atomically(path, yaml.safe_dump(json.loads(json.dumps(values)), sort_keys=False))
     return path
 
 

@@ -69,13 +69,20 @@ def pretrained_source(model: str) -> Pretrained:
     except (OSError, ValueError) as e:
         raise UserError(f"--model {model}: {folder} is not a timm or transformers model folder (its config.json: "
                         f"{first_line(e)}).") from None
-    if isinstance(config, dict) and "architecture" in config and "pretrained_cfg" in config:
-        return Pretrained(model, "timm", folder, config)
-    if isinstance(config, dict) and "model_type" in config:
+    library = layout(config)
+    if library == "transformers":
         check_image_classifier(model, folder)
-        return Pretrained(model, "transformers", folder, config)
+    if library is not None:
+        return Pretrained(model, library, folder, config)
     raise UserError(f"--model {model}: {folder}/config.json is neither a timm model's (architecture, pretrained_cfg) "
                     f"nor a transformers model's (model_type).")
+
+
+def layout(config) -> str | None:
+    """The library whose config.json this is: "timm" (architecture, pretrained_cfg), "transformers" (model_type)."""
+    if isinstance(config, dict) and "architecture" in config and "pretrained_cfg" in config:
+        return "timm"
+    return "transformers" if isinstance(config, dict) and "model_type" in config else None
 
 
 def library_of(folder: Path) -> str | None:
@@ -85,10 +92,7 @@ def library_of(folder: Path) -> str | None:
         config = json.loads((Path(folder) / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(config, dict) or not (Path(folder) / "model.safetensors").is_file():
-        return None
-    return "timm" if "architecture" in config and "pretrained_cfg" in config else \
-        "transformers" if "model_type" in config else None
+    return layout(config) if (Path(folder) / "model.safetensors").is_file() else None
 
 
 def hub_snapshot(repo: str) -> Path:
@@ -178,21 +182,18 @@ def apply_preprocessing(cfg, say) -> dict:
     shown = ", ".join(taken + [f"{k} ({', '.join(f'{v:.4f}' for v in stats[k])})" for k in stats]) or "nothing"
     where = "timm's pretrained_cfg" if source.library == "timm" else "its image processor"
     say(f"--model {cfg.model}: preprocessing from {where} in {source.folder}: {shown}; flags given win")
+    found = first_image_size(cfg.data_dir, cfg.image_column) if cfg.data_dir and not is_url(cfg.data_dir) else None
     if taken and taken[0].startswith("--image-size"):
-        say_size(cfg, say)
-    check_input_size(cfg, source)
+        say_size(cfg, found, say)
+    check_input_size(cfg, source, cfg.image_size or (found[0] if found and found[0] == found[1] else None))
     return stats if len(stats) == 2 else {}
 
 
-def check_input_size(cfg, source: Pretrained) -> None:
+def check_input_size(cfg, source: Pretrained, size: int | None) -> None:
     """Before any image is read: the model's skeleton, built on the meta device (no weights, no memory, no compute),
-    given one image of the size the run will feed it (--image-size, else the data's first image's); a model that
-    refuses it (a shape check of its own: ValueError, AssertionError) stops with one line, as check_logits would only
-    after decoding. A model the meta device cannot run is left to that check."""
-    size = cfg.image_size
-    if size is None and cfg.data_dir is not None and not is_url(cfg.data_dir):
-        found = first_image_size(cfg.data_dir, cfg.image_column)
-        size = found[0] if found and found[0] == found[1] else None
+    given one image of the size the run will feed it (--image-size, else the data's first image's: `size`, None when
+    unknown); a model that refuses it (a shape check of its own: ValueError, AssertionError) stops with one line, as
+    check_logits would only after decoding. A model the meta device cannot run is left to that check."""
     if size is None:
         return
     try:
@@ -215,12 +216,10 @@ def check_input_size(cfg, source: Pretrained) -> None:
         return
 
 
-def say_size(cfg, say) -> None:
-    """When the model's input size (now --image-size) differs from the data's own, one line: which size is used, why,
-    what it costs in pixels per image against the data's size, and how to choose that one instead."""
-    if cfg.data_dir is None or is_url(cfg.data_dir):
-        return
-    found = first_image_size(cfg.data_dir, cfg.image_column)
+def say_size(cfg, found: tuple[int, int] | None, say) -> None:
+    """When the model's input size (now --image-size) differs from the data's own (`found`: its first image's (width,
+    height), None when unknown), one line: which size is used, why, what it costs in pixels per image against the
+    data's size, and how to choose that one instead."""
     if found is None or found == (cfg.image_size, cfg.image_size):
         return
     (w, h), s = found, cfg.image_size

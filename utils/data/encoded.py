@@ -73,10 +73,16 @@ class DecodingDataset(LoaderDataset):
             if cropped_here:
                 view = partial(train_view, box=boxes[k], mirrored=bool(mirrored[k]), size=size, recipe=recipe)
             else:
-                view = partial(eval_view, size=size, recipe=recipe) if recipe else partial(square_pixels, size=size)
+                view = evaluation_view(size, recipe)
             out[k] = row_pixels(rows, int(host[k]), im, view)
         return self.finish(torch.from_numpy(out).permute(0, 3, 1, 2), self.labels[torch.from_numpy(host)], host,
                            cropped=cropped_here)
+
+
+def evaluation_view(size: int, recipe: CropRecipe | None):
+    """An RGB PIL image -> its (S, S, 3) uint8 evaluation view: resized and centre-cropped by the crop recipe, or
+    without one resized to S x S as the cache does. predict.py gives new images the same view."""
+    return partial(eval_view, size=size, recipe=recipe) if recipe else partial(square_pixels, size=size)
 
 
 def _open(rows: EncodedRows, source, i: int):

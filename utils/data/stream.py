@@ -68,7 +68,6 @@ from pathlib import Path, PurePosixPath
 import aiohttp
 import fsspec
 import fsspec.caching
-import fsspec.implementations.local
 import numpy as np
 import pyarrow.parquet as pq
 import torch
@@ -161,6 +160,11 @@ def one_line(call, failed: str):
         raise UserError(f"{failed} ({first_line(e)}).") from None
 
 
+def is_local(fs) -> bool:
+    """Whether an fsspec filesystem is this machine's (its protocol, as fsspec declares it: "file")."""
+    return (fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]) == "file"
+
+
 def url_to_fs(url: str):
     """(filesystem, path) of a URL or local path; over HTTP(S), a request fails after TIMEOUT_S without progress
     (aiohttp's default waits 5 minutes in all)."""
@@ -213,11 +217,10 @@ def find_shards(data_dir: str, cache: Path | None = None) -> dict[str, list[str]
     folders and the cache folder) for train and the first of test or validation that has any."""
     fs, root = url_to_fs(data_dir)
     files = shard_files(fs, root, f"cannot list --data-dir {data_dir}", cache)
-    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     found = {}
     for split in ("train", "test", "validation"):
         named = re.compile(rf"(^|[-_.]){split}[-_.]")
-        found[split] = sorted(f if protocol == "file" else fs.unstrip_protocol(f) for f in files
+        found[split] = sorted(f if is_local(fs) else fs.unstrip_protocol(f) for f in files
                               if named.search(PurePosixPath(f).name))
     if not found["train"]:
         raise UserError(f"--decode stream: --data-dir {data_dir} holds no training shard (train-*.parquet or "
@@ -234,18 +237,16 @@ def shard_files(fs, root: str, failed: str, cache: Path | None = None) -> list[s
     folder's listing page; an object store's list request, paged by its filesystem); hidden folders (.decoded, the
     default cache, among them) and a local cache folder are never walked. Written by hand: fsspec's find() lists the
     whole tree at once, so a retry would repeat every listing."""
-    local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
-    skip = os.path.realpath(cache.parent) if cache is not None and local else None  # <cache folder>/stream-index
-    files, folders, seen = [], [root], {root}
+    skip = os.path.realpath(cache.parent) if cache is not None and is_local(fs) else None  # <cache>/stream-index
+    files, folders = [], [root]
     while folders:
         folder = folders.pop()
-        for entry in retried(partial(fs.ls, folder, detail=True), failed):
+        for entry in retried(partial(fs.ls, folder, detail=True), failed):  # each a folder's direct children
             name = entry["name"]
             if PurePosixPath(name.rstrip("/")).name.startswith("."):
                 continue
             if entry["type"] == "directory":
-                if name not in seen and not (skip and os.path.realpath(name) == skip):
-                    seen.add(name)
+                if not (skip and os.path.realpath(name) == skip):
                     folders.append(name)
             elif name.endswith(SHARD_SUFFIXES):
                 files.append(name)
@@ -265,8 +266,7 @@ def holds_tar_shards_only(folder: Path) -> bool:
 def _open(url: str, failed: str, size: int | None = None):
     """A shard as a file: a local one opened, a remote one as a RemoteFile (each request retried)."""
     fs, path = url_to_fs(url)
-    return fs.open(path, "rb") if isinstance(fs, fsspec.implementations.local.LocalFileSystem) else \
-        RemoteFile(url, failed, size)
+    return fs.open(path, "rb") if is_local(fs) else RemoteFile(url, failed, size)
 
 
 def index_shard(url: str, columns: tuple[str | None, str | None], cache: Path | None = None) -> Shard:
