@@ -6,17 +6,19 @@
 
 Rebuilds the run through the script that trained it: summary.json (beside the weights, or in the Hub repo) records
 the script (name, path, sha256) and its whole config; this tool imports that script (utils/scripts.py says which copy
-it trusts) and calls its build_model(cfg, num_classes) and load_data(cfg), so a copy of train_cifar.py with its own
-model and data evaluates unchanged. The weights load strictly (every key must match); the evaluation runs as training
-evaluated: the same eval subset, memory format, mixed precision, micro-batch and --tta-flip. Prints one JSON line
-with loss, top-1, top-5, the number of test images, any --metric, the script and the model it built (its name, if
-it declares one, class and parameters, as summary.json records them).
+it trusts) and calls its build_model(cfg, num_classes), load_data(cfg) and compute_loss(cfg, logits, targets), so a
+copy of train_cifar.py with its own model, data and loss evaluates unchanged. The weights load strictly (every key
+must match); the evaluation runs as training evaluated: the same eval subset, memory format, mixed precision,
+micro-batch and --tta-flip. Prints one JSON line with loss (the script's compute_loss, and its named terms),
+top-1, top-5, the number of test images, any --metric, the script and the model it built (its name, if it declares
+one, class and parameters, as summary.json records them).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from functools import partial
 
 import torch
 from accelerate import Accelerator
@@ -65,7 +67,8 @@ def main(argv: list[str] | None = None) -> dict:
                                                            processes=accelerator.num_processes))
     transform = BatchTransform.for_data(data, accelerator.device, channels_last)
     metrics = evaluate(model, loader, transform, accelerator, tta_flip=getattr(cfg, "tta_flip", False),
-                       classes=data["classes"], metrics=load_metrics(args.metric, data["classes"], accelerator))
+                       classes=data["classes"], compute_loss=partial(run.module.compute_loss, cfg),
+                       metrics=load_metrics(args.metric, data["classes"], accelerator))
     result = {k: v for k, v in metrics.items() if k != "class_top1"}
     built = model_record(accelerator.unwrap_model(model))  # what the script's build_model built, as training records
     result |= {"weights": str(args.weights), "script": script.name, "model": built}

@@ -23,8 +23,8 @@ Fine-tuning from trained weights (--init-from), metrics by name (--metric), shar
 
 Copy this file to start your own project. What a copy edits is here, below the Config: `build_model` (your
 network), `load_data` (your images: a parquet folder, an image folder or a Hub dataset work as they are, through
-`--data-dir` / `--dataset`), `build_optimizer`, and the loss, one line in main()'s loop. main() and the tools
-(evaluate_checkpoint.py) call them by name, so sharding, augmentation, exact resume, EMA, evaluation and export keep
+`--data-dir` / `--dataset`), `build_optimizer` and `compute_loss`. main() and the tools (evaluate_checkpoint.py)
+call them by name, so sharding, augmentation, exact resume, EMA, evaluation and export keep
 working with nothing changed in utils/ (the contracts: docs/customizing.md).
 Smaller starting point: train_minimal.py (the same training, under 200 lines, no surroundings).
 """
@@ -62,6 +62,7 @@ from utils.launch import (
     choose_fsdp_units,
     fsdp_plugin_from_launcher,
     make_deterministic,
+    optimizer_kernel,
     print_setup,
     run,
     shard_on_cpu_too,
@@ -162,7 +163,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
 
 
 # ====================================================================================================
-# What a copy edits: the model, the data, the optimizer (and the loss: one line in main()'s loop)
+# What a copy edits: the model, the data, the optimizer and the loss
 # ====================================================================================================
 def build_model(cfg: Config, num_classes: int) -> torch.nn.Module:
     """The network: a float batch (N, 3, S, S), normalised, channels-last unless --no-channels-last, in; logits
@@ -183,11 +184,9 @@ def load_data(cfg: Config) -> dict:
     return load_builtin(cfg)  # --data-dir / --dataset by --decode (utils/data/builtin.py)
 
 
-def build_optimizer(cfg: Config, model: torch.nn.Module, lr: float, fused: bool = True) -> torch.optim.Optimizer:
-    # fused: one kernel for the whole update, on CPU and CUDA (torch's default is a per-tensor loop on CPU,
-    # foreach on GPUs). ResNet-18 on 1 CPU thread: SGD 24 ms per step (loop) / 10.8 (foreach) / 3.5 (fused),
-    # AdamW 35 (foreach) / 5.3 (fused). Under FSDP2, foreach: DTensor has no sharding rule for aten._fused_sgd_.
-    kernel = {"fused": True} if fused else {"foreach": True}
+def build_optimizer(cfg: Config, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    """Built before prepare(), which shards it under FSDP. optimizer_kernel(): fused SGD / AdamW (one kernel for the
+    whole update), foreach under FSDP2 (utils/launch.py says why)."""
     # a pretrained --model names its freshly initialised tensors (its new head; utils/pretrained.py): they train at
     # lr (the first group, the lr logged), its pretrained ones at lr x --backbone-lr-factor
     new = set(getattr(model, "new_tensors", [name for name, _ in model.named_parameters()]))  # ready models: all new
@@ -195,8 +194,18 @@ def build_optimizer(cfg: Config, model: torch.nn.Module, lr: float, fused: bool 
               {"params": [p for n, p in model.named_parameters() if n not in new], "lr": lr * cfg.backbone_lr_factor}]
     params = [group for group in params if group["params"]]
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9, nesterov=True, weight_decay=cfg.weight_decay, **kernel)
-    return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay, **kernel)
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, nesterov=True, weight_decay=cfg.weight_decay,
+                               **optimizer_kernel())
+    return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay, **optimizer_kernel())
+
+
+def compute_loss(cfg: Config, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """(the loss, a mean over the batch; its named terms, {} for one term). Training backpropagates it; evaluation
+    reports it as eval/loss (what --best-metric loss picks by) and evaluate_checkpoint.py as "loss", so a copy's own
+    loss is the one measured everywhere. A loss of several parts names each: (ce + l2, {"ce": ce, "l2": l2}) logs
+    train/ce, train/l2, eval/ce, eval/l2. targets: labels (N,), or in training under --mixup / --cutmix class
+    probabilities (N, C), which F.cross_entropy takes as they are."""
+    return F.cross_entropy(logits, targets, label_smoothing=cfg.label_smoothing), {}
 
 
 # ====================================================================================================
@@ -234,7 +243,7 @@ def main(cfg: Config) -> dict:
         print_setup(accelerator, cfg, plan, lr)  # the config, then the processes, precision, device and batch
 
         # --- data: shuffled and augmented by (seed, epoch, sample); Accelerate shards and moves to the device ---
-        data = checked_data(load_data(cfg) | model_stats)  # the contract checked; mean, std: the model's, the data's
+        data = checked_data(load_data(cfg), model_stats=model_stats, say=accelerator.print)  # mean, std: said whose
         train_loader, eval_loader = build_loaders(data, cfg, accelerator, plan)  # --train-subset, --eval-subset, mixing
         memory = MemoryGuard(accelerator, fsdp is not None, train_loader)  # out of memory: half batches
 
@@ -246,14 +255,14 @@ def main(cfg: Config) -> dict:
         init = init_weights(model, cfg.init_from, cfg.model, accelerator, resume_from)  # --init-from, unless resumed
         channels_last = cfg.channels_last and fsdp is None  # FSDP2 shards contiguous parameters only: NCHW under FSDP
         model = model.to(memory_format=torch.channels_last) if channels_last else model
-        optimizer = build_optimizer(cfg, model, lr, fused=fsdp is None)
+        optimizer = build_optimizer(cfg, model, lr)
         choose_fsdp_units(accelerator, fsdp, model)  # FSDP: the model's _no_split_modules, else by size; says which
         model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
         check_wrapper(accelerator, model, cfg.bf16_grad_sync)  # DDP or FSDP really wraps it; bf16 all-reduce if asked
         transform = BatchTransform.for_data(data, accelerator.device, channels_last)  # its mean, std, size, classes
         extra_metrics = load_metrics(cfg.metric, data["classes"], accelerator)  # --metric: loaded, tried once
         run_eval = partial(evaluate, model, eval_loader, transform, accelerator, tta_flip=cfg.tta_flip,  # each once
-                           classes=data["classes"], metrics=extra_metrics)
+                           classes=data["classes"], compute_loss=partial(compute_loss, cfg), metrics=extra_metrics)
         ema = WeightEMA(accelerator, model, cfg.ema_decay) if cfg.ema_decay else None  # updated after each step
         guard = StopGuard(accelerator, HEALTH_CHECK_EVERY, checkpointer)  # preemption signals and a non-finite loss
         # when to evaluate, the best weights by --best-metric (checked now: a metric it evaluates), an early stop
@@ -287,10 +296,7 @@ def main(cfg: Config) -> dict:
             for images, labels, *draws in bar:  # draws: each image's crop, flip, mixing; none from (images, labels)
                 with accelerator.accumulate(model), memory.micro_step():  # no all-reduce on non-final micro-steps
                     inputs, targets = transform.train(images, labels, *draws)  # crop, flip, mix, normalise on device
-                    # the loss: a mean over the micro-batch; targets are labels (N,), or class probabilities (N, C)
-                    # under --mixup / --cutmix, which F.cross_entropy takes as they are
-                    loss = F.cross_entropy(model(inputs), targets, label_smoothing=cfg.label_smoothing)
-                    terms = {}  # a loss of several parts names each here too ({"ce": ce, "l2": l2}): train/<name>
+                    loss, terms = compute_loss(cfg, model(inputs), targets)  # terms: train/<name>
                     accelerator.backward(loss)  # divides by grad_accum
                     if accelerator.sync_gradients and (cfg.grad_clip > 0 or tracker.logs_at(p.global_step + 1)):
                         meter.grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)

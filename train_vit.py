@@ -118,7 +118,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
 
 
 # ====================================================================================================
-# What a copy edits: the model, the data, the optimizer (and the loss: one line in main()'s loop)
+# What a copy edits: the model, the data, the optimizer and the loss
 # ====================================================================================================
 def build_model(cfg: Config, num_classes: int) -> torch.nn.Module:
     """The network: a normalised float batch (N, 3, S, S) in, logits (N, num_classes) out (checked before
@@ -145,6 +145,12 @@ def build_optimizer(cfg: Config, model: torch.nn.Module, lr: float) -> torch.opt
         (plain if param.ndim <= 1 or name in no_decay else decay).append(param)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": plain, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=lr, foreach=True)
+
+
+def compute_loss(cfg: Config, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """(the loss, a mean over the batch; its named terms), called by training, evaluation and
+    evaluate_checkpoint.py, as train_cifar.py's compute_loss (its docstring says how)."""
+    return F.cross_entropy(logits, targets, label_smoothing=cfg.label_smoothing), {}
 
 
 # ====================================================================================================
@@ -181,7 +187,7 @@ def main(cfg: Config) -> dict:
         print_setup(accelerator, cfg, plan, lr)  # the config, then the processes, precision, device and batch
 
         # --- data: shuffled and augmented by (seed, epoch, sample); Accelerate shards and moves to the device ---
-        data = checked_data(load_data(cfg))  # the contract checked; the training images' mean and std when absent
+        data = checked_data(load_data(cfg), say=accelerator.print)  # the contract checked; mean, std: said whose
         train_loader, eval_loader = build_loaders(data, cfg, accelerator, plan)  # --train-subset, --eval-subset, mixing
         memory = MemoryGuard(accelerator, fsdp is not None, train_loader)  # out of memory: half batches
 
@@ -199,7 +205,7 @@ def main(cfg: Config) -> dict:
         transform = BatchTransform.for_data(data, accelerator.device, channels_last=False)  # mean, std, size, classes
         extra_metrics = load_metrics(cfg.metric, data["classes"], accelerator)  # --metric: loaded, tried once
         run_eval = partial(evaluate, model, eval_loader, transform, accelerator, tta_flip=False,  # each once
-                           classes=data["classes"], metrics=extra_metrics)
+                           classes=data["classes"], compute_loss=partial(compute_loss, cfg), metrics=extra_metrics)
         ema = WeightEMA(accelerator, model, cfg.ema_decay) if cfg.ema_decay else None  # updated after each step
         guard = StopGuard(accelerator, HEALTH_CHECK_EVERY, checkpointer)  # preemption signals and a non-finite loss
         # when to evaluate, the best weights by --best-metric (checked now: a metric it evaluates), an early stop
@@ -233,10 +239,7 @@ def main(cfg: Config) -> dict:
             for images, labels, *draws in bar:  # draws: each image's crop, flip, mixing; none from (images, labels)
                 with accelerator.accumulate(model), memory.micro_step():  # no gradient sync on non-final micro-steps
                     inputs, targets = transform.train(images, labels, *draws)  # crop, flip, mix, normalise on device
-                    # the loss: a mean over the micro-batch; targets are labels (N,), or class probabilities (N, C)
-                    # under --mixup / --cutmix, which F.cross_entropy takes as they are
-                    loss = F.cross_entropy(model(inputs), targets, label_smoothing=cfg.label_smoothing)
-                    terms = {}  # a loss of several parts names each here too ({"ce": ce, "l2": l2}): train/<name>
+                    loss, terms = compute_loss(cfg, model(inputs), targets)  # terms: train/<name>
                     accelerator.backward(loss)  # divides by grad_accum
                     if accelerator.sync_gradients and (cfg.grad_clip > 0 or tracker.logs_at(p.global_step + 1)):
                         meter.grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)

@@ -661,6 +661,31 @@ def test_a_dataset_item_of_the_wrong_type_label_or_size_stops_with_one_line_nami
     assert data["mean"] == (0.0, 0.0, 0.0)
 
 
+def test_the_mean_and_std_are_load_datas_else_the_models_else_the_training_images_and_said_with_where_from():
+    """One rule for the normalisation, said at start in one line: load_data's own mean and std win (over a pretrained
+    model's, which the line names as not used), else the model's, else the training images' own (here half the
+    pixels 0 and half 255: mean 0.5, std 0.5); summary.json's data facts record which."""
+    from utils.data.contract import checked_data, data_facts
+
+    images = torch.zeros(4, 3, 2, 2, dtype=torch.uint8)
+    images[:2] = 255
+    data = {"train": (images, [0, 1, 0, 1]), "test": (images, [0, 1, 0, 1]), "classes": ["a", "b"]}
+    own, model = {"mean": (0.1, 0.2, 0.3), "std": (0.4, 0.5, 0.6)}, {"mean": (0.7,) * 3, "std": (0.8,) * 3}
+    cases = ((data | own, model, own, "load_data",
+              "normalising with load_data's mean (0.1000, 0.2000, 0.3000) and std (0.4000, 0.5000, 0.6000); the "
+              "pretrained model's (mean (0.7000, 0.7000, 0.7000) and std (0.8000, 0.8000, 0.8000)) are not used: "
+              "load_data's own win"),
+             (data, model, model, "pretrained model",
+              "normalising with the pretrained model's mean (0.7000, 0.7000, 0.7000) and std (0.8000, 0.8000, 0.8000)"),
+             (data, {}, {"mean": (0.5,) * 3, "std": (0.5,) * 3}, "training images",
+              "normalising with the training images' mean (0.5000, 0.5000, 0.5000) and std (0.5000, 0.5000, 0.5000)"))
+    for given, model_stats, want, source, line in cases:
+        said = []
+        checked = checked_data(given, model_stats=model_stats, say=said.append)
+        assert (checked["mean"], checked["std"]) == (want["mean"], want["std"]) and said == [line]
+        assert data_facts(checked)["image_stats_from"] == source
+
+
 def test_a_dataset_split_is_refused_with_one_line_for_the_device_and_for_resized_crops(tmp_path):
     """--data-on-device and --augment resized-crop need other kinds of images: each is one line for a Dataset."""
     from utils.data.contract import checked_data

@@ -31,6 +31,7 @@ from conftest import (
     PROBE,
     REPO,
     cpu_bf16_native_here,
+    cross_entropy,
     read_summary,
     run_train,
     script_env,
@@ -192,7 +193,7 @@ def test_two_rank_eval_counts_each_image_once_and_equals_one_rank_eval_of_the_ex
     try:
         metrics = train_cifar.evaluate(model, loader, BatchTransform(torch.device("cpu"), False, mean=data["mean"],
                                                                                 std=data["std"]), accelerator,
-                                       CIFAR_CLASSES)
+                                       CIFAR_CLASSES, cross_entropy)
     finally:
         torch.set_num_threads(threads)
     assert metrics["examples"] == EVAL_SUBSET

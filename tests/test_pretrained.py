@@ -111,6 +111,8 @@ def test_a_timm_folder_fine_tuned_on_two_ranks_learns_better_than_its_architectu
     assert "new, freshly initialised: fc.weight, fc.bias" in said
     assert "preprocessing from timm's pretrained_cfg" in said and "--image-size 32, mean (0.5000" in said
     assert fine["image_mean"] == [0.5] * 3 and fine["image_std"] == [0.5] * 3  # the model's, not the data's
+    assert "normalising with the pretrained model's mean (0.5000, 0.5000, 0.5000) and std (0.5000" in said
+    assert (fine["image_stats_from"], scratch["image_stats_from"]) == ("pretrained model", "training images")
     assert fine["config"]["optimizer"] == "adamw" and fine["config"]["label_smoothing"] == 0.1  # the recipe's
 
 

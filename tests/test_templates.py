@@ -56,25 +56,24 @@ ALLOWED = [
     (["model_stats = apply_preprocessing(cfg, accelerator.print)"], [],
      "train_cifar.py fine-tunes pretrained timm and transformers models, whose preprocessing it takes; train_vit.py "
      "trains its own ViTs"),
-    (["data = checked_data(load_data(cfg) | model_stats)"], ["data = checked_data(load_data(cfg))"],
-     "a pretrained model's mean and std win over the data's (train_cifar.py only, as above)"),
+    (["data = checked_data(load_data(cfg), model_stats=model_stats, say=accelerator.print)"],
+     ["data = checked_data(load_data(cfg), say=accelerator.print)"],
+     "a pretrained model's mean and std come before the data's (train_cifar.py only, as above)"),
     (["model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) if cfg.sync_bn else model"], [],
      "the ResNet may convert its BatchNorms to SyncBatchNorm; the ViT has none"),
     (["channels_last = cfg.channels_last and fsdp is None",
       "model = model.to(memory_format=torch.channels_last) if channels_last else model",
-      "optimizer = build_optimizer(cfg, model, lr, fused=fsdp is None)"],
+      ],
      ["if cfg.activation_checkpointing:",
-      "checkpoint_blocks(model)",
-      "optimizer = build_optimizer(cfg, model, lr)"],
-     "the ResNet runs channels-last (not under FSDP2) with fused SGD; the ViT may checkpoint its blocks, and uses "
-     "its own AdamW parameter groups"),
+      "checkpoint_blocks(model)"],
+     "the ResNet runs channels-last (not under FSDP2); the ViT may checkpoint its blocks"),
     (["transform = BatchTransform.for_data(data, accelerator.device, channels_last)"],
      ["transform = BatchTransform.for_data(data, accelerator.device, channels_last=False)"],
      "the ViT's patch embedding takes NCHW"),
     (["run_eval = partial(evaluate, model, eval_loader, transform, accelerator, tta_flip=cfg.tta_flip, "
-      "classes=data['classes'], metrics=extra_metrics)"],
+      "classes=data['classes'], compute_loss=partial(compute_loss, cfg), metrics=extra_metrics)"],
      ["run_eval = partial(evaluate, model, eval_loader, transform, accelerator, tta_flip=False, "
-      "classes=data['classes'], metrics=extra_metrics)"],
+      "classes=data['classes'], compute_loss=partial(compute_loss, cfg), metrics=extra_metrics)"],
      "flip test-time augmentation is the ResNet recipes' (the ViT has no --tta-flip)"),
     (["run_info = {**run_facts(accelerator, cfg, model, optimizer, plan, total_steps, lr), 'channels_last': "
       "channels_last, **init}"],
@@ -149,7 +148,7 @@ NPZ_DATA = ("def load_data(cfg):\n"
             "            'classes': [str(name) for name in arrays['classes']]}\n")
 # SGD with Nesterov momentum 0.9 and L2 weight decay, as torch.optim.SGD computes it, written out by hand; it counts
 # its updates in its state ("updates"), which the checkpoint's optimizer.bin then holds.
-HAND_WRITTEN_SGD = ("def build_optimizer(cfg, model, lr, fused=True):\n"
+HAND_WRITTEN_SGD = ("def build_optimizer(cfg, model, lr):\n"
                     "    class HandSGD(torch.optim.Optimizer):\n"
                     "        def __init__(self, params, lr, weight_decay):\n"
                     "            super().__init__(params, dict(lr=lr, weight_decay=weight_decay))\n"
@@ -167,7 +166,7 @@ HAND_WRITTEN_SGD = ("def build_optimizer(cfg, model, lr, fused=True):\n"
                     "                    p.sub_(group['lr'] * (g + 0.9 * buf))\n"
                     "\n"
                     "    return HandSGD(model.parameters(), lr, cfg.weight_decay)\n")
-LOSS_LINE = "loss = F.cross_entropy(model(inputs), targets, label_smoothing=cfg.label_smoothing)"
+LOSS_LINE = "loss, terms = compute_loss(cfg, model(inputs), targets)  # terms: train/<name>"
 # The same L2 penalty as SGD's weight decay 0.05, as an auxiliary loss term: 0.5 x 0.05 x |w|^2 has gradient 0.05 w.
 AUX_LOSS = LOSS_LINE + "\nloss = loss + 0.5 * 0.05 * sum(p.pow(2).sum() for p in model.parameters())"
 
@@ -286,6 +285,23 @@ def test_a_copy_whose_loss_adds_an_l2_term_trains_as_sgd_weight_decay_does(cifar
 
 
 @pytest.mark.slow
+def test_a_copys_compute_loss_is_the_loss_its_evaluation_and_evaluate_checkpoint_report(cifar_dir, cache_dir,
+                                                                                         tmp_path):
+    """A copy whose compute_loss is twice the template's cross-entropy, trained one epoch: from the same weights, its
+    run's eval_loss and evaluate_checkpoint.py through the copy report twice the loss evaluate_checkpoint.py reports
+    through the template (within 1e-5, relative), with the same top-1."""
+    script = edited_copy(tmp_path, "compute_loss", TWICE_CE)
+    run_copy(script, job_args(cifar_dir, cache_dir, tmp_path / "twice", *SMALL_JOB))
+    s, weights = read_summary(tmp_path / "twice"), tmp_path / "twice" / "model.safetensors"
+    template = evaluated(weights, "--script", str(REPO / "train_cifar.py"))
+    copy = evaluated(weights)
+    assert copy["script"] == "my_train.py" and template["script"] == "train_cifar.py"
+    assert s["eval_loss"] == pytest.approx(2 * template["loss"], rel=1e-5)
+    assert copy["loss"] == pytest.approx(2 * template["loss"], rel=1e-5)
+    assert copy["top1"] == template["top1"] == s["eval_top1"]
+
+
+@pytest.mark.slow
 def test_a_copy_with_a_hand_written_optimizer_trains_with_it_and_checkpoints_its_state(cifar_dir, cache_dir, tmp_path):
     """build_optimizer returns a hand-written Nesterov SGD (torch.optim.Optimizer subclass): 16 steps on 1 process
     (lr 0.01) end apart from the template's fused SGD by less than 5% of how far training moved the weights
@@ -348,16 +364,17 @@ SMALL_NET = ("class SmallNet(torch.nn.Module):\n"
              "def build_model(cfg, num_classes):\n"
              "    return SmallNet(num_classes)\n")
 SMALL_NET_PARAMETERS = (3 * 9 * 16 + 16) + 2 * 16 + (256 * 10 + 10)  # conv, BatchNorm, head
-NO_DECAY_ADAMW = ("def build_optimizer(cfg, model, lr, fused=True):\n"
+NO_DECAY_ADAMW = ("def build_optimizer(cfg, model, lr):\n"
                   "    decayed = [p for p in model.parameters() if p.ndim > 1]  # biases and norms: no weight decay\n"
                   "    rest = [p for p in model.parameters() if p.ndim <= 1]\n"
                   "    return torch.optim.AdamW([{'params': decayed}, {'params': rest, 'weight_decay': 0.0}], lr=lr,\n"
-                  "                             weight_decay=cfg.weight_decay, fused=fused or None)\n")
-TWO_TERM_LOSS = [(LOSS_LINE, "logits = model(inputs)\n"
-                             "ce = F.cross_entropy(logits, targets, label_smoothing=cfg.label_smoothing)\n"
-                             "penalty = 0.01 * logits.float().pow(2).mean()  # keeps the logits small\n"
-                             "loss = ce + penalty"),
-                 ("terms = {}", 'terms = {"ce": ce, "logit_penalty": penalty}')]
+                  "                             weight_decay=cfg.weight_decay, **optimizer_kernel())\n")
+TWO_TERM_LOSS = ("def compute_loss(cfg, logits, targets):\n"
+                 "    ce = F.cross_entropy(logits, targets, label_smoothing=cfg.label_smoothing)\n"
+                 "    penalty = 0.01 * logits.float().pow(2).mean()  # keeps the logits small\n"
+                 "    return ce + penalty, {'ce': ce, 'logit_penalty': penalty}\n")
+TWICE_CE = ("def compute_loss(cfg, logits, targets):\n"
+            "    return 2 * F.cross_entropy(logits, targets, label_smoothing=cfg.label_smoothing), {}\n")
 MACRO_F1 = metric_script("MacroF1", """    def _compute(self, predictions, references):
         scores = []
         for c in set(predictions) | set(references):
@@ -406,14 +423,15 @@ def test_a_copy_logs_its_loss_terms_keeps_its_best_f1_weights_and_records_the_ne
       lr 0.003, weight decay 0.05 / 0); the flags stay beside them in summary.json's config;
     - train/ce and train/logit_penalty are logged at every step and train/epoch_ce, train/epoch_logit_penalty at each
       epoch's end, summing to train/loss (train/epoch_loss) within 1e-5 (relative); summary.json's train_loss_terms
-      are the last epoch's;
+      are the last epoch's; each evaluation logs eval/ce and eval/logit_penalty, summing to eval/loss (1e-5);
     - 1 process (accumulation 2) logs the same train/* values as 2 ranks, at every step, within 1e-5 (relative);
     - kill -9 after the step-3 checkpoint and --resume auto: the two jobs send the tracker (accelerator.log) the same
       train/* keys at the same steps as the uninterrupted run, values within 1e-5 (relative), and end with its
       final weights bitwise;
     - best.safetensors is the evaluation with the highest eval/macro_f1 (the first of equals): best_checkpoint names
       its step, best_eval_macro_f1 is its value, and evaluate_checkpoint.py gives that macro-F1 from the file."""
-    script = copy_with_edits(tmp_path, {"build_model": SMALL_NET, "build_optimizer": NO_DECAY_ADAMW}, TWO_TERM_LOSS)
+    script = copy_with_edits(tmp_path, {"build_model": SMALL_NET, "build_optimizer": NO_DECAY_ADAMW,
+                                        "compute_loss": TWO_TERM_LOSS}, [])
     (tmp_path / "macro_f1.py").write_text(MACRO_F1)
     job = ["--train-subset", "256", "--eval-subset", "64", "--batch-size", "16", "--global-batch-size", "32",
            "--epochs", "2", "--eval-every-steps", "2", "--checkpoint-every-steps", "3", "--lr", "0.003",
@@ -443,6 +461,11 @@ def test_a_copy_logs_its_loss_terms_keeps_its_best_f1_weights_and_records_the_ne
             epoch["train/epoch_loss"], rel=1e-5)
     assert s["train_loss_terms"] == {"ce": logs[16]["train/epoch_ce"],
                                      "logit_penalty": logs[16]["train/epoch_logit_penalty"]}
+    evals = logged_by_step(whole, "eval/")  # the evaluation reports the copy's loss and its terms too
+    assert sorted(evals) == list(range(2, 17, 2))
+    for values in evals.values():
+        assert values["eval/ce"] + values["eval/logit_penalty"] == pytest.approx(values["eval/loss"], rel=1e-5)
+        assert values["eval/logit_penalty"] > 0
 
     one = tmp_path / "one"
     run_probed(script, job_args(cifar_dir, cache_dir, one, *job))

@@ -15,6 +15,7 @@ from conftest import (
     CPU_YAML,
     REPO,
     assert_same_state,
+    cross_entropy,
     digests,
     export_png_folder,
     job_args,
@@ -83,7 +84,7 @@ def test_exported_weights_load_into_a_plain_model_and_reproduce_the_reported_top
     loader = make_loader(images[:EVAL_SUBSET], labels[:EVAL_SUBSET], batch_size=250, train=False)
     model = model.to(memory_format=torch.channels_last)  # as trained: channels_last, fp32 (cpu.yaml)
     transform = BatchTransform(torch.device("cpu"), channels_last=True, mean=data["mean"], std=data["std"])
-    metrics = train_cifar.evaluate(model, loader, transform, accelerator, CIFAR_CLASSES)
+    metrics = train_cifar.evaluate(model, loader, transform, accelerator, CIFAR_CLASSES, cross_entropy)
     reported = read_summary(out)
     assert metrics["examples"] == EVAL_SUBSET
     # Same weights, images and precision; the CPU thread count (1 vs 2) and the batch size differ from training,
@@ -226,7 +227,8 @@ def test_flip_test_time_augmentation_averages_the_logits_of_each_image_and_its_m
     model[-1].factor = 50.0  # confident logits, so an image and its mirror give clearly different ones
     transform = BatchTransform(torch.device("cpu"), channels_last=False, mean=data["mean"], std=data["std"])
     loader = accelerator.prepare(make_loader(images, labels, 32, train=False))
-    plain, flipped = (train_cifar.evaluate(model, loader, transform, accelerator, CIFAR_CLASSES, tta_flip=t)
+    plain, flipped = (train_cifar.evaluate(model, loader, transform, accelerator, CIFAR_CLASSES, cross_entropy,
+                                           tta_flip=t)
                        for t in (False, True))
     with torch.no_grad():
         x = transform(images)

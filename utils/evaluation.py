@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from utils import UserError, first_line
 from utils.config_groups import metric_label, parse_metric
@@ -21,23 +20,28 @@ from utils.launch import first_on_each_machine, share_bn_statistics
 
 
 @torch.no_grad()
-def evaluate(model, loader, transform, accelerator, classes, tta_flip: bool = False, metrics=()) -> dict:
+def evaluate(model, loader, transform, accelerator, classes, compute_loss, tta_flip: bool = False, metrics=()) -> dict:
     """Every rank evaluates its shard; gather_for_metrics drops the padding Accelerate adds to make shards even,
     so each test image counts exactly once. All ranks use rank 0's BatchNorm statistics, the exported ones
     (share_bn_statistics: DDP's broadcast_buffers misses an evaluation that follows another). `transform(images)`
     turns a loader batch into the model's input; tta_flip averages the logits of each image and its
-    mirror image. `metrics` (load_metrics): computed on every rank from all ranks' top-1 predictions and labels."""
+    mirror image. `compute_loss(logits, labels)`: the script's loss and its named terms (a mean over the batch), so
+    "loss" and each term are the mean over the test images of what training minimises. `metrics` (load_metrics):
+    computed on every rank from all ranks' top-1 predictions and labels."""
     share_bn_statistics(accelerator, model)
     model.eval()
     dev, k = accelerator.device, len(classes)
-    loss_sum, top1, top5 = (torch.zeros((), device=dev, dtype=torch.float64) for _ in range(3))
+    top1, top5 = (torch.zeros((), device=dev, dtype=torch.float64) for _ in range(2))
+    sums = {}  # the loss and its terms, each summed over the images
     confusion = torch.zeros(k * k, device=dev, dtype=torch.long)  # row: true class, column: predicted
     predicted, references = [], []
     for images, labels in loader:
         inputs = transform(images)
         logits = (model(inputs) + model(inputs.flip(3))) / 2 if tta_flip else model(inputs)
         logits, labels = accelerator.gather_for_metrics((logits.float(), labels))
-        loss_sum += F.cross_entropy(logits, labels, reduction="sum")
+        loss, terms = compute_loss(logits, labels)
+        for name, value in {"loss": loss, **terms}.items():  # means over the batch, summed over the images
+            sums[name] = sums.get(name, 0) + value.detach().double() * len(labels)
         best5 = logits.topk(min(5, k), dim=1).indices
         top1 += (best5[:, 0] == labels).sum()
         top5 += (best5 == labels[:, None]).any(dim=1).sum()
@@ -48,8 +52,9 @@ def evaluate(model, loader, transform, accelerator, classes, tta_flip: bool = Fa
     confusion = confusion.view(k, k)
     n = int(confusion.sum())
     per_class = (100.0 * confusion.diagonal() / confusion.sum(1).clamp(min=1)).tolist()
-    out = {"loss": loss_sum.item() / n, "top1": 100.0 * top1.item() / n, "top5": 100.0 * top5.item() / n,
-           "examples": n, "class_top1": dict(zip(classes, per_class)), "confusion": confusion.tolist()}
+    out = {**{name: float(total) / n for name, total in sums.items()}, "top1": 100.0 * top1.item() / n,
+           "top5": 100.0 * top5.item() / n, "examples": n, "class_top1": dict(zip(classes, per_class)),
+           "confusion": confusion.tolist()}
     if metrics:
         predicted, references = torch.cat(predicted).tolist(), torch.cat(references).tolist()
         for metric in metrics:

@@ -78,6 +78,15 @@ def shard_on_cpu_too(accelerator, plugin: FullyShardedDataParallelPlugin | None)
     accelerator.state.fsdp_plugin = plugin
 
 
+def optimizer_kernel() -> dict:
+    """How torch.optim's SGD and AdamW should update, as their keyword arguments, for the run Accelerate's shared
+    state describes (call it once the Accelerator exists, after shard_on_cpu_too): fused, one kernel for the whole
+    update on CPU and CUDA (torch's default is a per-tensor loop on CPU, foreach on GPUs; ResNet-18 on 1 CPU thread:
+    SGD 24 ms per step with the loop, 10.8 foreach, 3.5 fused; AdamW 35 foreach, 5.3 fused); under FSDP2 foreach,
+    as DTensor has no sharding rule for aten._fused_sgd_."""
+    return {"foreach": True} if PartialState().distributed_type == DistributedType.FSDP else {"fused": True}
+
+
 def choose_fsdp_units(accelerator, plugin: FullyShardedDataParallelPlugin | None, model: torch.nn.Module) -> None:
     """Under FSDP, what FSDP2 shards one unit at a time (each unit is gathered, used and freed on its own); the
     model as a whole is the last unit. In order: the block classes the launch config names

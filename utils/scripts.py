@@ -70,8 +70,9 @@ def import_script(path: Path):
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
     spec.loader.exec_module(module)
-    for name in ("Config", "build_model", "load_data"):
+    for name in ("Config", "build_model", "load_data", "compute_loss"):
         if not hasattr(module, name):
             raise UserError(f"{path} defines no {name}: the tools rebuild a run through the training script's Config, "
-                            f"build_model(cfg, num_classes) and load_data(cfg).")
+                            f"build_model(cfg, num_classes), load_data(cfg) and compute_loss(cfg, logits, "
+                            f"targets).")
     return module

@@ -12,7 +12,7 @@ from utils.config_groups import is_url
 from utils.data.crops import CropRecipe
 from utils.data.decode import default_cache_dir, load_source
 from utils.data.encoded import EncodedImages
-from utils.data.images import SPLITS, worker_share
+from utils.data.images import SPLITS, TensorImages, worker_share
 from utils.data.sources import fingerprint, first_size, locate, split_rows
 from utils.data.stream import StreamSettings, holds_tar_shards_only, open_stream
 from utils.launch import main_print
@@ -23,8 +23,8 @@ def load_encoded(data_dir: str | None, dataset: str | None = None, image_size: i
                  recipe: CropRecipe | None = None, workers: int | None = None, stream: StreamSettings | None = None
                  ) -> dict:
     """The built-in sources (as utils.data.decode.load_source gives them), with EncodedImages in place of the image
-    tensors: nothing is decoded but the first training images, for the per-channel mean and std (EncodedImages.
-    channel_stats).
+    tensors: nothing is decoded here (the per-channel mean and std, when the normalisation needs the data's, come
+    from the first training images: EncodedImages.channel_stats).
     image_size: S; None: the first training image's size. recipe: the crop recipe (--augment resized-crop), or None.
     workers: the DataLoader's decoding worker processes (per process); None: this process's share of the cores.
     stream: read the shards of data_dir (a folder or a URL; --dataset: the Hub's) as a stream (utils/data/stream.py)
@@ -40,9 +40,8 @@ def load_encoded(data_dir: str | None, dataset: str | None = None, image_size: i
         description = {**source.describe(key), "decode": "workers"}
     size = image_size or first_size(rows)[0]
     data = {s: (EncodedImages(rows[s], size, recipe, workers or worker_share()), rows[s].labels) for s in SPLITS}
-    mean, std = data["train"][0].channel_stats()
     view = {"eval_crop": recipe.eval_crop, "interpolation": recipe.interpolation} if recipe else {}  # how it evaluates
-    return data | {"classes": classes, "mean": mean, "std": std, "dataset": description} | view
+    return data | {"classes": classes, "dataset": description} | view
 
 
 def load_builtin(cfg) -> dict:
@@ -53,9 +52,11 @@ def load_builtin(cfg) -> dict:
     dataset = cfg.dataset or (None if cfg.data_dir else "uoft-cs/cifar10")
     columns = (cfg.image_column, cfg.label_column)
     decode = choose_decode(cfg, dataset)  # printed, with why
-    if decode == "cache":
-        return load_source(cfg.data_dir, dataset, cfg.image_size, columns, cfg.val_fraction, cfg.cache_dir,
+    if decode == "cache":  # the cache's mean and std are the data's: kept with its images (the rule: checked_data)
+        data = load_source(cfg.data_dir, dataset, cfg.image_size, columns, cfg.val_fraction, cfg.cache_dir,
                            cfg.decode_workers)
+        stats = data.pop("mean"), data.pop("std")
+        return data | {s: (TensorImages(data[s][0], stats), data[s][1]) for s in SPLITS}
     recipe = CropRecipe(cfg.crop_scale, cfg.crop_ratio, cfg.eval_crop or CropRecipe.eval_crop,  # unset: defaults
                         cfg.interpolation or CropRecipe.interpolation) if cfg.augment == "resized-crop" else None
     stream = None

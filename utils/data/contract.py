@@ -14,7 +14,7 @@ from utils.data.images import SPLITS, Images, TensorImages
 from utils.data.items import DatasetImages
 
 
-def checked_data(data: dict, where: str = "load_data") -> dict:
+def checked_data(data: dict, where: str = "load_data", model_stats: dict | None = None, say=None) -> dict:
     """A template's load_data(cfg) result, checked and put in the form the loaders take. The contract (the edit point
     of docs/customizing.md): 'train' and 'test', each a pair (images, labels): uint8 images N x H x W x 3 or
     N x 3 x H x W, square, both splits the same size, as numpy arrays (memory-mapped is fine) or tensors, or another
@@ -25,7 +25,10 @@ def checked_data(data: dict, where: str = "load_data") -> dict:
     eval_crop on their shorter side with that filter, then centre-cropped to S; for preprocessor_config.json).
     Returns them with each split's images as an `Images` kind (arrays and tensors: TensorImages, an (N, 3, S, S)
     view, no copy of NHWC input), int64 labels and 'image_size' S. A broken contract: one line naming `where` and
-    what is wrong."""
+    what is wrong.
+    The mean and std the inputs are normalised with follow one rule (normalisation): load_data's own, else
+    `model_stats` (a pretrained model's), else the training images'; 'stats_from' says which, and `say` (a print)
+    says it at start."""
     if not isinstance(data, dict) or not {"train", "test", "classes"} <= data.keys():
         got = sorted(data) if isinstance(data, dict) else type(data).__name__
         raise UserError(f"{where} must return a dict with 'train', 'test' and 'classes' (got {got}).")
@@ -51,12 +54,33 @@ def checked_data(data: dict, where: str = "load_data") -> dict:
     if size != test_size:
         raise UserError(f"{where}: the train images are {size} px and the test images {test_size} px; give both "
                         f"splits one size.")
-    if "mean" in data and "std" in data:
-        out["mean"], out["std"] = tuple(map(float, data["mean"])), tuple(map(float, data["std"]))
-    else:
-        out["mean"], out["std"] = out["train"][0].channel_stats()
+    out |= normalisation(data, model_stats or {}, out["train"][0], where, say)
     view = {k: data[k] for k in ("eval_crop", "interpolation") if k in data}  # the built-in loader's resized crops
     return out | {"image_size": int(size)} | view
+
+
+def normalisation(data: dict, model_stats: dict, images: Images, where: str, say=None) -> dict:
+    """{'mean', 'std', 'stats_from'}: the per-channel mean and std the inputs are normalised with, by one rule, the
+    first that exists: load_data's 'mean' and 'std' (a copy's own choice), the pretrained model's (`model_stats`:
+    what its weights were trained with), the training images' own (Images.channel_stats). `say`: one line naming
+    them and where they came from (and what they won over)."""
+    model = {k: tuple(map(float, model_stats[k])) for k in ("mean", "std") if k in model_stats}
+    if "mean" in data and "std" in data:
+        stats, source, whose = {k: tuple(map(float, data[k])) for k in ("mean", "std")}, where, f"{where}'s"
+    elif len(model) == 2:
+        stats, source, whose = model, "pretrained model", "the pretrained model's"
+    else:
+        stats, source, whose = dict(zip(("mean", "std"), images.channel_stats())), "training images", \
+            "the training images'"
+    if say is not None:
+        beaten = (f"; the pretrained model's ({_shown(model)}) are not used: {where}'s own win"
+                  if len(model) == 2 and source == where and model != stats else "")
+        say(f"normalising with {whose} {_shown(stats)}{beaten}")
+    return stats | {"stats_from": source}
+
+
+def _shown(stats: dict) -> str:
+    return " and ".join(f"{k} ({', '.join(f'{v:.4f}' for v in stats[k])})" for k in ("mean", "std"))
 
 
 def data_facts(data: dict) -> dict:
@@ -64,6 +88,7 @@ def data_facts(data: dict) -> dict:
     mean and std the inputs are normalised with; the evaluation's resize and crop, when resized-crop)."""
     return {"dataset": data["dataset"], "classes": list(data["classes"]), "image_size": data["image_size"],
             "image_mean": [float(m) for m in data["mean"]], "image_std": [float(s) for s in data["std"]],
+            "image_stats_from": data["stats_from"],
             **{k: data[k] for k in ("eval_crop", "interpolation") if k in data}}
 
 

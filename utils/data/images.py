@@ -185,26 +185,27 @@ class Images(abc.ABC):
 
 class TensorImages(Images):
     """Decoded uint8 images (N, 3, S, S) in memory (a view of NHWC memory is fine, memory-mapped too), indexed by one
-    tensor index per batch in the main process (BatchedTensorDataset)."""
+    tensor index per batch in the main process (BatchedTensorDataset). `stats`: their per-channel mean and std when
+    already known (the decode cache keeps them), else computed when asked."""
 
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor, self.image_size, self.workers = tensor, int(tensor.shape[-1]), 0
+    def __init__(self, tensor: torch.Tensor, stats: tuple | None = None):
+        self.tensor, self.image_size, self.workers, self.stats = tensor, int(tensor.shape[-1]), 0, stats
         self.on_device = tensor.device.type != "cpu"
 
     def __len__(self) -> int:
         return len(self.tensor)
 
     def prefix(self, n: int) -> TensorImages:
-        return TensorImages(self.tensor[:n])
+        return TensorImages(self.tensor[:n], self.stats)
 
     def loader_dataset(self, labels, train, seed, augment, pad, mixing) -> BatchedTensorDataset:
         return BatchedTensorDataset(self.tensor, labels, seed if train else None, augment, pad, mixing)
 
     def channel_stats(self):
-        return channel_stats(self.tensor)
+        return self.stats or channel_stats(self.tensor)
 
     def to(self, device: torch.device) -> TensorImages:
-        return TensorImages(self.tensor.to(device))
+        return TensorImages(self.tensor.to(device), self.stats)
 
 
 def as_images(images: Images | torch.Tensor) -> Images:
