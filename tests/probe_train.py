@@ -48,6 +48,10 @@ With PROBE_NAN_AT_FORWARD=K the loss of the K-th training forward on every rank 
 With PROBE_OOM_ABOVE=N a training forward of more than N images raises torch.OutOfMemoryError on every rank before
 the model computes anything, as a GPU does when a micro-batch does not fit; with PROBE_OOM_AT_FORWARD=K the K-th
 training forward (counting those that raised) does.
+With PROBE_HOLD_AT_STEP=K every rank waits at its K-th optimizer step until its parent process (the launcher) is
+gone, then goes on: a job that cannot end before the launcher is killed, however busy the machine.
+With PROBE_HANG_SAMPLE=EPOCH:INDEX the loader worker that decodes training sample INDEX in epoch EPOCH (from 0) sleeps
+for good instead (--decode workers or stream): a hung worker.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ import json
 import os
 import shutil
 import sys
+import time
 import weakref
 from pathlib import Path
 from types import SimpleNamespace
@@ -143,6 +148,10 @@ def stream_read(self, rows):
 
 def decoding_getitems(self, indices):
     stream_record({"fetch": self.images.rows.split, "epoch": self.epoch, "rows": [int(i) for i in indices]})
+    hang = os.environ.get("PROBE_HANG_SAMPLE")  # EPOCH:INDEX: the worker decoding that training sample never returns
+    if hang and self.augment_seed is not None and [self.epoch, int(hang.split(":")[1])] in \
+            [[int(hang.split(":")[0]), int(i)] for i in indices]:
+        time.sleep(10 ** 6)
     return real_decoding_getitems(self, indices)
 
 
@@ -267,6 +276,10 @@ real_optimizer_step = AcceleratedOptimizer.step
 
 def optimizer_step(self, *args, **kwargs):
     if self.gradient_state.sync_gradients:
+        forwards["step_calls"] = forwards.get("step_calls", 0) + 1
+        if forwards["step_calls"] == int(os.environ.get("PROBE_HOLD_AT_STEP", 0)):  # until the launcher is gone
+            while os.getppid() == LAUNCHER:
+                time.sleep(0.05)
         grads = [q.grad for group in self.optimizer.param_groups for q in group["params"] if q.grad is not None]
         whole = [g.full_tensor() if isinstance(g, DTensor) else g for g in grads]  # collective: every rank calls it
         rec["grad_norms"].append(torch.stack([g.double().pow(2).sum() for g in whole]).sum().sqrt().item())
@@ -277,6 +290,7 @@ def optimizer_step(self, *args, **kwargs):
     return out
 
 
+LAUNCHER = os.getppid()  # this process's parent as it starts: PROBE_HOLD_AT_STEP waits until it is gone
 real_safe_save = accelerate_other.safe_save_file
 
 

@@ -228,9 +228,11 @@ def test_preemption_signal_checkpoints_at_the_next_step_and_resume_is_exact(refe
 def test_workers_whose_launcher_is_killed_checkpoint_and_exit_and_resume_is_exact(reference, cifar_dir, cache_dir,
                                                                                    tmp_path):
     """kill -9 of the launcher's pid alone (torchrun's workers run in sessions of their own, so they outlive it): each
-    worker notices within a second that its parent is gone and takes the preemption path at the next check."""
+    worker notices within a second that its parent is gone and takes the preemption path at the next check. The
+    job is held at optimizer step 4 (after the step-3 checkpoint) until the launcher is gone, so it cannot finish
+    first on a busy machine."""
     out = tmp_path / "orphaned"
-    proc = start(job_args(cifar_dir, cache_dir, out), TWO_RANKS)
+    proc = start(job_args(cifar_dir, cache_dir, out), TWO_RANKS, script=PROBE, env=script_env(PROBE_HOLD_AT_STEP="4"))
     wait_for_checkpoint(out, proc, 3)
     job = list(workers(proc).values())
     assert len(job) == 2

@@ -13,12 +13,14 @@ import torch
 import torchvision.transforms.v2 as T
 from conftest import (
     CPU_YAML,
+    PROBE,
     REPO,
     assert_same_parameters,
     evaluate_weights,
     kill_job,
     read_summary,
     run_train,
+    script_env,
     start,
     wait_for_checkpoint,
 )
@@ -80,6 +82,34 @@ def test_kill_9_mid_epoch_with_images_decoded_in_workers_then_resume_matches_the
     s = read_summary(out)
     assert int(s["resumed_from"].rsplit("step-", 1)[1]) in (4, 8)  # mid-epoch: 6 steps per epoch
     assert s["global_step"] == 12
+    assert_same_parameters(out, two_rank_run)
+
+
+def test_a_hung_loader_worker_stops_the_job_in_one_line_naming_its_rank_and_resuming_is_exact(two_rank_run,
+                                                                                               jpeg_parquet, tmp_path):
+    """A loader worker of rank 1 that never returns the batch of optimizer step 10 (epoch 2, after the step-8
+    checkpoint), with --dist-timeout 40: the job ends, non-zero, with one error line naming rank 1, the 20 s it waited
+    (half --dist-timeout) and its loader's workers; step 8 is the newest complete checkpoint, and --resume auto ends
+    with the uninterrupted run's trainable parameters bitwise."""
+    from utils import checkpoint as ckpt
+    from utils.data.draws import key_stream
+
+    order = torch.randperm(192, generator=torch.Generator().manual_seed(int(key_stream(0, 1, 0)[0])))
+    sample = int(order[3 * 32 + 16])  # step 10: epoch 2's 4th global batch; its second micro-batch is rank 1's
+    out = tmp_path / "hung"
+    result = run_train(args(jpeg_parquet, out, "--data-workers", "2", "--dist-timeout", "40"), launch=TWO_RANKS,
+                       script=PROBE, env=script_env(PROBE_HANG_SAMPLE=f"1:{sample}"), timeout=300)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: rank 1 waited 20 s (half --dist-timeout) for a batch from its loader's worker processes, "
+                      "which hang (a read or a decode that does not return); this process (rank 1) stopped. Continue "
+                      "with --resume auto: it takes the newest complete checkpoint (one being written is never "
+                      "used)."], result.stderr[-3000:]
+    complete = [p.name for p in (out / "checkpoints").glob("step-*") if ckpt.problem(p) is None]
+    assert max(complete) == "step-00000008" and not (out / "summary.json").exists()
+    result = run_train(args(jpeg_parquet, out, "--data-workers", "2", "--resume", "auto"), launch=TWO_RANKS)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert read_summary(out)["resumed_from"].endswith("step-00000008")
     assert_same_parameters(out, two_rank_run)
 
 

@@ -302,13 +302,18 @@ def run(job) -> int:
             time.sleep(5)  # rank 0's exit has the launcher stop this one, so the wait costs nothing in the end
         status = 2
     except RuntimeError as e:  # torch.distributed.DistBackendError is one
-        why = peer_failure(str(e))
+        hung = re.match(r"DataLoader timed out after ([\d.]+) seconds", str(e))  # PyTorch's, at the loader's timeout
+        why = (f"rank {rank} waited {float(hung[1]):g} s (half --dist-timeout) for a batch from its loader's worker "
+               f"processes, which hang (a read or a decode that does not return)") if hung else peer_failure(str(e))
         if why is None:
             raise
         line = (f"error: {why}; this process (rank {rank}) stopped. Continue with --resume auto: it takes the newest "
                 f"complete checkpoint (one being written is never used).")
         report_to_launcher(line)
-        if not _marked_in_store(ERROR_PRINTED):  # a peer that stopped on bad input has said why
+        if hung:  # the cause: its peers, waiting for it in a collective, see it exit and say nothing more
+            _mark_in_store(ERROR_PRINTED)
+            print(line, file=sys.stderr, flush=True)
+        elif not _marked_in_store(ERROR_PRINTED):  # a peer that stopped on bad input or a hung worker has said why
             print(line, file=sys.stderr, flush=True)
         status = 1
     release_process_group()  # the job's frames (and the traceback's) are gone by now

@@ -41,11 +41,13 @@ def keep_batch(batch):
 
 def make_loader(images: Images | torch.Tensor, labels: torch.Tensor, batch_size: int, train: bool, seed: int = 0,
                 augment: bool = False, pad: int = 4, global_batch: int | None = None, mixing: Mixing | None = None,
-                processes: int = 1) -> torch.utils.data.DataLoader:
+                processes: int = 1, timeout: float = 0) -> torch.utils.data.DataLoader:
     """A plain DataLoader for `accelerate.prepare`, over any kind of images (a bare uint8 tensor is TensorImages).
     Training: the kind's sampler (EpochSampler: reshuffled per epoch from the seed, whole global batches only;
     global_batch unset: batch_size) and batches (images, labels, draws); evaluation keeps every image in order, as
-    (images, labels). The kind's loader workers read and decode (none for images in memory)."""
+    (images, labels). The kind's loader workers read and decode (none for images in memory); `timeout`: seconds
+    a worker may take to give its batch before the loader raises (0: forever; utils.launch.run says it in one
+    line)."""
     images = as_images(images)
     dataset = images.loader_dataset(labels, train, seed, augment, pad, mixing)
     return torch.utils.data.DataLoader(
@@ -57,6 +59,7 @@ def make_loader(images: Images | torch.Tensor, labels: torch.Tensor, batch_size:
         pin_memory=torch.cuda.is_available() and not images.on_device,  # asynchronous copies
         # not persistent: each epoch's workers start after set_epoch, with the epoch that keys their draws
         num_workers=images.workers,
+        timeout=timeout if images.workers else 0,  # a hung worker stops the job instead of hanging it
     )
 
 
@@ -65,7 +68,8 @@ def rebatched(loader: torch.utils.data.DataLoader, batch_size: int) -> torch.uti
     batch_size: the same images in the same order, cut finer (utils.guard.MemoryGuard)."""
     return torch.utils.data.DataLoader(loader.dataset, batch_size=batch_size, sampler=loader.sampler,
                                        drop_last=loader.drop_last, collate_fn=loader.collate_fn,
-                                       pin_memory=loader.pin_memory, num_workers=loader.num_workers)
+                                       pin_memory=loader.pin_memory, num_workers=loader.num_workers,
+                                       timeout=loader.timeout)
 
 
 def build_loaders(data: dict, cfg, accelerator, plan):
@@ -73,7 +77,8 @@ def build_loaders(data: dict, cfg, accelerator, plan):
     to the device. The training order and augmentation are keyed by --seed, the epoch and the sample, and every
     epoch is whole optimizer steps of the plan's global batch (utils.plan.BatchPlan). cfg: the data group of a
     script's Config (train_subset, eval_subset, data_on_device, seed, augment, mixup, cutmix, mix_prob,
-    data_workers)."""
+    data_workers; and dist_timeout: a loader worker that gives no batch within half of it stops the job, so the
+    rank waiting on it says so before its peers' collectives time out)."""
     train_split = take_prefix(data["train"], cfg.train_subset, "--train-subset")
     eval_split = take_prefix(data["test"], cfg.eval_subset, "--eval-subset")
     check_one_batch(train_split[1], plan.micro, accelerator.num_processes, plan.accumulation)
@@ -90,8 +95,9 @@ def build_loaders(data: dict, cfg, accelerator, plan):
         # (machines may have other core counts): a stream's plan is laid out by it
         train_split[0].workers = eval_split[0].workers = broadcast_object_list([train_split[0].workers])[0]
     mixing = Mixing(cfg.mixup, cfg.cutmix, cfg.mix_prob) if cfg.mixup or cfg.cutmix else None
+    timeout = cfg.dist_timeout / 2
     train = make_loader(*train_split, plan.micro, train=True, seed=cfg.seed, augment=cfg.augment != "none",
                         pad=crop_padding(data["image_size"]), global_batch=plan.global_batch, mixing=mixing,
-                        processes=plan.processes)
+                        processes=plan.processes, timeout=timeout)
     train.sampler.save_with(accelerator)  # a stream's: the layout its epoch was planned in, in each checkpoint
-    return train, make_loader(*eval_split, plan.micro, train=False, processes=plan.processes)
+    return train, make_loader(*eval_split, plan.micro, train=False, processes=plan.processes, timeout=timeout)
