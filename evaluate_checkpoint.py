@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> dict:
     summary, cfg, script = run.summary, run.cfg, run.script
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=summary.get("mixed_precision"))
     stats = {"mean": summary["image_mean"], "std": summary["image_std"]} if "image_mean" in summary else {}
-    data = checked_data(run.module.load_data(cfg) | stats, f"{script.name}'s load_data")  # normalised as it trained
+    data = checked_data(run.module.load_data(cfg) | stats, f"{script.name}'s load_data", cfg)  # as it trained
     model = build_trained_model(run, len(data["classes"]))
     channels_last = summary.get("channels_last", False)
     if channels_last:

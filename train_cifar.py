@@ -175,7 +175,8 @@ def build_model(cfg: Config, num_classes: int) -> torch.nn.Module:
 
 def load_data(cfg: Config) -> dict:
     """{"train": (images, labels), "test": (images, labels), "classes": names}: uint8 images N x H x W x 3 or
-    N x 3 x H x W, square, as numpy arrays (memory-mapped is fine) or tensors; integer labels 0 .. C-1. Optional:
+    N x 3 x H x W, square, as numpy arrays (memory-mapped is fine) or tensors, or each split a torch Dataset of
+    (image, label) items of any size (decoded in the loader's workers); integer labels 0 .. C-1. Optional:
     "mean" and "std" per channel in [0, 1] (computed from the training images when absent), "dataset" (a description
     for summary.json). Called on every process, with the same result. The built-in source: --data-dir (parquet or an
     image folder) or --dataset (the Hub), decoded once per machine into a cache that its other processes read, or
@@ -243,7 +244,7 @@ def main(cfg: Config) -> dict:
         print_setup(accelerator, cfg, plan, lr)  # the config, then the processes, precision, device and batch
 
         # --- data: shuffled and augmented by (seed, epoch, sample); Accelerate shards and moves to the device ---
-        data = checked_data(load_data(cfg), model_stats=model_stats, say=accelerator.print)  # mean, std: said whose
+        data = checked_data(load_data(cfg), cfg=cfg, model_stats=model_stats, say=accelerator.print)  # mean, std: whose
         train_loader, eval_loader = build_loaders(data, cfg, accelerator, plan)  # --train-subset, --eval-subset, mixing
         memory = MemoryGuard(accelerator, fsdp is not None, train_loader)  # out of memory: half batches
 

@@ -187,7 +187,7 @@ def main(cfg: Config) -> dict:
         print_setup(accelerator, cfg, plan, lr)  # the config, then the processes, precision, device and batch
 
         # --- data: shuffled and augmented by (seed, epoch, sample); Accelerate shards and moves to the device ---
-        data = checked_data(load_data(cfg), say=accelerator.print)  # the contract checked; mean, std: said whose
+        data = checked_data(load_data(cfg), cfg=cfg, say=accelerator.print)  # the contract checked; mean, std: whose
         train_loader, eval_loader = build_loaders(data, cfg, accelerator, plan)  # --train-subset, --eval-subset, mixing
         memory = MemoryGuard(accelerator, fsdp is not None, train_loader)  # out of memory: half batches
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import stat
 import time
 from types import SimpleNamespace
@@ -645,17 +646,18 @@ def test_a_dataset_item_of_the_wrong_type_label_or_size_stops_with_one_line_nami
     assert error([*good[:2], torch.zeros(3, 8, 8)]) == (
         "load_data: the train Dataset's item 2 must be a pair (image, label) (got Tensor).")
     assert error([*good[:1], (torch.zeros(3, 8, 8), 0)]) == (
-        "load_data: the train Dataset's item 1's image must be a PIL image or a uint8 tensor 3 x S x S or S x S x 3 "
+        "load_data: the train Dataset's item 1's image must be a PIL image or a uint8 tensor 3 x H x W or H x W x 3 "
         "(got float32 tensor (3, 8, 8)).")
     assert error([*good, (good[0][0], 2)]) == (
         "load_data: the train split has label 2 at row 4; with 2 classes, labels are 0-1.")
     assert error([*good, (good[0][0], 0.0)]) == (
         "load_data: the train Dataset's item 4's label must be an integer (got float 0.0).")
-    assert error(good, [(Image.new("RGB", (8, 8)), 0), (Image.new("RGB", (9, 9)), 0)]).startswith(
-        "load_data: the test Dataset's item 1's image is 9 x 9 with 3 channels; every image must be RGB and 8 x 8, as "
-        "item 0 of the train split is: resize in the Dataset")
-    assert error([(torch.zeros(3, 8, 6, dtype=torch.uint8), 0)]).startswith(
-        "load_data: the train Dataset's item 0's image is 6 x 8 with 3 channels; every image must be RGB and square")
+    assert error(good, [(Image.new("RGB", (8, 8)), 0), (Image.new("RGB", (9, 9)), 0)]) == (
+        "load_data: the test Dataset's item 1's image is 9 x 9; without --image-size every image must be 8 x 8, as "
+        "item 0 of the train split is: pass --image-size S to resize (or crop) every image to S.")
+    assert error([(torch.zeros(3, 8, 6, dtype=torch.uint8), 0)]) == (
+        "load_data: the train Dataset's item 0's image is 6 x 8; without --image-size every image must be square: "
+        "pass --image-size S to resize (or crop) every image to S.")
     data = checked_data({"train": Items(good), "test": Items(pil), "classes": ["a", "b"]})
     assert data["image_size"] == 8 and data["train"][1].tolist() == [0, 1, 0, 1] and len(data["test"][0]) == 3
     assert data["mean"] == (0.0, 0.0, 0.0)
@@ -686,20 +688,24 @@ def test_the_mean_and_std_are_load_datas_else_the_models_else_the_training_image
         assert data_facts(checked)["image_stats_from"] == source
 
 
-def test_a_dataset_split_is_refused_with_one_line_for_the_device_and_for_resized_crops(tmp_path):
-    """--data-on-device and --augment resized-crop need other kinds of images: each is one line for a Dataset."""
+def test_a_dataset_on_the_device_and_arrays_under_resized_crops_are_refused_with_one_line(tmp_path):
+    """--data-on-device needs decoded images: one line for a Dataset; --augment resized-crop needs images decoded as
+    they are cropped: one line for arrays."""
     from utils.data.contract import checked_data
     from utils.data.loaders import build_loaders
     from utils.plan import BatchPlan
 
     items = Items([(torch.zeros(3, 8, 8, dtype=torch.uint8), k % 2) for k in range(8)])
-    data = checked_data({"train": items, "test": items, "classes": ["a", "b"]})
+    arrays = (torch.zeros(8, 3, 8, 8, dtype=torch.uint8), [k % 2 for k in range(8)])
     plan = BatchPlan(micro=4, processes=1, accumulation=1)
     accelerator = Accelerator(cpu=True)
-    for flags, message in ((dict(data_on_device=True), "--data-on-device keeps decoded images on the GPU"),
-                           (dict(augment="resized-crop"), "--augment resized-crop crops whole images as they are")):
+    refusals = ((items, dict(data_on_device=True), "--data-on-device keeps decoded images on the GPU"),
+                (arrays, dict(augment="resized-crop"), "--augment resized-crop crops whole images as they are decoded: "
+                 "load_data must return images decoded on the fly (a torch Dataset,"))
+    for split, flags, message in refusals:
+        data = checked_data({"train": split, "test": split, "classes": ["a", "b"]})
         cfg = SimpleNamespace(train_subset=None, eval_subset=None, data_on_device=False, augment="standard", seed=0,
-                              mixup=0.0, cutmix=0.0, mix_prob=1.0, data_workers=None)
+                              mixup=0.0, cutmix=0.0, mix_prob=1.0, data_workers=None, dist_timeout=600)
         vars(cfg).update(flags)
-        with pytest.raises(UserError, match=message):
+        with pytest.raises(UserError, match=re.escape(message)):
             build_loaders(data, cfg, accelerator, plan)

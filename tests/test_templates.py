@@ -56,8 +56,8 @@ ALLOWED = [
     (["model_stats = apply_preprocessing(cfg, accelerator.print)"], [],
      "train_cifar.py fine-tunes pretrained timm and transformers models, whose preprocessing it takes; train_vit.py "
      "trains its own ViTs"),
-    (["data = checked_data(load_data(cfg), model_stats=model_stats, say=accelerator.print)"],
-     ["data = checked_data(load_data(cfg), say=accelerator.print)"],
+    (["data = checked_data(load_data(cfg), cfg=cfg, model_stats=model_stats, say=accelerator.print)"],
+     ["data = checked_data(load_data(cfg), cfg=cfg, say=accelerator.print)"],
      "a pretrained model's mean and std come before the data's (train_cifar.py only, as above)"),
     (["model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) if cfg.sync_bn else model"], [],
      "the ResNet may convert its BatchNorms to SyncBatchNorm; the ViT has none"),
@@ -553,6 +553,64 @@ def test_a_copy_whose_load_data_returns_torch_datasets_trains_as_its_arrays_on_a
     assert_same_state(out / "model.safetensors", tmp_path / "two" / "model.safetensors")
     got = evaluated(tmp_path / "two" / "model.safetensors")
     assert (got["top1"], got["examples"]) == (s["eval_top1"], 50)
+
+
+# A copy whose load_data returns torch Datasets of JPEG photos of several sizes and aspects (the parquet shards'
+# bytes, opened lazily with PIL, in the shards' order), as a copy over its own photo files would.
+PHOTOS_DATA = ("def load_data(cfg):\n"
+               "    import io\n"
+               "    from pathlib import Path\n"
+               "\n"
+               "    import pyarrow.parquet as pq\n"
+               "    from PIL import Image\n"
+               "\n"
+               "    class Photos(torch.utils.data.Dataset):\n"
+               "        def __init__(self, split):\n"
+               "            files = sorted(Path(cfg.data_dir).glob(f'{split}-*.parquet'))\n"
+               "            tables = [pq.read_table(f) for f in files]\n"
+               "            self.jpegs = [cell['bytes'] for t in tables for cell in t.column('img').to_pylist()]\n"
+               "            self.labels = [label for t in tables for label in t.column('label').to_pylist()]\n"
+               "\n"
+               "        def __len__(self):\n"
+               "            return len(self.labels)\n"
+               "\n"
+               "        def __getitem__(self, i):\n"
+               "            return Image.open(io.BytesIO(self.jpegs[i])), self.labels[i]\n"
+               "\n"
+               "    classes = ['airplane', 'automobile', 'bird', 'cat', 'deer', 'dog', 'frog', 'horse', 'ship',\n"
+               "               'truck']\n"
+               "    return {'train': Photos('train'), 'test': Photos('test'), 'classes': classes}\n")
+PHOTO_JOB = ["--model", "resnet8", "--image-size", "48", "--augment", "resized-crop", "--mixup", "0.2", "--cutmix",
+             "1.0", "--batch-size", "16", "--global-batch-size", "32", "--epochs", "2", "--checkpoint-every-steps", "4",
+             "--lr", "0.01", "--grad-clip", "0", "--no-channels-last", "--deterministic", "--tracker", "none",
+             "--data-workers", "2"]
+
+
+@pytest.mark.slow
+def test_a_copys_dataset_of_photos_of_any_size_trains_resized_crops_as_the_built_in_folder_does(jpeg_parquet,
+                                                                                                 tmp_path):
+    """A copy whose load_data returns torch Datasets of 96-128 px JPEGs of several aspects (PIL images opened lazily),
+    with --image-size 48 --augment resized-crop and mixing: on 2 ranks x 2 loader workers it ends with the trainable
+    parameters of the built-in --data-dir job over the same JPEGs (--decode workers) bitwise, on 1 process with those
+    of 2 ranks bitwise, and after kill -9 past the step-4 checkpoint and --resume auto with the uninterrupted run's
+    bitwise (fp32, --deterministic); summary.json records the evaluation's centre crop (eval_crop 0.875)."""
+    script = edited_copy(tmp_path, "load_data", PHOTOS_DATA)
+    two = ["--config_file", str(CPU_YAML)]
+    data = ["--data-dir", str(jpeg_parquet)]
+    run_copy(REPO / "train_cifar.py", [*data, *PHOTO_JOB, "--output-dir", str(tmp_path / "builtin")], launch=two)
+    run_copy(script, [*data, *PHOTO_JOB, "--output-dir", str(tmp_path / "two")], launch=two)
+    run_copy(script, [*data, *PHOTO_JOB, "--output-dir", str(tmp_path / "one")])
+    s = read_summary(tmp_path / "two")
+    assert (s["world_size"], s["global_step"], s["eval_examples"], s["image_size"]) == (2, 12, 48, 48)
+    assert (s["eval_crop"], read_summary(tmp_path / "builtin")["dataset"]["decode"]) == (0.875, "workers")
+    assert_same_parameters(tmp_path / "two", tmp_path / "builtin")
+    assert_same_parameters(tmp_path / "one", tmp_path / "two")
+    out = tmp_path / "killed"
+    kill_9_after_checkpoint([*data, *PHOTO_JOB, "--output-dir", str(out)], two, script,
+                            script_env(PYTHONPATH=str(REPO)), out, step=4)
+    run_copy(script, [*data, *PHOTO_JOB, "--output-dir", str(out), "--resume", "auto"], launch=two)
+    assert read_summary(out)["resumed_from"] is not None
+    assert_same_parameters(out, tmp_path / "two")
 
 
 @pytest.mark.slow

@@ -3,12 +3,12 @@
   images     `Images`, the protocol every kind of a split's images implements for the loaders, the loader
              datasets' base (`LoaderDataset`), the training order (`EpochSampler`), and the kind in memory
              (`TensorImages`: the cache's images, a copy's arrays)
-  items      the kind from a copy's own torch Dataset, read in the loader's workers
   sources    where encoded rows come from: parquet files, an image folder, a Hub dataset (`EncodedRows`)
   crops      the crop recipe for natural images (--augment resized-crop)
   decode     decoding once into the cache file
   stream     parquet or tar shards read as a stream, and their sampler
   encoded    the kind kept encoded, decoded by batch in the loader's workers
+  items      a copy's own torch Dataset as encoded rows (any image size), decoded as the encoded kind is
   builtin    the built-in sources for a template's load_data (--data-dir, --dataset, --decode)
   contract   load_data's contract (`checked_data`) and what summary.json records of the data
   loaders    the DataLoaders, from any `Images` (the protocol only)

@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 from utils.config_groups import is_url
-from utils.data.crops import CropRecipe
+from utils.data.crops import CropRecipe, crop_recipe
 from utils.data.decode import default_cache_dir, load_source
 from utils.data.encoded import EncodedImages
 from utils.data.images import SPLITS, TensorImages, worker_share
@@ -57,8 +57,7 @@ def load_builtin(cfg) -> dict:
                            cfg.decode_workers)
         stats = data.pop("mean"), data.pop("std")
         return data | {s: (TensorImages(data[s][0], stats), data[s][1]) for s in SPLITS}
-    recipe = CropRecipe(cfg.crop_scale, cfg.crop_ratio, cfg.eval_crop or CropRecipe.eval_crop,  # unset: defaults
-                        cfg.interpolation or CropRecipe.interpolation) if cfg.augment == "resized-crop" else None
+    recipe = crop_recipe(cfg)
     stream = None
     if decode == "stream":
         local = cfg.data_dir if cfg.data_dir and not is_url(cfg.data_dir) else None

@@ -10,17 +10,21 @@ import numpy as np
 import torch
 
 from utils import UserError
-from utils.data.images import SPLITS, Images, TensorImages
-from utils.data.items import DatasetImages
+from utils.data.crops import crop_recipe
+from utils.data.encoded import EncodedImages
+from utils.data.images import SPLITS, Images, TensorImages, worker_share
+from utils.data.items import DatasetRows
 
 
-def checked_data(data: dict, where: str = "load_data", model_stats: dict | None = None, say=None) -> dict:
+def checked_data(data: dict, where: str = "load_data", cfg=None, model_stats: dict | None = None,
+                 say=None) -> dict:
     """A template's load_data(cfg) result, checked and put in the form the loaders take. The contract (the edit point
     of docs/customizing.md): 'train' and 'test', each a pair (images, labels): uint8 images N x H x W x 3 or
     N x 3 x H x W, square, both splits the same size, as numpy arrays (memory-mapped is fine) or tensors, or another
     kind of `Images` (the built-in sources'); integer labels 0 .. C-1; or each a map-style torch Dataset of
-    (image, label) items (utils/data/items.py); and 'classes', the C class names. Optional: 'mean' and 'std' (per
-    channel, in [0, 1]; computed from the training images when absent), 'dataset' (a JSON-able description, for
+    (image, label) items of any size (utils/data/items.py: at --image-size, under --augment resized-crop cropped as
+    the built-in folders are; `cfg`, the script's Config, gives those flags); and 'classes', the C class names.
+    Optional: 'mean' and 'std' (per channel, in [0, 1]; see below), 'dataset' (a JSON-able description, for
     summary.json), and 'eval_crop' and 'interpolation' (the built-in loader's: the test images are resized to S /
     eval_crop on their shorter side with that filter, then centre-cropped to S; for preprocessor_config.json).
     Returns them with each split's images as an `Images` kind (arrays and tensors: TensorImages, an (N, 3, S, S)
@@ -34,10 +38,15 @@ def checked_data(data: dict, where: str = "load_data", model_stats: dict | None 
         raise UserError(f"{where} must return a dict with 'train', 'test' and 'classes' (got {got}).")
     classes = tuple(str(c) for c in data["classes"])
     out = {"classes": classes, "dataset": data.get("dataset", {"source": where})}
+    recipe = crop_recipe(cfg) if cfg is not None else None
+    if recipe and any(isinstance(data[s], torch.utils.data.Dataset) for s in SPLITS):  # how it evaluates, for export
+        data = {"eval_crop": recipe.eval_crop, "interpolation": recipe.interpolation} | data
     for split in SPLITS:
         if isinstance(data[split], torch.utils.data.Dataset):  # a copy's own: read once here, in the workers later
-            size = out["train"][0].image_size if split == "test" else None  # the test items: the train items' size
-            images, labels = DatasetImages.read(data[split], f"{where}: the {split} Dataset", size)
+            fixed = out["train"][0].image_size if split == "test" else None  # the test items: the train items' size
+            rows, side = DatasetRows.read(data[split], split, f"{where}: the {split} Dataset",
+                                          cfg and cfg.image_size, fixed)
+            images, labels = EncodedImages(rows, side, recipe, worker_share()), rows.labels
         else:
             try:
                 images, labels = data[split]

@@ -36,6 +36,15 @@ class CropRecipe:
         return TF.resize(im, size, interpolation=TF.InterpolationMode(self.interpolation), antialias=True)
 
 
+def crop_recipe(cfg) -> CropRecipe | None:
+    """The crop recipe of a script's data flags (its DataConfig group): --augment resized-crop's, with --crop-scale,
+    --crop-ratio, --eval-crop and --interpolation (unset: the defaults); None for the other --augment choices."""
+    if cfg.augment != "resized-crop":
+        return None
+    return CropRecipe(cfg.crop_scale, cfg.crop_ratio, cfg.eval_crop or CropRecipe.eval_crop,
+                      cfg.interpolation or CropRecipe.interpolation)
+
+
 def resized_crop_draws(seed: int, epoch: int, indices, sizes, recipe: CropRecipe) -> tuple[np.ndarray, np.ndarray]:
     """For each sample in `indices` with image size (width, height) in `sizes`: its crop box (top, left, height,
     width) in the image and whether it is mirrored, a function of (seed, epoch, sample index, image size) only."""

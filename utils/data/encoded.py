@@ -17,7 +17,7 @@ import torch
 from utils.data.crops import CropRecipe, eval_view, resized_crop_draws, train_view
 from utils.data.decode import square_pixels
 from utils.data.images import Images, LoaderDataset, channel_stats
-from utils.data.sources import EncodedRows, open_image, row_pixels
+from utils.data.sources import EncodedRows, row_pixels
 
 STATS_IMAGES = 512  # training images the per-channel mean and std are estimated from (the first, decoded at S)
 
@@ -47,7 +47,7 @@ class EncodedImages(Images):
     def channel_stats(self):
         """Estimated from the first STATS_IMAGES training images, decoded at S (resized as the cache would)."""
         sample = self.rows.take(torch.arange(min(STATS_IMAGES, len(self.rows))))
-        pixels = np.stack([row_pixels(sample, i, _open(sample, s, i), partial(square_pixels, size=self.image_size))
+        pixels = np.stack([row_pixels(sample, i, sample.open(s, i), partial(square_pixels, size=self.image_size))
                            for i, s in enumerate(sample.fetch(range(len(sample))))])
         return channel_stats(torch.from_numpy(pixels).permute(0, 3, 1, 2))
 
@@ -64,7 +64,7 @@ class DecodingDataset(LoaderDataset):
         host = np.asarray(indices, dtype=np.int64)
         rows, size, recipe = self.images.rows, self.images.image_size, self.images.recipe
         out = np.empty((len(host), size, size, 3), dtype=np.uint8)
-        opened = [_open(rows, source, int(i)) for source, i in zip(rows.fetch(host), host)]
+        opened = [rows.open(source, int(i)) for source, i in zip(rows.fetch(host), host)]
         cropped_here = recipe is not None and self.augment_seed is not None and self.augment
         if cropped_here:
             boxes, mirrored = resized_crop_draws(self.augment_seed, self.epoch, host, [im.size for im in opened],
@@ -85,5 +85,3 @@ def evaluation_view(size: int, recipe: CropRecipe | None):
     return partial(eval_view, size=size, recipe=recipe) if recipe else partial(square_pixels, size=size)
 
 
-def _open(rows: EncodedRows, source, i: int):
-    return open_image(source, rows.split, rows.where(i))

@@ -87,8 +87,8 @@ def build_loaders(data: dict, cfg, accelerator, plan):
                                    for images, labels in (train_split, eval_split))
     if cfg.augment == "resized-crop" and not train_split[0].crops_whole:
         raise UserError("--augment resized-crop crops whole images as they are decoded: load_data must return images "
-                        "decoded on the fly (utils.data.builtin.load_encoded with a crop recipe), not decoded tensors "
-                        "or a Dataset.")
+                        "decoded on the fly (a torch Dataset, or the built-in --data-dir with --decode workers or "
+                        "stream), not decoded arrays or tensors.")
     if train_split[0].workers and cfg.data_workers:  # the flag over a kind's own share of the cores
         train_split[0].workers = eval_split[0].workers = cfg.data_workers
     if train_split[0].workers and accelerator.num_processes > 1:  # main's count of loader workers on every process

@@ -248,7 +248,8 @@ class EncodedRows(abc.ABC):
     """A split's encoded images as utils/data/encoded.py reads them, from a datasets table (`Rows`) or a stream's
     shards (utils/data/stream.py's StreamRows): `labels` (every row's), `names` (the class names, or None), `split`,
     `len()`, `take(order)` (the rows in that order), `where(i)` (row i, for messages), `fetch(indices)` (their encoded
-    images) and the training order (`sampler`)."""
+    images), `open` (one of them as a PIL image) and the training order (`sampler`). A copy's Dataset is a kind too
+    (utils/data/items.py)."""
 
     labels: torch.Tensor
     names: tuple[str, ...] | None
@@ -265,6 +266,10 @@ class EncodedRows(abc.ABC):
 
     @abc.abstractmethod
     def fetch(self, indices) -> list: ...
+
+    def open(self, source, i: int):
+        """Row i's image as `fetch` gave it (`source`) opened as a PIL image, decoded lazily; one line if broken."""
+        return open_image(source, self.split, self.where(i))
 
     def sampler(self, dataset, train: bool, seed: int, step_images: int, micro: int, processes: int):
         """EpochSampler in training (a stream plans its own), None in evaluation (every row in order)."""
@@ -375,7 +380,7 @@ def first_size(splits: dict[str, Rows]) -> tuple[int, str]:
     """The first image's size, which must be square, and where it is: every other image must share it when no
     --image-size is given (the decode checks each as it opens it: one pass over the files)."""
     rows = next(iter(splits.values()))
-    with open_image(rows.fetch([0])[0], rows.split, rows.where(0)) as im:
+    with rows.open(rows.fetch([0])[0], 0) as im:
         (w, h), where = im.size, f"{im.size[0]}x{im.size[1]} (the {rows.split} split's {rows.where(0)})"
     if w != h:
         raise UserError(f"the images do not share one square size ({where}); pass --image-size S to resize every "
