@@ -38,7 +38,7 @@ from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 from tqdm.auto import tqdm
 
-from utils import UserError, first_line, write_text_atomically
+from utils import UserError, first_line, write_atomically
 from utils.cli import FlagParser
 from utils.data.crops import CropRecipe
 from utils.data.encoded import evaluation_view
@@ -182,7 +182,7 @@ class Output:
         self._save_record()
 
     def _save_record(self) -> None:
-        write_text_atomically(self.record, json.dumps({"identity": self.identity, "ends": self.ends}))
+        write_atomically(self.record, json.dumps({"identity": self.identity, "ends": self.ends}))
 
     def finish(self) -> None:
         os.replace(self.partial, self.path)

@@ -463,21 +463,21 @@ def test_image_and_label_columns_are_found_by_name_and_a_missing_one_is_named():
         pngs.append({"bytes": buf.getvalue(), "path": None})
     features = datasets.Features({"image": datasets.Image(), "fine_label": datasets.ClassLabel(names=CIFAR_CLASSES)})
     ds = datasets.Dataset.from_dict({"image": pngs, "fine_label": [3, 0, 9]}, features=features)
-    images, labels, names = decode.decode_split(ds, "train")
+    images, labels, names = decoded(ds, "train")
     assert torch.equal(images, torch.from_numpy(pixels).permute(0, 3, 1, 2)) and labels.tolist() == [3, 0, 9]
     assert names == CIFAR_CLASSES
     renamed = ds.rename_column("fine_label", "target")
     with pytest.raises(UserError, match=r"^the test split has columns \['image', 'target'\]; expected a label column "
                                         r"named 'label' or 'labels' or 'fine_label' "
                                         r"\(or name it with --label-column\)\.$"):
-        decode.decode_split(renamed, "test")
-    images, labels, _ = decode.decode_split(renamed, "test", columns=("image", "target"))  # --label-column target
+        decoded(renamed, "test")
+    images, labels, _ = decoded(renamed, "test", columns=("image", "target"))  # --label-column target
     assert torch.equal(images, torch.from_numpy(pixels).permute(0, 3, 1, 2)) and labels.tolist() == [3, 0, 9]
     with pytest.raises(UserError, match=r"^the test split has no column 'photo' \(--image-column\); its columns: "
                                         r"\['image', 'target'\]\.$"):
-        decode.decode_split(renamed, "test", columns=("photo", None))
+        decoded(renamed, "test", columns=("photo", None))
     with pytest.raises(UserError, match=r"^the test split's column 'target' is ClassLabel\(.*\), not images\.$"):
-        decode.decode_split(renamed, "test", columns=("target", "target"))
+        decoded(renamed, "test", columns=("target", "target"))
 
 
 # Sources without an evaluation split, and Hub datasets by name -----------------------------------------------------
@@ -486,7 +486,7 @@ def test_a_source_without_an_evaluation_split_holds_out_a_fixed_part_of_train_an
     src = tmp_path / "src"
     src.mkdir()
     write_parquet(src / "train-00000-of-00001.parquet", 40, seed=3)
-    whole = decode.decode_split(datasets_parquet(src / "train-00000-of-00001.parquet"), "train")  # the 40, in order
+    whole = decoded(datasets_parquet(src / "train-00000-of-00001.parquet"), "train")  # the 40, in order
     data = load_source(str(src), cache_dir=str(tmp_path / "cache"))
     assert capsys.readouterr().out.splitlines()[-1] == (
         "no evaluation split: evaluating on 4 of the 40 training images, held out by --val-fraction 0.1 (a fixed "
@@ -514,6 +514,15 @@ def test_a_source_without_an_evaluation_split_holds_out_a_fixed_part_of_train_an
         load_source(str(src), cache_dir=str(tmp_path / "cache"), val_fraction=1.0)
 
 
+def decoded(ds, split: str, columns=(None, None)):
+    """(N, 3, H, W) uint8 images, int64 labels and class names of a datasets.Dataset's rows, as read_rows finds its
+    columns, each image decoded here by PIL (the expected pixels: not through utils/data's decode)."""
+    rows = sources.read_rows(ds, split, columns)
+    pixels = [np.asarray(Image.open(io.BytesIO(s) if isinstance(s, bytes) else s).convert("RGB"))
+              for s in rows.sources]
+    return torch.from_numpy(np.stack(pixels)).permute(0, 3, 1, 2), rows.labels, rows.names
+
+
 def datasets_parquet(path):
     import datasets
 
@@ -534,7 +543,7 @@ def test_a_hub_dataset_named_by_dataset_loads_its_splits_columns_and_class_names
     assert data["classes"] == names and data["train"][0].shape == (30, 3, 16, 16) and len(data["test"][1]) == 9
     assert data["dataset"] == {"source": str(repo), "kind": "hub", "fingerprint": data["dataset"]["fingerprint"],
                                "eval_split": "validation"}
-    expected = decode.decode_split(datasets_parquet(repo / "data" / "validation-00000-of-00001.parquet"), "validation")
+    expected = decoded(datasets_parquet(repo / "data" / "validation-00000-of-00001.parquet"), "validation")
     assert torch.equal(data["test"][0], expected[0]) and torch.equal(data["test"][1], expected[1])
     with pytest.raises(UserError, match=r"^pass either --data-dir \(d\) or --dataset \(uoft-cs/cifar100\), "
                                         r"not both\.$"):

@@ -32,15 +32,21 @@ def process_count_problem(accelerate_world: int) -> str | None:
     return None
 
 
-def write_text_atomically(path, text: str) -> None:
-    """`text` into `path`, through a temporary file renamed over it: a process killed mid-write (kill -9 lands
-    anywhere) leaves the old file or the new one, never a part."""
+def write_atomically(path, content) -> None:
+    """`content` into `path` (a str, written as text; or write(tmp), a function that writes the file it is given),
+    through a temporary file beside it renamed over it: a process killed mid-write (kill -9 lands anywhere) leaves
+    the old file or the new one, never a part, and a failed write leaves no temporary file. Every file utils/ writes
+    whole goes through here (a checkpoint folder is renamed whole by utils/checkpoint.py; the decode cache is
+    reserved and mapped before its rename, utils/data/decode.py)."""
     from pathlib import Path
 
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(content) if isinstance(content, str) else content(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def first_line(error: BaseException) -> str:

@@ -167,13 +167,13 @@ def save(accelerator, root: Path, step: int, state: dict, extra=()) -> Path:
 
 
 def raise_if_write_failed(accelerator, error: BaseException | None, target: Path, root: Path,
-                         remove: Path) -> None:
+                         remove: Path | None = None) -> None:
     """Collective: every rank learns whether any rank failed to write `target`; then all raise one UserError
-    (printed once) naming the last good checkpoint, after the main process removed the partial `remove`."""
+    (printed once) naming the last good checkpoint, after the main process removed the partial folder `remove`."""
     problem = first_error(_describe(error, target) if error is not None else None)
     if problem is None:
         return
-    if accelerator.is_main_process and remove.is_dir():
+    if accelerator.is_main_process and remove is not None and remove.is_dir():
         shutil.rmtree(remove, ignore_errors=True)
     elif accelerator.is_main_process:
         remove.unlink(missing_ok=True)

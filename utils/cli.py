@@ -25,7 +25,7 @@ from pathlib import Path
 
 import yaml
 
-from utils import UserError, first_line, write_text_atomically
+from utils import UserError, first_line, write_atomically
 
 GROUP_LINE = re.compile(r"^\s*#\s*---\s*([\w ]+?)\s*(?::\s*(.*?))?\s*---\s*$")
 FIELD_LINE = re.compile(r"^\s*(\w+)\s*:")
@@ -150,7 +150,7 @@ def write_config_file(cfg, folder: str | Path) -> Path:
     path = Path(folder) / "config.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     values = cfg if isinstance(cfg, dict) else asdict(cfg)
-    write_text_atomically(path, yaml.safe_dump(json.loads(json.dumps(values)), sort_keys=False))
+    write_atomically(path, yaml.safe_dump(json.loads(json.dumps(values)), sort_keys=False))
     return path
 
 

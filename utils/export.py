@@ -7,12 +7,13 @@ library (utils/pretrained.py)."""
 from __future__ import annotations
 
 import json
-import os
+from functools import partial
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from utils import write_atomically
 from utils.checkpoint import WRITE_ERRORS, raise_if_write_failed, write_error
 from utils.data.contract import data_facts
 from utils.pretrained import RESAMPLE, library_config
@@ -69,11 +70,9 @@ def write_weights(accelerator, state: dict[str, torch.Tensor], path: Path, root:
     """Exported weights as safetensors, written by the main process to a temporary name and renamed, so a failed
     write leaves the previous file whole; a failure raises the same UserError on every rank (collective)."""
     path, error = Path(path), None
-    tmp = path.with_name(f".tmp-{path.name}")
     if accelerator.is_main_process:
         try:
-            save_file({k: v.contiguous() for k, v in state.items()}, tmp)
-            os.replace(tmp, path)
+            write_atomically(path, partial(save_file, {k: v.contiguous() for k, v in state.items()}))
         except WRITE_ERRORS as e:
             error = write_error(e)
-    raise_if_write_failed(accelerator, error, path, root, remove=tmp)
+    raise_if_write_failed(accelerator, error, path, root)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 from accelerate.utils import ProfileKwargs
 
-from utils import UserError, write_text_atomically
+from utils import UserError, write_atomically
 from utils.scripts import script_record
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ class Tracker:
 
     def _note_logged(self, step: int) -> None:
         """The last logged step, for a resumed job: the old number or the new one, never an empty file."""
-        write_text_atomically(self.output_dir / LOGGED_STEP_FILE, str(step))
+        write_atomically(self.output_dir / LOGGED_STEP_FILE, str(step))
 
     def after_step(self, progress, meter, lr: float, bar) -> None:
         """The loop's call after every optimizer step: every --log-every steps, the window's mean loss over all

@@ -26,7 +26,7 @@ import torch
 
 from utils import UserError, first_line
 from utils.data.images import SPLITS, channel_stats
-from utils.data.sources import Rows, fingerprint, first_size, locate, open_image, read_rows, row_pixels, split_rows
+from utils.data.sources import Rows, fingerprint, first_size, locate, open_image, row_pixels, split_rows
 from utils.launch import first_on_each_machine, main_print
 
 CACHE_FORMAT = 6  # bump when the cache file changes (4: class names, mean and std; 5: held-out splits; 6: mean and
@@ -36,21 +36,6 @@ CACHE_FORMAT = 6  # bump when the cache file changes (4: class names, mean and s
 # ----------------------------------------------------------------------------------------------------
 # Decode once into uint8 tensors
 # ----------------------------------------------------------------------------------------------------
-
-
-def decode_split(ds, split: str, size: int | None = None, columns: tuple[str | None, str | None] = (None, None)
-                 ) -> tuple[torch.Tensor, torch.Tensor, tuple[str, ...] | None]:
-    """(N, 3, S, S) uint8 images (channels-last in memory), (N,) int64 labels and the class names (None for a
-    label column of plain integers) from a datasets.Dataset with an image column (`img` or `image`) and a label
-    column (`label`, `labels` or `fine_label`): a ClassLabel (the Hub's, an image folder's) or integers. columns:
-    (image column, label column) instead of those names. Every image is converted to RGB and resized to S x S (size;
-    None: the split's own size, which all its images must share). In memory, one process (load_source decodes into
-    the cache file, in parallel)."""
-    rows = read_rows(ds, split, columns)
-    size, same_as = (size, None) if size else first_size({split: rows})
-    images = np.empty((len(rows), size, size, 3), dtype=np.uint8)
-    _decode_rows(rows, size, images, 0, len(rows), same_as)
-    return torch.from_numpy(images).permute(0, 3, 1, 2), rows.labels, rows.names
 
 
 def square_pixels(im, size: int) -> np.ndarray:

@@ -74,7 +74,7 @@ import torch
 import torch.distributed as dist
 from fsspec.exceptions import FSTimeoutError
 
-from utils import UserError, first_line
+from utils import UserError, first_line, write_atomically
 from utils.data.draws import key_stream, splitmix64
 from utils.data.images import KeyedSampler
 from utils.data.sources import IMAGE_COLUMNS, IMAGE_SUFFIXES, LABEL_COLUMNS, EncodedRows, pick_column, shared_classes
@@ -302,14 +302,15 @@ def _keep_index(shard: Shard, path: Path) -> None:
     only means the next start reads the shard again."""
     meta = json.dumps({"names": shard.names, "column": shard.column})
     arrays = {k: v for k, v in (("groups", shard.groups), ("members", shard.members)) if v is not None}
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+    def write(tmp: Path) -> None:
         with open(tmp, "wb") as f:
             np.savez(f, labels=shard.labels, meta=np.array(meta), **arrays)
-        os.replace(tmp, path)
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, write)
     except OSError:
-        tmp.unlink(missing_ok=True)
+        pass
 
 
 def _load_index(path: Path, url: str) -> Shard | None:
