@@ -294,9 +294,9 @@ def main(cfg: Config) -> dict:
                        leave=False, disable=None if accelerator.is_local_main_process else True)  # no bar without a tty
             # a resumed epoch's meter starts from the loss sums its checkpoint stored: it logs as if uninterrupted
             meter = TrainMeter(accelerator.device, plan.micro * plan.processes, p.resumed_losses())
-            for images, labels, *draws in bar:  # draws: each image's crop, flip, mixing; none from (images, labels)
+            for images, labels, draws in bar:  # draws: each image's crop, flip and mixing (utils.data.draws.Draws)
                 with accelerator.accumulate(model), memory.micro_step():  # no all-reduce on non-final micro-steps
-                    inputs, targets = transform.train(images, labels, *draws)  # crop, flip, mix, normalise on device
+                    inputs, targets = transform.train(images, labels, draws)  # crop, flip, mix, normalise on device
                     loss, terms = compute_loss(cfg, model(inputs), targets)  # terms: train/<name>
                     accelerator.backward(loss)  # divides by grad_accum
                     if accelerator.sync_gradients and (cfg.grad_clip > 0 or tracker.logs_at(p.global_step + 1)):

@@ -148,7 +148,7 @@ def main(args: argparse.Namespace) -> dict:
         loss_sum, batches, started = torch.zeros((), device=accelerator.device), 0, time.time()
         for images, labels, draws in train_loader:
             with accelerator.accumulate(model):  # PITFALL (all-reduce at every micro-step): only at the last one
-                loss = F.cross_entropy(model(transform(images, draws)), labels)
+                loss = F.cross_entropy(model(transform(images, draws.flip_crop)), labels)
                 accelerator.backward(loss)  # scales by 1/grad_accum; DDP averages the gradients over ranks
                 optimizer.step()  # a no-op on non-final micro-steps
                 optimizer.zero_grad(set_to_none=True)

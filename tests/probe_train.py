@@ -121,8 +121,9 @@ def getitems(self, indices):
         rec["dataset_devices"].append(self.images.device.type)
     rec["batches"].append([datasets_seen.index(id(self)), [int(i) for i in indices]])
     batch = real_getitems(self, indices)
-    if len(batch) == 3 and batch[2] is not None:  # a training batch, augmented
-        rec["draws"].append([self.epoch, [int(i) for i in indices], batch[2][0].tolist(), batch[2][1].tolist()])
+    if len(batch) == 3 and batch[2] is not None and batch[2].flip_crop is not None:  # a training batch, augmented
+        mirrored, crop = batch[2].flip_crop
+        rec["draws"].append([self.epoch, [int(i) for i in indices], mirrored.tolist(), crop.tolist()])
     return batch
 
 

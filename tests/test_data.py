@@ -29,7 +29,7 @@ from PIL import Image
 from utils import UserError
 from utils.data import decode, loaders, sources
 from utils.data.decode import default_cache_dir, load_source
-from utils.data.draws import Mixing, augment_draws, mix_draws
+from utils.data.draws import Draws, Mixing, augment_draws, mix_draws
 from utils.data.images import crop_padding
 from utils.data.loaders import make_loader
 from utils.data.transform import BatchTransform
@@ -594,10 +594,10 @@ def test_mixed_pixels_and_soft_targets_are_exact_for_drawn_images(channels_last)
     images = torch.randint(0, 256, (16, 3, 32, 32), dtype=torch.uint8, generator=gen)
     labels = torch.arange(16) % 10
     transform = BatchTransform(torch.device("cpu"), channels_last=channels_last, mean=MEAN, std=STD, num_classes=10)
-    draws = augment_draws(7, 0, range(16), 4) + mix_draws(7, 0, range(16), 32, Mixing(0.4, 1.0))
+    draws = Draws(augment_draws(7, 0, range(16), 4), mix_draws(7, 0, range(16), 32, Mixing(0.4, 1.0)))
     inputs, targets = transform.train(images, labels, draws)
-    plain = transform(images, draws[:2]).clone()  # cropped, flipped, normalised, unmixed
-    partner, weight, box = draws[2:]
+    plain = transform(images, draws.flip_crop).clone()  # cropped, flipped, normalised, unmixed
+    partner, weight, box = draws.mixing
     kinds = set()
     for i in range(16):
         p, (y0, y1, x0, x1) = int(partner[i]), box[i].tolist()
@@ -618,7 +618,7 @@ def test_mixed_pixels_and_soft_targets_are_exact_for_drawn_images(channels_last)
         torch.testing.assert_close(targets[i], expected_target, rtol=0, atol=1e-6)
     assert {"mixup", "cutmix"} <= kinds
     assert inputs.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
-    unmixed_inputs, unmixed_targets = transform.train(images, labels, draws[:2])  # no mixing: labels as they are
+    unmixed_inputs, unmixed_targets = transform.train(images, labels, Draws(draws.flip_crop))  # labels as they are
     assert torch.equal(unmixed_inputs, plain) and unmixed_targets is labels
 
 

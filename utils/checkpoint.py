@@ -173,10 +173,8 @@ def raise_if_write_failed(accelerator, error: BaseException | None, target: Path
     problem = first_error(_describe(error, target) if error is not None else None)
     if problem is None:
         return
-    if accelerator.is_main_process and remove is not None and remove.is_dir():
+    if accelerator.is_main_process and remove is not None:
         shutil.rmtree(remove, ignore_errors=True)
-    elif accelerator.is_main_process:
-        remove.unlink(missing_ok=True)
     last = newest_sound(root, warn=lambda message: None)
     raise UserError(f"{problem}; last good checkpoint: {last or 'none'}")
 

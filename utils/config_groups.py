@@ -165,7 +165,8 @@ class CheckpointConfig(Group):
                                              "each epoch)")
     keep_last: int = opt(2, "checkpoints kept, besides the best one")
     overwrite: bool = opt(False, "start fresh in an output dir holding an earlier run's checkpoints, deleting them")
-    dist_timeout: int = opt(600, "seconds a collective waits for a missing process before the job fails")
+    dist_timeout: int = opt(600, "seconds a collective waits for a missing process before the job fails (a "
+                            "loader worker gets half of it to give each batch)")
 
     def validate(self) -> None:
         check_ranges(self, positive=["checkpoint_every_steps", "keep_last", "dist_timeout"], non_negative=[])

@@ -41,6 +41,26 @@ def augment_draws(seed: int, epoch: int, indices, pad: int) -> tuple[torch.Tenso
 
 
 @dataclass(frozen=True)
+class Draws:
+    """A training batch's draws, as its loader gives them beside (images, labels) and BatchTransform.train takes
+    them: `flip_crop`, augment_draws' (the positions in the batch to mirror, each image's crop offset), None when
+    the images come cropped and flipped already (--augment resized-crop) or augmentation is off; `mixing`,
+    mix_draws' (partner, weight, box) under --mixup / --cutmix, else None. Moved to the device with its batch (`to`:
+    Accelerate's send_to_device calls it) and pinned with it (`pin_memory`: the DataLoader's pinning calls it)."""
+    flip_crop: tuple[torch.Tensor, torch.Tensor] | None = None
+    mixing: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def to(self, device, non_blocking: bool = False) -> Draws:
+        return self._each(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> Draws:
+        return self._each(torch.Tensor.pin_memory)
+
+    def _each(self, move) -> Draws:
+        return Draws(*(None if part is None else tuple(map(move, part)) for part in (self.flip_crop, self.mixing)))
+
+
+@dataclass(frozen=True)
 class Mixing:
     """--mixup / --cutmix / --mix-prob: torchvision.transforms.v2's MixUp and CutMix, drawn per sample."""
     mixup: float = 0.0  # Beta(alpha, alpha) of mixup's lambda; 0: no mixup

@@ -56,7 +56,7 @@ class DecodingDataset(LoaderDataset):
     """BatchedTensorDataset's batches (utils/data/images.py) from encoded images: `__getitems__` decodes the batch's
     images, in a DataLoader worker, into one (B, S, S, 3) uint8 array. A training set (`augment_seed` given) returns
     (images, labels, draws) as there: the small-image crop and flip drawn for the device, or with the crop recipe
-    cropped and flipped here already (draws (None, None), then the mixing draws if any)."""
+    cropped and flipped here already (its Draws then hold no crop and flip, only the mixing, if any)."""
 
     images: EncodedImages
 

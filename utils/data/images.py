@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from utils import UserError
-from utils.data.draws import Mixing, augment_draws, key_stream, mix_draws
+from utils.data.draws import Draws, Mixing, augment_draws, key_stream, mix_draws
 
 SPLITS = ("train", "test")  # load_data's splits: "test" is the one evaluated on
 
@@ -66,17 +66,14 @@ class LoaderDataset(torch.utils.data.Dataset):
             return images, labels
         return images, labels, self.draws(host, images.shape[-1], cropped)
 
-    def draws(self, host: np.ndarray, size: int, cropped: bool = False) -> tuple | None:
+    def draws(self, host: np.ndarray, size: int, cropped: bool = False) -> Draws | None:
         """A training batch's draws for BatchTransform.train, from this dataset's augment_seed, epoch, augment, pad
-        and mixing: None without augmentation; else the crop and flip (augment_draws; (None, None) when the images
-        come `cropped` already, utils/data/encoded.py) followed by the mixing draws (mix_draws), if any; None when
-        that leaves nothing to draw."""
+        and mixing: None without augmentation, else its crop and flip (augment_draws; none when the images come
+        `cropped` already, utils/data/encoded.py) and its mixing (mix_draws), if any."""
         if not self.augment:
             return None
-        crops = (None, None) if cropped else augment_draws(self.augment_seed, self.epoch, host, self.pad)
-        if self.mixing is None:
-            return None if cropped else crops
-        return crops + mix_draws(self.augment_seed, self.epoch, host, size, self.mixing)
+        return Draws(None if cropped else augment_draws(self.augment_seed, self.epoch, host, self.pad),
+                     mix_draws(self.augment_seed, self.epoch, host, size, self.mixing) if self.mixing else None)
 
 
 class BatchedTensorDataset(LoaderDataset):

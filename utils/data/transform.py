@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from utils import UserError
+from utils.data.draws import Draws
 from utils.data.images import crop_padding
 
 
@@ -49,15 +50,15 @@ class BatchTransform:
         x = torch.addcmul(shift, rows, scale).view(n, h, w, c).permute(0, 3, 1, 2)  # float, channels-last
         return x if self.channels_last else x.contiguous()
 
-    def train(self, images: torch.Tensor, labels: torch.Tensor, draws: tuple | None = None):
+    def train(self, images: torch.Tensor, labels: torch.Tensor, draws: Draws | None = None):
         """A training batch -> (the model's input, the loss's targets): the labels, or with mixing draws
         (`mix_draws`) class probabilities (num_classes wide), each image's label and its partner's weighted by the
         share of the partner in the mixed image. Mixed after the crop, flip and normalisation, as torchvision's
         MixUp and CutMix mix a batch of augmented tensors."""
-        x = self(images, draws[:2] if draws is not None and draws[0] is not None else None)  # None: cropped
-        if draws is None or len(draws) == 2:
+        x = self(images, draws.flip_crop if draws is not None else None)
+        if draws is None or draws.mixing is None:
             return x, labels
-        partner, weight, box = draws[2:]
+        partner, weight, box = draws.mixing
         n, c, h, w = x.shape
         rows, cols = torch.arange(h, device=x.device).view(1, h, 1), torch.arange(w, device=x.device).view(1, 1, w)
         y0, y1, x0, x1 = (box[:, i].view(n, 1, 1) for i in range(4))
