@@ -1,7 +1,8 @@
 """Images per second per loader worker at 224 px, decoding JPEGs on the fly with the natural-image crop recipe:
-utils/data/encoded.py's DecodingDataset (a batch per call, crops keyed by sample) against torchvision's ImageFolder with
-transforms.v2 doing the same decode, random-resized crop and flip (a sample per call, default_collate), and the same
-DecodingDataset reading the same JPEGs from webdataset tar shards as --decode stream plans them (utils/data/stream.py),
+utils/data's LoaderDataset over EncodedImages (a batch per call, crops keyed by sample) against torchvision's
+ImageFolder with transforms.v2 doing the same decode, random-resized crop and flip (a sample per call,
+default_collate), and the same LoaderDataset reading the same JPEGs from webdataset tar shards as --decode stream
+plans them (utils/data/stream.py),
 all in this one process (num_workers=0: the rate of one worker), alternating. Prints each rate, the ratios to
 torchvision's and how many workers a GPU training at --gpu-rate images/s needs.
 
@@ -31,6 +32,7 @@ from conftest import write_tar_shards, write_upscaled_cifar  # noqa: E402
 from bench.common import image_bench_parser  # noqa: E402
 from utils.data.builtin import load_encoded  # noqa: E402
 from utils.data.crops import CropRecipe  # noqa: E402
+from utils.data.images import LoaderDataset
 from utils.data.stream import StreamSettings  # noqa: E402
 
 
@@ -53,11 +55,11 @@ def main() -> None:
             Path(tmp) / "parquet", Path(args.data_dir), n_train=args.images, n_test=64, sizes=(256, 288, 320),
             parquet_shards=4))
         data = load_encoded(str(folder), image_size=args.size, recipe=CropRecipe(), workers=1)
-        ours_set = data["train"][0].loader_dataset(data["train"][1], True, 0, True, 0, None)
+        ours_set = LoaderDataset(data["train"][0], data["train"][1], 0, True, 0, None)
         ours = torch.utils.data.DataLoader(ours_set, batch_size=128, collate_fn=lambda b: b)
         streamed = load_encoded(str(shards), image_size=args.size, recipe=CropRecipe(), workers=1,
                                 stream=StreamSettings())
-        stream_set = streamed["train"][0].loader_dataset(streamed["train"][1], True, 0, True, 0, None)
+        stream_set = LoaderDataset(streamed["train"][0], streamed["train"][1], 0, True, 0, None)
         order = streamed["train"][0].rows.sampler(stream_set, True, 0, 128, 128, 1)
         stream = torch.utils.data.DataLoader(stream_set, batch_size=128, sampler=order, collate_fn=lambda b: b)
         recipe = T.Compose([T.RandomResizedCrop(args.size, antialias=True), T.RandomHorizontalFlip(), T.PILToTensor()])
@@ -70,7 +72,7 @@ def main() -> None:
             rates["stream"].append(rate(stream, args.images))
     median = {k: statistics.median(v) for k, v in rates.items()}
     print(f"{args.images} JPEGs of 256-320 px -> {args.size} px crops, 1 worker (1 thread), median of {args.repeats}:")
-    print(f"  ours (DecodingDataset, keyed crops): {median['ours']:,.0f} img/s")
+    print(f"  ours (LoaderDataset, keyed crops): {median['ours']:,.0f} img/s")
     print(f"  torchvision ImageFolder + v2:        {median['torchvision']:,.0f} img/s")
     print(f"  ours from tar shards (--decode stream): {median['stream']:,.0f} img/s")
     print(f"  ratio ours / torchvision: {median['ours'] / median['torchvision']:.2f}x, streamed / torchvision: "

@@ -31,6 +31,7 @@ from conftest import RangeHandler, write_tar_shards, write_upscaled_cifar  # noq
 from bench.common import header, image_bench_parser  # noqa: E402
 from utils.data.builtin import load_encoded  # noqa: E402
 from utils.data.crops import CropRecipe  # noqa: E402
+from utils.data.images import LoaderDataset
 from utils.data.stream import StreamSettings  # noqa: E402
 
 
@@ -44,7 +45,7 @@ class SlowHandler(RangeHandler):
 
 def loader(source: str, size: int, settings: StreamSettings):
     data = load_encoded(source, image_size=size, recipe=CropRecipe(), workers=1, stream=settings)
-    dataset = data["train"][0].loader_dataset(data["train"][1], True, 0, True, 0, None)
+    dataset = LoaderDataset(data["train"][0], data["train"][1], 0, True, 0, None)
     sampler = data["train"][0].rows.sampler(dataset, True, 0, 128, 128, 1)
     return sampler, torch.utils.data.DataLoader(dataset, batch_size=128, sampler=sampler, collate_fn=lambda b: b)
 

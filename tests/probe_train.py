@@ -112,13 +112,15 @@ def digest(tensors) -> str:
     return h.hexdigest()
 
 
-real_getitems = image_kinds.BatchedTensorDataset.__getitems__
+real_getitems = image_kinds.LoaderDataset.__getitems__
 
 
 def getitems(self, indices):
+    if isinstance(self.images, encoded.EncodedImages):  # in a loader worker: to the stream record, as it happens
+        return decoding_getitems(self, indices)
     if id(self) not in datasets_seen:
         datasets_seen.append(id(self))
-        rec["dataset_devices"].append(self.images.device.type)
+        rec["dataset_devices"].append(self.images.tensor.device.type)
     rec["batches"].append([datasets_seen.index(id(self)), [int(i) for i in indices]])
     batch = real_getitems(self, indices)
     if len(batch) == 3 and batch[2] is not None and batch[2].flip_crop is not None:  # a training batch, augmented
@@ -134,7 +136,6 @@ def stream_record(line: dict) -> None:
 
 real_index_shard = stream.index_shard
 real_stream_read = stream.StreamRows.read
-real_decoding_getitems = encoded.DecodingDataset.__getitems__
 
 
 def index_shard(url, columns, cache=None):
@@ -153,7 +154,7 @@ def decoding_getitems(self, indices):
     if hang and self.augment_seed is not None and [self.epoch, int(hang.split(":")[1])] in \
             [[int(hang.split(":")[0]), int(i)] for i in indices]:
         time.sleep(10 ** 6)
-    return real_decoding_getitems(self, indices)
+    return real_getitems(self, indices)
 
 
 real_prepare = Accelerator.prepare
@@ -328,10 +329,9 @@ def fake_hub(folder: str) -> None:
 
 if os.environ.get("PROBE_FAKE_HUB"):
     fake_hub(os.environ["PROBE_FAKE_HUB"])
-image_kinds.BatchedTensorDataset.__getitems__ = getitems
+image_kinds.LoaderDataset.__getitems__ = getitems
 stream.StreamRows.read = stream_read
 stream.index_shard = index_shard
-encoded.DecodingDataset.__getitems__ = decoding_getitems
 Accelerator.prepare = prepare
 torch.nn.parallel.DistributedDataParallel.register_comm_hook = register_comm_hook
 train_cifar.evaluate = evaluate

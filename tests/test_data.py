@@ -117,7 +117,7 @@ def test_every_process_reads_the_images_through_a_memory_map_of_the_cache_file_e
             assert _mapped_file(data[split][0]) == str(cache), split
     assert _mapped_file(torch.zeros(1 << 20, dtype=torch.uint8)) is None  # the check tells anonymous memory apart
     train = make_loader(*read["train"], batch_size=8, train=True).dataset  # and the loader keeps the map, no copy
-    assert _mapped_file(train.images) == str(cache)
+    assert _mapped_file(train.images.tensor) == str(cache)
 
 
 def test_a_cache_folder_that_cannot_be_written_decodes_into_a_temporary_file_and_says_so(tmp_path, accelerator):

@@ -16,7 +16,7 @@ import torch
 
 from utils.data.crops import CropRecipe, eval_view, resized_crop_draws, train_view
 from utils.data.decode import square_pixels
-from utils.data.images import Images, LoaderDataset, channel_stats
+from utils.data.images import Images, channel_stats
 from utils.data.sources import EncodedRows, row_pixels
 
 STATS_IMAGES = 512  # training images the per-channel mean and std are estimated from (the first, decoded at S)
@@ -38,8 +38,21 @@ class EncodedImages(Images):
     def prefix(self, n: int) -> EncodedImages:
         return EncodedImages(self.rows.take(torch.arange(n)), self.image_size, self.recipe, self.workers)
 
-    def loader_dataset(self, labels, train, seed, augment, pad, mixing) -> DecodingDataset:
-        return DecodingDataset(self, labels, seed if train else None, augment, pad, mixing)
+    def read(self, indices, key):
+        """The batch decoded here (in a DataLoader worker) into one (B, S, S, 3) uint8 array: with the crop recipe and
+        a training `key`, each image's keyed random-resized crop and flip cut as it is decoded (cropped: True), else
+        its evaluation view (or the cache's resize, the small-image crops then drawn for the device)."""
+        rows, size, recipe = self.rows, self.image_size, self.recipe
+        out = np.empty((len(indices), size, size, 3), dtype=np.uint8)
+        opened = [rows.open(source, int(i)) for source, i in zip(rows.fetch(indices), indices)]
+        cropped = recipe is not None and key is not None
+        if cropped:
+            boxes, mirrored = resized_crop_draws(*key, indices, [im.size for im in opened], recipe)
+        for k, im in enumerate(opened):
+            view = (partial(train_view, box=boxes[k], mirrored=bool(mirrored[k]), size=size, recipe=recipe)
+                    if cropped else evaluation_view(size, recipe))
+            out[k] = row_pixels(rows, int(indices[k]), im, view)
+        return torch.from_numpy(out), cropped
 
     def sampler(self, dataset, train, seed, step_images, micro, processes):
         return self.rows.sampler(dataset, train, seed, step_images, micro, processes)
@@ -50,33 +63,6 @@ class EncodedImages(Images):
         pixels = np.stack([row_pixels(sample, i, sample.open(s, i), partial(square_pixels, size=self.image_size))
                            for i, s in enumerate(sample.fetch(range(len(sample))))])
         return channel_stats(torch.from_numpy(pixels).permute(0, 3, 1, 2))
-
-
-class DecodingDataset(LoaderDataset):
-    """BatchedTensorDataset's batches (utils/data/images.py) from encoded images: `__getitems__` decodes the batch's
-    images, in a DataLoader worker, into one (B, S, S, 3) uint8 array. A training set (`augment_seed` given) returns
-    (images, labels, draws) as there: the small-image crop and flip drawn for the device, or with the crop recipe
-    cropped and flipped here already (its Draws then hold no crop and flip, only the mixing, if any)."""
-
-    images: EncodedImages
-
-    def __getitems__(self, indices: list[int]):
-        host = np.asarray(indices, dtype=np.int64)
-        rows, size, recipe = self.images.rows, self.images.image_size, self.images.recipe
-        out = np.empty((len(host), size, size, 3), dtype=np.uint8)
-        opened = [rows.open(source, int(i)) for source, i in zip(rows.fetch(host), host)]
-        cropped_here = recipe is not None and self.augment_seed is not None and self.augment
-        if cropped_here:
-            boxes, mirrored = resized_crop_draws(self.augment_seed, self.epoch, host, [im.size for im in opened],
-                                                 recipe)
-        for k, im in enumerate(opened):
-            if cropped_here:
-                view = partial(train_view, box=boxes[k], mirrored=bool(mirrored[k]), size=size, recipe=recipe)
-            else:
-                view = evaluation_view(size, recipe)
-            out[k] = row_pixels(rows, int(host[k]), im, view)
-        return self.finish(torch.from_numpy(out).permute(0, 3, 1, 2), self.labels[torch.from_numpy(host)], host,
-                           cropped=cropped_here)
 
 
 def evaluation_view(size: int, recipe: CropRecipe | None):

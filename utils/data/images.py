@@ -46,13 +46,13 @@ def channel_stats(images: torch.Tensor) -> tuple[tuple[float, ...], tuple[float,
 
 
 class LoaderDataset(torch.utils.data.Dataset):
-    """The datasets the loaders iterate: `__getitems__` gets the sampler's indices of one batch and returns the whole
-    batch (`finish`), (images, labels) as uint8 (B, 3, S, S) and int64 (B,), and for a training set also its draws.
-    Holds the split's `images` (its kind's) and `labels`, and what a training batch's draws are keyed by:
-    `augment_seed` (None: an evaluation set), `epoch` (set by the sampler), `augment` (off: no crop and flip), `pad`
-    (the crop's padding) and `mixing`."""
+    """The dataset the loaders iterate, over a split's `images` of any kind: the DataLoader calls `__getitems__` once
+    per batch with the sampler's indices, and gets the whole batch, (images, labels) as uint8 (B, 3, S, S) (a view of
+    NHWC memory) and int64 (B,), and for a training set also its Draws: no per-image Python work beyond the kind's
+    own (`Images.read`). A training batch's draws are keyed by `augment_seed` (None: an evaluation set), `epoch` (set
+    by the sampler), `augment` (off: no crop and flip), `pad` (the crop's padding) and `mixing`."""
 
-    def __init__(self, images, labels: torch.Tensor, augment_seed: int | None, augment: bool, pad: int,
+    def __init__(self, images: Images, labels: torch.Tensor, augment_seed: int | None, augment: bool, pad: int,
                  mixing: Mixing | None):
         self.images, self.labels = images, labels
         self.augment_seed, self.augment, self.pad, self.mixing, self.epoch = augment_seed, augment, pad, mixing, 0
@@ -60,11 +60,17 @@ class LoaderDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.labels)
 
-    def finish(self, images: torch.Tensor, labels: torch.Tensor, host: np.ndarray, cropped: bool = False):
-        """The batch as the loader returns it: (images, labels), and for a training set (images, labels, draws)."""
+    def __getitems__(self, indices: list[int]):
+        # the indices through numpy: 3 us for 128, torch.as_tensor(list) 14 us. non_blocking: with the data on a GPU
+        # a blocking copy would wait for all queued GPU work every batch (a copy from pageable memory is staged
+        # before the call returns, so the host array may go away at once).
+        host = np.asarray(indices, dtype=np.int64)  # once, for the batch and its draws
+        key = (self.augment_seed, self.epoch) if self.augment_seed is not None and self.augment else None
+        nhwc, cropped = self.images.read(host, key)
+        labels = self.labels.index_select(0, torch.from_numpy(host).to(self.labels.device, non_blocking=True))
         if self.augment_seed is None:
-            return images, labels
-        return images, labels, self.draws(host, images.shape[-1], cropped)
+            return nhwc.permute(0, 3, 1, 2), labels
+        return nhwc.permute(0, 3, 1, 2), labels, self.draws(host, nhwc.shape[1], cropped)
 
     def draws(self, host: np.ndarray, size: int, cropped: bool = False) -> Draws | None:
         """A training batch's draws for BatchTransform.train, from this dataset's augment_seed, epoch, augment, pad
@@ -74,37 +80,6 @@ class LoaderDataset(torch.utils.data.Dataset):
             return None
         return Draws(None if cropped else augment_draws(self.augment_seed, self.epoch, host, self.pad),
                      mix_draws(self.augment_seed, self.epoch, host, size, self.mixing) if self.mixing else None)
-
-
-class BatchedTensorDataset(LoaderDataset):
-    """Images and labels as two tensors. The DataLoader calls `__getitems__` once per batch with the
-    sampler's indices, so a batch costs one tensor index instead of `batch_size` Python calls.
-    A training set (`augment_seed` given) returns (images, labels, draws): each sample's crop and flip for the
-    current `epoch` (set by `EpochSampler`), from `augment_draws`, and with `mixing` its mixing (`mix_draws`); draws
-    is None when `augment` is off."""
-
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, augment_seed: int | None = None,
-                 augment: bool = True, pad: int = 4, mixing: Mixing | None = None):
-        assert len(images) == len(labels)
-        # NHWC rows: a batch is then one row copy per image, and arrives in the layout the transform reads.
-        super().__init__(images.contiguous(memory_format=torch.channels_last), labels, augment_seed, augment, pad,
-                         mixing)
-
-    def __getitem__(self, i):
-        return self.images[i], self.labels[i]
-
-    def __getitems__(self, indices: list[int]):
-        # Measured on the 2-core CPU, 128 uint8 images:
-        # - index_select copies whole rows: 8 us; advanced indexing (images[idx]) goes element by element: 2.3 ms.
-        # - on the (N, 32, 32, 3) view the batch stays NHWC; on the channels-last 4-D tensor itself index_select
-        #   returns NCHW (a transposing copy, 8x slower).
-        # - the indices through numpy: 3 us; torch.as_tensor(list) 14 us.
-        # non_blocking: with the data on a GPU a blocking copy would wait for all queued GPU work every batch (a
-        # copy from pageable memory is staged before the call returns, so the host array may go away at once).
-        host = np.asarray(indices, dtype=np.int64)  # once, for the batch and its draws
-        idx = torch.from_numpy(host).to(self.labels.device, non_blocking=True)
-        nhwc = self.images.permute(0, 2, 3, 1).index_select(0, idx)
-        return self.finish(nhwc.permute(0, 3, 1, 2), self.labels.index_select(0, idx), host)
 
 
 class KeyedSampler(torch.utils.data.Sampler):
@@ -142,8 +117,8 @@ class EpochSampler(KeyedSampler):
 class Images(abc.ABC):
     """A split's images, as every kind gives them to the loaders: `len()`, the first n (`prefix`), their side
     `image_size` (square S x S), the loader worker processes per process that read and decode them (`workers`; 0:
-    the main process indexes them), the loader dataset of (images, labels) for training or evaluation
-    (`loader_dataset`), the training order (`sampler`), the per-channel mean and std of the images (`channel_stats`),
+    the main process indexes them), a batch of them by index (`read`, which LoaderDataset calls for every kind), the
+    training order (`sampler`), the per-channel mean and std of the images (`channel_stats`),
     the move to the GPU of --data-on-device (`to`: decoded tensors only), and two facts the loaders check:
     `on_device` (the images are on the GPU already) and `crops_whole` (the random-resized crop of --augment
     resized-crop is cut from each whole image as it is decoded)."""
@@ -162,8 +137,10 @@ class Images(abc.ABC):
         class-balanced."""
 
     @abc.abstractmethod
-    def loader_dataset(self, labels: torch.Tensor, train: bool, seed: int, augment: bool, pad: int,
-                       mixing: Mixing | None) -> LoaderDataset: ...
+    def read(self, indices: np.ndarray, key: tuple[int, int] | None) -> tuple[torch.Tensor, bool]:
+        """The images at `indices` as one uint8 (B, S, S, 3) batch, and whether they come cropped and flipped
+        already: `key` (seed, epoch) keys a training batch's crops where the kind cuts them as it decodes (None:
+        evaluation, or no augmentation)."""
 
     @abc.abstractmethod
     def channel_stats(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -182,10 +159,12 @@ class Images(abc.ABC):
 
 class TensorImages(Images):
     """Decoded uint8 images (N, 3, S, S) in memory (a view of NHWC memory is fine, memory-mapped too), indexed by one
-    tensor index per batch in the main process (BatchedTensorDataset). `stats`: their per-channel mean and std when
+    tensor index per batch in the main process. `stats`: their per-channel mean and std when
     already known (the decode cache keeps them), else computed when asked."""
 
     def __init__(self, tensor: torch.Tensor, stats: tuple | None = None):
+        # NHWC rows: a batch is then one row copy per image, and arrives in the layout the transform reads
+        tensor = tensor.contiguous(memory_format=torch.channels_last)  # no copy of NHWC memory (the cache's)
         self.tensor, self.image_size, self.workers, self.stats = tensor, int(tensor.shape[-1]), 0, stats
         self.on_device = tensor.device.type != "cpu"
 
@@ -195,8 +174,12 @@ class TensorImages(Images):
     def prefix(self, n: int) -> TensorImages:
         return TensorImages(self.tensor[:n], self.stats)
 
-    def loader_dataset(self, labels, train, seed, augment, pad, mixing) -> BatchedTensorDataset:
-        return BatchedTensorDataset(self.tensor, labels, seed if train else None, augment, pad, mixing)
+    def read(self, indices, key):
+        # Measured on the 2-core CPU, 128 uint8 images: index_select copies whole rows: 8 us; advanced indexing
+        # (images[idx]) goes element by element: 2.3 ms. On the NHWC view the batch stays NHWC; on the channels-last
+        # 4-D tensor itself index_select returns NCHW (a transposing copy, 8x slower).
+        idx = torch.from_numpy(indices).to(self.tensor.device, non_blocking=True)
+        return self.tensor.permute(0, 2, 3, 1).index_select(0, idx), False
 
     def channel_stats(self):
         return self.stats or channel_stats(self.tensor)

@@ -14,7 +14,7 @@ from accelerate.utils import broadcast_object_list
 
 from utils import UserError
 from utils.data.draws import Mixing
-from utils.data.images import Images, as_images, crop_padding
+from utils.data.images import Images, LoaderDataset, as_images, crop_padding
 
 
 def check_one_batch(labels: torch.Tensor, batch_size: int, processes: int, accumulation: int = 1) -> None:
@@ -35,7 +35,7 @@ def take_prefix(pair: tuple[Images | torch.Tensor, torch.Tensor], n: int | None,
 
 
 def keep_batch(batch):
-    """collate_fn for BatchedTensorDataset: `__getitems__` already returned the collated batch."""
+    """collate_fn for LoaderDataset: `__getitems__` already returned the collated batch."""
     return batch
 
 
@@ -49,7 +49,7 @@ def make_loader(images: Images | torch.Tensor, labels: torch.Tensor, batch_size:
     a worker may take to give its batch before the loader raises (0: forever; utils.launch.run says it in one
     line)."""
     images = as_images(images)
-    dataset = images.loader_dataset(labels, train, seed, augment, pad, mixing)
+    dataset = LoaderDataset(images, labels, seed if train else None, augment, pad, mixing)
     return torch.utils.data.DataLoader(
         dataset,
         batch_size=batch_size,

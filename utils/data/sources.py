@@ -330,18 +330,9 @@ class TableImages:
 
 def read_rows(ds, split: str, columns: tuple[str | None, str | None], encoded: bool = False) -> Rows:
     """A split's Rows: its image and label columns found and checked; `encoded`: the images left in the table."""
-    from datasets import ClassLabel, Value
     from datasets import Image as ImageFeature
 
-    image_col = pick_column(ds.column_names, f"the {split} split", IMAGE_COLUMNS, "image", columns[0])
-    label_col = pick_column(ds.column_names, f"the {split} split", LABEL_COLUMNS, "label", columns[1])
-    if not isinstance(ds.features[image_col], ImageFeature):
-        raise UserError(f"the {split} split's column {image_col!r} is {ds.features[image_col]}, not images.")
-    feature = ds.features[label_col]
-    names = tuple(feature.names) if isinstance(feature, ClassLabel) else None
-    if names is None and not (isinstance(feature, Value) and feature.dtype.startswith(("int", "uint"))):
-        raise UserError(f"the {split} split's label column {label_col!r} is {feature}, neither class names (a "
-                        f"ClassLabel) nor integers.")
+    image_col, label_col, names = image_and_label(ds.features, f"the {split} split", columns)
     # Undecoded: the images are decoded straight into the cache file or a batch, not one PIL object per row. A
     # parquet row holds the image's bytes; an image folder's row holds its path.
     ds = ds.cast_column(image_col, ImageFeature(decode=False))
@@ -352,6 +343,25 @@ def read_rows(ds, split: str, columns: tuple[str | None, str | None], encoded: b
     sources = [blob if blob is not None else path for blob, path in
                zip(column.field("bytes").to_pylist(), column.field("path").to_pylist())]
     return Rows(sources, labels, names, split)
+
+
+def image_and_label(features, where: str, columns: tuple[str | None, str | None]):
+    """(the image column, the label column, the class names or None) of a table or parquet shard with these datasets
+    Features (`where` names it in messages): the columns --image-column / --label-column name, else found by name
+    (pick_column); the image column must hold images, the label column class names (a ClassLabel) or integers."""
+    from datasets import ClassLabel, Value
+    from datasets import Image as ImageFeature
+
+    image, label = (pick_column(list(features), where, names, what, given) for given, names, what in
+                    ((columns[0], IMAGE_COLUMNS, "image"), (columns[1], LABEL_COLUMNS, "label")))
+    if not isinstance(features[image], ImageFeature):
+        raise UserError(f"{where}'s column {image!r} is {features[image]}, not images.")
+    feature = features[label]
+    names = tuple(feature.names) if isinstance(feature, ClassLabel) else None
+    if names is None and not (isinstance(feature, Value) and feature.dtype.startswith(("int", "uint"))):
+        raise UserError(f"{where}'s label column {label!r} is {feature}, neither class names (a ClassLabel) nor "
+                        f"integers.")
+    return image, label, names
 
 
 def open_image(source, split: str, where: str):

@@ -77,7 +77,7 @@ from fsspec.exceptions import FSTimeoutError
 from utils import UserError, first_line, write_atomically
 from utils.data.draws import key_stream, splitmix64
 from utils.data.images import KeyedSampler
-from utils.data.sources import IMAGE_COLUMNS, IMAGE_SUFFIXES, LABEL_COLUMNS, EncodedRows, pick_column, shared_classes
+from utils.data.sources import IMAGE_SUFFIXES, EncodedRows, image_and_label, shared_classes
 from utils.launch import main_print, raise_if_any
 
 SHARD_SUFFIXES = (".parquet", ".tar")
@@ -348,16 +348,10 @@ def _index_parquet(url: str, f, columns) -> Shard:
     import datasets  # here: a second to import, and only parquet shards need its Features
 
     pf = pq.ParquetFile(f)
-    features = datasets.Features.from_arrow_schema(pf.schema_arrow)
-    image, label = (pick_column(list(features), url, names, what, given) for given, names, what in
-                    ((columns[0], IMAGE_COLUMNS, "image"), (columns[1], LABEL_COLUMNS, "label")))
-    if not isinstance(features[image], datasets.Image):
-        raise UserError(f"{url}: its column {image!r} is {features[image]}, not images.")
-    names = features[label].names if isinstance(features[label], datasets.ClassLabel) else None
+    image, label, names = image_and_label(datasets.Features.from_arrow_schema(pf.schema_arrow), url, columns)
     labels = pf.read(columns=[label]).column(0).to_numpy(zero_copy_only=False).astype(np.int64)
     sizes = [pf.metadata.row_group(g).num_rows for g in range(pf.metadata.num_row_groups)]
-    return Shard(url, labels, tuple(names) if names else None, column=image,
-                 groups=np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64))
+    return Shard(url, labels, names, column=image, groups=np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64))
 
 
 def _index_tar(url: str, f) -> Shard:
