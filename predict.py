@@ -40,9 +40,8 @@ from tqdm.auto import tqdm
 
 from utils import UserError, first_line, write_atomically
 from utils.cli import FlagParser
-from utils.data.crops import CropRecipe
-from utils.data.encoded import evaluation_view
 from utils.data.images import worker_share
+from utils.data.pixels import CropRecipe, evaluation_view
 from utils.data.sources import IMAGE_SUFFIXES
 from utils.data.transform import BatchTransform
 from utils.launch import run as run_job

@@ -31,8 +31,8 @@ from conftest import write_tar_shards, write_upscaled_cifar  # noqa: E402
 
 from bench.common import image_bench_parser  # noqa: E402
 from utils.data.builtin import load_encoded  # noqa: E402
-from utils.data.crops import CropRecipe  # noqa: E402
 from utils.data.images import LoaderDataset
+from utils.data.pixels import CropRecipe  # noqa: E402
 from utils.data.stream import StreamSettings  # noqa: E402
 
 

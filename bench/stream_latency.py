@@ -30,8 +30,8 @@ from conftest import RangeHandler, write_tar_shards, write_upscaled_cifar  # noq
 
 from bench.common import header, image_bench_parser  # noqa: E402
 from utils.data.builtin import load_encoded  # noqa: E402
-from utils.data.crops import CropRecipe  # noqa: E402
 from utils.data.images import LoaderDataset
+from utils.data.pixels import CropRecipe  # noqa: E402
 from utils.data.stream import StreamSettings  # noqa: E402
 
 

@@ -26,7 +26,7 @@ from conftest import (
 )
 from PIL import Image
 
-from utils.data.crops import CropRecipe, eval_view, resized_crop_draws
+from utils.data.pixels import CropRecipe, eval_view, resized_crop_draws
 
 TWO_RANKS = ["--config_file", str(CPU_YAML), "--main_process_port", "0"]
 ONE_PROCESS = ["--num_processes", "1", "--cpu", "--main_process_port", "0"]

@@ -9,10 +9,10 @@ import shutil
 from pathlib import Path
 
 from utils.config_groups import is_url
-from utils.data.crops import CropRecipe, crop_recipe
 from utils.data.decode import default_cache_dir, load_source
 from utils.data.encoded import EncodedImages
 from utils.data.images import SPLITS, TensorImages, worker_share
+from utils.data.pixels import CropRecipe, crop_recipe
 from utils.data.sources import fingerprint, first_size, locate, split_rows
 from utils.data.stream import StreamSettings, holds_tar_shards_only, open_stream
 from utils.launch import main_print

@@ -10,10 +10,10 @@ import numpy as np
 import torch
 
 from utils import UserError
-from utils.data.crops import crop_recipe
 from utils.data.encoded import EncodedImages
 from utils.data.images import SPLITS, Images, TensorImages, worker_share
 from utils.data.items import DatasetRows
+from utils.data.pixels import crop_recipe
 
 
 def checked_data(data: dict, where: str = "load_data", cfg=None, model_stats: dict | None = None,

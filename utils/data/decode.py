@@ -26,7 +26,8 @@ import torch
 
 from utils import UserError, first_line
 from utils.data.images import SPLITS, channel_stats
-from utils.data.sources import Rows, fingerprint, first_size, locate, open_image, row_pixels, split_rows
+from utils.data.pixels import open_image, row_pixels, square_pixels
+from utils.data.sources import Rows, fingerprint, first_size, locate, split_rows
 from utils.launch import first_on_each_machine, main_print
 
 CACHE_FORMAT = 6  # bump when the cache file changes (4: class names, mean and std; 5: held-out splits; 6: mean and
@@ -36,16 +37,6 @@ CACHE_FORMAT = 6  # bump when the cache file changes (4: class names, mean and s
 # ----------------------------------------------------------------------------------------------------
 # Decode once into uint8 tensors
 # ----------------------------------------------------------------------------------------------------
-
-
-def square_pixels(im, size: int) -> np.ndarray:
-    """An RGB PIL image as (S, S, 3) uint8, resized (bicubic) to S x S unless it is that size: how every image enters
-    the cache, and the on-the-fly path's images without --augment resized-crop (utils/data/encoded.py), bit for bit."""
-    from PIL import Image
-
-    if im.size != (size, size):
-        im = im.resize((size, size), Image.Resampling.BICUBIC)
-    return np.asarray(im)
 
 
 def _decode_rows(rows: Rows, size: int, out: np.ndarray, start: int, stop: int, same_as: str | None = None) -> None:

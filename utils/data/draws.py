@@ -22,7 +22,7 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
 
 def key_stream(seed: int, epoch: int, purpose: int) -> np.ndarray:
     """A (1,) uint64 key of (seed, epoch, purpose): 0 the epoch's shuffle (EpochSampler's, or a stream's: its shards'
-    order, utils/data/stream.py), 1 its augmentation, 2 its mixing, 3 its resized crops (utils/data/crops.py). Two
+    order, utils/data/stream.py), 1 its augmentation, 2 its mixing, 3 its resized crops (utils/data/pixels.py). Two
     bits."""
     return splitmix64(np.array([(seed % 2**32) << 32 | (epoch % 2**30) << 2 | purpose], dtype=np.uint64))
 

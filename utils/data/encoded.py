@@ -2,7 +2,7 @@
 datasets' memory-mapped table, an image folder's files, or a stream's shards) and the DataLoader's worker processes
 decode each batch as the sampler asks for it. For images whose decoded copy would not fit the cache
 (utils/data/decode.py) or that the crop recipe for natural images needs whole (--augment resized-crop,
-utils/data/crops.py). The sampler's contract holds as on the cached path: the order comes from the rows' sampler
+utils/data/pixels.py). The sampler's contract holds as on the cached path: the order comes from the rows' sampler
 (EpochSampler, or a stream's), each sample's crop, flip and mixing from (seed, epoch, sample index), so batches are
 the same at any process count, worker count and after a resume. `EncodedImages` is this kind of `Images`
 (utils/data/images.py); utils/data/builtin.py makes it."""
@@ -14,10 +14,9 @@ from functools import partial
 import numpy as np
 import torch
 
-from utils.data.crops import CropRecipe, eval_view, resized_crop_draws, train_view
-from utils.data.decode import square_pixels
 from utils.data.images import Images, channel_stats
-from utils.data.sources import EncodedRows, row_pixels
+from utils.data.pixels import CropRecipe, evaluation_view, resized_crop_draws, row_pixels, square_pixels, train_view
+from utils.data.sources import EncodedRows
 
 STATS_IMAGES = 512  # training images the per-channel mean and std are estimated from (the first, decoded at S)
 
@@ -63,11 +62,3 @@ class EncodedImages(Images):
         pixels = np.stack([row_pixels(sample, i, sample.open(s, i), partial(square_pixels, size=self.image_size))
                            for i, s in enumerate(sample.fetch(range(len(sample))))])
         return channel_stats(torch.from_numpy(pixels).permute(0, 3, 1, 2))
-
-
-def evaluation_view(size: int, recipe: CropRecipe | None):
-    """An RGB PIL image -> its (S, S, 3) uint8 evaluation view: resized and centre-cropped by the crop recipe, or
-    without one resized to S x S as the cache does. predict.py gives new images the same view."""
-    return partial(eval_view, size=size, recipe=recipe) if recipe else partial(square_pixels, size=size)
-
-

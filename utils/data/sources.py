@@ -24,6 +24,7 @@ import torch
 from utils import UserError, first_line
 from utils.config_groups import DATA_LAYOUTS, check_source
 from utils.data.images import SPLITS, EpochSampler
+from utils.data.pixels import open_image
 
 EVAL_SPLITS = ("test", "validation")  # the source's evaluation split: the first of these it has
 VAL_FRACTION = 0.1  # held out of train for evaluation when the source has no evaluation split
@@ -362,28 +363,6 @@ def image_and_label(features, where: str, columns: tuple[str | None, str | None]
         raise UserError(f"{where}'s label column {label!r} is {feature}, neither class names (a ClassLabel) nor "
                         f"integers.")
     return image, label, names
-
-
-def open_image(source, split: str, where: str):
-    """The PIL image of a row (lazy: only its header is read until the pixels are asked for); one line if broken."""
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        return Image.open(io.BytesIO(source) if isinstance(source, bytes) else source)
-    except (UnidentifiedImageError, OSError, TypeError) as e:
-        raise UserError(f"the {split} split has an undecodable image at {where} ({first_line(e)}).") from None
-
-
-def row_pixels(rows, i: int, im, view) -> np.ndarray:
-    """view(the RGB image) of row i's opened image (open_image), closed after; one line naming the row if its pixels
-    cannot be decoded. What every decode goes through: the cache's (utils/data/decode.py) and the workers'
-    (utils/data/encoded.py)."""
-    try:
-        with im:
-            return view(im.convert("RGB"))  # grayscale repeated into 3 channels, RGBA's alpha dropped, palettes too
-    except OSError as e:  # a header that reads but pixels that do not (a truncated file)
-        raise UserError(f"the {rows.split} split has an undecodable image at {rows.where(i)} ({first_line(e)}).") \
-            from None
 
 
 def first_size(splits: dict[str, Rows]) -> tuple[int, str]:

@@ -555,7 +555,7 @@ class StreamRows(EncodedRows):
 
     def fetch(self, rows) -> list[bytes]:
         if self.pid != os.getpid():
-            self.pid, self.open, self.pool, self.held, self.current = os.getpid(), _OpenFiles(), None, {}, None
+            self.pid, self.opened, self.pool, self.held, self.current = os.getpid(), _OpenFiles(), None, {}, None
         out = []
         for row in np.asarray(rows, dtype=np.int64):
             w = int(np.searchsorted(self.plan.cuts, self.position[row], "right") - 1)
@@ -615,7 +615,7 @@ class StreamRows(EncodedRows):
         return one_line(lambda: self._read_row_group(shard, part, failed), failed)
 
     def _read_row_group(self, shard: Shard, part: np.ndarray, failed: str) -> list[bytes]:
-        files = self.open.files
+        files = self.opened.files
         if shard.url not in files:
             for old in list(files)[:-1]:
                 self._close(old)
@@ -630,12 +630,12 @@ class StreamRows(EncodedRows):
         return out
 
     def _close(self, url: str) -> None:
-        opened = self.open.files.pop(url, None)
+        opened = self.opened.files.pop(url, None)
         if opened:
             opened[0].close()
 
     def __getstate__(self):  # a worker opens its own files and threads
-        return {**self.__dict__, "pid": None, "open": None, "pool": None, "held": {}, "current": None}
+        return {**self.__dict__, "pid": None, "opened": None, "pool": None, "held": {}, "current": None}
 
     def sampler(self, dataset, train: bool, seed: int, step_images: int, micro: int, processes: int):
         return StreamSampler(dataset, self, train, seed, step_images, (processes, dataset.images.workers, micro))

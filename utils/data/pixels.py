@@ -1,10 +1,13 @@
-"""The crop recipe for natural images (--augment resized-crop), each draw keyed by (seed, epoch, sample) as the
-small-image crops of utils/data/draws.py are, so a sample is cropped the same way by whichever process and worker
-decodes it, at any process count, before and after a resume:
+"""Pixel work, all of it: an encoded image opened (`open_image`, lazily: its header first) and turned into its
+RGB view with one line for a broken one (`row_pixels`); the views: the cache's and the small-image path's resize to
+S x S (`square_pixels`), and the crop recipe for natural images (--augment resized-crop), each draw keyed by (seed,
+epoch, sample) as the small-image crops of utils/data/draws.py are, so a sample is cropped the same way by whichever
+process and worker decodes it, at any process count, before and after a resume:
   training    a random-resized crop (area a uniform share of the image in --crop-scale, aspect ratio log-uniform in
               --crop-ratio; torchvision's RandomResizedCrop sampling, its 10 tries and its centre-crop fallback),
-              resized (--interpolation, antialiased) to S x S, and a horizontal flip with chance 1/2;
-  evaluation  the image resized so its shorter side is int(S / --eval-crop), then its centre S x S.
+              resized (--interpolation, antialiased) to S x S, and a horizontal flip with chance 1/2 (`train_view`);
+  evaluation  the image resized so its shorter side is int(S / --eval-crop), then its centre S x S (`eval_view`;
+              `evaluation_view` picks the view of a run, which predict.py gives new images too).
 The draws are here; the pixels are torchvision.transforms.v2.functional's on the PIL image (the same operations as
 torchvision's RandomResizedCrop, RandomHorizontalFlip, Resize and CenterCrop), in the loader's workers
 (utils/data/encoded.py). Written by hand only because torchvision's transforms draw from a global RNG, not from a key.
@@ -12,11 +15,14 @@ torchvision's RandomResizedCrop, RandomHorizontalFlip, Resize and CenterCrop), i
 
 from __future__ import annotations
 
+import io
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
+from utils import UserError, first_line
 from utils.data.draws import key_stream, splitmix64, uniform01
 
 TRIES = 10  # torchvision's RandomResizedCrop: tries before its fallback
@@ -98,3 +104,41 @@ def eval_view(im, size: int, recipe: CropRecipe) -> np.ndarray:
     import torchvision.transforms.v2.functional as TF
 
     return np.asarray(TF.center_crop(recipe.resize(im, [int(size / recipe.eval_crop)]), [size, size]))
+
+
+def square_pixels(im, size: int) -> np.ndarray:
+    """An RGB PIL image as (S, S, 3) uint8, resized (bicubic) to S x S unless it is that size: how every image enters
+    the cache, and the on-the-fly path's images without --augment resized-crop (utils/data/encoded.py), bit for bit."""
+    from PIL import Image
+
+    if im.size != (size, size):
+        im = im.resize((size, size), Image.Resampling.BICUBIC)
+    return np.asarray(im)
+
+
+def open_image(source, split: str, where: str):
+    """The PIL image of a row (lazy: only its header is read until the pixels are asked for); one line if broken."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        return Image.open(io.BytesIO(source) if isinstance(source, bytes) else source)
+    except (UnidentifiedImageError, OSError, TypeError) as e:
+        raise UserError(f"the {split} split has an undecodable image at {where} ({first_line(e)}).") from None
+
+
+def row_pixels(rows, i: int, im, view) -> np.ndarray:
+    """view(the RGB image) of row i's opened image (open_image), closed after; one line naming the row if its pixels
+    cannot be decoded. What every decode goes through: the cache's (utils/data/decode.py) and the workers'
+    (utils/data/encoded.py)."""
+    try:
+        with im:
+            return view(im.convert("RGB"))  # grayscale repeated into 3 channels, RGBA's alpha dropped, palettes too
+    except OSError as e:  # a header that reads but pixels that do not (a truncated file)
+        raise UserError(f"the {rows.split} split has an undecodable image at {rows.where(i)} ({first_line(e)}).") \
+            from None
+
+
+def evaluation_view(size: int, recipe: CropRecipe | None):
+    """An RGB PIL image -> its (S, S, 3) uint8 evaluation view: resized and centre-cropped by the crop recipe, or
+    without one resized to S x S as the cache does. predict.py gives new images the same view."""
+    return partial(eval_view, size=size, recipe=recipe) if recipe else partial(square_pixels, size=size)
