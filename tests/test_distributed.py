@@ -236,9 +236,10 @@ def test_a_plain_torchvision_client_fed_by_preprocessor_config_predicts_what_the
 
 
 def test_reported_metrics_match_an_independent_computation_from_the_gathered_logits(ddp_jobs):
-    """The reported top-1, top-5, per-class accuracy and loss (to 1e-6, relative) and confusion matrix (exactly)
-    equal a numpy recomputation from the logits and labels the last evaluation gathered (the probe records them; the
-    confusion matrix's row is the true class, its column the predicted one)."""
+    """The reported top-1, top-5, per-class accuracy and loss (to 1e-6, relative; the run's compute_loss:
+    cross-entropy with its label smoothing 0.1) and confusion matrix (exactly) equal a numpy recomputation from the
+    logits and labels the last evaluation gathered (the probe records them; the confusion matrix's row is the true
+    class, its column the predicted one)."""
     run = ddp_jobs["two_ranks"]
     gathered = run.probes[0]["eval_outputs"][-1]
     logits, labels = np.array(gathered["logits"], dtype=np.float64), np.array(gathered["labels"])
@@ -253,7 +254,10 @@ def test_reported_metrics_match_an_independent_computation_from_the_gathered_log
     s = run.summary
     assert s["eval_top1"] == pytest.approx(100 * top1.mean()) and s["eval_top5"] == pytest.approx(100 * top5.mean())
     assert 0 < top1.sum() < top5.sum() < EVAL_SUBSET  # neither metric is trivially 0 or 100 here
-    assert s["eval_loss"] == pytest.approx(-log_probs[np.arange(EVAL_SUBSET), labels].mean(), rel=1e-6)
+    smoothing = s["config"]["label_smoothing"]  # 0.1: mass 0.9 on the label, 0.1 spread over the 10 classes
+    nll = -log_probs[np.arange(EVAL_SUBSET), labels]
+    assert smoothing == 0.1 and s["eval_loss"] == pytest.approx(
+        ((1 - smoothing) * nll - smoothing * log_probs.mean(1)).mean(), rel=1e-6)
     assert s["eval_confusion"] == confusion.tolist()
     assert (confusion != confusion.T).any()  # a transposed matrix would not pass
     per_class = [100 * confusion[c, c] / max(1, confusion[c].sum()) for c in range(10)]

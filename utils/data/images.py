@@ -1,9 +1,9 @@
 """What a split's images are to the loaders, whatever holds them: `Images`, the declared protocol that every kind
-implements, and the kind that holds decoded uint8 tensors in memory (`TensorImages`: the decode cache's images, a
-copy's arrays). The other kinds: encoded rows decoded by batch in the loader's workers, read from a table or a
-stream (utils/data/encoded.py), and a copy's torch Dataset read in the loader's workers (utils/data/items.py). The
-loaders (utils/data/loaders.py) use only what `Images` declares; each kind's loader dataset is a `LoaderDataset`
-(one whole batch per `__getitems__`, with its draws) and its training order a `KeyedSampler`."""
+implements (its `read`: a batch of indices into uint8 pixels), and the kind that holds decoded uint8 tensors in
+memory (`TensorImages`: the decode cache's images, a copy's arrays). The other kind: encoded rows decoded by batch in
+the loader's workers, read from a table, a stream or a copy's torch Dataset (utils/data/encoded.py). The loaders
+(utils/data/loaders.py) use only what `Images` declares: one `LoaderDataset` over any kind (one whole batch per
+`__getitems__`, with its draws) and the kind's training order (`EpochSampler`, or a stream's own)."""
 
 from __future__ import annotations
 
