@@ -23,7 +23,7 @@ import torch
 
 from utils import UserError, first_line
 from utils.config_groups import DATA_LAYOUTS, check_source
-from utils.data.images import SPLITS, EpochSampler
+from utils.data.images import SPLITS
 from utils.data.pixels import open_image
 
 EVAL_SPLITS = ("test", "validation")  # the source's evaluation split: the first of these it has
@@ -249,8 +249,7 @@ class EncodedRows(abc.ABC):
     """A split's encoded images as utils/data/encoded.py reads them, from a datasets table (`Rows`) or a stream's
     shards (utils/data/stream.py's StreamRows): `labels` (every row's), `names` (the class names, or None), `split`,
     `len()`, `take(order)` (the rows in that order), `where(i)` (row i, for messages), `fetch(indices)` (their encoded
-    images), `open` (one of them as a PIL image) and the training order (`sampler`). A copy's Dataset is a kind too
-    (utils/data/items.py)."""
+    images) and `open` (one of them as a PIL image). A copy's Dataset is a kind too (utils/data/items.py)."""
 
     labels: torch.Tensor
     names: tuple[str, ...] | None
@@ -271,10 +270,6 @@ class EncodedRows(abc.ABC):
     def open(self, source, i: int):
         """Row i's image as `fetch` gave it (`source`) opened as a PIL image, decoded lazily; one line if broken."""
         return open_image(source, self.split, self.where(i))
-
-    def sampler(self, dataset, train: bool, seed: int, step_images: int, micro: int, processes: int):
-        """EpochSampler in training (a stream plans its own), None in evaluation (every row in order)."""
-        return EpochSampler(dataset, seed, step_images) if train else None
 
 
 class Rows(EncodedRows):

@@ -254,13 +254,14 @@ def shard_files(fs, root: str, failed: str, cache: Path | None = None) -> list[s
 
 
 def holds_tar_shards_only(folder: Path) -> bool:
-    """Whether a local folder holds training tar shards and neither parquet files nor an image folder."""
+    """Whether a local folder holds no image folder and its shards (find_shards') are tar shards, train's and
+    test's (or validation's)."""
     if (folder / "train").is_dir():  # an image folder is not walked
         return False
-    fs, root = url_to_fs(str(folder))
-    names = [PurePosixPath(f).name for f in shard_files(fs, root, f"cannot list --data-dir {folder}")]
-    return not any(n.startswith("train-") and n.endswith(".parquet") for n in names) and \
-        any("train" in n and n.endswith(".tar") for n in names)
+    try:
+        return all(url.endswith(".tar") for urls in find_shards(str(folder)).values() for url in urls)
+    except UserError:  # no shards of both splits: the load says what is wrong
+        return False
 
 
 def _open(url: str, failed: str, size: int | None = None):
@@ -636,9 +637,6 @@ class StreamRows(EncodedRows):
 
     def __getstate__(self):  # a worker opens its own files and threads
         return {**self.__dict__, "pid": None, "opened": None, "pool": None, "held": {}, "current": None}
-
-    def sampler(self, dataset, train: bool, seed: int, step_images: int, micro: int, processes: int):
-        return StreamSampler(dataset, self, train, seed, step_images, (processes, dataset.images.workers, micro))
 
 
 class StreamSampler(KeyedSampler):
