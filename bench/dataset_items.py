@@ -1,10 +1,11 @@
 """A copy's own torch Dataset as load_data's split against the same images as arrays: the training loader's images per
 second (the template's loader and on-device crop + flip + normalise), and the one-time pass `checked_data` makes
-over a Dataset's items (contract, labels, channel statistics).
+over a Dataset's items (contract, labels) and the channel statistics.
 
 The Dataset is what torchvision.datasets.CIFAR10 gives without a transform: a PIL image and an int per item. Through
-the template it is read by batch in the loader's worker processes (utils/data/items.py); the arrays are indexed one
-tensor index per batch in the main process. Each side runs in fresh processes, alternating, after warm-up passes.
+the template it is read by batch in the loader's worker processes (utils/data/items.py; decoded as the built-in
+folders are, utils/data/encoded.py); the arrays are indexed one tensor index per batch in the main process. Each
+side runs in fresh processes, alternating, after warm-up passes.
 
     python bench/dataset_items.py --data-dir ../shared/data/cifar10 --images 10000
 """
