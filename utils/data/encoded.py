@@ -17,7 +17,6 @@ import torch
 from utils.data.images import Images, channel_stats
 from utils.data.pixels import CropRecipe, evaluation_view, resized_crop_draws, row_pixels, square_pixels, train_view
 from utils.data.sources import EncodedRows
-from utils.data.stream import StreamRows, StreamSampler
 
 STATS_IMAGES = 512  # training images the per-channel mean and std are estimated from (the first, decoded at S)
 
@@ -55,10 +54,9 @@ class EncodedImages(Images):
         return torch.from_numpy(out), cropped
 
     def sampler(self, dataset, train, seed, step_images, micro, processes):
-        """A stream's own (it plans what each process and loader worker reads), else the EpochSampler of every kind."""
-        if isinstance(self.rows, StreamRows):
-            return StreamSampler(dataset, self.rows, train, seed, step_images, (processes, self.workers, micro))
-        return super().sampler(dataset, train, seed, step_images, micro, processes)
+        """The rows' own order (a stream plans what each process and loader worker reads), else every kind's."""
+        own = self.rows.sampler(dataset, train, seed, step_images, (processes, self.workers, micro))
+        return own or super().sampler(dataset, train, seed, step_images, micro, processes)
 
     def channel_stats(self):
         """Estimated from the first STATS_IMAGES training images, decoded at S (resized as the cache would)."""

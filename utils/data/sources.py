@@ -249,7 +249,8 @@ class EncodedRows(abc.ABC):
     """A split's encoded images as utils/data/encoded.py reads them, from a datasets table (`Rows`) or a stream's
     shards (utils/data/stream.py's StreamRows): `labels` (every row's), `names` (the class names, or None), `split`,
     `len()`, `take(order)` (the rows in that order), `where(i)` (row i, for messages), `fetch(indices)` (their encoded
-    images) and `open` (one of them as a PIL image). A copy's Dataset is a kind too (utils/data/items.py)."""
+    images), `open` (one of them as a PIL image) and `sampler` (an order of their own, or None). A copy's Dataset
+    is a kind too (utils/data/items.py)."""
 
     labels: torch.Tensor
     names: tuple[str, ...] | None
@@ -270,6 +271,11 @@ class EncodedRows(abc.ABC):
     def open(self, source, i: int):
         """Row i's image as `fetch` gave it (`source`) opened as a PIL image, decoded lazily; one line if broken."""
         return open_image(source, self.split, self.where(i))
+
+    def sampler(self, dataset, train: bool, seed: int, step_images: int, layout: tuple[int, int, int]):
+        """A training order of the rows' own (layout: processes, loader workers, micro-batch), or None: the
+        EpochSampler every kind of images has (utils.data.images.Images.sampler)."""
+        return None
 
 
 class Rows(EncodedRows):

@@ -638,6 +638,9 @@ class StreamRows(EncodedRows):
     def __getstate__(self):  # a worker opens its own files and threads
         return {**self.__dict__, "pid": None, "opened": None, "pool": None, "held": {}, "current": None}
 
+    def sampler(self, dataset, train: bool, seed: int, step_images: int, layout: tuple[int, int, int]):
+        return StreamSampler(dataset, self, train, seed, step_images, layout)
+
 
 class StreamSampler(KeyedSampler):
     """The sampler of a streamed split: its order is `stream_plan`'s for (seed, epoch) in the layout, and it hands
