@@ -24,7 +24,7 @@ class Progress:
     gain_value: float | None = None  # best_metric's value at the last evaluation that did (a gain)
     stopped_early: bool = False  # --early-stop-patience ended the run
     train_loss: float = math.nan  # the mean training loss of the last epoch trained (or its part before a stop)
-    train_loss_terms: dict = field(default_factory=dict)  # the means of the loss line's named terms, likewise
+    train_loss_terms: dict = field(default_factory=dict)  # the means of compute_loss's named terms, likewise
     wall_seconds: float = 0.0  # wall time of the run's earlier jobs, from their start of training to their last save
     loss_so_far: dict | None = None  # a mid-epoch checkpoint's: the loss and terms' sums so far (TrainMeter.so_far)
 

@@ -99,7 +99,7 @@ class Tracker:
 
     def log_train(self, step: int, epoch: int, losses: dict, lr: float, images_per_sec: float,
                   grad_norm: float | None = None) -> None:
-        """A log step's training numbers (`losses`: the loss and the loss line's terms, window means) to the tracker
+        """A log step's training numbers (`losses`: the loss and compute_loss's terms, window means) to the tracker
         as train/<name> and, without a terminal, now and then to the console."""
         norm = {} if grad_norm is None else {"train/grad_norm": grad_norm}
         loss = losses["loss"]
@@ -184,7 +184,7 @@ class StepProfiler:
 
 
 class TrainMeter:
-    """The training loss, and the named terms a script's loss line gives beside it (`terms`), summed on the device,
+    """The training loss, and the named terms a script's compute_loss gives beside it (`terms`), summed on the device,
     and the time, over one epoch and over the current log window; and the global gradient norm (before clipping) of
     the last optimizer step that measured it, kept on the device. A value logged is the mean of every process's
     micro-batch values in the span. `carried`: the sums a mid-epoch checkpoint stored (`so_far`), {"names": the
@@ -283,7 +283,7 @@ RESERVED_TERMS = ("loss", "lr", "grad_norm", "images_per_sec")  # train/<name> k
 
 
 def check_terms(terms: dict, carried: list[str] | None) -> list[str]:
-    """The names of a loss line's terms, checked once (the first micro-batch): identifiers that are not train/*
+    """The names of compute_loss's terms, checked once (the first micro-batch): identifiers that are not train/*
     keys already, each a one-element tensor, the names a resumed epoch's checkpoint carried."""
     for name, value in terms.items():
         if not isinstance(name, str) or not name.isidentifier() or name in RESERVED_TERMS or name.startswith("epoch_"):
