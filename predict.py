@@ -10,9 +10,9 @@ from the file's folder). Each row: `path` (as found under IMAGES, or as listed),
 its softmax `probability`, with --top-k K the next K-1 as `prediction_2`, `probability_2`, ..., and `error`: empty,
 or why the image could not be read (the job goes on; a last line counts them). The model is rebuilt through the
 script that trained it (utils/runs.py, as evaluate_checkpoint.py does) and sees each image as the run's evaluation
-did: the same decode, resize and crop (utils/data/encoded.py's evaluation_view, which `--decode workers` evaluates
-through: the cache's resize, or an --augment resized-crop run's resize and centre crop), mean, std, memory format,
-precision, micro-batch and --tta-flip. When IMAGES is a tree of class folders named as the run's classes, it also
+did: the same decode (upright, by its EXIF orientation), resize and crop (utils/data/pixels.py's evaluation_view,
+which `--decode workers` evaluates through: the cache's resize, or an --augment resized-crop run's resize and centre
+crop), mean, std, memory format, precision, micro-batch and --tta-flip. When IMAGES is a tree of class folders named as the run's classes, it also
 prints the top-1 against the folder names.
 
 Under `accelerate launch` each process predicts its share (Accelerate's sharding; images decoded in each process's
@@ -112,7 +112,7 @@ def read_view(path: Path, view):
     from PIL import Image
 
     with Image.open(path) as im:
-        return view(im.convert("RGB"))
+        return view(im)
 
 
 def why_unreadable(path: Path, view) -> str:
@@ -125,10 +125,11 @@ def why_unreadable(path: Path, view) -> str:
 
 def run_view(summary: dict):
     """The run's evaluation view of an RGB PIL image, as training decoded its test images (summary.json records
-    the crop recipe's eval_crop and interpolation for a resized-crop run)."""
+    the crop recipe's eval_crop and interpolation for a resized-crop run; its config whether JPEGs were decoded at
+    full size, --full-decode)."""
     recipe = CropRecipe(eval_crop=summary["eval_crop"], interpolation=summary["interpolation"]) \
         if "eval_crop" in summary else None
-    return evaluation_view(summary["image_size"], recipe)
+    return evaluation_view(summary["image_size"], recipe, not summary.get("config", {}).get("full_decode", False))
 
 
 class Output:

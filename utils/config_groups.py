@@ -52,6 +52,8 @@ class DataConfig(Group):
                       "workers does; auto: stream for a URL or tar shards, workers for --augment resized-crop or when "
                       "the decoded images would not fit the cache folder's free space, else cache",
                       ("auto", "cache", "workers", "stream"))
+    full_decode: bool = opt(False, "decode every JPEG at full size; unset: at the smallest of 1/8, 1/4, 1/2 or full "
+                            "scale that still holds the pixels its crop or resize needs (faster for large photos)")
     data_workers: int | None = opt(None, "--decode workers / stream, or a Dataset from load_data: loader worker "
                                    "processes per process; unset: this process's share of the cores")
     shuffle_buffer: int = opt(4096, "--decode stream: each reader shuffles its rows within windows of this many "

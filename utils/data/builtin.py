@@ -20,8 +20,8 @@ from utils.launch import main_print
 
 def load_encoded(data_dir: str | None, dataset: str | None = None, image_size: int | None = None,
                  columns: tuple[str | None, str | None] = (None, None), val_fraction: float | None = None,
-                 recipe: CropRecipe | None = None, workers: int | None = None, stream: StreamSettings | None = None
-                 ) -> dict:
+                 recipe: CropRecipe | None = None, workers: int | None = None, stream: StreamSettings | None = None,
+                 reduce: bool = True) -> dict:
     """The built-in sources (as utils.data.decode.load_source gives them), with EncodedImages in place of the image
     tensors: nothing is decoded here (the per-channel mean and std, when the normalisation needs the data's, come
     from the first training images: EncodedImages.channel_stats).
@@ -29,7 +29,7 @@ def load_encoded(data_dir: str | None, dataset: str | None = None, image_size: i
     workers: the DataLoader's decoding worker processes (per process); None: this process's share of the cores.
     stream: read the shards of data_dir (a folder or a URL; --dataset: the Hub's) as a stream (utils/data/stream.py)
     with these settings, instead of through datasets' table (whose index every process reads; no cache file is
-    written)."""
+    written). reduce: JPEGs decoded at the scale each view needs (False: --full-decode)."""
     if stream:
         rows, classes, description = open_stream(data_dir or f"hf://datasets/{dataset}", columns, stream)
     else:
@@ -39,7 +39,7 @@ def load_encoded(data_dir: str | None, dataset: str | None = None, image_size: i
         key = fingerprint(source.paths, {"columns": list(columns), "val_fraction": source.fraction})
         description = {**source.describe(key), "decode": "workers"}
     size = image_size or first_size(rows)[0]
-    data = {s: (EncodedImages(rows[s], size, recipe, workers or worker_share()), rows[s].labels) for s in SPLITS}
+    data = {s: (EncodedImages(rows[s], size, recipe, workers or worker_share(), reduce), rows[s].labels) for s in SPLITS}
     view = {"eval_crop": recipe.eval_crop, "interpolation": recipe.interpolation} if recipe else {}  # how it evaluates
     return data | {"classes": classes, "dataset": description} | view
 
@@ -54,7 +54,7 @@ def load_builtin(cfg) -> dict:
     decode = choose_decode(cfg, dataset)  # printed, with why
     if decode == "cache":  # the cache's mean and std are the data's: kept with its images (the rule: checked_data)
         data = load_source(cfg.data_dir, dataset, cfg.image_size, columns, cfg.val_fraction, cfg.cache_dir,
-                           cfg.decode_workers)
+                           cfg.decode_workers, not cfg.full_decode)
         stats = data.pop("mean"), data.pop("std")
         return data | {s: (TensorImages(data[s][0], stats), data[s][1]) for s in SPLITS}
     recipe = crop_recipe(cfg)
@@ -64,7 +64,7 @@ def load_builtin(cfg) -> dict:
         stream = StreamSettings(cfg.shuffle_buffer, cfg.shuffle_block, cfg.read_ahead,
                                 Path(cfg.cache_dir or default_cache_dir(local)) / "stream-index")
     return load_encoded(cfg.data_dir, dataset, cfg.image_size, columns, cfg.val_fraction, recipe, cfg.data_workers,
-                        stream=stream)
+                        stream, not cfg.full_decode)
 
 
 def choose_decode(cfg, dataset: str | None) -> str:

@@ -46,7 +46,8 @@ def checked_data(data: dict, where: str = "load_data", cfg=None, model_stats: di
             fixed = out["train"][0].image_size if split == "test" else None  # the test items: the train items' size
             rows, side = DatasetRows.read(data[split], split, f"{where}: the {split} Dataset",
                                           cfg and cfg.image_size, fixed)
-            images, labels = EncodedImages(rows, side, recipe, worker_share()), rows.labels
+            images = EncodedImages(rows, side, recipe, worker_share(), not (cfg and cfg.full_decode))
+            labels = rows.labels
         else:
             try:
                 images, labels = data[split]

@@ -30,8 +30,8 @@ from utils.data.pixels import open_image, row_pixels, square_pixels
 from utils.data.sources import Rows, fingerprint, first_size, locate, split_rows
 from utils.launch import first_on_each_machine, main_print
 
-CACHE_FORMAT = 6  # bump when the cache file changes (4: class names, mean and std; 5: held-out splits; 6: mean and
-# std as tensors, labels first: decoded into through a memory map)
+CACHE_FORMAT = 7  # bump when the cache file changes (4: class names, mean and std; 5: held-out splits; 6: mean and
+# std as tensors, labels first: decoded into through a memory map; 7: EXIF orientation, JPEGs decoded reduced)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -39,9 +39,11 @@ CACHE_FORMAT = 6  # bump when the cache file changes (4: class names, mean and s
 # ----------------------------------------------------------------------------------------------------
 
 
-def _decode_rows(rows: Rows, size: int, out: np.ndarray, start: int, stop: int, same_as: str | None = None) -> None:
+def _decode_rows(rows: Rows, size: int, out: np.ndarray, start: int, stop: int, same_as: str | None = None,
+                 reduce: bool = True) -> None:
     """Decodes rows start..stop-1 into out[start:stop] ((N, S, S, 3) uint8: a memory map of the cache file), each
-    resized to S x S; same_as (the first image's size and place, see first_size): instead, each must be S x S."""
+    resized to S x S (reduce: a JPEG decoded at the scale that needs); same_as (the first image's size and place, see
+    first_size): instead, each must be S x S."""
     for i in range(start, stop):
         im = open_image(rows.sources[i], rows.split, rows.where(i))
         if im.size != (size, size) and same_as:
@@ -49,20 +51,20 @@ def _decode_rows(rows: Rows, size: int, out: np.ndarray, start: int, stop: int, 
             raise UserError(f"the images do not share one square size ({same_as}, {im.size[0]}x{im.size[1]} (the "
                             f"{rows.split} split's {rows.where(i)})); pass --image-size S to resize every image to "
                             f"S x S.")
-        out[i] = row_pixels(rows, i, im, partial(square_pixels, size=size))
+        out[i] = row_pixels(rows, i, im, partial(square_pixels, size=size, reduce=reduce))
 
 
 DECODE_CHUNK = 512  # rows a decode worker takes at a time
-_JOB = None  # (rows, outputs, size, same_as) of the running parallel decode: forked workers inherit it, unpickled
+_JOB = None  # (rows, outputs, size, same_as, reduce) of the running parallel decode: forked workers inherit it, unpickled
 
 
 def _decode_chunk(role: str, start: int, stop: int) -> None:
-    rows, outputs, size, same_as = _JOB
-    _decode_rows(rows[role], size, outputs[role], start, stop, same_as)
+    rows, outputs, size, same_as, reduce = _JOB
+    _decode_rows(rows[role], size, outputs[role], start, stop, same_as, reduce)
 
 
 def decode_all(rows: dict[str, Rows], outputs: dict[str, np.ndarray], size: int, workers: int,
-               same_as: str | None = None) -> None:
+               same_as: str | None = None, reduce: bool = True) -> None:
     """Decodes every split's rows into its output array (_decode_rows), with `workers` processes. The workers are
     forked (as PyTorch's DataLoader workers are): they inherit the rows and the outputs, memory maps of the cache file
     that they write into, so no image crosses a pipe. Each row is decoded alone: the result is the same bit for bit
@@ -75,12 +77,12 @@ def decode_all(rows: dict[str, Rows], outputs: dict[str, np.ndarray], size: int,
                                                                                                  DECODE_CHUNK)]
     if workers <= 1 or len(chunks) <= 1:
         for role, start, stop in chunks:
-            _decode_rows(rows[role], size, outputs[role], start, stop, same_as)
+            _decode_rows(rows[role], size, outputs[role], start, stop, same_as, reduce)
         return
     from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
 
-    _JOB = rows, outputs, size, same_as
+    _JOB = rows, outputs, size, same_as, reduce
     pool = ProcessPoolExecutor(min(workers, len(chunks)), mp_context=multiprocessing.get_context("fork"))
     try:
         for future in [pool.submit(_decode_chunk, *chunk) for chunk in chunks]:
@@ -157,7 +159,7 @@ def _layout(counts: dict[str, int], size: int, classes: tuple[str, ...]) -> tupl
 
 
 def _decode_into_cache(path: Path, rows: dict[str, Rows], size: int, same_as: str | None, classes, workers: int,
-                       log) -> dict:
+                       log, reduce: bool = True) -> dict:
     """Decodes the rows into a new cache file at `path` through a memory map (no copy of the images in this
     process's memory, so a dataset larger than memory decodes), then reads it back as _read_cache does. The file is
     complete before it is renamed into place: a reader sees the old file or the whole new one. Where the cache folder
@@ -185,7 +187,7 @@ def _decode_into_cache(path: Path, rows: dict[str, Rows], size: int, same_as: st
             views[f"{role}_labels"][:] = r.labels.numpy()
         log(f"decoding {sum(map(len, rows.values())):,} images with {workers} process{'es' * (workers > 1)} "
             f"(--decode-workers)")
-        decode_all(rows, {role: views[f"{role}_images"] for role in rows}, size, workers, same_as)
+        decode_all(rows, {role: views[f"{role}_images"] for role in rows}, size, workers, same_as, reduce)
         views["mean"][:], views["std"][:] = channel_stats(torch.from_numpy(views["train_images"]).permute(0, 3, 1, 2))
         mapped.flush()
         del mapped, views  # unmapped: what follows reads the file as any later run does
@@ -209,7 +211,7 @@ def _decode_into_cache(path: Path, rows: dict[str, Rows], size: int, same_as: st
 # ----------------------------------------------------------------------------------------------------
 def load_source(data_dir: str | None, dataset: str | None = None, image_size: int | None = None,
                 columns: tuple[str | None, str | None] = (None, None), val_fraction: float | None = None,
-                cache_dir: str | None = None, decode_workers: int | None = None) -> dict:
+                cache_dir: str | None = None, decode_workers: int | None = None, reduce: bool = True) -> dict:
     """The built-in sources, as a template's load_data returns them: {'train': (images, labels), 'test': (images,
     labels)} on the CPU ('test': the evaluation split), with 'classes' (the class names, label k names classes[k]),
     'mean' and 'std' (per channel, of the training images, in [0, 1]) and 'dataset' (where it came from, the
@@ -221,13 +223,14 @@ def load_source(data_dir: str | None, dataset: str | None = None, image_size: in
     columns: the (image, label) column names; None: found by name. val_fraction: evaluate on that fraction of the
     training images, held out (hold_out); None: the source's test (or validation) split, else VAL_FRACTION held out.
     cache_dir: where the decoded cache goes (default_cache_dir). decode_workers: processes that decode (the first
-    run); None: one per core this process may run on.
+    run); None: one per core this process may run on. reduce: each JPEG decoded at the scale its resize to S x S
+    needs (utils/data/pixels.py's decoded); False: --full-decode.
 
     The first process of each machine downloads (the Hub), decodes and writes the cache while the others wait, then
     they read it (first_on_each_machine: an input error found there stops every process with its line). Where the
     cache could not be written, each process decodes for itself with its share of the cores.
     """
-    settings = {"image_size": image_size, "columns": list(columns), "val_fraction": val_fraction}
+    settings = {"image_size": image_size, "columns": list(columns), "val_fraction": val_fraction, "reduce": reduce}
     workers = decode_workers or len(os.sched_getaffinity(0))
     log = main_print
     if int(os.environ.get("LOCAL_RANK", "0")) > 0:
@@ -244,7 +247,7 @@ def _load(data_dir, dataset: str, cache_dir, log, settings: dict, workers: int):
         log(f"decoding the images once into uint8 tensors; cache: {path}")
         rows, classes = split_rows(source, tuple(settings["columns"]))
         size, same_as = (settings["image_size"], None) if settings["image_size"] else first_size(rows)
-        data = _decode_into_cache(path, rows, size, same_as, classes, workers, log)
+        data = _decode_into_cache(path, rows, size, same_as, classes, workers, log, settings["reduce"])
     source.announce_held_out(log, len(data["train"][1]), len(data["test"][1]))
     data["dataset"] = source.describe(key)
     return data

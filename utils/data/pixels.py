@@ -1,16 +1,19 @@
 """Pixel work, all of it: an encoded image opened (`open_image`, lazily: its header first) and turned into its
-RGB view with one line for a broken one (`row_pixels`); the views: the cache's and the small-image path's resize to
-S x S (`square_pixels`), and the crop recipe for natural images (--augment resized-crop), each draw keyed by (seed,
-epoch, sample) as the small-image crops of utils/data/draws.py are, so a sample is cropped the same way by whichever
-process and worker decodes it, at any process count, before and after a resume:
+RGB view with one line for a broken one (`row_pixels`); each view decodes the image upright (its EXIF orientation
+applied) and a JPEG at the smallest DCT scale that still holds the view's pixels (`decoded`; --full-decode: at full
+size). The views: the cache's and the small-image path's resize to S x S (`square_pixels`), and the crop recipe for
+natural images (--augment resized-crop), each draw keyed by (seed, epoch, sample) as the small-image crops of
+utils/data/draws.py are, so a sample is cropped the same way by whichever process and worker decodes it, at any
+process count, before and after a resume (the crop boxes are drawn in the full-size upright image's coordinates):
   training    a random-resized crop (area a uniform share of the image in --crop-scale, aspect ratio log-uniform in
               --crop-ratio; torchvision's RandomResizedCrop sampling, its 10 tries and its centre-crop fallback),
               resized (--interpolation, antialiased) to S x S, and a horizontal flip with chance 1/2 (`train_view`);
   evaluation  the image resized so its shorter side is int(S / --eval-crop), then its centre S x S (`eval_view`;
               `evaluation_view` picks the view of a run, which predict.py gives new images too).
-The draws are here; the pixels are torchvision.transforms.v2.functional's on the PIL image (the same operations as
-torchvision's RandomResizedCrop, RandomHorizontalFlip, Resize and CenterCrop), in the loader's workers
-(utils/data/encoded.py). Written by hand only because torchvision's transforms draw from a global RNG, not from a key.
+The draws are here; at full size the pixels are torchvision.transforms.v2.functional's on the PIL image (the same
+operations as torchvision's RandomResizedCrop, RandomHorizontalFlip, Resize and CenterCrop), in the loader's workers
+(utils/data/encoded.py). Written by hand only because torchvision's transforms draw from a global RNG, not from a key,
+and decode the whole image first.
 """
 
 from __future__ import annotations
@@ -35,11 +38,6 @@ class CropRecipe:
     ratio: tuple[float, float] = (3 / 4, 4 / 3)
     eval_crop: float = 0.875
     interpolation: str = "bilinear"  # or "bicubic": torchvision's InterpolationMode by name
-
-    def resize(self, im, size):  # torchvision's resize of a PIL image (antialiased, as PIL always is)
-        import torchvision.transforms.v2.functional as TF
-
-        return TF.resize(im, size, interpolation=TF.InterpolationMode(self.interpolation), antialias=True)
 
 
 def crop_recipe(cfg) -> CropRecipe | None:
@@ -88,32 +86,110 @@ def centre_fallback(width: int, height: int, ratio: tuple[float, float]) -> tupl
     return (height - h) // 2, (width - w) // 2, h, w
 
 
-def train_view(im, box, mirrored: bool, size: int, recipe: CropRecipe) -> np.ndarray:
-    """The training crop of an RGB PIL image: box (top, left, height, width) resized to size x size, mirrored if
-    drawn so; (S, S, 3) uint8."""
+def train_view(im, box, mirrored: bool, size: int, recipe: CropRecipe, reduce: bool = True) -> np.ndarray:
+    """The training crop of an opened image (open_image): box (top, left, height, width) of the upright image
+    resized to size x size, mirrored if drawn so; (S, S, 3) uint8."""
     import torchvision.transforms.v2.functional as TF
 
-    im = recipe.resize(TF.crop(im, *map(int, box)), [size, size])
+    top, left, height, width = map(int, box)
+    im = region(im, (left, top, left + width, top + height), (size, size), recipe.interpolation, reduce)
     return np.asarray(TF.horizontal_flip(im) if mirrored else im)
 
 
-def eval_view(im, size: int, recipe: CropRecipe) -> np.ndarray:
-    """The evaluation view of an RGB PIL image: shorter side resized to int(S / eval_crop), then the centre S x S
-    (torchvision's centre crop: an odd margin puts the extra pixel before the crop, as timm's transforms do;
-    transformers' image processors put it after)."""
+def eval_view(im, size: int, recipe: CropRecipe, reduce: bool = True) -> np.ndarray:
+    """The evaluation view of an opened image: shorter side resized to int(S / eval_crop) (the longer in proportion,
+    as torchvision's Resize(int) computes it), then the centre S x S (torchvision's centre crop: an odd margin puts
+    the extra pixel before the crop, as timm's transforms do; transformers' image processors put it after)."""
     import torchvision.transforms.v2.functional as TF
 
-    return np.asarray(TF.center_crop(recipe.resize(im, [int(size / recipe.eval_crop)]), [size, size]))
+    (width, height), short = upright_size(im), int(size / recipe.eval_crop)
+    out = (short, int(short * height / width)) if width <= height else (int(short * width / height), short)
+    return np.asarray(TF.center_crop(region(im, (0, 0, width, height), out, recipe.interpolation, reduce),
+                                     [size, size]))
 
 
-def square_pixels(im, size: int) -> np.ndarray:
-    """An RGB PIL image as (S, S, 3) uint8, resized (bicubic) to S x S unless it is that size: how every image enters
+def square_pixels(im, size: int, reduce: bool = True) -> np.ndarray:
+    """An opened image as (S, S, 3) uint8, resized (bicubic) to S x S unless it is that size: how every image enters
     the cache, and the on-the-fly path's images without --augment resized-crop (utils/data/encoded.py), bit for bit."""
+    width, height = upright_size(im)
+    return np.asarray(region(im, (0, 0, width, height), (size, size), "bicubic", reduce))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Decoding at the resolution a view needs; EXIF orientation
+# ----------------------------------------------------------------------------------------------------
+# EXIF orientation (tag 0x0112) -> the transpose that shows the photo upright (as PIL's ImageOps.exif_transpose
+# does), and which of the upright image's axes (x, y) run backwards in the stored one.
+UPRIGHT = {2: ("FLIP_LEFT_RIGHT", (1, 0)), 3: ("ROTATE_180", (1, 1)), 4: ("FLIP_TOP_BOTTOM", (0, 1)),
+           5: ("TRANSPOSE", (0, 0)), 6: ("ROTATE_270", (1, 0)), 7: ("TRANSVERSE", (1, 1)), 8: ("ROTATE_90", (0, 1))}
+SCALES = (8, 4, 2, 1)  # libjpeg decodes a JPEG at 1/8, 1/4, 1/2 or full scale in the DCT domain
+
+
+def orientation(im) -> int:
+    """An opened image's EXIF orientation (2-8: stored rotated or mirrored), read from its header without decoding
+    pixels; 1: upright, no tag, or a tag that does not read."""
+    if "exif" not in im.info:  # (a PNG's getexif() would decode the pixels to look after them)
+        return 1
+    try:
+        tag = int(im.getexif().get(0x0112, 1))
+    except Exception:  # noqa: BLE001 - a broken EXIF block: the pixels as stored
+        return 1
+    return tag if tag in UPRIGHT else 1
+
+
+def upright_size(im) -> tuple[int, int]:
+    """(width, height) of an opened image as it is shown: its EXIF orientation applied."""
+    width, height = im.size
+    return (height, width) if orientation(im) >= 5 else (width, height)
+
+
+def shrink(box_width: float, box_height: float, out: tuple[int, int]) -> int:
+    """The largest of SCALES whose reduced box still holds the output (width, height): s x out <= box on both
+    axes."""
+    return next(s for s in SCALES if box_width >= s * out[0] and box_height >= s * out[1])
+
+
+def decoded(im, box, out: tuple[int, int], reduce: bool = True):
+    """An opened image decoded as RGB and upright (its EXIF orientation applied): (the image, its scale s, `box`
+    (left, top, right, bottom in the upright full-size image) in its coordinates). With `reduce`, a JPEG is decoded at
+    the smallest DCT scale 1/s (1/2, 1/4, 1/8: libjpeg's, through Pillow's Image.draft) at which the box still holds
+    `out` (width, height) pixels; a pixel of the reduced image covers s x s pixels of the full one, so the box scales
+    by 1/s (shifted by the part pixel at the start of an axis the orientation reverses). Other formats: s = 1."""
     from PIL import Image
 
-    if im.size != (size, size):
-        im = im.resize((size, size), Image.Resampling.BICUBIC)
-    return np.asarray(im)
+    tag, (width, height), (full_width, full_height) = orientation(im), im.size, upright_size(im)
+    scale = shrink(box[2] - box[0], box[3] - box[1], out) if reduce and im.format == "JPEG" else 1
+    if scale > 1:
+        drafted = im.draft(None, (width // scale, height // scale))
+        scale = round(width / drafted[1][2]) if drafted else 1
+    rgb = im.convert("RGB")  # grayscale repeated into 3 channels, CMYK converted, RGBA's alpha dropped, palettes too
+    dx = dy = 0.0
+    if tag != 1:
+        method, (back_x, back_y) = UPRIGHT[tag]
+        rgb = rgb.transpose(Image.Transpose[method])
+        dx, dy = back_x * (rgb.size[0] - full_width / scale), back_y * (rgb.size[1] - full_height / scale)
+    if scale == 1:
+        return rgb, 1, box
+    return rgb, scale, (box[0] / scale + dx, box[1] / scale + dy, box[2] / scale + dx, box[3] / scale + dy)
+
+
+def region(im, box, out: tuple[int, int], interpolation: str, reduce: bool = True):
+    """`box` (left, top, right, bottom, integers) of an opened image, upright, resized to `out` (width, height) with
+    the filter named `interpolation` (antialiased, as PIL always is): at full size, torchvision's crop and resize of
+    the PIL image; decoded reduced (`decoded`), the box's pixels of the reduced image (with the part pixels at its
+    edges) resized to `out` by PIL's resize of a box of real coordinates."""
+    from PIL import Image
+
+    rgb, scale, (left, top, right, bottom) = decoded(im, box, out, reduce)
+    resample = Image.Resampling[interpolation.upper()]
+    if scale == 1:  # torchvision's TF.crop and TF.resize of a PIL image are these PIL calls
+        if box != (0, 0, *rgb.size):
+            rgb = rgb.crop(box)
+        return rgb if rgb.size == out else rgb.resize(out, resample)
+    x0, y0 = math.floor(left), math.floor(top)
+    x1, y1 = min(math.ceil(right), rgb.size[0]), min(math.ceil(bottom), rgb.size[1])
+    part = rgb.crop((x0, y0, x1, y1))
+    return part.resize(out, resample, box=(left - x0, top - y0, min(right, x1) - x0, min(bottom, y1) - y0))
 
 
 def open_image(source, split: str, where: str):
@@ -127,18 +203,20 @@ def open_image(source, split: str, where: str):
 
 
 def row_pixels(rows, i: int, im, view) -> np.ndarray:
-    """view(the RGB image) of row i's opened image (open_image), closed after; one line naming the row if its pixels
-    cannot be decoded. What every decode goes through: the cache's (utils/data/decode.py) and the workers'
+    """view(row i's opened image (open_image)), closed after; one line naming the row if its pixels cannot be
+    decoded. What every decode goes through: the cache's (utils/data/decode.py) and the workers'
     (utils/data/encoded.py)."""
     try:
         with im:
-            return view(im.convert("RGB"))  # grayscale repeated into 3 channels, RGBA's alpha dropped, palettes too
+            return view(im)
     except OSError as e:  # a header that reads but pixels that do not (a truncated file)
         raise UserError(f"the {rows.split} split has an undecodable image at {rows.where(i)} ({first_line(e)}).") \
             from None
 
 
-def evaluation_view(size: int, recipe: CropRecipe | None):
-    """An RGB PIL image -> its (S, S, 3) uint8 evaluation view: resized and centre-cropped by the crop recipe, or
-    without one resized to S x S as the cache does. predict.py gives new images the same view."""
-    return partial(eval_view, size=size, recipe=recipe) if recipe else partial(square_pixels, size=size)
+def evaluation_view(size: int, recipe: CropRecipe | None, reduce: bool = True):
+    """An opened image -> its (S, S, 3) uint8 evaluation view: resized and centre-cropped by the crop recipe, or
+    without one resized to S x S as the cache does; `reduce`: JPEGs decoded at the scale the view needs (decoded).
+    predict.py gives new images the same view."""
+    return (partial(eval_view, size=size, recipe=recipe, reduce=reduce) if recipe else
+            partial(square_pixels, size=size, reduce=reduce))
