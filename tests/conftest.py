@@ -153,12 +153,21 @@ def cifar_dir(tmp_path_factory) -> Path:
     return write_cifar_dir(tmp_path_factory.mktemp("cifar"), n_train=8192, n_test=2000)
 
 
+def oriented_exif(tag: int) -> bytes:
+    """An EXIF block holding only the orientation `tag` (1-8), as a camera writes it."""
+    exif = Image.Exif()
+    exif[0x0112] = tag
+    return exif.tobytes()
+
+
 def write_upscaled_cifar(root: Path, cifar: Path, n_train: int = 192, n_test: int = 48, sizes=(96, 112, 128),
-                         parquet_shards: int = 0, test_shards: int = 1) -> Path:
+                         parquet_shards: int = 0, test_shards: int = 1, photos: int = 0) -> Path:
     """Natural-image stand-ins from the CIFAR-10 copy: its first images upscaled (bicubic) to one of `sizes` by row
-    (so the sizes differ; width and height too for every third image) and saved as JPEGs (quality 90), as an image
-    folder (train/<class>/<row>.jpg, test/...) or, with parquet_shards, as that many train-*.parquet shards (and
-    test_shards test-*.parquet files) in the Hub's schema."""
+    (a side: square, and 16 px less high for every third image; or a (width, height) pair) and saved as JPEGs
+    (quality 90), as an image folder (train/<class>/<row>.jpg, test/...) or, with parquet_shards, as that many
+    train-*.parquet shards (and test_shards test-*.parquet files) in the Hub's schema. photos: every that-many-th
+    image (from the first) is stored as a phone stores a photo it took held sideways: its pixels rotated, with EXIF
+    orientation 6, so that it shows as the others do."""
     import datasets
 
     root.mkdir(parents=True, exist_ok=True)
@@ -168,14 +177,17 @@ def write_upscaled_cifar(root: Path, cifar: Path, n_train: int = 192, n_test: in
         images, labels = [], ds["label"]
         for row, (image, label) in enumerate(zip(ds["img"], labels)):
             side = sizes[row % len(sizes)]
-            im = image.convert("RGB").resize((side, side - 16 * (row % 3 == 2)), Image.Resampling.BICUBIC)
+            size = side if isinstance(side, tuple) else (side, side - 16 * (row % 3 == 2))
+            im, exif = image.convert("RGB").resize(size, Image.Resampling.BICUBIC), {}
+            if photos and row % photos == 0:  # shown upright: ROTATE_270 of the stored pixels
+                im, exif = im.transpose(Image.Transpose.ROTATE_90), {"exif": oriented_exif(6)}
+            buf = io.BytesIO()
+            im.save(buf, format="JPEG", quality=90, **exif)
             if parquet_shards:
-                buf = io.BytesIO()
-                im.save(buf, format="JPEG", quality=90)
                 images.append({"bytes": buf.getvalue(), "path": None})
             else:
                 (root / split / CIFAR_CLASSES[label]).mkdir(parents=True, exist_ok=True)
-                im.save(root / split / CIFAR_CLASSES[label] / f"{row:05d}.jpg", quality=90)
+                (root / split / CIFAR_CLASSES[label] / f"{row:05d}.jpg").write_bytes(buf.getvalue())
         if parquet_shards:
             features = datasets.Features({"img": datasets.Image(), "label": datasets.ClassLabel(
                 names=list(CIFAR_CLASSES))})
