@@ -12,8 +12,8 @@ or why the image could not be read (the job goes on; a last line counts them). T
 script that trained it (utils/runs.py, as evaluate_checkpoint.py does) and sees each image as the run's evaluation
 did: the same decode (upright, by its EXIF orientation), resize and crop (utils/data/pixels.py's evaluation_view,
 which `--decode workers` evaluates through: the cache's resize, or an --augment resized-crop run's resize and centre
-crop), mean, std, memory format, precision, micro-batch and --tta-flip. When IMAGES is a tree of class folders named as the run's classes, it also
-prints the top-1 against the folder names.
+crop), mean, std, memory format, precision, micro-batch and --tta-flip. When IMAGES is a tree of class folders
+named as the run's classes, it also prints the top-1 against the folder names.
 
 Under `accelerate launch` each process predicts its share (Accelerate's sharding; images decoded in each process's
 loader workers) and the main process writes every image's row once, in the input's order. The rows go to

@@ -25,8 +25,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
-from bench.common import header  # noqa: E402
 from conftest import write_upscaled_cifar  # noqa: E402
+
+from bench.common import header  # noqa: E402
 
 
 def train(folder: Path, out: Path, seed: int, full: bool, args) -> float:

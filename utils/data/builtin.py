@@ -39,7 +39,8 @@ def load_encoded(data_dir: str | None, dataset: str | None = None, image_size: i
         key = fingerprint(source.paths, {"columns": list(columns), "val_fraction": source.fraction})
         description = {**source.describe(key), "decode": "workers"}
     size = image_size or first_size(rows)[0]
-    data = {s: (EncodedImages(rows[s], size, recipe, workers or worker_share(), reduce), rows[s].labels) for s in SPLITS}
+    workers = workers or worker_share()
+    data = {s: (EncodedImages(rows[s], size, recipe, workers, reduce), rows[s].labels) for s in SPLITS}
     view = {"eval_crop": recipe.eval_crop, "interpolation": recipe.interpolation} if recipe else {}  # how it evaluates
     return data | {"classes": classes, "dataset": description} | view
 

@@ -55,7 +55,7 @@ def _decode_rows(rows: Rows, size: int, out: np.ndarray, start: int, stop: int, 
 
 
 DECODE_CHUNK = 512  # rows a decode worker takes at a time
-_JOB = None  # (rows, outputs, size, same_as, reduce) of the running parallel decode: forked workers inherit it, unpickled
+_JOB = None  # (rows, outputs, size, same_as, reduce) of the running parallel decode: forked workers inherit it
 
 
 def _decode_chunk(role: str, start: int, stop: int) -> None:

@@ -15,8 +15,15 @@ import numpy as np
 import torch
 
 from utils.data.images import Images, channel_stats
-from utils.data.pixels import (CropRecipe, evaluation_view, resized_crop_draws, row_pixels, square_pixels, train_view,
-                               upright_size)
+from utils.data.pixels import (
+    CropRecipe,
+    evaluation_view,
+    resized_crop_draws,
+    row_pixels,
+    square_pixels,
+    train_view,
+    upright_size,
+)
 from utils.data.sources import EncodedRows
 
 STATS_IMAGES = 512  # training images the per-channel mean and std are estimated from (the first, decoded at S)

@@ -145,8 +145,8 @@ def upright_size(im) -> tuple[int, int]:
 
 def shrink(box_width: float, box_height: float, out: tuple[int, int]) -> int:
     """The largest of SCALES whose reduced box still holds the output (width, height): s x out <= box on both
-    axes."""
-    return next(s for s in SCALES if box_width >= s * out[0] and box_height >= s * out[1])
+    axes; 1 for a box smaller than the output (enlarged from the full image)."""
+    return next((s for s in SCALES if box_width >= s * out[0] and box_height >= s * out[1]), 1)
 
 
 def decoded(im, box, out: tuple[int, int], reduce: bool = True):

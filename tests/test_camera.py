@@ -1,0 +1,205 @@
+"""Camera-size photos: JPEGs decoded at the DCT scale their view needs (utils/data/pixels.py's `decoded`), phone photos'
+EXIF orientation, and exact training on a folder of 4000 x 3000 JPEGs through --decode workers and stream (real jobs
+through train_cifar.py, 2 gloo ranks under cpu.yaml, fp32 with --deterministic: "the same" means bitwise)."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import numpy as np
+import pytest
+import torch
+from conftest import (
+    CPU_YAML,
+    PROBE,
+    assert_same_parameters,
+    kill_job,
+    oriented_exif,
+    read_summary,
+    run_train,
+    script_env,
+    start,
+    wait_for_checkpoint,
+    write_upscaled_cifar,
+)
+from PIL import Image, ImageOps
+
+from utils import UserError
+from utils.data.encoded import EncodedImages
+from utils.data.pixels import CropRecipe, decoded, eval_view, resized_crop_draws, square_pixels, train_view
+from utils.data.sources import Rows
+
+# EXIF orientation -> how to store an upright image so that the tag shows it upright again (the inverse of the
+# transpose ImageOps.exif_transpose applies; the fixture checks it with exif_transpose itself)
+STORED = {1: None, 2: "FLIP_LEFT_RIGHT", 3: "ROTATE_180", 4: "FLIP_TOP_BOTTOM", 5: "TRANSPOSE", 6: "ROTATE_90",
+          7: "TRANSVERSE", 8: "ROTATE_270"}
+
+
+def photo(width: int, height: int, seed: int = 0) -> Image.Image:
+    """A photo-like RGB image: smooth colour fields (upscaled noise) with sensor-like grain on top."""
+    rng = np.random.default_rng(seed)
+    fields = Image.fromarray(rng.integers(0, 255, (max(2, height // 50), max(2, width // 50), 3), dtype=np.uint8))
+    smooth = np.asarray(fields.resize((width, height), Image.Resampling.BICUBIC)).astype(np.int16)
+    return Image.fromarray((smooth + rng.normal(0, 10, (height, width, 1))).clip(0, 255).astype(np.uint8))
+
+
+def jpeg(im: Image.Image, **options) -> bytes:
+    buf = io.BytesIO()
+    im.save(buf, format="JPEG", **{"quality": 90, **options})
+    return buf.getvalue()
+
+
+def opened(data: bytes) -> Image.Image:
+    return Image.open(io.BytesIO(data))
+
+
+def test_the_decode_scale_is_the_smallest_whose_crop_still_holds_the_output_size():
+    """Over 60 JPEGs of random (odd and even) sizes from 37 to 997 px and 24 keyed random-resized crop draws each (and
+    the whole image), output sides 8-64: the reduced image is libjpeg's ceil(W / s) x ceil(H / s), the crop's box lies
+    inside it and, reduced (s > 1), is at least the output size on both axes; s is the largest of 1, 2, 4, 8 for
+    which that holds (a crop at least 2s times the output on both axes decodes at 1/2s unless s is 8; a crop smaller
+    than the output at full size); every scale occurs."""
+    rng = np.random.default_rng(1)
+    recipe, seen = CropRecipe(), set()
+    for n in range(60):
+        width, height, out = int(rng.integers(37, 998)), int(rng.integers(37, 998)), int(rng.choice([8, 13, 32, 64]))
+        if min(width, height) < out:
+            continue
+        data = jpeg(photo(width, height, n), quality=75)
+        boxes, _ = resized_crop_draws(n, 0, np.arange(24), [(width, height)] * 24, recipe)
+        for top, left, h, w in [*boxes.tolist(), (0, 0, height, width)]:
+            rgb, s, (x0, y0, x1, y1) = decoded(opened(data), (left, top, left + w, top + h), (out, out))
+            seen.add(s)
+            assert rgb.size == (math.ceil(width / s), math.ceil(height / s))
+            assert s == 1 or (x1 - x0 >= out and y1 - y0 >= out)
+            assert 0 <= x0 and 0 <= y0 and x1 <= rgb.size[0] and y1 <= rgb.size[1]
+            assert s == 8 or w < 2 * s * out or h < 2 * s * out
+    assert seen == {1, 2, 4, 8}
+
+
+@pytest.mark.parametrize("kind", ["baseline", "progressive", "cmyk", "grayscale"])
+def test_a_reduced_decode_gives_the_full_decodes_view_within_a_bound(kind):
+    """A 1600 x 1200 photo-like JPEG (quality 90) decoded at 1/8 scale gives each view within a bound of the full
+    decode's: 16 random-resized 64 px training crops (with flips), the evaluation view and the cache's resize to 64 x
+    64 differ by at most 1.0 level of 255 on average and 16 at most (measured: 0.3-0.7 and 2-11), for baseline,
+    progressive, CMYK and grayscale JPEGs alike."""
+    im = photo(1600, 1200)
+    data = {"baseline": lambda: jpeg(im), "progressive": lambda: jpeg(im, progressive=True),
+            "cmyk": lambda: jpeg(im.convert("CMYK")), "grayscale": lambda: jpeg(im.convert("L"))}[kind]()
+    recipe = CropRecipe()
+    boxes, mirrored = resized_crop_draws(0, 0, np.arange(16), [(1600, 1200)] * 16, recipe)
+    assert decoded(opened(data), (0, 0, 1600, 1200), (64, 64))[1] == 8
+    views = {"train": lambda reduce: np.stack([train_view(opened(data), boxes[k], mirrored[k], 64, recipe, reduce)
+                                               for k in range(16)]),
+             "eval": lambda reduce: eval_view(opened(data), 64, recipe, reduce),
+             "square": lambda reduce: square_pixels(opened(data), 64, reduce)}
+    for name, view in views.items():
+        difference = np.abs(view(True).astype(int) - view(False).astype(int))
+        assert difference.mean() <= 1.0 and difference.max() <= 16, (name, difference.mean(), difference.max())
+
+
+def stored(upright: Image.Image, tag: int, fmt: str) -> bytes:
+    """`upright` stored as a camera with orientation `tag` stores it (a PNG: checked to show upright by PIL's
+    exif_transpose)."""
+    im = upright.transpose(Image.Transpose[STORED[tag]]) if STORED[tag] else upright
+    buf = io.BytesIO()
+    options = {"quality": 100, "subsampling": 0} if fmt == "JPEG" else {}
+    im.save(buf, format=fmt, exif=oriented_exif(tag), **options)
+    shown = ImageOps.exif_transpose(Image.open(io.BytesIO(buf.getvalue())))
+    assert fmt == "JPEG" or np.array_equal(np.asarray(shown), np.asarray(upright))
+    return buf.getvalue()
+
+
+def views(data: bytes, reduce: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The training crop (sample 0, keyed by seed 3, epoch 1) and the evaluation view at 48 px of an image file, read
+    as a --decode workers batch reads it (EncodedImages.read: the crop box drawn from the photo's shown size)."""
+    rows = Rows([data], torch.zeros(1, dtype=torch.int64), None, "train")
+    images, first = EncodedImages(rows, 48, CropRecipe(scale=(0.25, 1.0)), 0, reduce), np.zeros(1, dtype=np.int64)
+    return images.read(first, (3, 1))[0][0].numpy(), images.read(first, None)[0][0].numpy()
+
+
+@pytest.mark.parametrize("reduce", [True, False], ids=["reduced", "full"])
+def test_a_phone_photos_exif_orientation_is_applied_in_training_evaluation_and_prediction(reduce, tmp_path):
+    """A 957 x 715 photo stored with each EXIF orientation 1-8 (its pixels transposed as a camera stores them; PIL's
+    exif_transpose shows each upright): as PNGs, the training crops and evaluation views of all eight equal those of
+    the upright photo bitwise, with and without reduced decoding; as JPEGs (quality 100, 4:4:4, each stored
+    transposed and so encoded anew), within 0.5 levels of 255 on average of the upright JPEG's at full size (measured:
+    0.06), 2.0 decoded reduced (measured: up to 1.5; 4.0-8.5 with the reduced image's part pixel on the wrong end of
+    a reversed axis); predict.py's view of each file is its evaluation view."""
+    import predict
+
+    upright = photo(957, 715, seed=5)
+    for fmt, tolerance in (("PNG", 0.0), ("JPEG", 2.0 if reduce else 0.5)):
+        files = [stored(upright, tag, fmt) for tag in STORED]
+        seen = [views(data, reduce) for data in files]
+        for k, (train, evaluation) in enumerate(seen):
+            for got, want in ((train, seen[0][0]), (evaluation, seen[0][1])):
+                assert np.abs(got.astype(int) - want.astype(int)).mean() <= tolerance, (fmt, k + 1)
+        summary = {"image_size": 48, "eval_crop": CropRecipe.eval_crop, "interpolation": "bilinear",
+                   "config": {"full_decode": not reduce}}
+        for k, data in enumerate(files):
+            (tmp_path / "photo").write_bytes(data)
+            assert np.array_equal(predict.read_view(tmp_path / "photo", predict.run_view(summary)), seen[k][1])
+
+
+def test_a_truncated_camera_jpeg_is_one_line_naming_its_row_decoded_reduced_or_full():
+    """A 4000 x 3000 JPEG cut after half its bytes: reading its batch stops with the same one line, decoded reduced
+    or at full size."""
+    data = jpeg(photo(4000, 3000))[: 1 << 19]
+    lines = []
+    for reduce in (True, False):
+        rows = Rows([data], torch.zeros(1, dtype=torch.int64), None, "train")
+        with pytest.raises(UserError) as error:
+            EncodedImages(rows, 224, CropRecipe(), 0, reduce).read(np.arange(1), None)
+        lines.append(str(error.value))
+    assert lines[0] == lines[1], lines
+    assert lines[0].startswith("the train split has an undecodable image at row 0 (OSError: image file is truncated")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Exact training on camera-size JPEGs
+# ----------------------------------------------------------------------------------------------------
+TWO_RANKS = ["--config_file", str(CPU_YAML), "--main_process_port", "0"]
+ONE_PROCESS = ["--num_processes", "1", "--cpu", "--main_process_port", "0"]
+# 16 training photos, global batch 8 -> 2 optimizer steps per epoch, 3 epochs; 32 px crops (decoded at 1/8 scale)
+JOB = ["--model", "resnet8", "--image-size", "32", "--augment", "resized-crop", "--batch-size", "4",
+       "--global-batch-size", "8", "--epochs", "3", "--checkpoint-every-steps", "2", "--lr", "0.01", "--grad-clip",
+       "0", "--no-channels-last", "--deterministic", "--tracker", "none"]
+
+
+@pytest.fixture(scope="module")
+def camera_photos(cifar_dir, tmp_path_factory):
+    """16 training and 4 test photos of 4000 x 3000 (CIFAR-10 upscaled, JPEG quality 90; every third stored sideways
+    with EXIF orientation 6), as an image folder and as 2 parquet shards (streamed)."""
+    root = tmp_path_factory.mktemp("camera")
+    common = dict(n_train=16, n_test=4, sizes=((4000, 3000),), photos=3)
+    return {"workers": write_upscaled_cifar(root / "folder", cifar_dir, **common),
+            "stream": write_upscaled_cifar(root / "shards", cifar_dir, parquet_shards=2, **common)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("decode", ["workers", "stream"])
+def test_camera_photos_train_the_same_weights_on_two_ranks_as_on_one_process_and_after_kill_9(camera_photos, decode,
+                                                                                              tmp_path):
+    """On 4000 x 3000 JPEGs cropped to 32 px (--decode workers from an image folder, --decode stream from parquet
+    shards): 2 ranks x 2 loader workers and 1 process x 1 worker (2 accumulation steps) end with bitwise-equal
+    trainable parameters, and a 2-rank job killed with kill -9 after its step-2 checkpoint (held at step 3 until
+    killed) and resumed with --resume auto ends with them too (fp32, `--deterministic`)."""
+    def job(out, *extra):
+        return ["--data-dir", str(camera_photos[decode]), "--decode", decode, "--output-dir", str(out), *JOB, *extra]
+
+    two, one, killed = tmp_path / "two", tmp_path / "one", tmp_path / "killed"
+    for out, launch, workers in ((two, TWO_RANKS, "2"), (one, ONE_PROCESS, "1")):
+        result = run_train(job(out, "--data-workers", workers), launch=launch)
+        assert result.returncode == 0, result.stderr[-4000:]
+    assert (read_summary(one)["grad_accum"], read_summary(two)["world_size"]) == (2, 2)
+    assert read_summary(one)["global_step"] == read_summary(two)["global_step"] == 6
+    assert_same_parameters(one, two)
+    proc = start(job(killed, "--data-workers", "2"), TWO_RANKS, script=PROBE, env=script_env(PROBE_HOLD_AT_STEP="3"))
+    wait_for_checkpoint(killed, proc, 2)
+    kill_job(proc)
+    result = run_train(job(killed, "--data-workers", "2", "--resume", "auto"), launch=TWO_RANKS)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert read_summary(killed)["resumed_from"].endswith("step-00000002")
+    assert_same_parameters(killed, two)
