@@ -171,31 +171,32 @@ JOB = ["--model", "resnet8", "--image-size", "32", "--augment", "resized-crop", 
 @pytest.fixture(scope="module")
 def camera_photos(cifar_dir, tmp_path_factory):
     """16 training and 4 test photos of 4000 x 3000 (CIFAR-10 upscaled, JPEG quality 90; every third stored sideways
-    with EXIF orientation 6), as an image folder and as 2 parquet shards (streamed)."""
-    root = tmp_path_factory.mktemp("camera")
-    common = dict(n_train=16, n_test=4, sizes=((4000, 3000),), photos=3)
-    return {"workers": write_upscaled_cifar(root / "folder", cifar_dir, **common),
-            "stream": write_upscaled_cifar(root / "shards", cifar_dir, parquet_shards=2, **common)}
+    with EXIF orientation 6) in 2 train-*.parquet shards and a test file: read through datasets' table (--decode
+    workers) or streamed (--decode stream)."""
+    return write_upscaled_cifar(tmp_path_factory.mktemp("camera"), cifar_dir, n_train=16, n_test=4,
+                                sizes=((4000, 3000),), parquet_shards=2, photos=3)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("decode", ["workers", "stream"])
-def test_camera_photos_train_the_same_weights_on_two_ranks_as_on_one_process_and_after_kill_9(camera_photos, decode,
-                                                                                              tmp_path):
-    """On 4000 x 3000 JPEGs cropped to 32 px (--decode workers from an image folder, --decode stream from parquet
-    shards): 2 ranks x 2 loader workers and 1 process x 1 worker (2 accumulation steps) end with bitwise-equal
-    trainable parameters, and a 2-rank job killed with kill -9 after its step-2 checkpoint (held at step 3 until
-    killed) and resumed with --resume auto ends with them too (fp32, `--deterministic`)."""
+def test_camera_photos_train_exactly_on_any_process_count_and_after_kill_9(camera_photos, decode, tmp_path):
+    """On 4000 x 3000 JPEGs cropped to 32 px (--decode workers through datasets' table, --decode stream from the same
+    parquet shards), fp32, `--deterministic`: a 2-rank job (2 loader workers each) killed with kill -9 after its step-2
+    checkpoint (held at step 3 until killed) and resumed with --resume auto ends with the uninterrupted 2-rank run's
+    trainable parameters bitwise; through workers, so does 1 process x 1 worker (2 accumulation steps). (A stream's
+    order is planned for its layout: docs/data.md.)"""
     def job(out, *extra):
-        return ["--data-dir", str(camera_photos[decode]), "--decode", decode, "--output-dir", str(out), *JOB, *extra]
+        return ["--data-dir", str(camera_photos), "--decode", decode, "--output-dir", str(out), *JOB, *extra]
 
     two, one, killed = tmp_path / "two", tmp_path / "one", tmp_path / "killed"
-    for out, launch, workers in ((two, TWO_RANKS, "2"), (one, ONE_PROCESS, "1")):
+    runs = ((two, TWO_RANKS, "2"), (one, ONE_PROCESS, "1")) if decode == "workers" else ((two, TWO_RANKS, "2"),)
+    for out, launch, workers in runs:
         result = run_train(job(out, "--data-workers", workers), launch=launch)
         assert result.returncode == 0, result.stderr[-4000:]
-    assert (read_summary(one)["grad_accum"], read_summary(two)["world_size"]) == (2, 2)
-    assert read_summary(one)["global_step"] == read_summary(two)["global_step"] == 6
-    assert_same_parameters(one, two)
+        assert read_summary(out)["global_step"] == 6 and read_summary(out)["dataset"]["decode"] == decode
+    if decode == "workers":
+        assert (read_summary(one)["grad_accum"], read_summary(two)["world_size"]) == (2, 2)
+        assert_same_parameters(one, two)
     proc = start(job(killed, "--data-workers", "2"), TWO_RANKS, script=PROBE, env=script_env(PROBE_HOLD_AT_STEP="3"))
     wait_for_checkpoint(killed, proc, 2)
     kill_job(proc)
