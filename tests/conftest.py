@@ -161,13 +161,14 @@ def oriented_exif(tag: int) -> bytes:
 
 
 def write_upscaled_cifar(root: Path, cifar: Path, n_train: int = 192, n_test: int = 48, sizes=(96, 112, 128),
-                         parquet_shards: int = 0, test_shards: int = 1, photos: int = 0) -> Path:
+                         parquet_shards: int = 0, test_shards: int = 1, photos: int = 0, grain: float = 0.0) -> Path:
     """Natural-image stand-ins from the CIFAR-10 copy: its first images upscaled (bicubic) to one of `sizes` by row
     (a side: square, and 16 px less high for every third image; or a (width, height) pair) and saved as JPEGs
     (quality 90), as an image folder (train/<class>/<row>.jpg, test/...) or, with parquet_shards, as that many
     train-*.parquet shards (and test_shards test-*.parquet files) in the Hub's schema. photos: every that-many-th
     image (from the first) is stored as a phone stores a photo it took held sideways: its pixels rotated, with EXIF
-    orientation 6, so that it shows as the others do."""
+    orientation 6, so that it shows as the others do. grain: the standard deviation of a sensor-like noise added
+    (one draw per pixel, to all three channels), so that camera-size JPEGs are about as large as a camera's."""
     import datasets
 
     root.mkdir(parents=True, exist_ok=True)
@@ -179,6 +180,9 @@ def write_upscaled_cifar(root: Path, cifar: Path, n_train: int = 192, n_test: in
             side = sizes[row % len(sizes)]
             size = side if isinstance(side, tuple) else (side, side - 16 * (row % 3 == 2))
             im, exif = image.convert("RGB").resize(size, Image.Resampling.BICUBIC), {}
+            if grain:
+                noise = np.random.default_rng(row).normal(0, grain, (size[1], size[0], 1)).astype(np.float32)
+                im = Image.fromarray((np.asarray(im, dtype=np.float32) + noise).clip(0, 255).astype(np.uint8))
             if photos and row % photos == 0:  # shown upright: ROTATE_270 of the stored pixels
                 im, exif = im.transpose(Image.Transpose.ROTATE_90), {"exif": oriented_exif(6)}
             buf = io.BytesIO()

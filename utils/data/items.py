@@ -11,6 +11,8 @@ item for an index every time (augmentation is the template's, drawn per sample).
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import torch
 
@@ -91,7 +93,15 @@ class DatasetRows(EncodedRows):
         return [self.dataset[int(self.order[i])][0] for i in np.asarray(indices, dtype=np.int64)]
 
     def open(self, source, i: int):
-        """An item's image as a new PIL image (a tensor's pixels wrapped, a PIL image converted to RGB: the
-        Dataset's own object is never closed)."""
+        """An item's image as a new PIL image, so that the Dataset's own object is never closed or changed: an image
+        the Dataset opened lazily (`Image.open(path)` or of bytes; nothing decoded yet) opened again from its file or
+        bytes, so that a JPEG decodes at the scale its view needs as the built-in folders' do
+        (utils/data/pixels.py); a tensor's pixels wrapped; any other PIL image converted to RGB."""
+        from PIL import Image
+
         image, _ = item_image((source, 0), f"{self.what}'s item {int(self.order[i])}")
+        if image.tile and getattr(image, "filename", ""):  # (tile: what load() has still to decode)
+            return Image.open(image.filename)
+        if image.tile and isinstance(getattr(image, "fp", None), io.BytesIO):
+            return Image.open(io.BytesIO(image.fp.getvalue()))
         return image.convert("RGB")
