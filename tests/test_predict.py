@@ -1,7 +1,9 @@
 """predict.py: new images through a finished run. The run: resnet8 trained on jpeg_folder (CIFAR-10 images upscaled
 to 96-128 px JPEGs of several sizes and aspect ratios, 192 training and 48 test images) with the natural-image recipe
 at 48 px (--augment resized-crop: its evaluation view resizes and centre-crops), so every image is resized as a
-camera photo would be. Jobs run in real processes, 2 gloo ranks under cpu.yaml where it says so."""
+camera photo would be; with --full-decode, so that torchvision's transforms on the full-size image are the reference
+(a view decoded at a reduced scale is bounded against the full one in tests/test_camera.py). Jobs run in real
+processes, 2 gloo ranks under cpu.yaml where it says so."""
 
 from __future__ import annotations
 
@@ -23,8 +25,8 @@ from utils.models import named_model
 
 PREDICT = REPO / "predict.py"
 TWO_RANKS = ["--config_file", str(CPU_YAML), "--main_process_port", "0"]
-JOB = ["--model", "resnet8", "--image-size", "48", "--augment", "resized-crop", "--decode", "workers", "--epochs", "3",
-       "--batch-size", "16", "--lr", "0.05", "--deterministic", "--tracker", "none"]
+JOB = ["--model", "resnet8", "--image-size", "48", "--augment", "resized-crop", "--decode", "workers", "--full-decode",
+       "--epochs", "3", "--batch-size", "16", "--lr", "0.05", "--deterministic", "--tracker", "none"]
 
 
 @pytest.fixture(scope="module")

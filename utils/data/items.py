@@ -97,11 +97,12 @@ class DatasetRows(EncodedRows):
         the Dataset opened lazily (`Image.open(path)` or of bytes; nothing decoded yet) opened again from its file or
         bytes, so that a JPEG decodes at the scale its view needs as the built-in folders' do
         (utils/data/pixels.py); a tensor's pixels wrapped; any other PIL image converted to RGB."""
-        from PIL import Image
+        from PIL import Image, ImageFile
 
         image, _ = item_image((source, 0), f"{self.what}'s item {int(self.order[i])}")
-        if image.tile and getattr(image, "filename", ""):  # (tile: what load() has still to decode)
-            return Image.open(image.filename)
-        if image.tile and isinstance(getattr(image, "fp", None), io.BytesIO):
-            return Image.open(io.BytesIO(image.fp.getvalue()))
+        if isinstance(image, ImageFile.ImageFile) and image.tile:  # (tile: what load() has still to decode)
+            if image.filename:
+                return Image.open(image.filename)
+            if isinstance(image.fp, io.BytesIO):
+                return Image.open(io.BytesIO(image.fp.getvalue()))
         return image.convert("RGB")
