@@ -5,8 +5,8 @@ Prints each run and the mean +/- std top-1 of each side.
 
 The data: CIFAR-10's first --images training and --test-images test images upscaled (bicubic) to --photo-size px
 (a 4:3 landscape, every fourth stored as a portrait phone photo: rotated, with EXIF orientation 6) and saved as JPEGs
-(quality 90) in an image folder. At --image-size 32 the crops of 8-100% of a 640 x 480 photo are decoded at 1/4 or 1/8
-scale.
+(quality 90) in an image folder. At --image-size 32 the crops of 35-100% of a 640 x 480 photo (--crop-scale 0.35 1)
+are decoded at 1/4 or 1/8 scale.
 
     python bench/reduced_decode_top1.py --data-dir ../shared/data/cifar10 --seeds 3   # about 25 minutes on 2 cores
 """

@@ -195,6 +195,10 @@ def test_image_size_outside_8_to_512(tmp_path, small_data, size):
                                                          "cache."),
     (["--crop-scale", "0.5", "0.2"], "--crop-scale takes two shares of the area, 0 < MIN <= MAX <= 1 (got (0.5, "
                                      "0.2))."),
+    (["--random-erase", "1.5"], "--random-erase is a chance per image, at most 1 (got 1.5)."),
+    (["--random-erase", "-0.1"], "--random-erase must not be negative (got -0.1)."),
+    (["--random-erase", "0.25", "--augment", "none"], "--random-erase erases augmented images: it needs --augment "
+                                                       "standard or resized-crop."),
     (["--decode", "stream", "--val-fraction", "0.2"], "--decode stream evaluates on the source's own test or "
                                                       "validation shards; --val-fraction holds rows out of a table, "
                                                       "not of a stream."),

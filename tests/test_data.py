@@ -29,7 +29,7 @@ from PIL import Image
 from utils import UserError
 from utils.data import decode, loaders, sources
 from utils.data.decode import default_cache_dir, load_source
-from utils.data.draws import Draws, Mixing, augment_draws, mix_draws
+from utils.data.draws import Draws, Mixing, augment_draws, erase_draws, mix_draws
 from utils.data.images import crop_padding
 from utils.data.loaders import make_loader
 from utils.data.transform import BatchTransform
@@ -620,6 +620,71 @@ def test_mixed_pixels_and_soft_targets_are_exact_for_drawn_images(channels_last)
     assert inputs.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     unmixed_inputs, unmixed_targets = transform.train(images, labels, Draws(draws.flip_crop))  # labels as they are
     assert torch.equal(unmixed_inputs, plain) and unmixed_targets is labels
+
+
+def _torchvision_erasing(draws: int, size: int = 32) -> np.ndarray:
+    """torchvision.transforms.v2's RandomErasing's boxes, (y0, y1, x0, x1) per call (its get_params; empty where none
+    of its tries fits), `draws` times: the independent reference for erase_draws."""
+    from torchvision.transforms import v2
+
+    torch.manual_seed(0)
+    erasing, image, boxes = v2.RandomErasing(p=1.0, value=0), torch.zeros(3, size, size), []
+    for _ in range(draws):
+        drawn = erasing.make_params([image])
+        y0, x0, h, w = drawn["i"], drawn["j"], drawn["h"], drawn["w"]
+        fits = h < size and w < size  # a try that fits is strictly inside; none: the whole image, left as it is
+        boxes.append((y0, y0 + h, x0, x0 + w) if fits else (0, 0, 0, 0))
+    return np.array(boxes)
+
+
+def test_erasing_draws_follow_torchvisions_random_erasing_per_image():
+    """--random-erase's draws: the chance an image is erased is the flag's (4 standard errors) times the share of
+    draws whose box fits, as torchvision's; the boxes' areas, aspect ratios and top rows follow torchvision's
+    RandomErasing (Kolmogorov-Smirnov, p > 1e-3, against 4,000 of its draws); keyed by (seed, epoch, image), so an
+    image gets its box in whatever batch it comes; the noise seed is the batch's first image's."""
+    from scipy.stats import ks_2samp
+
+    batches = [erase_draws(5, 0, range(b, b + 128), 32, 0.5) for b in range(0, 128 * 40, 128)]
+    box = torch.cat([b for b, _ in batches]).numpy()
+    n, erased = len(box), (box[:, 1] > box[:, 0])
+    reference = _torchvision_erasing(4000)
+    fits = reference[:, 1] > reference[:, 0]
+    expected = 0.5 * fits.mean()
+    assert abs(erased.mean() - expected) < 4 * (expected * (1 - expected) / n) ** 0.5
+    assert (box[:, 1] <= 32).all() and (box[:, 3] <= 32).all() and (box[:, 1] - box[:, 0] < 32).all()
+    ours, theirs = box[erased], reference[fits]
+    for name, value in (("area", lambda b: (b[:, 1] - b[:, 0]) * (b[:, 3] - b[:, 2])),
+                        ("aspect", lambda b: np.log((b[:, 1] - b[:, 0]) / (b[:, 3] - b[:, 2]))),
+                        ("top", lambda b: b[:, 0])):
+        assert ks_2samp(value(ours), value(theirs)).pvalue > 1e-3, name
+    shuffled = np.random.default_rng(0).permutation(128)
+    again, seed = erase_draws(5, 0, shuffled, 32, 0.5)
+    assert torch.equal(again, torch.from_numpy(box[shuffled])) and seed != batches[0][1]
+    assert erase_draws(5, 0, range(128), 32, 0.5)[1] == batches[0][1]
+    assert not torch.equal(erase_draws(5, 1, range(128), 32, 0.5)[0], batches[0][0])
+    assert not erase_draws(5, 0, range(128), 32, 0.0)[0].any()
+
+
+@pytest.mark.parametrize("channels_last", [True, False])
+def test_erased_boxes_hold_standard_normal_noise_and_every_other_pixel_is_the_unerased_batchs(channels_last):
+    """Under --random-erase each drawn box of the normalised image holds values of mean 0 and standard deviation 1
+    (to 0.05 over its about 10,000 values), every other value is the unerased transform's exactly, the same draws
+    give the same noise, and the output keeps the memory format."""
+    images = torch.randint(0, 256, (32, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    labels = torch.arange(32) % 10
+    transform = BatchTransform(torch.device("cpu"), channels_last=channels_last, mean=MEAN, std=STD, num_classes=10)
+    flip_crop, erasing = augment_draws(7, 0, range(32), 4), erase_draws(7, 0, range(32), 32, 0.5)
+    inputs, targets = transform.train(images, labels, Draws(flip_crop, None, erasing))
+    plain = transform(images, flip_crop).clone()
+    inside = torch.zeros_like(plain, dtype=torch.bool)
+    for i, (y0, y1, x0, x1) in enumerate(erasing[0].tolist()):
+        inside[i, :, y0:y1, x0:x1] = True
+    assert 8 <= inside[:, 0].flatten(1).any(1).sum() <= 24 and targets is labels
+    assert torch.equal(inputs[~inside], plain[~inside])
+    noise = inputs[inside]
+    assert noise.numel() > 3000 and abs(noise.mean().item()) < 0.05 and abs(noise.std().item() - 1) < 0.05
+    assert torch.equal(transform.train(images, labels, Draws(flip_crop, None, erasing))[0], inputs)
+    assert inputs.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
 
 
 # A copy's own torch Dataset (utils/data/items.py) ------------------------------------------------------------------

@@ -6,7 +6,8 @@ rank did (batches fetched, all-reduces, autocast dtypes, initial weights, logged
 Configurations (same seed, SGD, standard augmentation, fp32, --deterministic, the first 200 training images):
   two_ranks        2 ranks, --batch-size 32 --global-batch-size 64, 2 epochs  \\ the same flags: same micro-batches,
   one_rank_accum2  1 rank,  --batch-size 32 --global-batch-size 64, 2 epochs  / same crops and mixing: bitwise equal
-                   both with mixup 0.2 and cutmix 1.0 on 80% of the images, and label smoothing 0.1 (soft targets)
+                   both with mixup 0.2 and cutmix 1.0 on 80% of the images, random erasing on 25%, and label
+                   smoothing 0.1 (soft targets)
   two_ranks_accum2 2 ranks, --batch-size 32 --grad-accum 2, 1 epoch           \\ same micro-batches, other sum
   one_rank_accum4  1 rank,  --batch-size 32 --grad-accum 4, 1 epoch           / order: equal to float rounding
 """
@@ -53,7 +54,7 @@ JOB = ["--train-subset", str(TRAIN_SUBSET), "--eval-subset", str(EVAL_SUBSET), "
 COMMON, CHEAP = ["--model", "resnet18_imagenet", *JOB], ["--model", "resnet8", *JOB]
 TWO_RANKS = ["--config_file", str(CPU_YAML)]  # fp32 (cpu.yaml's), like the 1-process runs
 BF16_TWO_RANKS = [*TWO_RANKS, "--mixed_precision", "bf16"]
-MIXED = ["--mixup", "0.2", "--cutmix", "1.0", "--mix-prob", "0.8", "--label-smoothing", "0.1"]
+MIXED = ["--mixup", "0.2", "--cutmix", "1.0", "--mix-prob", "0.8", "--random-erase", "0.25", "--label-smoothing", "0.1"]
 CONFIGS = {
     "two_ranks": (TWO_RANKS, ["--batch-size", "32", "--global-batch-size", "64", *MIXED]),
     "one_rank_accum2": (None, ["--batch-size", "32", "--global-batch-size", "64", *MIXED]),
@@ -122,7 +123,7 @@ def _compare(many: Run, one: Run) -> tuple[dict, dict]:
 
 def test_two_ranks_match_one_rank_weights(ddp_jobs):
     """In fp32 with `--deterministic`, 2 ranks x micro-batch 32 and 1 process x 32 x 2 accumulation steps (global
-    batch 64, mixup and cutmix on) end with bitwise-equal trainable parameters."""
+    batch 64, mixup, cutmix, erasing on) end with bitwise-equal trainable parameters."""
     pa, pb = _compare(ddp_jobs["two_ranks"], ddp_jobs["one_rank_accum2"])
     unequal = [n for n in pa if not torch.equal(pa[n], pb[n])]
     assert not unequal, f"{len(unequal)} parameters differ, e.g. {unequal[:3]}"

@@ -82,17 +82,24 @@ class DataConfig(Group):
                         "A) (e.g. 1.0); the labels weighted by the pasted area; with --mixup, each image one or the "
                         "other; 0: off")
     mix_prob: float = opt(1.0, "the share of training images that --mixup / --cutmix mix")
+    random_erase: float = opt(0.0, "random erasing (torchvision's RandomErasing, random values): the chance that a "
+                              "training image has a box of 2-33% of its area (aspect 0.3-3.3) replaced by normal "
+                              "noise after normalising, drawn per image as the crops (e.g. 0.25); 0: off")
     data_on_device: bool = opt(False, "keep both splits on the GPU (uint8, CIFAR-10: 176 MiB, in every process): no "
                                "host-to-device copy per batch")
 
     def validate(self) -> None:
         check_ranges(self, positive=["train_subset", "eval_subset", "mix_prob", "decode_workers", "data_workers",
                                      "shuffle_buffer", "shuffle_block"],
-                     non_negative=["mixup", "cutmix", "read_ahead"])
+                     non_negative=["mixup", "cutmix", "read_ahead", "random_erase"])
         if self.mix_prob > 1:
             raise UserError(f"--mix-prob is a share of the images, at most 1 (got {self.mix_prob:g}).")
+        if self.random_erase > 1:
+            raise UserError(f"--random-erase is a chance per image, at most 1 (got {self.random_erase:g}).")
         if (self.mixup or self.cutmix) and self.augment == "none":
             raise UserError("--mixup and --cutmix mix augmented images: they need --augment standard or resized-crop.")
+        if self.random_erase and self.augment == "none":
+            raise UserError("--random-erase erases augmented images: it needs --augment standard or resized-crop.")
         self.crop_scale, self.crop_ratio = tuple(self.crop_scale), tuple(self.crop_ratio)
         if not 0 < self.crop_scale[0] <= self.crop_scale[1] <= 1:
             raise UserError(f"--crop-scale takes two shares of the area, 0 < MIN <= MAX <= 1 (got {self.crop_scale}).")

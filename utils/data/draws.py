@@ -20,10 +20,15 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
+ERASING = 4  # key_stream's purpose of random erasing's draws
+
+
 def key_stream(seed: int, epoch: int, purpose: int) -> np.ndarray:
     """A (1,) uint64 key of (seed, epoch, purpose): 0 the epoch's shuffle (EpochSampler's, or a stream's: its shards'
-    order, utils/data/stream.py), 1 its augmentation, 2 its mixing, 3 its resized crops (utils/data/pixels.py). Two
-    bits."""
+    order, utils/data/stream.py), 1 its augmentation, 2 its mixing, 3 its resized crops (utils/data/pixels.py), each
+    in two bits of the hashed word; purposes past them (ERASING) hash purpose 0's key again with their number."""
+    if purpose > 3:
+        return splitmix64(key_stream(seed, epoch, 0) ^ np.uint64(purpose))
     return splitmix64(np.array([(seed % 2**32) << 32 | (epoch % 2**30) << 2 | purpose], dtype=np.uint64))
 
 
@@ -45,10 +50,13 @@ class Draws:
     """A training batch's draws, as its loader gives them beside (images, labels) and BatchTransform.train takes
     them: `flip_crop`, augment_draws' (the positions in the batch to mirror, each image's crop offset), None when
     the images come cropped and flipped already (--augment resized-crop) or augmentation is off; `mixing`,
-    mix_draws' (partner, weight, box) under --mixup / --cutmix, else None. Moved to the device with its batch (`to`:
-    Accelerate's send_to_device calls it) and pinned with it (`pin_memory`: the DataLoader's pinning calls it)."""
+    mix_draws' (partner, weight, box) under --mixup / --cutmix, else None; `erasing`, erase_draws' (box, noise
+    seed) under --random-erase, else None. Moved to the device with its batch (`to`: Accelerate's send_to_device
+    calls it) and pinned with it (`pin_memory`: the DataLoader's pinning calls it); the noise seed, an int, stays
+    on the host (a generator on the device is seeded with it, no sync)."""
     flip_crop: tuple[torch.Tensor, torch.Tensor] | None = None
     mixing: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    erasing: tuple[torch.Tensor, int] | None = None
 
     def to(self, device, non_blocking: bool = False) -> Draws:
         return self._each(lambda t: t.to(device, non_blocking=non_blocking))
@@ -57,7 +65,8 @@ class Draws:
         return self._each(torch.Tensor.pin_memory)
 
     def _each(self, move) -> Draws:
-        return Draws(*(None if part is None else tuple(map(move, part)) for part in (self.flip_crop, self.mixing)))
+        return Draws(*(None if part is None else tuple(move(t) if isinstance(t, torch.Tensor) else t for t in part)
+                       for part in (self.flip_crop, self.mixing, self.erasing)))
 
 
 @dataclass(frozen=True)
@@ -98,3 +107,32 @@ def mix_draws(seed: int, epoch: int, indices, size: int, mixing: Mixing):
     box = np.stack([np.clip(y - half, 0, size), np.clip(y + half, 0, size), np.clip(x - half, 0, size),
                     np.clip(x + half, 0, size)], axis=1) * cut[:, None]
     return torch.from_numpy(partner), torch.from_numpy(weight.astype(np.float32)), torch.from_numpy(box)
+
+
+ERASE_TRIES, ERASE_SCALE, ERASE_RATIO = 10, (0.02, 0.33), (0.3, 3.3)  # torchvision's RandomErasing defaults
+
+
+def erase_draws(seed: int, epoch: int, indices, size: int, prob: float) -> tuple[torch.Tensor, int]:
+    """Each training sample's random erasing (--random-erase), a function of (seed, epoch, sample index): with chance
+    `prob`, a box (y0, y1, x0, x1) of its S x S image, else an empty one; and the seed of the batch's noise, from its
+    first sample (the micro-batches are the same at any process count, see EpochSampler). torchvision's
+    RandomErasing.get_params: up to 10 tries of an area share uniform in ERASE_SCALE and an aspect ratio log-uniform
+    in ERASE_RATIO, the first box strictly inside the image taken at a uniform position; none fits: not erased."""
+    n = len(indices)
+    h = np.asarray(indices).astype(np.uint64) ^ key_stream(seed, epoch, ERASING)
+    hashes = []
+    for _ in range(1 + 4 * ERASE_TRIES):  # whether to erase; per try: area share, log aspect ratio, top, left
+        h = splitmix64(h)
+        hashes.append(h)
+    apply, log_lo, log_hi = uniform01(hashes[0]) < prob, np.log(ERASE_RATIO[0]), np.log(ERASE_RATIO[1])
+    boxes, found = np.zeros((n, 4), dtype=np.int64), ~apply
+    for t in range(ERASE_TRIES):
+        share, aspect, top, left = (uniform01(hashes[1 + 4 * t + k]) for k in range(4))
+        area = size * size * (ERASE_SCALE[0] + share * (ERASE_SCALE[1] - ERASE_SCALE[0]))
+        ratio = np.exp(log_lo + aspect * (log_hi - log_lo))
+        eh, ew = (np.round(np.sqrt(area * r)).astype(np.int64) for r in (ratio, 1 / ratio))
+        fits = ~found & (eh < size) & (ew < size)
+        y0, x0 = (np.floor(u * (size - e + 1)).astype(np.int64) for u, e in ((top, eh), (left, ew)))
+        boxes[fits] = np.stack([y0, y0 + eh, x0, x0 + ew], axis=1)[fits]
+        found |= fits
+    return torch.from_numpy(boxes), int(hashes[-1][0] >> np.uint64(1)) if n else 0

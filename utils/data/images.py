@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from utils import UserError
-from utils.data.draws import Draws, Mixing, augment_draws, key_stream, mix_draws
+from utils.data.draws import Draws, Mixing, augment_draws, erase_draws, key_stream, mix_draws
 
 SPLITS = ("train", "test")  # load_data's splits: "test" is the one evaluated on
 
@@ -50,12 +50,14 @@ class LoaderDataset(torch.utils.data.Dataset):
     per batch with the sampler's indices, and gets the whole batch, (images, labels) as uint8 (B, 3, S, S) (a view of
     NHWC memory) and int64 (B,), and for a training set also its Draws: no per-image Python work beyond the kind's
     own (`Images.read`). A training batch's draws are keyed by `augment_seed` (None: an evaluation set), `epoch` (set
-    by the sampler), `augment` (off: no crop and flip), `pad` (the crop's padding) and `mixing`."""
+    by the sampler), `augment` (off: no crop and flip), `pad` (the crop's padding), `mixing` and `erasing` (the
+    chance that an image is erased, --random-erase)."""
 
     def __init__(self, images: Images, labels: torch.Tensor, augment_seed: int | None, augment: bool, pad: int,
-                 mixing: Mixing | None):
+                 mixing: Mixing | None, erasing: float = 0.0):
         self.images, self.labels = images, labels
         self.augment_seed, self.augment, self.pad, self.mixing, self.epoch = augment_seed, augment, pad, mixing, 0
+        self.erasing = erasing
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -73,13 +75,16 @@ class LoaderDataset(torch.utils.data.Dataset):
         return nhwc.permute(0, 3, 1, 2), labels, self.draws(host, nhwc.shape[1], cropped)
 
     def draws(self, host: np.ndarray, size: int, cropped: bool = False) -> Draws | None:
-        """A training batch's draws for BatchTransform.train, from this dataset's augment_seed, epoch, augment, pad
-        and mixing: None without augmentation, else its crop and flip (augment_draws; none when the images come
-        `cropped` already, utils/data/encoded.py) and its mixing (mix_draws), if any."""
+        """A training batch's draws for BatchTransform.train, from this dataset's augment_seed, epoch, augment, pad,
+        mixing and erasing: None without augmentation, else its crop and flip (augment_draws; none when the images
+        come `cropped` already, utils/data/encoded.py), its mixing (mix_draws) and its erasing (erase_draws), if
+        any."""
         if not self.augment:
             return None
-        return Draws(None if cropped else augment_draws(self.augment_seed, self.epoch, host, self.pad),
-                     mix_draws(self.augment_seed, self.epoch, host, size, self.mixing) if self.mixing else None)
+        seed, epoch = self.augment_seed, self.epoch
+        return Draws(None if cropped else augment_draws(seed, epoch, host, self.pad),
+                     mix_draws(seed, epoch, host, size, self.mixing) if self.mixing else None,
+                     erase_draws(seed, epoch, host, size, self.erasing) if self.erasing else None)
 
 
 class KeyedSampler(torch.utils.data.Sampler):

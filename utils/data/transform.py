@@ -29,6 +29,7 @@ class BatchTransform:
         self.scale, self.shift = 1 / std, -mean / std
         self.row_scale_shift = {}  # width -> (scale, shift) tiled along a row
         self.canvas = None  # (2B, H + 2 pad, W + 2 pad, 3) uint8 with a zero border, kept between batches
+        self.noise = torch.Generator(device)  # random erasing's values, seeded per batch by its draws
 
     @classmethod
     def for_data(cls, data: dict, device: torch.device, channels_last: bool) -> BatchTransform:
@@ -54,8 +55,11 @@ class BatchTransform:
         """A training batch -> (the model's input, the loss's targets): the labels, or with mixing draws
         (`mix_draws`) class probabilities (num_classes wide), each image's label and its partner's weighted by the
         share of the partner in the mixed image. Mixed after the crop, flip and normalisation, as torchvision's
-        MixUp and CutMix mix a batch of augmented tensors."""
+        MixUp and CutMix mix a batch of augmented tensors. Random erasing (`erase_draws`) before the mixing, on the
+        normalised images, as torchvision's reference recipes place RandomErasing in each image's transform."""
         x = self(images, draws.flip_crop if draws is not None else None)
+        if draws is not None and draws.erasing is not None:
+            x = self.erase(x, *draws.erasing)
         if draws is None or draws.mixing is None:
             return x, labels
         partner, weight, box = draws.mixing
@@ -74,6 +78,19 @@ class BatchTransform:
         own = F.one_hot(labels, self.num_classes).float()
         partner_share = weight + (box[:, 1] - box[:, 0]) * (box[:, 3] - box[:, 2]) / (h * w)
         return mixed, torch.lerp(own, own.index_select(0, partner), partner_share.view(n, 1))
+
+    def erase(self, x: torch.Tensor, box: torch.Tensor, seed: int) -> torch.Tensor:
+        """Each image's drawn box (y0, y1, x0, x1; empty: not erased) filled with standard normal values, as
+        torchvision's RandomErasing(value="random") fills it on a normalised image; the values from a generator on
+        the device seeded by the batch's draws, so they are the same at any process count and after a resume."""
+        n, c, h, w = x.shape
+        rows, cols = torch.arange(h, device=x.device).view(1, h, 1), torch.arange(w, device=x.device).view(1, 1, w)
+        y0, y1, x0, x1 = (box[:, i].view(n, 1, 1) for i in range(4))
+        inside = ((rows >= y0) & (rows < y1) & (cols >= x0) & (cols < x1)).unsqueeze(1)
+        self.noise.manual_seed(seed)
+        noise = torch.randn(n, h, w, c, generator=self.noise, device=x.device).permute(0, 3, 1, 2)  # channels-last
+        erased = torch.where(inside, noise, x)
+        return erased.contiguous(memory_format=torch.channels_last if self.channels_last else torch.contiguous_format)
 
     def crop_and_flip(self, images: torch.Tensor, draws: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Each image: its crop at the drawn offset of its zero-padded self, mirrored if drawn so.
