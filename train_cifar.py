@@ -68,6 +68,7 @@ from utils.launch import (
     shard_on_cpu_too,
 )
 from utils.models import MODELS, check_logits, named_model
+from utils.optim import parameter_groups
 from utils.output_dir import check_output_dir, lock_output_dir
 from utils.plan import plan_batches, use_plan
 from utils.pretrained import apply_preprocessing, is_pretrained
@@ -110,7 +111,9 @@ class Config(HubConfig, LoggingConfig, CheckpointConfig, EvaluationConfig, DataC
     scale_lr: bool = opt(False, f"linear scaling rule: lr x global_batch / {REFERENCE_BATCH}")
     optimizer: str = opt("sgd", "sgd (momentum 0.9, Nesterov) or adamw", ("sgd", "adamw"))
     weight_decay: float = opt(5e-4, "L2 penalty (SGD) / decoupled weight decay (AdamW), on the parameters "
-                              "build_optimizer gives it (all, in this script; summary.json records each group's)")
+                              "build_optimizer gives it (summary.json records each group's)")
+    decay_exemptions: bool = opt(True, "no weight decay on biases, norms, tokens and position embeddings (timm's and "
+                                 "DeiT's rule, utils/optim.py); --no-decay-exemptions: every parameter decays")
     label_smoothing: float = opt(0.0, "cross-entropy label smoothing, in [0, 1)")
     tta_flip: bool = opt(False, "evaluate each test image and its mirror image (mean of the two logits)")
     warmup_epochs: float = opt(1.0, "linear warmup from 0 to lr, then cosine decay to 0")
@@ -186,14 +189,12 @@ def load_data(cfg: Config) -> dict:
 
 
 def build_optimizer(cfg: Config, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
-    """Built before prepare(), which shards it under FSDP. optimizer_kernel(): fused SGD / AdamW (one kernel for the
-    whole update), foreach under FSDP2 (utils/launch.py says why)."""
-    # a pretrained --model names its freshly initialised tensors (its new head; utils/pretrained.py): they train at
-    # lr (the first group, the lr logged), its pretrained ones at lr x --backbone-lr-factor
-    new = set(getattr(model, "new_tensors", [name for name, _ in model.named_parameters()]))  # ready models: all new
-    params = [{"params": [p for n, p in model.named_parameters() if n in new]},
-              {"params": [p for n, p in model.named_parameters() if n not in new], "lr": lr * cfg.backbone_lr_factor}]
-    params = [group for group in params if group["params"]]
+    """Built before prepare(), which shards it under FSDP. parameter_groups: a pretrained --model's new head at lr
+    (the first group, the lr logged), its pretrained tensors at lr x --backbone-lr-factor; weight decay on weight
+    matrices and kernels only (--decay-exemptions). optimizer_kernel(): fused SGD / AdamW (one kernel for the whole
+    update), foreach under FSDP2 (utils/launch.py says why)."""
+    params = parameter_groups(model, lr, cfg.weight_decay, backbone_lr_factor=cfg.backbone_lr_factor,
+                              exemptions=cfg.decay_exemptions)
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=0.9, nesterov=True, weight_decay=cfg.weight_decay,
                                **optimizer_kernel())

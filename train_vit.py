@@ -57,6 +57,7 @@ from utils.launch import (
     shard_on_cpu_too,
 )
 from utils.models import VITS, check_logits, checkpoint_blocks, named_model
+from utils.optim import parameter_groups
 from utils.output_dir import check_output_dir, lock_output_dir
 from utils.plan import plan_batches, use_plan
 from utils.schedule import warmup_cosine
@@ -88,8 +89,11 @@ class Config(HubConfig, LoggingConfig, CheckpointConfig, EvaluationConfig, DataC
                                         "from grad_accum")
     lr: float = opt(5e-4, "peak AdamW learning rate, reached after warmup")
     scale_lr: bool = opt(False, f"linear scaling rule: lr x global_batch / {REFERENCE_BATCH}")
-    weight_decay: float = opt(0.05, "AdamW's decoupled weight decay, on the weight matrices only (not on biases, "
-                              "norms, the class token and position embeddings)")
+    weight_decay: float = opt(0.05, "AdamW's decoupled weight decay, on the parameters build_optimizer gives it "
+                              "(summary.json records each group's)")
+    decay_exemptions: bool = opt(True, "no weight decay on biases, norms, the class token and position embeddings "
+                                 "(the ViT/DeiT recipe, utils/optim.py); --no-decay-exemptions: every parameter "
+                                 "decays")
     label_smoothing: float = opt(0.1, "cross-entropy label smoothing, in [0, 1)")
     warmup_epochs: float = opt(5.0, "linear warmup from 0 to lr, then cosine decay to 0")
     grad_accum: int | None = opt(None, "micro-steps per optimizer step (no gradient all-reduce on the others); "
@@ -134,17 +138,13 @@ def load_data(cfg: Config) -> dict:
 
 
 def build_optimizer(cfg: Config, model: torch.nn.Module, lr: float) -> torch.optim.AdamW:
-    """AdamW with weight decay on the weight matrices only: decaying biases, LayerNorm scales, the class token and
-    the position embeddings only pulls them to zero (the ViT/DeiT recipe). Built before prepare(); Accelerate then
-    swaps in the sharded parameters under FSDP. foreach under both wrappers: the same arithmetic, so DDP and FSDP
-    runs agree bitwise (measured; the fused kernel rounds differently on plain tensors and on DTensors, 2e-5 apart
-    after 8 steps). The update is a small part of a ViT step."""
-    no_decay = {"class_token", "encoder.pos_embedding"}
-    decay, plain = [], []
-    for name, param in model.named_parameters():
-        (plain if param.ndim <= 1 or name in no_decay else decay).append(param)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": plain, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, foreach=True)
+    """AdamW with weight decay on the weight matrices only (parameter_groups, --decay-exemptions): decaying biases,
+    LayerNorm scales, the class token and the position embeddings only pulls them to zero (the ViT/DeiT recipe).
+    Built before prepare(); Accelerate then swaps in the sharded parameters under FSDP. foreach under both wrappers:
+    the same arithmetic, so DDP and FSDP runs agree bitwise (measured; the fused kernel rounds differently on plain
+    tensors and on DTensors, 2e-5 apart after 8 steps). The update is a small part of a ViT step."""
+    return torch.optim.AdamW(parameter_groups(model, lr, cfg.weight_decay, exemptions=cfg.decay_exemptions), lr=lr,
+                             foreach=True)
 
 
 def compute_loss(cfg: Config, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict]:

@@ -114,6 +114,9 @@ def test_a_timm_folder_fine_tuned_on_two_ranks_learns_better_than_its_architectu
     assert "normalising with the pretrained model's mean (0.5000, 0.5000, 0.5000) and std (0.5000" in said
     assert (fine["image_stats_from"], scratch["image_stats_from"]) == ("pretrained model", "training images")
     assert fine["config"]["optimizer"] == "adamw" and fine["config"]["label_smoothing"] == 0.1  # the recipe's
+    groups = [(g["name"], g["tensors"], g["weight_decay"]) for g in fine["optimizer"]["groups"]]
+    assert groups == [("head", 1, 0.05), ("head/no_decay", 1, 0.0), ("backbone", groups[2][1], 0.05),
+                      ("backbone/no_decay", groups[3][1], 0.0)]  # the recipe's weight decay, biases and norms spared
 
 
 def test_fine_tuning_a_timm_folder_on_two_ranks_matches_one_process_bitwise(timm_runs):
@@ -373,22 +376,29 @@ def test_flags_given_win_over_the_pretrained_models_preprocessing_and_the_rest_i
 
 def test_backbone_lr_factor_trains_the_new_head_at_lr_and_the_pretrained_tensors_at_lr_times_the_factor(small_timm):
     """build_optimizer with --backbone-lr-factor 0.1 on a timm folder given 2 classes: the head (fc.weight, fc.bias,
-    new) is one group at lr, every other parameter a group at lr x 0.1, and the schedule keeps the ratio; given the
-    source's 8 classes, nothing is new and every parameter trains at lr x 0.1."""
+    new) trains at lr, every other parameter at lr x 0.1, and the schedule keeps the ratio; the weight decay spares
+    the biases and norms of both (groups head, head/no_decay, backbone, backbone/no_decay); given the source's 8
+    classes, nothing is new and every parameter trains at lr x 0.1."""
     import train_cifar
+    from utils.pretrained import built_from
 
     cfg = train_cifar.parse_config(["--model", str(small_timm), "--backbone-lr-factor", "0.1", "--optimizer", "adamw"])
     model = train_cifar.build_model(cfg, 2)
-    assert model.new_tensors == ["fc.weight", "fc.bias"]
+    assert built_from(model).new_tensors == ("fc.weight", "fc.bias")
     optimizer = train_cifar.build_optimizer(cfg, model, lr=1e-3)
     names = {id(p): n for n, p in model.named_parameters()}
-    head, rest = ([names[id(p)] for p in group["params"]] for group in optimizer.param_groups)
-    assert head == ["fc.weight", "fc.bias"] and set(rest) == set(names.values()) - set(head)
+    groups = {g["name"]: [names[id(p)] for p in g["params"]] for g in optimizer.param_groups}
+    assert list(groups) == ["head", "head/no_decay", "backbone", "backbone/no_decay"]
+    assert (groups["head"], groups["head/no_decay"]) == (["fc.weight"], ["fc.bias"])
+    shapes = dict(model.named_parameters())
+    assert set(groups["backbone"]) == {n for n in names.values() if shapes[n].ndim == 4}  # the convolutions' kernels
+    assert sum(map(len, groups.values())) == len(names)
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [cfg.weight_decay, 0.0] * 2
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5)
-    assert schedule.get_last_lr() == pytest.approx([5e-4, 5e-5])
+    assert schedule.get_last_lr() == pytest.approx([5e-4, 5e-4, 5e-5, 5e-5])
     same_classes = train_cifar.build_model(cfg, 8)  # the source's 8: its head is kept, nothing is new
-    assert same_classes.new_tensors == []
-    assert [g["lr"] for g in train_cifar.build_optimizer(cfg, same_classes, lr=1e-3).param_groups] == [1e-4]
+    assert built_from(same_classes).new_tensors == ()
+    assert [g["lr"] for g in train_cifar.build_optimizer(cfg, same_classes, lr=1e-3).param_groups] == [1e-4, 1e-4]
 
 
 def test_a_timm_vit_under_fsdp_is_sharded_per_block_by_the_size_fallback():

@@ -443,8 +443,8 @@ def test_a_copy_logs_its_loss_terms_keeps_its_best_f1_weights_and_records_the_ne
     s = read_summary(whole)
     model = {"name": None, "class": "SmallNet", "parameters": SMALL_NET_PARAMETERS}
     optimizer = {"class": "AdamW", "groups": [
-        {"tensors": 2, "parameters": 3 * 9 * 16 + 256 * 10, "lr": 0.003, "weight_decay": 0.05},
-        {"tensors": 4, "parameters": 16 + 2 * 16 + 10, "lr": 0.003, "weight_decay": 0.0}]}
+        {"name": None, "tensors": 2, "parameters": 3 * 9 * 16 + 256 * 10, "lr": 0.003, "weight_decay": 0.05},
+        {"name": None, "tensors": 4, "parameters": 16 + 2 * 16 + 10, "lr": 0.003, "weight_decay": 0.0}]}
     assert (s["world_size"], s["global_step"], s["model"], s["optimizer"]) == (2, 16, model, optimizer)
     assert (s["config"]["model"], s["config"]["optimizer"]) == ("resnet18", "sgd")  # the flags, which it ignores
     [run] = compare_runs.load(str(whole))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -234,9 +235,9 @@ def say_size(cfg, found: tuple[int, int] | None, say) -> None:
 def pretrained_model(model: str, num_classes: int) -> torch.nn.Module:
     """The model --model names (a timm or transformers model, see the module's docstring) with a fresh classifier
     for `num_classes`, built by its library. A transformers model answers logits (a forward hook takes them out of
-    its output), so it fits a template's loop as it is. Declared on the model: `new_tensors`, the names of its
-    freshly initialised tensors (all of them without weights), which the optimizer may give another learning rate;
-    `hub_library`, "timm" or "transformers", whose config.json the run's export writes (library_config)."""
+    its output), so it fits a template's loop as it is. Declared for the model (`built_from`): the library, whose
+    config.json the run's export writes (library_config), and the names of its freshly initialised tensors (all of
+    them without weights), which the optimizer gives the head's learning rate (utils/optim.py)."""
     from accelerate import PartialState
 
     source = pretrained_source(model)
@@ -244,7 +245,7 @@ def pretrained_model(model: str, num_classes: int) -> torch.nn.Module:
         built, new = (_timm_model if source.library == "timm" else _transformers_model)(source, num_classes)
     except (OSError, ValueError, RuntimeError, KeyError) as e:  # no or unreadable weights, a broken config
         raise UserError(f"--model {model}: {source.library} cannot build it ({first_line(e)}).") from None
-    built.new_tensors, built.hub_library = new, source.library  # read by build_optimizer and by the export
+    BUILT[built] = BuiltFrom(source.library, tuple(new))
     if not source.weights:
         said = f"timm {type(built).__name__}, no weights: all {len(new)} tensors freshly initialised"
     else:
@@ -285,13 +286,31 @@ def _transformers_model(source: Pretrained, num_classes: int) -> tuple[torch.nn.
     return built, sorted({*info["missing_keys"], *(k[0] for k in info["mismatched_keys"])})
 
 
+@dataclass(frozen=True)
+class BuiltFrom:
+    """What pretrained_model declares of a model it built: its library ("timm" or "transformers") and the names of
+    its freshly initialised tensors (its new head; every tensor of a model without weights)."""
+    library: str
+    new_tensors: tuple[str, ...]
+
+
+BUILT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> BuiltFrom, for the models built here
+
+
+def built_from(model: torch.nn.Module) -> BuiltFrom | None:
+    """What pretrained_model declared of `model` (unwrapped: the object it returned); None for any other model (a
+    ready one, a copy's own)."""
+    return BUILT.get(model)
+
+
 # Handing the result back -------------------------------------------------------------------------------------------
 def library_config(model: torch.nn.Module, facts: dict) -> dict | None:
     """The config.json that makes a run's folder (its model.safetensors beside it) a model folder of the library
-    that built `model` (unwrapped; its `hub_library`, which pretrained_model declares), with the run's classes and
+    that built `model` (unwrapped; the library pretrained_model declares, built_from), with the run's classes and
     evaluation view: timm's config as timm's save_for_hf writes it, or the transformers model's config with
     id2label; None for any other model. `facts`: utils.data.contract.data_facts of the run's data."""
-    library, classes = getattr(model, "hub_library", None), list(facts["classes"])
+    built, classes = built_from(model), list(facts["classes"])
+    library = built.library if built else None
     if library == "timm":
         import tempfile
 

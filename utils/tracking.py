@@ -361,10 +361,12 @@ def model_record(model: torch.nn.Module) -> dict:
 
 
 def optimizer_record(optimizer: torch.optim.Optimizer) -> dict:
-    """The optimizer a script built: its class and, per parameter group, the tensors and parameters it holds, its
-    peak learning rate (before the schedule scales it) and its weight decay."""
+    """The optimizer a script built: its class and, per parameter group, its name (utils/optim.py's; None for a
+    group built otherwise), the tensors and parameters it holds, its peak learning rate (before the schedule scales
+    it) and its weight decay."""
     return {"class": type(optimizer).__qualname__, "groups": [
-        {"tensors": len(group["params"]), "parameters": sum(q.numel() for q in group["params"]),
+        {"name": group.get("name"), "tensors": len(group["params"]),
+         "parameters": sum(q.numel() for q in group["params"]),
          "lr": group.get("initial_lr", group["lr"]), "weight_decay": group.get("weight_decay")}
         for group in optimizer.param_groups]}
 
