@@ -67,7 +67,7 @@ from utils.launch import (
     run,
     shard_on_cpu_too,
 )
-from utils.models import MODELS, check_logits, named_model
+from utils.models import MODELS, check_logits, model_layers, named_model
 from utils.optim import parameter_groups
 from utils.output_dir import check_output_dir, lock_output_dir
 from utils.plan import plan_batches, use_plan
@@ -108,6 +108,8 @@ class Config(HubConfig, LoggingConfig, CheckpointConfig, EvaluationConfig, DataC
     lr: float = opt(0.1, "peak learning rate, reached after warmup")
     backbone_lr_factor: float = opt(1.0, "a pretrained --model's pretrained tensors train at lr x this, its new "
                                     "head at lr")
+    layer_decay: float | None = opt(None, "layer-wise lr decay: each tensor's lr x this^(its layers below the "
+                                    "head's; utils/optim.py), e.g. 0.75 for fine-tuning; unset: off")
     scale_lr: bool = opt(False, f"linear scaling rule: lr x global_batch / {REFERENCE_BATCH}")
     optimizer: str = opt("sgd", "sgd (momentum 0.9, Nesterov) or adamw", ("sgd", "adamw"))
     weight_decay: float = opt(5e-4, "L2 penalty (SGD) / decoupled weight decay (AdamW), on the parameters "
@@ -137,6 +139,8 @@ class Config(HubConfig, LoggingConfig, CheckpointConfig, EvaluationConfig, DataC
                             f"(OWNER/NAME) or timm:NAME.")
         if not 0 <= self.label_smoothing < 1:
             raise UserError(f"--label-smoothing must be in [0, 1) (got {self.label_smoothing}).")
+        if self.layer_decay is not None and not 0 < self.layer_decay <= 1:
+            raise UserError(f"--layer-decay is a factor per layer, in (0, 1] (got {self.layer_decay:g}).")
         super().validate()
 
 
@@ -190,11 +194,13 @@ def load_data(cfg: Config) -> dict:
 
 def build_optimizer(cfg: Config, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
     """Built before prepare(), which shards it under FSDP. parameter_groups: a pretrained --model's new head at lr
-    (the first group, the lr logged), its pretrained tensors at lr x --backbone-lr-factor; weight decay on weight
-    matrices and kernels only (--decay-exemptions). optimizer_kernel(): fused SGD / AdamW (one kernel for the whole
-    update), foreach under FSDP2 (utils/launch.py says why)."""
+    (the first group, the lr logged), its pretrained tensors at lr x --backbone-lr-factor, each x --layer-decay per
+    layer below the head's; weight decay on weight matrices and kernels only (--decay-exemptions).
+    optimizer_kernel(): fused SGD / AdamW (one kernel for the whole update), foreach under FSDP2 (utils/launch.py
+    says why)."""
     params = parameter_groups(model, lr, cfg.weight_decay, backbone_lr_factor=cfg.backbone_lr_factor,
-                              exemptions=cfg.decay_exemptions)
+                              exemptions=cfg.decay_exemptions, layer_decay=cfg.layer_decay,
+                              layers=model_layers(cfg.model))  # a copy's own model: its layers, for --layer-decay
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=0.9, nesterov=True, weight_decay=cfg.weight_decay,
                                **optimizer_kernel())

@@ -56,7 +56,7 @@ from utils.launch import (
     run,
     shard_on_cpu_too,
 )
-from utils.models import VITS, check_logits, checkpoint_blocks, named_model
+from utils.models import VITS, check_logits, checkpoint_blocks, model_layers, named_model
 from utils.optim import parameter_groups
 from utils.output_dir import check_output_dir, lock_output_dir
 from utils.plan import plan_batches, use_plan
@@ -89,6 +89,8 @@ class Config(HubConfig, LoggingConfig, CheckpointConfig, EvaluationConfig, DataC
                                         "from grad_accum")
     lr: float = opt(5e-4, "peak AdamW learning rate, reached after warmup")
     scale_lr: bool = opt(False, f"linear scaling rule: lr x global_batch / {REFERENCE_BATCH}")
+    layer_decay: float | None = opt(None, "layer-wise lr decay: each tensor's lr x this^(its layers below the "
+                                    "head's; utils/optim.py), e.g. 0.75 for fine-tuning; unset: off")
     weight_decay: float = opt(0.05, "AdamW's decoupled weight decay, on the parameters build_optimizer gives it "
                               "(summary.json records each group's)")
     decay_exemptions: bool = opt(True, "no weight decay on biases, norms, the class token and position embeddings "
@@ -111,6 +113,8 @@ class Config(HubConfig, LoggingConfig, CheckpointConfig, EvaluationConfig, DataC
                      non_negative=["weight_decay", "warmup_epochs", "grad_clip"])
         if not 0 <= self.label_smoothing < 1:
             raise UserError(f"--label-smoothing must be in [0, 1) (got {self.label_smoothing}).")
+        if self.layer_decay is not None and not 0 < self.layer_decay <= 1:
+            raise UserError(f"--layer-decay is a factor per layer, in (0, 1] (got {self.layer_decay:g}).")
         super().validate()
         if self.image_size is not None and self.image_size % 4:
             raise UserError(f"--image-size must be a multiple of the ViT's patch size 4 (got "
@@ -143,8 +147,9 @@ def build_optimizer(cfg: Config, model: torch.nn.Module, lr: float) -> torch.opt
     Built before prepare(); Accelerate then swaps in the sharded parameters under FSDP. foreach under both wrappers:
     the same arithmetic, so DDP and FSDP runs agree bitwise (measured; the fused kernel rounds differently on plain
     tensors and on DTensors, 2e-5 apart after 8 steps). The update is a small part of a ViT step."""
-    return torch.optim.AdamW(parameter_groups(model, lr, cfg.weight_decay, exemptions=cfg.decay_exemptions), lr=lr,
-                             foreach=True)
+    groups = parameter_groups(model, lr, cfg.weight_decay, exemptions=cfg.decay_exemptions,
+                              layer_decay=cfg.layer_decay, layers=model_layers(cfg.model))  # the ViT by block
+    return torch.optim.AdamW(groups, lr=lr, foreach=True)
 
 
 def compute_loss(cfg: Config, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict]:

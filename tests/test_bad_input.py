@@ -144,8 +144,11 @@ def test_non_positive_lr_batch_epochs(tmp_path, small_data, flag, value):
 @pytest.mark.parametrize(("flags", "message"), [
     (["--ema-decay", "1"], "--ema-decay must be between 0 and 1, e.g. 0.999 (got 1.0)."),
     (["--eval-every-steps", "0"], "--eval-every-steps must be positive (got 0)."),
+    (["--layer-decay", "0"], "--layer-decay is a factor per layer, in (0, 1] (got 0)."),
+    (["--layer-decay", "1.5"], "--layer-decay is a factor per layer, in (0, 1] (got 1.5)."),
 ])
-def test_ema_decay_outside_0_to_1_and_a_zero_evaluation_interval(tmp_path, small_data, flags, message):
+def test_ema_decay_outside_0_to_1_a_zero_evaluation_interval_and_a_layer_decay_outside_0_to_1(tmp_path, small_data,
+                                                                                             flags, message):
     _fails_cleanly(tmp_path, ["--data-dir", str(small_data), *flags], message)
 
 

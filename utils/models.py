@@ -49,6 +49,19 @@ def _built(name: str, num_classes: int, image_size: int) -> nn.Module:
     return model
 
 
+def model_layers(name: str) -> list[tuple[str, ...]] | None:
+    """A ready model's layers for --layer-decay (utils/optim.py), from the input to the head: each the name prefixes
+    of its parameters. The ResNets by stage (the stem, each stage, the classifier), the ViTs by block (the class
+    token, patch and position embeddings; each encoder block; the final norm and head). None for any other name."""
+    if name in VITS:
+        blocks = [(f"encoder.layers.encoder_layer_{i}",) for i in range(VITS[name][0])]
+        return [("class_token", "conv_proj", "encoder.pos_embedding"), *blocks, ("encoder.ln", "heads")]
+    if name == "resnet9":  # nn.Sequential: its children by index (see resnet9)
+        return [("0", "1"), ("3", "5", "7"), ("8", "10"), ("12", "14", "16"), ("19",)]
+    stages = {"resnet8": 3, "resnet18": 4, "resnet18_imagenet": 4}.get(name)
+    return None if stages is None else [("conv1", "bn1"), *((f"layer{i}",) for i in range(1, stages + 1)), ("fc",)]
+
+
 def resnet9(num_classes: int) -> nn.Module:
     """The 'ResNet-9' of Myrtle.ai's DAWNBench CIFAR-10 record (6.5M parameters): 3 pooled stages of 3x3 convs,
     two with a residual pair, max-pooled to a scaled linear classifier; far fewer FLOPs than ResNet-18."""
