@@ -110,6 +110,9 @@ class Config(HubConfig, LoggingConfig, CheckpointConfig, EvaluationConfig, DataC
                                     "head at lr")
     layer_decay: float | None = opt(None, "layer-wise lr decay: each tensor's lr x this^(its layers below the "
                                     "head's; utils/optim.py), e.g. 0.75 for fine-tuning; unset: off")
+    drop_path: float = opt(0.0, "stochastic depth: the chance that a residual block's branch is dropped for an "
+                           "image, rising linearly over the blocks to this (timm's and transformers' drop_path_rate; "
+                           "the ready models by block), masks keyed by the micro-batch; e.g. 0.1; 0: off")
     scale_lr: bool = opt(False, f"linear scaling rule: lr x global_batch / {REFERENCE_BATCH}")
     optimizer: str = opt("sgd", "sgd (momentum 0.9, Nesterov) or adamw", ("sgd", "adamw"))
     weight_decay: float = opt(5e-4, "L2 penalty (SGD) / decoupled weight decay (AdamW), on the parameters "
@@ -139,6 +142,8 @@ class Config(HubConfig, LoggingConfig, CheckpointConfig, EvaluationConfig, DataC
                             f"(OWNER/NAME) or timm:NAME.")
         if not 0 <= self.label_smoothing < 1:
             raise UserError(f"--label-smoothing must be in [0, 1) (got {self.label_smoothing}).")
+        if not 0 <= self.drop_path < 1:
+            raise UserError(f"--drop-path is a chance per block, in [0, 1) (got {self.drop_path:g}).")
         if self.layer_decay is not None and not 0 < self.layer_decay <= 1:
             raise UserError(f"--layer-decay is a factor per layer, in (0, 1] (got {self.layer_decay:g}).")
         super().validate()
@@ -177,7 +182,7 @@ def build_model(cfg: Config, num_classes: int) -> torch.nn.Module:
     (N, num_classes) out (checked before training). Built after set_seed, so every rank starts from the same weights.
     Under FSDP, the block classes listed in its `_no_split_modules` are sharded one by one (none listed: a fallback,
     docs/customizing.md). evaluate_checkpoint.py rebuilds the model through this function, with the run's config."""
-    return named_model(cfg.model, num_classes)  # the ready models: utils/models.py
+    return named_model(cfg.model, num_classes, drop_path=cfg.drop_path)  # the ready models: utils/models.py
 
 
 def load_data(cfg: Config) -> dict:
@@ -304,6 +309,7 @@ def main(cfg: Config) -> dict:
             for images, labels, draws in bar:  # draws: each image's crop, flip and mixing (utils.data.draws.Draws)
                 with accelerator.accumulate(model), memory.micro_step():  # no all-reduce on non-final micro-steps
                     inputs, targets = transform.train(images, labels, draws)  # crop, flip, mix, normalise on device
+                    torch.manual_seed(draws.forward)  # drop path, dropout: keyed by the micro-batch (any world size)
                     loss, terms = compute_loss(cfg, model(inputs), targets)  # terms: train/<name>
                     accelerator.backward(loss)  # divides by grad_accum
                     if accelerator.sync_gradients and (cfg.grad_clip > 0 or tracker.logs_at(p.global_step + 1)):

@@ -91,6 +91,9 @@ class Config(HubConfig, LoggingConfig, CheckpointConfig, EvaluationConfig, DataC
     scale_lr: bool = opt(False, f"linear scaling rule: lr x global_batch / {REFERENCE_BATCH}")
     layer_decay: float | None = opt(None, "layer-wise lr decay: each tensor's lr x this^(its layers below the "
                                     "head's; utils/optim.py), e.g. 0.75 for fine-tuning; unset: off")
+    drop_path: float = opt(0.0, "stochastic depth: the chance that a residual block's branch is dropped for an "
+                           "image, rising linearly over the blocks to this (timm's and transformers' drop_path_rate; "
+                           "the ready models by block), masks keyed by the micro-batch; e.g. 0.1; 0: off")
     weight_decay: float = opt(0.05, "AdamW's decoupled weight decay, on the parameters build_optimizer gives it "
                               "(summary.json records each group's)")
     decay_exemptions: bool = opt(True, "no weight decay on biases, norms, the class token and position embeddings "
@@ -113,6 +116,8 @@ class Config(HubConfig, LoggingConfig, CheckpointConfig, EvaluationConfig, DataC
                      non_negative=["weight_decay", "warmup_epochs", "grad_clip"])
         if not 0 <= self.label_smoothing < 1:
             raise UserError(f"--label-smoothing must be in [0, 1) (got {self.label_smoothing}).")
+        if not 0 <= self.drop_path < 1:
+            raise UserError(f"--drop-path is a chance per block, in [0, 1) (got {self.drop_path:g}).")
         if self.layer_decay is not None and not 0 < self.layer_decay <= 1:
             raise UserError(f"--layer-decay is a factor per layer, in (0, 1] (got {self.layer_decay:g}).")
         super().validate()
@@ -132,7 +137,7 @@ def build_model(cfg: Config, num_classes: int) -> torch.nn.Module:
     """The network: a normalised float batch (N, 3, S, S) in, logits (N, num_classes) out (checked before
     training). torchvision's ViT is built for one image size: --image-size (32 when unset). Its block,
     EncoderBlock, is in `_no_split_modules`: FSDP shards it one by one. evaluate_checkpoint.py rebuilds it here."""
-    return named_model(cfg.model, num_classes, image_size=cfg.image_size or 32)
+    return named_model(cfg.model, num_classes, image_size=cfg.image_size or 32, drop_path=cfg.drop_path)
 
 
 def load_data(cfg: Config) -> dict:
@@ -244,6 +249,7 @@ def main(cfg: Config) -> dict:
             for images, labels, draws in bar:  # draws: each image's crop, flip and mixing (utils.data.draws.Draws)
                 with accelerator.accumulate(model), memory.micro_step():  # no gradient sync on non-final micro-steps
                     inputs, targets = transform.train(images, labels, draws)  # crop, flip, mix, normalise on device
+                    torch.manual_seed(draws.forward)  # drop path, dropout: keyed by the micro-batch (any world size)
                     loss, terms = compute_loss(cfg, model(inputs), targets)  # terms: train/<name>
                     accelerator.backward(loss)  # divides by grad_accum
                     if accelerator.sync_gradients and (cfg.grad_clip > 0 or tracker.logs_at(p.global_step + 1)):

@@ -2,10 +2,14 @@
 from CIFAR-10 with no download: timm's test_resnet trained here (plain PyTorch) on the 8 classes that are not ship or
 truck, saved by timm's save_for_hf, then fine-tuned by train_cifar.py with --recipe finetune on ship vs truck (2 gloo
 ranks, --train-subset images, 2 epochs, plain crops), for each --backbone-lr-factor given, against the same
-architecture from scratch (timm:test_resnet, same flags); over several seeds. Prints each run and the mean +/- std
-top-1 on the 2,000 ship and truck test images. tests/test_pretrained.py builds its task with the functions here.
+architecture from scratch (timm:test_resnet, same flags); over several seeds. With --layer-decays, fine-tuned runs at
+factor 1 with each --layer-decay given; with --no-exemptions, one at factor 1 with --no-decay-exemptions (every
+tensor decayed). Prints each run and the mean +/- std top-1 on the 2,000 ship and truck test images.
+tests/test_pretrained.py builds its task with the functions here.
 
     python bench/finetune_recipe.py --data-dir ../shared/data/cifar10 --seeds 3     # about 3 minutes on 2 cores
+    python bench/finetune_recipe.py --data-dir ../shared/data/cifar10 --seeds 3 --factors 1 --layer-decays 0.75 0.5 \
+        --no-exemptions
 """
 
 from __future__ import annotations
@@ -86,19 +90,20 @@ def write_ship_truck(cifar_dir: Path, folder: Path) -> Path:
     return folder
 
 
-def run(model: str, factor: float, seed: int, args, root: Path) -> float:
+def run(model: str, factor: float, extra: tuple[str, ...], seed: int, args, root: Path) -> float:
     out = root / f"run-{len(list(root.glob('run-*')))}"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(REPO / "accelerate_configs" / "cpu.yaml"), "--main_process_port", "0", str(REPO / "train_cifar.py"),
            "--model", model, "--recipe", "finetune", "--augment", "standard", "--backbone-lr-factor", str(factor),
            "--train-subset", str(args.train_subset), "--batch-size", "16", "--global-batch-size", "32", "--epochs",
            "2", "--seed", str(seed), "--deterministic", "--no-channels-last", "--tracker", "none",
-           "--data-dir", str(root / "two"), "--cache-dir", str(root / "cache"), "--output-dir", str(out)]
+           "--data-dir", str(root / "two"), "--cache-dir", str(root / "cache"), "--output-dir", str(out), *extra]
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if result.returncode != 0:
         sys.exit(result.stderr[-3000:])
     top1 = json.loads((out / "summary.json").read_text())["eval_top1"]
-    print(f"{model.rsplit('/', 1)[-1]:>17} factor {factor:<4g} seed {seed}: top-1 {top1:.2f}%", flush=True)
+    print(f"{model.rsplit('/', 1)[-1]:>17} factor {factor:<4g} {' '.join(extra)} seed {seed}: top-1 {top1:.2f}%",
+          flush=True)
     return top1
 
 
@@ -108,16 +113,22 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--train-subset", type=int, default=512)
     parser.add_argument("--factors", type=float, nargs="+", default=[0.1, 0.3, 1.0])
+    parser.add_argument("--layer-decays", type=float, nargs="*", default=[])
+    parser.add_argument("--no-exemptions", action="store_true", help="add a run with --no-decay-exemptions")
     args = parser.parse_args()
     header("fine-tuning a timm model (8 CIFAR-10 classes) on ship vs truck, against the same net from scratch")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         pretrain_timm(Path(args.data_dir), root / "timm8")
         write_ship_truck(Path(args.data_dir), root / "two")
-        settings = [(str(root / "timm8"), f) for f in args.factors] + [("timm:test_resnet", 1.0)]
+        timm8 = str(root / "timm8")
+        settings = ([(timm8, f, ()) for f in args.factors] + [(timm8, 1.0, ("--layer-decay", str(d)))
+                                                               for d in args.layer_decays]
+                    + [(timm8, 1.0, ("--no-decay-exemptions",))] * args.no_exemptions + [("timm:test_resnet", 1.0, ())])
         results = {s: [run(*s, seed, args, root) for seed in range(args.seeds)] for s in settings}
-    for (model, factor), top1 in results.items():
+    for (model, factor, extra), top1 in results.items():
         name = "from scratch" if model.startswith("timm:") else f"fine-tuned, --backbone-lr-factor {factor:g}"
+        name += "".join(f" {flag}" for flag in extra)
         spread = statistics.stdev(top1) if len(top1) > 1 else 0.0
         print(f"{name}: top-1 {statistics.fmean(top1):.2f} +/- {spread:.2f}% over {len(top1)} seeds")
 

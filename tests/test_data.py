@@ -29,7 +29,7 @@ from PIL import Image
 from utils import UserError
 from utils.data import decode, loaders, sources
 from utils.data.decode import default_cache_dir, load_source
-from utils.data.draws import Draws, Mixing, augment_draws, erase_draws, mix_draws
+from utils.data.draws import Draws, Mixing, augment_draws, erase_draws, forward_seed, mix_draws
 from utils.data.images import crop_padding
 from utils.data.loaders import make_loader
 from utils.data.transform import BatchTransform
@@ -224,7 +224,10 @@ def test_prepared_loader_yields_whole_uint8_batches_covering_the_epoch(accelerat
         train.set_epoch(epoch)
         batches = list(train)
         assert len(batches) == 10 and all(x.shape == (10, 3, 32, 32) and x.dtype == torch.uint8 for x, _, _ in batches)
-        assert all(draws is None for _, _, draws in batches)  # augment off: no draws
+        # augment off: no crop, flip, mixing or erasing; the forward's seed only, from each batch's first sample
+        first = [int(x[0, 0, 0, 0]) for x, _, _ in batches]
+        assert [(d.flip_crop, d.mixing, d.erasing) for _, _, d in batches] == [(None, None, None)] * 10
+        assert [d.forward for _, _, d in batches] == [forward_seed(0, epoch, [i]) for i in first]
         order = torch.cat([x[:, 0, 0, 0] for x, _, _ in batches]).tolist()
         assert all(torch.equal(y, x[:, 0, 0, 0].long() % 10) for x, y, _ in batches)  # labels stay with images
         assert len(set(order)) == 100  # no repeats; the last 3 of 103 are dropped (whole batches only)

@@ -270,12 +270,13 @@ def test_a_copy_with_torchvisions_mobilenet_trains_under_ddp_and_fsdp_resumes_an
 
 @pytest.mark.slow
 def test_a_copy_whose_loss_adds_an_l2_term_trains_as_sgd_weight_decay_does(cifar_dir, cache_dir, tmp_path):
-    """The loss line plus 0.5 x 0.05 x |w|^2 without weight decay, against the template with --weight-decay 0.05: the
-    same gradients, so after 16 SGD steps (1 process, lr 0.01, --grad-clip 0) the two runs' weights are apart by
-    less than 5% of how far training moved them (relative_distance); without either, by more than 50%."""
+    """The loss line plus 0.5 x 0.05 x |w|^2 without weight decay, against the template with --weight-decay 0.05
+    --no-decay-exemptions (every parameter decayed, as the term covers every one): the same gradients, so after 16
+    SGD steps (1 process, lr 0.01, --grad-clip 0) the two runs' weights are apart by less than 5% of how far training
+    moved them (relative_distance); without either, by more than 50%."""
     job = [*SMALL_JOB, "--batch-size", "16", "--lr", "0.01", "--grad-clip", "0", "--deterministic"]
     run_copy(REPO / "train_cifar.py", job_args(cifar_dir, cache_dir, tmp_path / "decay", *job, "--weight-decay",
-                                               "0.05"))
+                                               "0.05", "--no-decay-exemptions"))
     script = edited_copy(tmp_path, line=(LOSS_LINE, AUX_LOSS))
     run_copy(script, job_args(cifar_dir, cache_dir, tmp_path / "aux", *job, "--weight-decay", "0"))
     run_copy(REPO / "train_cifar.py", job_args(cifar_dir, cache_dir, tmp_path / "none", *job, "--weight-decay", "0"))
@@ -304,12 +305,12 @@ def test_a_copys_compute_loss_is_the_loss_its_evaluation_and_evaluate_checkpoint
 @pytest.mark.slow
 def test_a_copy_with_a_hand_written_optimizer_trains_with_it_and_checkpoints_its_state(cifar_dir, cache_dir, tmp_path):
     """build_optimizer returns a hand-written Nesterov SGD (torch.optim.Optimizer subclass): 16 steps on 1 process
-    (lr 0.01) end apart from the template's fused SGD by less than 5% of how far training moved the weights
-    (relative_distance; another summation order); the checkpoint holds
+    (lr 0.01) end apart from the template's fused SGD with --no-decay-exemptions (both decay every parameter) by less
+    than 5% of how far training moved the weights (relative_distance; another summation order); the checkpoint holds
     its own state (16 updates per parameter) and the warmup-cosine schedule drove its learning rate."""
     job = [*SMALL_JOB, "--batch-size", "16", "--lr", "0.01", "--grad-clip", "0", "--warmup-epochs", "0.25",
            "--deterministic"]
-    run_copy(REPO / "train_cifar.py", job_args(cifar_dir, cache_dir, tmp_path / "torch", *job))
+    run_copy(REPO / "train_cifar.py", job_args(cifar_dir, cache_dir, tmp_path / "torch", *job, "--no-decay-exemptions"))
     script = edited_copy(tmp_path, "build_optimizer", HAND_WRITTEN_SGD)
     run_copy(script, job_args(cifar_dir, cache_dir, tmp_path / "hand", *job))
     ours, theirs = (load_file(tmp_path / name / "model.safetensors") for name in ("hand", "torch"))

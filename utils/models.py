@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torchvision
+from torchvision.ops import stochastic_depth
 
 from utils import UserError
 from utils.pretrained import pretrained_model
@@ -21,23 +22,63 @@ VITS = {"vit_micro": (2, 2, 64, 128), "vit_tiny": (12, 3, 192, 768), "vit_s": (1
         "vit_b": (12, 12, 768, 3072), "vit_l": (24, 16, 1024, 4096)}
 
 
-def named_model(name: str, num_classes: int = 10, image_size: int = 32) -> nn.Module:
+def named_model(name: str, num_classes: int = 10, image_size: int = 32, drop_path: float = 0.0) -> nn.Module:
     """A ready model by name: torchvision's ResNet-18; 'resnet18' swaps the ImageNet stem (7x7 stride-2 conv +
     max-pool, which shrinks 32x32 inputs to 8x8 before the first block) for a 3x3 stride-1 conv; or 'resnet9' or
     'resnet8' (below). A name in VITS: vit() below, for image_size x image_size inputs (the ResNets take any size).
     Any other name: a pretrained timm or transformers model (timm:NAME, a model folder or a Hub id), built by its
-    library with a fresh head for num_classes (utils/pretrained.py). The model declares the name it was built under
-    (`model_name`: what summary.json records as the network's name; a copy's own network has none)."""
-    model = _built(name, num_classes, image_size)
+    library with a fresh head for num_classes (utils/pretrained.py). `drop_path`: stochastic depth, the chance that a
+    residual block's branch is dropped for an image, rising linearly over the blocks from 0 to this (timm's and
+    transformers' drop_path_rate; the ready models' blocks, `drop_paths`). The model declares the name it was built
+    under (`model_name`: what summary.json records as the network's name; a copy's own network has none)."""
+    if name not in MODELS and name not in VITS:
+        model = pretrained_model(name, num_classes, drop_path)
+    else:
+        model = vit(name, num_classes, image_size) if name in VITS else _resnet(name, num_classes)
+        drop_paths(model, drop_path)
     model.model_name = name
     return model
 
 
-def _built(name: str, num_classes: int, image_size: int) -> nn.Module:
-    if name not in MODELS and name not in VITS:
-        return pretrained_model(name, num_classes)
-    if name in VITS:
-        return vit(name, num_classes, image_size)
+def drop_paths(model: nn.Module, rate: float) -> None:
+    """Stochastic depth in a ready model: its residual blocks in order (BasicBlock, Residual, EncoderBlock) drop their
+    branch for an image with chance linear from 0 at the first to `rate` at the last (torch.linspace, as timm's
+    drop_path_rate); torchvision's blocks are given this module's subclasses of the same names, which add it."""
+    if rate == 0:
+        return
+    blocks = [m for m in model.modules() if isinstance(m, (BasicBlock.__base__, Residual, EncoderBlock.__base__))]
+    for block, chance in zip(blocks, torch.linspace(0, rate, len(blocks)).tolist()):
+        if isinstance(block, BasicBlock.__base__):
+            block.__class__ = BasicBlock
+        elif isinstance(block, EncoderBlock.__base__):
+            block.__class__ = EncoderBlock
+        block.drop_path = chance
+
+
+class BasicBlock(torchvision.models.resnet.BasicBlock):
+    """torchvision's BasicBlock, its residual branch dropped per image with chance `drop_path` in training
+    (torchvision.ops.stochastic_depth, before the sum, as timm's ResNet blocks do)."""
+    drop_path = 0.0
+
+    def forward(self, x):
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x)))))
+        return self.relu(stochastic_depth(out, self.drop_path, "row", self.training) + identity)
+
+
+class EncoderBlock(torchvision.models.vision_transformer.EncoderBlock):
+    """torchvision's ViT block, its attention and MLP branches each dropped per image with chance `drop_path` in
+    training (timm's ViT blocks' drop_path1 and drop_path2)."""
+    drop_path = 0.0
+
+    def forward(self, input):
+        x = self.ln_1(input)
+        x, _ = self.self_attention(x, x, x, need_weights=False)
+        x = input + stochastic_depth(self.dropout(x), self.drop_path, "row", self.training)
+        return x + stochastic_depth(self.mlp(self.ln_2(x)), self.drop_path, "row", self.training)
+
+
+def _resnet(name: str, num_classes: int) -> nn.Module:
     own = {"resnet9": resnet9, "resnet8": ResNet8}  # the rest are torchvision's resnet18
     model = own[name](num_classes) if name in own else torchvision.models.resnet18(num_classes=num_classes)
     if name == "resnet18":
@@ -113,8 +154,10 @@ def conv_bn(c_in: int, c_out: int, pool: bool = False) -> list[nn.Module]:
 
 
 class Residual(nn.Sequential):
+    drop_path = 0.0  # stochastic depth: the chance that the branch is dropped for an image, in training
+
     def forward(self, x):
-        return x + super().forward(x)
+        return x + stochastic_depth(super().forward(x), self.drop_path, "row", self.training)
 
 
 class Scale(nn.Module):

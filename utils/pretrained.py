@@ -232,7 +232,7 @@ def say_size(cfg, found: tuple[int, int] | None, say) -> None:
 
 
 # Building ---------------------------------------------------------------------------------------------------------
-def pretrained_model(model: str, num_classes: int) -> torch.nn.Module:
+def pretrained_model(model: str, num_classes: int, drop_path: float = 0.0) -> torch.nn.Module:
     """The model --model names (a timm or transformers model, see the module's docstring) with a fresh classifier
     for `num_classes`, built by its library. A transformers model answers logits (a forward hook takes them out of
     its output), so it fits a template's loop as it is. Declared for the model (`built_from`): the library, whose
@@ -242,8 +242,9 @@ def pretrained_model(model: str, num_classes: int) -> torch.nn.Module:
 
     source = pretrained_source(model)
     try:
-        built, new = (_timm_model if source.library == "timm" else _transformers_model)(source, num_classes)
-    except (OSError, ValueError, RuntimeError, KeyError) as e:  # no or unreadable weights, a broken config
+        built, new = (_timm_model if source.library == "timm" else _transformers_model)(source, num_classes, drop_path)
+    except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:  # no or unreadable weights, a broken config
+        # (TypeError: a timm model that takes no drop_path_rate)
         raise UserError(f"--model {model}: {source.library} cannot build it ({first_line(e)}).") from None
     BUILT[built] = BuiltFrom(source.library, tuple(new))
     if not source.weights:
@@ -259,29 +260,36 @@ def pretrained_model(model: str, num_classes: int) -> torch.nn.Module:
     return built
 
 
-def _timm_model(source: Pretrained, num_classes: int) -> tuple[torch.nn.Module, list[str]]:
+def _timm_model(source: Pretrained, num_classes: int, drop_path: float) -> tuple[torch.nn.Module, list[str]]:
     """timm's model with a new classifier when the class count differs from its config's (timm drops the old one
-    on loading): that classifier's tensors are the new ones, as its pretrained_cfg names it."""
+    on loading): that classifier's tensors are the new ones, as its pretrained_cfg names it. `drop_path`: its
+    drop_path_rate."""
     import timm
 
     location = f"local-dir:{source.folder}" if source.weights else source.name[len(TIMM):]
-    built = timm.create_model(location, pretrained=source.weights, num_classes=num_classes)
+    rate = {"drop_path_rate": drop_path} if drop_path else {}
+    built = timm.create_model(location, pretrained=source.weights, num_classes=num_classes, **rate)
     classifier = built.pretrained_cfg.get("classifier") or ()
     heads = [classifier] if isinstance(classifier, str) else list(classifier)
     replaced = source.weights and built.pretrained_cfg.get("num_classes") != num_classes
     return built, [n for n in built.state_dict() if not source.weights or (replaced and n.rsplit(".", 1)[0] in heads)]
 
 
-def _transformers_model(source: Pretrained, num_classes: int) -> tuple[torch.nn.Module, list[str]]:
+def _transformers_model(source: Pretrained, num_classes: int, drop_path: float) -> tuple[torch.nn.Module, list[str]]:
     """AutoModelForImageClassification with num_labels; the tensors it reports missing or reshaped are the new ones.
-    Its forward returns an output object; a hook answers its logits instead."""
+    Its forward returns an output object; a hook answers its logits instead. `drop_path`: its config's
+    drop_path_rate, refused for a model whose config has none (transformers would keep the value and not use it)."""
     from transformers import AutoModelForImageClassification
     from transformers.utils import logging
 
     logging.set_verbosity_error()  # its load report and progress bars: the start line says what matters
     logging.disable_progress_bar()
+    if drop_path and "drop_path_rate" not in source.config:
+        raise UserError(f"--drop-path: transformers' {source.config.get('model_type')} model has no drop_path_rate "
+                        f"(stochastic depth) in its config.json.")
+    rate = {"drop_path_rate": drop_path} if drop_path else {}
     built, info = AutoModelForImageClassification.from_pretrained(
-        source.folder, num_labels=num_classes, ignore_mismatched_sizes=True, output_loading_info=True)
+        source.folder, num_labels=num_classes, ignore_mismatched_sizes=True, output_loading_info=True, **rate)
     built.register_forward_hook(lambda module, inputs, output: output.logits)
     return built, sorted({*info["missing_keys"], *(k[0] for k in info["mismatched_keys"])})
 

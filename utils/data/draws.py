@@ -20,13 +20,14 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-ERASING = 4  # key_stream's purpose of random erasing's draws
+ERASING, FORWARD = 4, 5  # key_stream's purposes: random erasing's draws; the model's own randomness
 
 
 def key_stream(seed: int, epoch: int, purpose: int) -> np.ndarray:
     """A (1,) uint64 key of (seed, epoch, purpose): 0 the epoch's shuffle (EpochSampler's, or a stream's: its shards'
     order, utils/data/stream.py), 1 its augmentation, 2 its mixing, 3 its resized crops (utils/data/pixels.py), each
-    in two bits of the hashed word; purposes past them (ERASING) hash purpose 0's key again with their number."""
+    in two bits of the hashed word; purposes past them (ERASING, FORWARD) hash purpose 0's key again with their
+    number."""
     if purpose > 3:
         return splitmix64(key_stream(seed, epoch, 0) ^ np.uint64(purpose))
     return splitmix64(np.array([(seed % 2**32) << 32 | (epoch % 2**30) << 2 | purpose], dtype=np.uint64))
@@ -51,12 +52,14 @@ class Draws:
     them: `flip_crop`, augment_draws' (the positions in the batch to mirror, each image's crop offset), None when
     the images come cropped and flipped already (--augment resized-crop) or augmentation is off; `mixing`,
     mix_draws' (partner, weight, box) under --mixup / --cutmix, else None; `erasing`, erase_draws' (box, noise
-    seed) under --random-erase, else None. Moved to the device with its batch (`to`: Accelerate's send_to_device
-    calls it) and pinned with it (`pin_memory`: the DataLoader's pinning calls it); the noise seed, an int, stays
-    on the host (a generator on the device is seeded with it, no sync)."""
+    seed) under --random-erase, else None; `forward`, forward_seed's: what the training loop seeds torch's
+    generators with before the model's forward, so that the model's own randomness (drop path, dropout) is keyed by
+    the micro-batch. Moved to the device with its batch (`to`: Accelerate's send_to_device calls it) and pinned with
+    it (`pin_memory`: the DataLoader's pinning calls it); the seeds, ints, stay on the host (no sync)."""
     flip_crop: tuple[torch.Tensor, torch.Tensor] | None = None
     mixing: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     erasing: tuple[torch.Tensor, int] | None = None
+    forward: int = 0
 
     def to(self, device, non_blocking: bool = False) -> Draws:
         return self._each(lambda t: t.to(device, non_blocking=non_blocking))
@@ -66,7 +69,7 @@ class Draws:
 
     def _each(self, move) -> Draws:
         return Draws(*(None if part is None else tuple(move(t) if isinstance(t, torch.Tensor) else t for t in part)
-                       for part in (self.flip_crop, self.mixing, self.erasing)))
+                       for part in (self.flip_crop, self.mixing, self.erasing)), forward=self.forward)
 
 
 @dataclass(frozen=True)
@@ -136,3 +139,12 @@ def erase_draws(seed: int, epoch: int, indices, size: int, prob: float) -> tuple
         boxes[fits] = np.stack([y0, y0 + eh, x0, x0 + ew], axis=1)[fits]
         found |= fits
     return torch.from_numpy(boxes), int(hashes[-1][0] >> np.uint64(1)) if n else 0
+
+
+def forward_seed(seed: int, epoch: int, indices) -> int:
+    """The seed of a training micro-batch's forward, from (seed, epoch) and its first sample: the micro-batches are
+    the same at any process count (EpochSampler), so a model that draws masks from torch's generator (timm's and
+    transformers' drop path, torchvision's stochastic depth, dropout) draws the same ones for a micro-batch on any
+    rank of any world size, and again after a resume."""
+    first = np.asarray(indices[:1]).astype(np.uint64)
+    return int(splitmix64(first ^ key_stream(seed, epoch, FORWARD))[0] >> np.uint64(1)) if len(first) else 0

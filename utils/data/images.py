@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from utils import UserError
-from utils.data.draws import Draws, Mixing, augment_draws, erase_draws, key_stream, mix_draws
+from utils.data.draws import Draws, Mixing, augment_draws, erase_draws, forward_seed, key_stream, mix_draws
 
 SPLITS = ("train", "test")  # load_data's splits: "test" is the one evaluated on
 
@@ -74,17 +74,18 @@ class LoaderDataset(torch.utils.data.Dataset):
             return nhwc.permute(0, 3, 1, 2), labels
         return nhwc.permute(0, 3, 1, 2), labels, self.draws(host, nhwc.shape[1], cropped)
 
-    def draws(self, host: np.ndarray, size: int, cropped: bool = False) -> Draws | None:
-        """A training batch's draws for BatchTransform.train, from this dataset's augment_seed, epoch, augment, pad,
-        mixing and erasing: None without augmentation, else its crop and flip (augment_draws; none when the images
-        come `cropped` already, utils/data/encoded.py), its mixing (mix_draws) and its erasing (erase_draws), if
-        any."""
-        if not self.augment:
-            return None
+    def draws(self, host: np.ndarray, size: int, cropped: bool = False) -> Draws:
+        """A training batch's draws for BatchTransform.train and the model's forward, from this dataset's
+        augment_seed, epoch, augment, pad, mixing and erasing: its forward seed (forward_seed) and, with
+        augmentation, its crop and flip (augment_draws; none when the images come `cropped` already,
+        utils/data/encoded.py), its mixing (mix_draws) and its erasing (erase_draws), if any."""
         seed, epoch = self.augment_seed, self.epoch
+        if not self.augment:
+            return Draws(forward=forward_seed(seed, epoch, host))
         return Draws(None if cropped else augment_draws(seed, epoch, host, self.pad),
                      mix_draws(seed, epoch, host, size, self.mixing) if self.mixing else None,
-                     erase_draws(seed, epoch, host, size, self.erasing) if self.erasing else None)
+                     erase_draws(seed, epoch, host, size, self.erasing) if self.erasing else None,
+                     forward_seed(seed, epoch, host))
 
 
 class KeyedSampler(torch.utils.data.Sampler):
