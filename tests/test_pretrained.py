@@ -116,9 +116,14 @@ def test_a_timm_folder_fine_tuned_on_two_ranks_learns_better_than_its_architectu
     assert "normalising with the pretrained model's mean (0.5000, 0.5000, 0.5000) and std (0.5000" in said
     assert (fine["image_stats_from"], scratch["image_stats_from"]) == ("pretrained model", "training images")
     assert fine["config"]["optimizer"] == "adamw" and fine["config"]["label_smoothing"] == 0.1  # the recipe's
-    groups = [(g["name"], g["tensors"], g["weight_decay"]) for g in fine["optimizer"]["groups"]]
-    assert groups == [("head", 1, 0.05), ("head/no_decay", 1, 0.0), ("backbone", groups[2][1], 0.05),
-                      ("backbone/no_decay", groups[3][1], 0.0)]  # the recipe's weight decay, biases and norms spared
+    # the optimizer's groups: the new head at lr 1e-3 (the recipe's), each pretrained layer d below it at 1e-3 x
+    # 0.75^d (--layer-decay), the recipe's weight decay 0.05 on all but biases and norms
+    groups = fine["optimizer"]["groups"]
+    assert [(g["name"], g["tensors"]) for g in groups[:2]] == [("head/depth_0", 1), ("head/depth_0/no_decay", 1)]
+    depths = [int(g["name"].split("/")[1].removeprefix("depth_")) for g in groups]
+    assert depths[2:] == sorted(depths[2:]) and set(depths[2:]) == {1, 2, 3, 4, 5}  # timm's 6 layers of the ResNet
+    assert [g["lr"] for g in groups] == pytest.approx([1e-3 * 0.75 ** d for d in depths], rel=1e-9)
+    assert [g["weight_decay"] for g in groups] == [0.0 if g["name"].endswith("/no_decay") else 0.05 for g in groups]
 
 
 def test_fine_tuning_a_timm_folder_on_two_ranks_matches_one_process_bitwise(timm_runs):
