@@ -146,9 +146,9 @@ def test_non_positive_lr_batch_epochs(tmp_path, small_data, flag, value):
     (["--eval-every-steps", "0"], "--eval-every-steps must be positive (got 0)."),
     (["--layer-decay", "0"], "--layer-decay is a factor per layer, in (0, 1] (got 0)."),
     (["--layer-decay", "1.5"], "--layer-decay is a factor per layer, in (0, 1] (got 1.5)."),
+    (["--drop-path", "1"], "--drop-path is a chance per block, in [0, 1) (got 1)."),
 ])
-def test_ema_decay_outside_0_to_1_a_zero_evaluation_interval_and_a_layer_decay_outside_0_to_1(tmp_path, small_data,
-                                                                                             flags, message):
+def test_a_decay_chance_or_interval_outside_its_range_is_one_line(tmp_path, small_data, flags, message):
     _fails_cleanly(tmp_path, ["--data-dir", str(small_data), *flags], message)
 
 
