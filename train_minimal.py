@@ -36,6 +36,7 @@ from utils.data.loaders import check_one_batch, make_loader, take_prefix
 from utils.data.transform import BatchTransform
 from utils.launch import run
 from utils.models import named_model
+from utils.optim import parameter_groups
 from utils.schedule import warmup_cosine
 from utils.tracking import wandb_offline_without_credentials
 
@@ -116,8 +117,8 @@ def main(args: argparse.Namespace) -> dict:
 
     set_seed(args.seed)  # PITFALL (different init per rank): same seed, same weights (and DDP broadcasts rank 0's)
     model = named_model("resnet18", len(data["classes"]))  # torchvision's ResNet-18 with a CIFAR stem
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=5e-4,
-                                fused=True)
+    # weight decay 5e-4 on the weights, none on biases and BatchNorm tensors (utils/optim.py, as train_cifar.py)
+    optimizer = torch.optim.SGD(parameter_groups(model, lr, 5e-4), lr=lr, momentum=0.9, nesterov=True, fused=True)
     # PITFALL (BN without SyncBN): DDP copies rank 0's BatchNorm statistics at the first forward after a training one
     # (broadcast_buffers), so every rank evaluates and saves the same ones; SyncBatchNorm would also pool batch
     # statistics (CUDA only).
