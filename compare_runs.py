@@ -126,7 +126,7 @@ def load_summary(folder: Path) -> Run:
     # as in the tracker's config (utils.tracking.run_facts), the model and optimizer the script built stand where the
     # --model and --optimizer flags are: a run read from W&B and one read from here compare alike
     config = summary.get("config", {})
-    config = {**config, **{key: summary[key] for key in ("model", "optimizer") if isinstance(summary.get(key), dict)}}
+    config = {**config, **{key: summary[key] for key in ("model", "optimizer") if key in summary}}
     return Run(name=config.get("run_name") or folder.name, id=folder.name, group=config.get("group"), config=config,
                summary=summary)
 

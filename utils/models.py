@@ -41,24 +41,21 @@ def named_model(name: str, num_classes: int = 10, image_size: int = 32, drop_pat
 
 
 def drop_paths(model: nn.Module, rate: float) -> None:
-    """Stochastic depth in a ready model: its residual blocks in order (BasicBlock, Residual, EncoderBlock) drop their
-    branch for an image with chance linear from 0 at the first to `rate` at the last (torch.linspace, as timm's
-    drop_path_rate); torchvision's blocks are given this module's subclasses of the same names, which add it."""
-    if rate == 0:
-        return
-    blocks = [m for m in model.modules() if isinstance(m, (BasicBlock.__base__, Residual, EncoderBlock.__base__))]
+    """Stochastic depth in a ready model: its residual blocks (StochasticDepth) in order drop their branch for an
+    image with chance linear from 0 at the first to `rate` at the last (torch.linspace, as timm's drop_path_rate)."""
+    blocks = [m for m in model.modules() if isinstance(m, StochasticDepth)]
     for block, chance in zip(blocks, torch.linspace(0, rate, len(blocks)).tolist()):
-        if isinstance(block, BasicBlock.__base__):
-            block.__class__ = BasicBlock
-        elif isinstance(block, EncoderBlock.__base__):
-            block.__class__ = EncoderBlock
         block.drop_path = chance
 
 
-class BasicBlock(torchvision.models.resnet.BasicBlock):
-    """torchvision's BasicBlock, its residual branch dropped per image with chance `drop_path` in training
-    (torchvision.ops.stochastic_depth, before the sum, as timm's ResNet blocks do)."""
+class StochasticDepth:
+    """What the ready models' residual blocks declare: the chance `drop_path` that their branch is dropped for an
+    image in training (torchvision.ops.stochastic_depth, before the sum, as timm's blocks do); drop_paths sets it."""
     drop_path = 0.0
+
+
+class BasicBlock(StochasticDepth, torchvision.models.resnet.BasicBlock):
+    """torchvision's BasicBlock (the same name, parameters and arithmetic) with stochastic depth on its branch."""
 
     def forward(self, x):
         identity = x if self.downsample is None else self.downsample(x)
@@ -66,10 +63,9 @@ class BasicBlock(torchvision.models.resnet.BasicBlock):
         return self.relu(stochastic_depth(out, self.drop_path, "row", self.training) + identity)
 
 
-class EncoderBlock(torchvision.models.vision_transformer.EncoderBlock):
-    """torchvision's ViT block, its attention and MLP branches each dropped per image with chance `drop_path` in
-    training (timm's ViT blocks' drop_path1 and drop_path2)."""
-    drop_path = 0.0
+class EncoderBlock(StochasticDepth, torchvision.models.vision_transformer.EncoderBlock):
+    """torchvision's ViT block (the same name, parameters and arithmetic) with stochastic depth on its attention and
+    MLP branches each (timm's ViT blocks' drop_path1 and drop_path2)."""
 
     def forward(self, input):
         x = self.ln_1(input)
@@ -79,8 +75,9 @@ class EncoderBlock(torchvision.models.vision_transformer.EncoderBlock):
 
 
 def _resnet(name: str, num_classes: int) -> nn.Module:
-    own = {"resnet9": resnet9, "resnet8": ResNet8}  # the rest are torchvision's resnet18
-    model = own[name](num_classes) if name in own else torchvision.models.resnet18(num_classes=num_classes)
+    own = {"resnet9": resnet9, "resnet8": ResNet8}  # the rest: torchvision's resnet18, built of this BasicBlock
+    model = own[name](num_classes) if name in own else torchvision.models.resnet.ResNet(BasicBlock, [2, 2, 2, 2],
+                                                                                          num_classes=num_classes)
     if name == "resnet18":
         model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
         nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")  # as torchvision does
@@ -143,9 +140,9 @@ class ResNet8(nn.Module):
 def basic_block(c_in: int, c_out: int) -> nn.Sequential:
     """A stage of one torchvision BasicBlock; a wider one halves the resolution and projects its shortcut (1x1 conv)."""
     if c_in == c_out:
-        return nn.Sequential(torchvision.models.resnet.BasicBlock(c_in, c_out))
+        return nn.Sequential(BasicBlock(c_in, c_out))
     shortcut = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride=2, bias=False), nn.BatchNorm2d(c_out))
-    return nn.Sequential(torchvision.models.resnet.BasicBlock(c_in, c_out, stride=2, downsample=shortcut))
+    return nn.Sequential(BasicBlock(c_in, c_out, stride=2, downsample=shortcut))
 
 
 def conv_bn(c_in: int, c_out: int, pool: bool = False) -> list[nn.Module]:
@@ -153,9 +150,7 @@ def conv_bn(c_in: int, c_out: int, pool: bool = False) -> list[nn.Module]:
             nn.BatchNorm2d(c_out), nn.ReLU(inplace=True)]
 
 
-class Residual(nn.Sequential):
-    drop_path = 0.0  # stochastic depth: the chance that the branch is dropped for an image, in training
-
+class Residual(StochasticDepth, nn.Sequential):
     def forward(self, x):
         return x + stochastic_depth(super().forward(x), self.drop_path, "row", self.training)
 
@@ -171,10 +166,13 @@ class Scale(nn.Module):
 
 def vit(name: str, num_classes: int = 10, image_size: int = 32, patch_size: int = 4) -> nn.Module:
     """torchvision's VisionTransformer (pre-norm blocks, class token, learned position embeddings) at a VITS size;
-    its transformer blocks are torchvision.models.vision_transformer.EncoderBlock, the unit FSDP shards."""
+    its transformer blocks are torchvision's EncoderBlock, given this module's subclass of the same name (stochastic
+    depth), the unit FSDP shards."""
     layers, heads, hidden, mlp = VITS[name]
     model = torchvision.models.VisionTransformer(image_size, patch_size, layers, heads, hidden, mlp,
                                                  num_classes=num_classes)
+    for block in model.encoder.layers:  # torchvision's VisionTransformer takes no block class: the subclass set here
+        block.__class__ = EncoderBlock
     model._no_split_modules = ["EncoderBlock"]
     return model
 

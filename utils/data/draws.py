@@ -68,8 +68,9 @@ class Draws:
         return self._each(torch.Tensor.pin_memory)
 
     def _each(self, move) -> Draws:
-        return Draws(*(None if part is None else tuple(move(t) if isinstance(t, torch.Tensor) else t for t in part)
-                       for part in (self.flip_crop, self.mixing, self.erasing)), forward=self.forward)
+        moved = (None if part is None else tuple(map(move, part)) for part in (self.flip_crop, self.mixing))
+        erasing = None if self.erasing is None else (move(self.erasing[0]), self.erasing[1])  # (box, noise seed)
+        return Draws(*moved, erasing, self.forward)
 
 
 @dataclass(frozen=True)
