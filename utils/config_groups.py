@@ -85,13 +85,19 @@ class DataConfig(Group):
     random_erase: float = opt(0.0, "random erasing (torchvision's RandomErasing, random values): the chance that a "
                               "training image has a box of 2-33% of its area (aspect 0.3-3.3) replaced by normal "
                               "noise after normalising, drawn per image as the crops (e.g. 0.25); 0: off")
+    auto_augment: str = opt("none", "a per-image augmentation policy, torchvision's: ta_wide (TrivialAugmentWide), ra "
+                            "(RandAugment), augmix (AugMix), on each training image after its crop and flip, drawn per "
+                            "image as the crops", ("none", "ta_wide", "ra", "augmix"))
+    ra_ops: int = opt(2, "--auto-augment ra: ops per image")
+    ra_magnitude: int = opt(9, "--auto-augment ra: the ops' magnitude bin, 0-30")
+    augmix_severity: int = opt(3, "--auto-augment augmix: magnitudes from the first N of 10 bins, 1-10")
     data_on_device: bool = opt(False, "keep both splits on the GPU (uint8, CIFAR-10: 176 MiB, in every process): no "
                                "host-to-device copy per batch")
 
     def validate(self) -> None:
         check_ranges(self, positive=["train_subset", "eval_subset", "mix_prob", "decode_workers", "data_workers",
                                      "shuffle_buffer", "shuffle_block"],
-                     non_negative=["mixup", "cutmix", "read_ahead", "random_erase"])
+                     non_negative=["mixup", "cutmix", "read_ahead", "random_erase", "ra_ops"])
         if self.mix_prob > 1:
             raise UserError(f"--mix-prob is a share of the images, at most 1 (got {self.mix_prob:g}).")
         if self.random_erase > 1:
@@ -100,6 +106,12 @@ class DataConfig(Group):
             raise UserError("--mixup and --cutmix mix augmented images: they need --augment standard or resized-crop.")
         if self.random_erase and self.augment == "none":
             raise UserError("--random-erase erases augmented images: it needs --augment standard or resized-crop.")
+        if self.auto_augment != "none" and self.augment == "none":
+            raise UserError("--auto-augment augments the training crops: it needs --augment standard or resized-crop.")
+        if not 0 <= self.ra_magnitude <= 30:
+            raise UserError(f"--ra-magnitude is a bin of RandAugment's 31, 0-30 (got {self.ra_magnitude}).")
+        if not 1 <= self.augmix_severity <= 10:
+            raise UserError(f"--augmix-severity is 1-10, AugMix's (got {self.augmix_severity}).")
         self.crop_scale, self.crop_ratio = tuple(self.crop_scale), tuple(self.crop_ratio)
         if not 0 < self.crop_scale[0] <= self.crop_scale[1] <= 1:
             raise UserError(f"--crop-scale takes two shares of the area, 0 < MIN <= MAX <= 1 (got {self.crop_scale}).")

@@ -20,14 +20,15 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-ERASING, FORWARD = 4, 5  # key_stream's purposes: random erasing's draws; the model's own randomness
+ERASING, FORWARD, AUTO_AUGMENT = 4, 5, 6  # key_stream's purposes: random erasing; the model's own randomness;
+# the per-image policies (utils/data/policies.py)
 
 
 def key_stream(seed: int, epoch: int, purpose: int) -> np.ndarray:
     """A (1,) uint64 key of (seed, epoch, purpose): 0 the epoch's shuffle (EpochSampler's, or a stream's: its shards'
     order, utils/data/stream.py), 1 its augmentation, 2 its mixing, 3 its resized crops (utils/data/pixels.py), each
-    in two bits of the hashed word; purposes past them (ERASING, FORWARD) hash purpose 0's key again with their
-    number."""
+    in two bits of the hashed word; purposes past them (ERASING, FORWARD, AUTO_AUGMENT) hash purpose 0's key again
+    with their number."""
     if purpose > 3:
         return splitmix64(key_stream(seed, epoch, 0) ^ np.uint64(purpose))
     return splitmix64(np.array([(seed % 2**32) << 32 | (epoch % 2**30) << 2 | purpose], dtype=np.uint64))
@@ -47,6 +48,27 @@ def augment_draws(seed: int, epoch: int, indices, pad: int) -> tuple[torch.Tenso
 
 
 @dataclass(frozen=True)
+class PolicyDraws:
+    """A batch's --auto-augment draws, as utils/data/policies.py's `apply_policy` takes them. The ops run in layers
+    (AugMix: chain after chain, each `depth` layers); in layer l, `order[l]` lists the batch's images sorted by the
+    op they drew and `counts[l]` (on the host: it sets the shapes) how many drew each op of policies.OPS;
+    `params[l]` is each sorted image's parameters (the inverse affine matrix of a geometric op, its factor, bit mask
+    or threshold). `weights`: AugMix's (n, 1 + chains) weights of the image and of each chain (None: the last
+    layer's images are the result). `mode`: the geometric ops' interpolation (torchvision's: nearest; bilinear for
+    AugMix)."""
+    order: torch.Tensor
+    params: torch.Tensor
+    counts: tuple[tuple[int, ...], ...]
+    weights: torch.Tensor | None
+    depth: int
+    mode: str
+
+    def moved(self, move) -> PolicyDraws:
+        return PolicyDraws(move(self.order), move(self.params), self.counts,
+                           None if self.weights is None else move(self.weights), self.depth, self.mode)
+
+
+@dataclass(frozen=True)
 class Draws:
     """A training batch's draws, as its loader gives them beside (images, labels) and BatchTransform.train takes
     them: `flip_crop`, augment_draws' (the positions in the batch to mirror, each image's crop offset), None when
@@ -54,12 +76,14 @@ class Draws:
     mix_draws' (partner, weight, box) under --mixup / --cutmix, else None; `erasing`, erase_draws' (box, noise
     seed) under --random-erase, else None; `forward`, forward_seed's: what the training loop seeds torch's
     generators with before the model's forward, so that the model's own randomness (drop path, dropout) is keyed by
-    the micro-batch. Moved to the device with its batch (`to`: Accelerate's send_to_device calls it) and pinned with
-    it (`pin_memory`: the DataLoader's pinning calls it); the seeds, ints, stay on the host (no sync)."""
+    the micro-batch; `policy`, --auto-augment's PolicyDraws (None: off, or applied in the loader's workers already).
+    Moved to the device with its batch (`to`: Accelerate's send_to_device calls it) and pinned with it (`pin_memory`:
+    the DataLoader's pinning calls it); the seeds and counts, ints, stay on the host (no sync)."""
     flip_crop: tuple[torch.Tensor, torch.Tensor] | None = None
     mixing: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     erasing: tuple[torch.Tensor, int] | None = None
     forward: int = 0
+    policy: PolicyDraws | None = None
 
     def to(self, device, non_blocking: bool = False) -> Draws:
         return self._each(lambda t: t.to(device, non_blocking=non_blocking))
@@ -70,7 +94,7 @@ class Draws:
     def _each(self, move) -> Draws:
         moved = (None if part is None else tuple(map(move, part)) for part in (self.flip_crop, self.mixing))
         erasing = None if self.erasing is None else (move(self.erasing[0]), self.erasing[1])  # (box, noise seed)
-        return Draws(*moved, erasing, self.forward)
+        return Draws(*moved, erasing, self.forward, None if self.policy is None else self.policy.moved(move))
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import abc
 import os
+from dataclasses import replace
 
 import numpy as np
 import torch
 
 from utils import UserError
 from utils.data.draws import Draws, Mixing, augment_draws, erase_draws, forward_seed, key_stream, mix_draws
+from utils.data.policies import Policy, apply_policy, policy_draws
 
 SPLITS = ("train", "test")  # load_data's splits: "test" is the one evaluated on
 
@@ -50,14 +52,15 @@ class LoaderDataset(torch.utils.data.Dataset):
     per batch with the sampler's indices, and gets the whole batch, (images, labels) as uint8 (B, 3, S, S) (a view of
     NHWC memory) and int64 (B,), and for a training set also its Draws: no per-image Python work beyond the kind's
     own (`Images.read`). A training batch's draws are keyed by `augment_seed` (None: an evaluation set), `epoch` (set
-    by the sampler), `augment` (off: no crop and flip), `pad` (the crop's padding), `mixing` and `erasing` (the
-    chance that an image is erased, --random-erase)."""
+    by the sampler), `augment` (off: no crop and flip), `pad` (the crop's padding), `mixing`, `erasing` (the
+    chance that an image is erased, --random-erase) and `policy` (--auto-augment). Crops that the kind cuts as it
+    decodes get the policy here, in the loader's worker; the others on the device after their crop and flip."""
 
     def __init__(self, images: Images, labels: torch.Tensor, augment_seed: int | None, augment: bool, pad: int,
-                 mixing: Mixing | None, erasing: float = 0.0):
+                 mixing: Mixing | None, erasing: float = 0.0, policy: Policy | None = None):
         self.images, self.labels = images, labels
         self.augment_seed, self.augment, self.pad, self.mixing, self.epoch = augment_seed, augment, pad, mixing, 0
-        self.erasing = erasing
+        self.erasing, self.policy = erasing, policy
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -70,22 +73,27 @@ class LoaderDataset(torch.utils.data.Dataset):
         key = (self.augment_seed, self.epoch) if self.augment_seed is not None and self.augment else None
         nhwc, cropped = self.images.read(host, key)
         labels = self.labels.index_select(0, torch.from_numpy(host).to(self.labels.device, non_blocking=True))
+        images = nhwc.permute(0, 3, 1, 2)
         if self.augment_seed is None:
-            return nhwc.permute(0, 3, 1, 2), labels
-        return nhwc.permute(0, 3, 1, 2), labels, self.draws(host, nhwc.shape[1], cropped)
+            return images, labels
+        draws = self.draws(host, nhwc.shape[1], cropped)
+        if cropped and draws.policy is not None:  # on the crops, here: the device's transform gets them finished
+            images, draws = apply_policy(images, draws.policy), replace(draws, policy=None)
+        return images, labels, draws
 
     def draws(self, host: np.ndarray, size: int, cropped: bool = False) -> Draws:
         """A training batch's draws for BatchTransform.train and the model's forward, from this dataset's
-        augment_seed, epoch, augment, pad, mixing and erasing: its forward seed (forward_seed) and, with
+        augment_seed, epoch, augment, pad, mixing, erasing and policy: its forward seed (forward_seed) and, with
         augmentation, its crop and flip (augment_draws; none when the images come `cropped` already,
-        utils/data/encoded.py), its mixing (mix_draws) and its erasing (erase_draws), if any."""
+        utils/data/encoded.py), its mixing (mix_draws), erasing (erase_draws) and policy (policy_draws), if any."""
         seed, epoch = self.augment_seed, self.epoch
         if not self.augment:
             return Draws(forward=forward_seed(seed, epoch, host))
         return Draws(None if cropped else augment_draws(seed, epoch, host, self.pad),
                      mix_draws(seed, epoch, host, size, self.mixing) if self.mixing else None,
                      erase_draws(seed, epoch, host, size, self.erasing) if self.erasing else None,
-                     forward_seed(seed, epoch, host))
+                     forward_seed(seed, epoch, host),
+                     policy_draws(seed, epoch, host, self.policy, size) if self.policy else None)
 
 
 class KeyedSampler(torch.utils.data.Sampler):

@@ -15,6 +15,7 @@ from accelerate.utils import broadcast_object_list
 from utils import UserError
 from utils.data.draws import Mixing
 from utils.data.images import Images, LoaderDataset, as_images, crop_padding
+from utils.data.policies import Policy, augment_policy
 
 
 def check_one_batch(labels: torch.Tensor, batch_size: int, processes: int, accumulation: int = 1) -> None:
@@ -41,15 +42,17 @@ def keep_batch(batch):
 
 def make_loader(images: Images | torch.Tensor, labels: torch.Tensor, batch_size: int, train: bool, seed: int = 0,
                 augment: bool = False, pad: int = 4, global_batch: int | None = None, mixing: Mixing | None = None,
-                processes: int = 1, timeout: float = 0, erasing: float = 0.0) -> torch.utils.data.DataLoader:
+                processes: int = 1, timeout: float = 0, erasing: float = 0.0,
+                policy: Policy | None = None) -> torch.utils.data.DataLoader:
     """A plain DataLoader for `accelerate.prepare`, over any kind of images (a bare uint8 tensor is TensorImages).
     Training: the kind's sampler (EpochSampler: reshuffled per epoch from the seed, whole global batches only;
-    global_batch unset: batch_size) and batches (images, labels, draws; `erasing`: --random-erase's chance);
+    global_batch unset: batch_size) and batches (images, labels, draws; `erasing`: --random-erase's chance;
+    `policy`: --auto-augment's);
     evaluation keeps every image in order, as (images, labels). The kind's loader workers read and decode (none for
     images in memory); `timeout`: seconds a worker may take to give its batch before the loader raises (0: forever;
     utils.launch.run says it in one line)."""
     images = as_images(images)
-    dataset = LoaderDataset(images, labels, seed if train else None, augment, pad, mixing, erasing)
+    dataset = LoaderDataset(images, labels, seed if train else None, augment, pad, mixing, erasing, policy)
     return torch.utils.data.DataLoader(
         dataset,
         batch_size=batch_size,
@@ -77,8 +80,8 @@ def build_loaders(data: dict, cfg, accelerator, plan):
     to the device. The training order and augmentation are keyed by --seed, the epoch and the sample, and every
     epoch is whole optimizer steps of the plan's global batch (utils.plan.BatchPlan). cfg: the data group of a
     script's Config (train_subset, eval_subset, data_on_device, seed, augment, mixup, cutmix, mix_prob,
-    random_erase, data_workers; and dist_timeout: a loader worker that gives no batch within half of it stops the
-    job, so the rank waiting on it says so before its peers' collectives time out)."""
+    random_erase, auto_augment and its strengths, data_workers; and dist_timeout: a loader worker that gives no
+    batch within half of it stops the job, so the rank waiting on it says so before its peers' collectives time out)."""
     train_split = take_prefix(data["train"], cfg.train_subset, "--train-subset")
     eval_split = take_prefix(data["test"], cfg.eval_subset, "--eval-subset")
     check_one_batch(train_split[1], plan.micro, accelerator.num_processes, plan.accumulation)
@@ -98,6 +101,7 @@ def build_loaders(data: dict, cfg, accelerator, plan):
     timeout = cfg.dist_timeout / 2
     train = make_loader(*train_split, plan.micro, train=True, seed=cfg.seed, augment=cfg.augment != "none",
                         pad=crop_padding(data["image_size"]), global_batch=plan.global_batch, mixing=mixing,
-                        processes=plan.processes, timeout=timeout, erasing=cfg.random_erase)
+                        processes=plan.processes, timeout=timeout, erasing=cfg.random_erase,
+                        policy=augment_policy(cfg))
     train.sampler.save_with(accelerator)  # a stream's: the layout its epoch was planned in, in each checkpoint
     return train, make_loader(*eval_split, plan.micro, train=False, processes=plan.processes, timeout=timeout)

@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from utils import UserError
-from utils.data.draws import Draws
+from utils.data.draws import Draws, PolicyDraws
 from utils.data.images import crop_padding
+from utils.data.policies import apply_policy
 
 
 class BatchTransform:
@@ -37,12 +38,15 @@ class BatchTransform:
         return cls(device, channels_last, mean=data["mean"], std=data["std"], pad=crop_padding(data["image_size"]),
                    num_classes=len(data["classes"]))
 
-    def __call__(self, images: torch.Tensor, draws: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def __call__(self, images: torch.Tensor, draws: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 policy: PolicyDraws | None = None) -> torch.Tensor:
         if images.dtype != torch.uint8:  # float images would be divided by 255 x std: training on near-zero inputs
             raise UserError(f"the loader gave {str(images.dtype).removeprefix('torch.')} images; the transform takes "
                             f"uint8 images (0-255), as utils/data's loaders give them (docs/customizing.md).")
         if draws is not None:
             images = self.crop_and_flip(images, draws)
+        if policy is not None:  # --auto-augment, after the crop and flip, on uint8 as torchvision's policies
+            images = apply_policy(images, policy)
         n, c, h, w = images.shape
         rows = images.permute(0, 2, 3, 1).reshape(n * h, w * c)  # a view for channels-last input
         if w not in self.row_scale_shift:
@@ -57,7 +61,7 @@ class BatchTransform:
         share of the partner in the mixed image. Mixed after the crop, flip and normalisation, as torchvision's
         MixUp and CutMix mix a batch of augmented tensors. Random erasing (`erase_draws`) before the mixing, on the
         normalised images, as torchvision's reference recipes place RandomErasing in each image's transform."""
-        x = self(images, draws.flip_crop if draws is not None else None)
+        x = self(images, *(None, None) if draws is None else (draws.flip_crop, draws.policy))
         if draws is not None and draws.erasing is not None:
             x = self.erase(x, *draws.erasing)
         if draws is None or draws.mixing is None:
