@@ -54,7 +54,8 @@ JOB = ["--train-subset", str(TRAIN_SUBSET), "--eval-subset", str(EVAL_SUBSET), "
 COMMON, CHEAP = ["--model", "resnet18_imagenet", *JOB], ["--model", "resnet8", *JOB]
 TWO_RANKS = ["--config_file", str(CPU_YAML)]  # fp32 (cpu.yaml's), like the 1-process runs
 BF16_TWO_RANKS = [*TWO_RANKS, "--mixed_precision", "bf16"]
-MIXED = ["--mixup", "0.2", "--cutmix", "1.0", "--mix-prob", "0.8", "--random-erase", "0.25", "--label-smoothing", "0.1"]
+MIXED = ["--mixup", "0.2", "--cutmix", "1.0", "--mix-prob", "0.8", "--random-erase", "0.25", "--auto-augment", "ra",
+         "--label-smoothing", "0.1"]
 CONFIGS = {
     "two_ranks": (TWO_RANKS, ["--batch-size", "32", "--global-batch-size", "64", *MIXED]),
     "one_rank_accum2": (None, ["--batch-size", "32", "--global-batch-size", "64", *MIXED]),

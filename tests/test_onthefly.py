@@ -30,12 +30,12 @@ from utils.data.pixels import CropRecipe, eval_view, resized_crop_draws
 
 TWO_RANKS = ["--config_file", str(CPU_YAML), "--main_process_port", "0"]
 ONE_PROCESS = ["--num_processes", "1", "--cpu", "--main_process_port", "0"]
-# 192 training images, global batch 32 -> 6 optimizer steps per epoch, 2 epochs; 48 px crops; mixing and random
-# erasing on top of the crops; layer-wise lr decay and drop path; a checkpoint every 4 steps (steps 4 and 8 are
-# mid-epoch).
+# 192 training images, global batch 32 -> 6 optimizer steps per epoch, 2 epochs; 48 px crops; TrivialAugment (in the
+# loader's workers), mixing and random erasing on top of the crops; layer-wise lr decay and drop path; a checkpoint
+# every 4 steps (steps 4 and 8 are mid-epoch).
 JOB = ["--model", "resnet8", "--image-size", "48", "--augment", "resized-crop", "--mixup", "0.2", "--cutmix", "1.0",
-       "--random-erase", "0.25", "--layer-decay", "0.8", "--drop-path", "0.2", "--batch-size", "16",
-       "--global-batch-size", "32",
+       "--random-erase", "0.25", "--auto-augment", "ta_wide", "--layer-decay", "0.8", "--drop-path", "0.2",
+       "--batch-size", "16", "--global-batch-size", "32",
        "--epochs", "2", "--checkpoint-every-steps", "4", "--lr", "0.01", "--grad-clip", "0", "--no-channels-last",
        "--deterministic", "--tracker", "none"]
 

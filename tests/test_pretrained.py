@@ -2,7 +2,7 @@
 the template guarantees, and handed back to their library. The models are written inside the tests by timm
 (`save_for_hf`) and transformers (`save_pretrained`); no network. The fine-tuning task (bench/finetune_recipe.py
 builds it): CIFAR-10's ship and truck images, for a timm model trained here on the other 8 classes; the job
-(FINETUNE) with layer-wise lr decay, drop path, random erasing and the weight-decay exemptions on."""
+(FINETUNE) with AugMix, layer-wise lr decay, drop path, random erasing and the weight-decay exemptions on."""
 
 from __future__ import annotations
 
@@ -39,11 +39,12 @@ from bench.finetune_recipe import pretrain_timm, write_ship_truck
 TWO_RANKS, ONE_PROCESS, FSDP = ["--config_file", str(CPU_YAML)], ["--num_processes", "1"], ["--config_file",
                                                                                            str(FSDP_CPU_YAML)]
 # The fine-tuning job: --recipe finetune (AdamW, label smoothing) on 512 ship and truck images, global batch 32 -> 16
-# steps per epoch, 2 epochs, a checkpoint every 8 steps; plain crops (the cache path)
+# steps per epoch, 2 epochs, a checkpoint every 8 steps; plain crops (the cache path) with AugMix on the device,
+# random erasing, layer-wise lr decay and drop path
 FINETUNE = ["--recipe", "finetune", "--augment", "standard", "--train-subset", "512", "--batch-size", "16",
             "--global-batch-size", "32", "--epochs", "2", "--checkpoint-every-steps", "8", "--deterministic",
             "--tracker", "none", "--log-every", "1", "--no-channels-last", "--layer-decay", "0.75", "--random-erase",
-            "0.25", "--drop-path", "0.1"]
+            "0.25", "--drop-path", "0.1", "--auto-augment", "augmix"]
 
 
 def write_vit(folder: Path, image_size: int = 32) -> Path:
