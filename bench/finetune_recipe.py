@@ -2,8 +2,9 @@
 from CIFAR-10 with no download: timm's test_resnet trained here (plain PyTorch) on the 8 classes that are not ship or
 truck, saved by timm's save_for_hf, then fine-tuned by train_cifar.py with --recipe finetune on ship vs truck (2 gloo
 ranks, --train-subset images, 2 epochs, plain crops), for each --backbone-lr-factor given, against the same
-architecture from scratch (timm:test_resnet, same flags); over several seeds. Each of --layer-decays, --drop-paths
-and --random-erases adds fine-tuned runs at factor 1 with that flag at each value given; --no-exemptions, one with
+architecture from scratch (timm:test_resnet, same flags); over several seeds. Each of --layer-decays, --drop-paths,
+--random-erases and --auto-augments adds fine-tuned runs at factor 1 with that flag at each value given;
+--no-exemptions, one with
 --no-decay-exemptions (every tensor decayed). Prints each run and the mean +/- std top-1 on the 2,000 ship and truck
 test images.
 tests/test_pretrained.py builds its task with the functions here.
@@ -11,6 +12,8 @@ tests/test_pretrained.py builds its task with the functions here.
     python bench/finetune_recipe.py --data-dir ../shared/data/cifar10 --seeds 3     # about 3 minutes on 2 cores
     python bench/finetune_recipe.py --data-dir ../shared/data/cifar10 --seeds 3 --factors 1 --layer-decays 0.75 0.5 \
         --drop-paths 0.1 --random-erases 0.25 --no-exemptions
+    python bench/finetune_recipe.py --data-dir ../shared/data/cifar10 --seeds 3 --factors 1 \
+        --auto-augments ta_wide augmix
 """
 
 from __future__ import annotations
@@ -117,6 +120,7 @@ def main() -> None:
     parser.add_argument("--layer-decays", type=float, nargs="*", default=[])
     parser.add_argument("--drop-paths", type=float, nargs="*", default=[])
     parser.add_argument("--random-erases", type=float, nargs="*", default=[])
+    parser.add_argument("--auto-augments", nargs="*", default=[], choices=["ta_wide", "ra", "augmix"])
     parser.add_argument("--no-exemptions", action="store_true", help="add a run with --no-decay-exemptions")
     args = parser.parse_args()
     header("fine-tuning a timm model (8 CIFAR-10 classes) on ship vs truck, against the same net from scratch")
@@ -126,7 +130,8 @@ def main() -> None:
         write_ship_truck(Path(args.data_dir), root / "two")
         timm8 = str(root / "timm8")
         arms = [(flag, str(v)) for flag, values in (("--layer-decay", args.layer_decays), ("--drop-path",
-                args.drop_paths), ("--random-erase", args.random_erases)) for v in values]
+                args.drop_paths), ("--random-erase", args.random_erases), ("--auto-augment", args.auto_augments))
+                for v in values]
         settings = ([(timm8, f, ()) for f in args.factors] + [(timm8, 1.0, arm) for arm in arms]
                     + [(timm8, 1.0, ("--no-decay-exemptions",))] * args.no_exemptions + [("timm:test_resnet", 1.0, ())])
         results = {s: [run(*s, seed, args, root) for seed in range(args.seeds)] for s in settings}

@@ -3,6 +3,7 @@
              record of them (`Draws`); a leaf
   pixels     all pixel work: opening an encoded image, its views (the cache's resize; the crop recipe for natural
              images, --augment resized-crop, and its evaluation view)
+  policies   --auto-augment: TrivialAugment / RandAugment / AugMix drawn per image and applied by batch
   images     `Images`, the protocol every kind of a split's images implements for the loaders (its `read`: a batch of
              indices into uint8 pixels), the one loader dataset over any kind (`LoaderDataset`), the training order
              (`EpochSampler`), and the kind in memory (`TensorImages`: the cache's images, a copy's arrays)

@@ -240,7 +240,6 @@ def apply_policy(images: torch.Tensor, draws: PolicyDraws) -> torch.Tensor:
     truncated to uint8 as torchvision's), channels-last."""
     chains = len(draws.order) // draws.depth
     mixed = None if draws.weights is None else images.float() * draws.weights[:, 0].view(-1, 1, 1, 1)
-    out = images
     for chain in range(chains):
         out = images
         for layer in range(chain * draws.depth, (chain + 1) * draws.depth):
