@@ -76,7 +76,10 @@ def draw_ops(seed: int, epoch: int, indices, policy: Policy, size: int):
     in the first --augmix-severity of 10, the image's weight m ~ Beta(1, 1) and the chains' Dirichlet(1, 1, 1) x
     (1 - m). A signed op's magnitude is negated with chance 1/2."""
     table = space(policy.name, size)
-    names = list(table)
+    bins = 10 if policy.name == "augmix" else 31
+    ids = np.array([OPS.index(name) for name in table])  # the policy's ops, as indices into OPS
+    values = np.stack([np.zeros(bins) if v is None else v for v, _ in table.values()])  # (ops, bins)
+    signed = np.array([s for _, s in table.values()])
     n = len(indices)
     h = np.asarray(indices).astype(np.uint64) ^ key_stream(seed, epoch, AUTO_AUGMENT)
 
@@ -101,17 +104,13 @@ def draw_ops(seed: int, epoch: int, indices, policy: Policy, size: int):
     for chain in range(chains):
         length = pick(3) + 1 if policy.name == "augmix" else np.full(n, depth)
         for layer in range(depth):
-            op = pick(len(names))
+            op = pick(len(ids))
             b = pick(31) if policy.name == "ta_wide" else (
                 pick(policy.augmix_severity) if policy.name == "augmix" else np.full(n, policy.ra_magnitude))
-            negate = draw() < 0.5
-            row = chain * depth + layer
-            for k, name in enumerate(names):
-                values, signed = table[name]
-                chosen = (op == k) & (layer < length)
-                ops[row, chosen] = OPS.index(name)
-                if values is not None:
-                    magnitudes[row, chosen] = (values[b] * np.where(signed & negate, -1.0, 1.0))[chosen]
+            negate = signed[op] & (draw() < 0.5)
+            used = layer < length  # AugMix's chains past their depth: Identity
+            ops[chain * depth + layer] = np.where(used, ids[op], 0)
+            magnitudes[chain * depth + layer] = np.where(used, values[op, b] * np.where(negate, -1.0, 1.0), 0.0)
     return ops, magnitudes, weights, depth
 
 
@@ -133,27 +132,22 @@ def op_params(op: np.ndarray, magnitude: np.ndarray, size: int) -> np.ndarray:
     colour ops, posterize's bit mask, solarize's threshold (255 x magnitude)."""
     n, m = len(op), magnitude
     params = np.zeros((n, 6))
-    zero, corner, centre = np.zeros(n), (np.full(n, -size * 0.5),) * 2, (np.zeros(n),) * 2
+    is_op = {name: op == OPS.index(name) for name in OPS}
+    corner = np.where(is_op["ShearX"] | is_op["ShearY"], -size * 0.5, 0.0)
     shear = np.degrees(np.arctan(m))
-    angle = m % 360  # rotate_image's: the angle in [0, 360)
-    geometric = {"ShearX": (corner, zero, (zero, zero), (shear, zero)),
-                 "ShearY": (corner, zero, (zero, zero), (zero, shear)),
-                 "TranslateX": (centre, zero, (np.trunc(m), zero), (zero, zero)),
-                 "TranslateY": (centre, zero, (zero, np.trunc(m)), (zero, zero)),
-                 "Rotate": (centre, -angle, (zero, zero), (zero, zero))}
-    for name, args in geometric.items():
-        chosen = op == OPS.index(name)
-        params[chosen] = inverse_affine(*args)[chosen]
+    geometric = np.isin(op, [OPS.index(name) for name in GEOMETRIC])
+    params[geometric] = inverse_affine(
+        (corner, corner),
+        np.where(is_op["Rotate"], -(m % 360), 0.0),  # rotate_image's angle in [0, 360), negated as there
+        (np.where(is_op["TranslateX"], np.trunc(m), 0.0), np.where(is_op["TranslateY"], np.trunc(m), 0.0)),
+        (np.where(is_op["ShearX"], shear, 0.0), np.where(is_op["ShearY"], shear, 0.0)))[geometric]
     factor = 1.0 + m
-    for name in ("Brightness", "Color", "Contrast", "Sharpness"):
-        chosen = op == OPS.index(name)
-        params[chosen, 0], params[chosen, 1] = factor[chosen], (1.0 - factor)[chosen]
+    colour = is_op["Brightness"] | is_op["Color"] | is_op["Contrast"] | is_op["Sharpness"]
+    params[colour, 0], params[colour, 1] = factor[colour], (1.0 - factor)[colour]
     bits = m.astype(np.int64).clip(0, 8)
     mask = np.where(bits >= 8, 255, ((1 << bits) - 1) << (8 - bits))
-    chosen = op == OPS.index("Posterize")
-    params[chosen, 0] = mask[chosen]
-    chosen = op == OPS.index("Solarize")
-    params[chosen, 0] = 255 * m[chosen]
+    params[is_op["Posterize"], 0] = mask[is_op["Posterize"]]
+    params[is_op["Solarize"], 0] = 255 * m[is_op["Solarize"]]
     return params
 
 
