@@ -124,7 +124,7 @@ def _compare(many: Run, one: Run) -> tuple[dict, dict]:
 
 def test_two_ranks_match_one_rank_weights(ddp_jobs):
     """In fp32 with `--deterministic`, 2 ranks x micro-batch 32 and 1 process x 32 x 2 accumulation steps (global
-    batch 64, mixup, cutmix, erasing on) end with bitwise-equal trainable parameters."""
+    batch 64, mixup, cutmix, erasing, RandAugment) end with bitwise-equal trainable parameters."""
     pa, pb = _compare(ddp_jobs["two_ranks"], ddp_jobs["one_rank_accum2"])
     unequal = [n for n in pa if not torch.equal(pa[n], pb[n])]
     assert not unequal, f"{len(unequal)} parameters differ, e.g. {unequal[:3]}"
