@@ -7,7 +7,7 @@ batch at once, each op once per batch on the images that drew it: on the device 
 cropped there, in the loader's workers for crops cut as they are decoded (--augment resized-crop).
 Written by hand because torchvision's classes draw from the global RNG and apply one op, at one magnitude, to a whole
 batch. Each op gives torchvision.transforms.v2.functional's result for each image at its own magnitude (within 1 level
-of 255, tests/test_policies.py); AutoContrast and Equalize are torchvision's own, which work per image already."""
+of 255, tests/test_policies.py); Equalize is torchvision's own, which works per image already."""
 
 from __future__ import annotations
 
@@ -172,13 +172,15 @@ def policy_draws(seed: int, epoch: int, indices, policy: Policy, size: int) -> P
 
 def affine(images: torch.Tensor, theta: torch.Tensor, mode: str) -> torch.Tensor:
     """torchvision's tensor affine (its _affine_grid and _apply_grid_transform, no fill: zeros), one matrix per
-    image."""
+    image. Every constant made on the device or as a Python number: no copy from the host, so no sync."""
     m, _, h, w = images.shape
-    xs = torch.linspace((1.0 - w) * 0.5, (w - 1.0) * 0.5, steps=w, device=images.device)
-    ys = torch.linspace((1.0 - h) * 0.5, (h - 1.0) * 0.5, steps=h, device=images.device)
-    base = torch.stack([xs.expand(h, w), ys.unsqueeze(1).expand(h, w), torch.ones(h, w, device=images.device)], -1)
-    scale = torch.tensor([0.5 * w, 0.5 * h], device=images.device)
-    grid = base.view(1, h * w, 3).matmul(theta.view(m, 2, 3).transpose(1, 2) / scale).view(m, h, w, 2)
+    dev = images.device
+    xs = torch.linspace((1.0 - w) * 0.5, (w - 1.0) * 0.5, steps=w, device=dev)
+    ys = torch.linspace((1.0 - h) * 0.5, (h - 1.0) * 0.5, steps=h, device=dev)
+    base = torch.stack([xs.expand(h, w), ys.unsqueeze(1).expand(h, w), torch.ones(h, w, device=dev)], -1)
+    columns = theta.view(m, 2, 3).transpose(1, 2)
+    rescaled = torch.stack([columns[..., 0] / (0.5 * w), columns[..., 1] / (0.5 * h)], -1)
+    grid = base.view(1, h * w, 3).matmul(rescaled).view(m, h, w, 2)
     out = F.grid_sample(images.float(), grid, mode=mode, padding_mode="zeros", align_corners=False)
     return out.round_().to(torch.uint8)
 
@@ -196,13 +198,23 @@ def gray(images: torch.Tensor) -> torch.Tensor:
 
 def sharpen(images: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     """torchvision's adjust_sharpness per image: the interior blended with its 3 x 3 smoothing (rounded)."""
-    a, b = 1.0 / 13.0, 5.0 / 13.0
-    kernel = torch.tensor([[a, a, a], [a, b, a], [a, a, a]], device=images.device).expand(3, 1, 3, 3)
+    kernel = torch.full((3, 1, 3, 3), 1.0 / 13.0, device=images.device)
+    kernel[:, :, 1, 1] = 5.0 / 13.0
     out = images.float()
     blurred = F.conv2d(out, kernel, groups=3).round_()
     interior = out[..., 1:-1, 1:-1]
     interior.add_(blurred.sub_(interior).mul_(params[:, 1].view(-1, 1, 1, 1)))
     return out.clamp_(0, 255).to(torch.uint8)
+
+
+def autocontrast(images: torch.Tensor) -> torch.Tensor:
+    """torchvision's autocontrast (each channel of each image stretched to 0-255), with torch.where where it assigns
+    through a boolean mask (a host sync on a GPU)."""
+    x = images.float()
+    low, high = x.amin(dim=(-2, -1), keepdim=True), x.amax(dim=(-2, -1), keepdim=True)
+    flat = high == low
+    inv_scale = torch.where(flat, 1.0, (high - low).mul_(1.0 / 255))
+    return x.sub_(torch.where(flat, 0.0, low)).div_(inv_scale).clamp_(0, 255).to(torch.uint8)
 
 
 def run_op(name: str, images: torch.Tensor, params: torch.Tensor, mode: str) -> torch.Tensor:
@@ -223,7 +235,7 @@ def run_op(name: str, images: torch.Tensor, params: torch.Tensor, mode: str) -> 
     if name == "Solarize":
         return torch.where(images >= params[:, 0].view(-1, 1, 1, 1), 255 - images, images)
     if name == "AutoContrast":
-        return TF.autocontrast(images)
+        return autocontrast(images)
     if name == "Equalize":
         return TF.equalize(images)
     return images  # Identity
