@@ -123,10 +123,11 @@ def load_summary(folder: Path) -> Run:
         summary = json.loads((folder / "summary.json").read_text())
     except (OSError, ValueError) as e:
         raise UserError(f"cannot read {folder / 'summary.json'} ({type(e).__name__}: {e}).") from None
-    # as in the tracker's config (utils.tracking.run_facts), the model and optimizer the script built stand where the
-    # --model and --optimizer flags are: a run read from W&B and one read from here compare alike
-    config = summary.get("config", {})
-    config = {**config, **{key: summary[key] for key in ("model", "optimizer") if key in summary}}
+    # as in the tracker's config (utils.tracking.run_facts): the run's facts beside its flags, the model and optimizer
+    # the script built standing where the --model and --optimizer flags are, so a run read from W&B and one read
+    # from here compare alike
+    facts = {*LAUNCH_FACTS, *DERIVED_KEYS, "versions", "git_commit", "command"}
+    config = {**summary.get("config", {}), **{key: summary[key] for key in facts if key in summary}}
     return Run(name=config.get("run_name") or folder.name, id=folder.name, group=config.get("group"), config=config,
                summary=summary)
 

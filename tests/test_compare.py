@@ -227,16 +227,22 @@ def test_each_chart_names_its_metric_and_draws_every_run_under_a_legend_naming_i
 
 def test_a_summary_only_run_gives_the_model_and_optimizer_it_built_as_a_wandb_run_does(tmp_path):
     """A --tracker none run's config, read from summary.json, holds the model and optimizer records where its flags
-    were, as the tracker's config (a W&B run's) does; its other flags stay."""
+    were and the run's facts (world size, precision, versions), as the tracker's config (a W&B run's) does; its other
+    flags stay."""
     import compare_runs
 
     model = {"name": "resnet8", "class": "ResNet8", "parameters": 78042}
     optimizer = {"class": "SGD", "groups": [{"name": "all", "tensors": 9, "parameters": 77000, "lr": 0.1,
                                              "weight_decay": 5e-4}]}
     [folder] = write_summary_runs(tmp_path, {"run": ("g", {"model": "resnet8", "optimizer": "sgd", "lr": 0.1},
-                                                     {**summary(50.0, 49.0), "model": model, "optimizer": optimizer})})
+                                                     {**summary(50.0, 49.0), "model": model, "optimizer": optimizer,
+                                                      "world_size": 2, "mixed_precision": "no",
+                                                      "versions": {"torch": "2.14.1"}})})
     run = compare_runs.load_summary(folder)
     assert (run.config["model"], run.config["optimizer"], run.config["lr"]) == (model, optimizer, 0.1)
+    assert (run.config["world_size"], run.config["mixed_precision"], run.config["versions"]) == (
+        2, "no", {"torch": "2.14.1"})
+    assert "eval_top1" not in run.config
 
 
 def test_the_group_table_names_each_groups_model_whole():
