@@ -206,7 +206,7 @@ def test_image_size_outside_8_to_512(tmp_path, small_data, size):
                                                           "--augment standard or resized-crop."),
     (["--auto-augment", "ra", "--ra-magnitude", "31"], "--ra-magnitude is a bin of RandAugment's 31, 0-30 (got 31)."),
     (["--auto-augment", "augmix", "--augmix-severity", "0"], "--augmix-severity is 1-10, AugMix's (got 0)."),
-    (["--ra-ops", "-1"], "--ra-ops must not be negative (got -1)."),
+    (["--ra-ops", "0"], "--ra-ops must be positive (got 0)."),
     (["--decode", "stream", "--val-fraction", "0.2"], "--decode stream evaluates on the source's own test or "
                                                       "validation shards; --val-fraction holds rows out of a table, "
                                                       "not of a stream."),

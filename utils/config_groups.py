@@ -88,7 +88,7 @@ class DataConfig(Group):
     auto_augment: str = opt("none", "a per-image augmentation policy, torchvision's: ta_wide (TrivialAugmentWide), ra "
                             "(RandAugment), augmix (AugMix), on each training image after its crop and flip, drawn per "
                             "image as the crops", ("none", "ta_wide", "ra", "augmix"))
-    ra_ops: int = opt(2, "--auto-augment ra: ops per image")
+    ra_ops: int = opt(2, "--auto-augment ra: ops per image, at least 1")
     ra_magnitude: int = opt(9, "--auto-augment ra: the ops' magnitude bin, 0-30")
     augmix_severity: int = opt(3, "--auto-augment augmix: magnitudes from the first N of 10 bins, 1-10")
     data_on_device: bool = opt(False, "keep both splits on the GPU (uint8, CIFAR-10: 176 MiB, in every process): no "
@@ -96,8 +96,8 @@ class DataConfig(Group):
 
     def validate(self) -> None:
         check_ranges(self, positive=["train_subset", "eval_subset", "mix_prob", "decode_workers", "data_workers",
-                                     "shuffle_buffer", "shuffle_block"],
-                     non_negative=["mixup", "cutmix", "read_ahead", "random_erase", "ra_ops"])
+                                     "shuffle_buffer", "shuffle_block", "ra_ops"],
+                     non_negative=["mixup", "cutmix", "read_ahead", "random_erase"])
         if self.mix_prob > 1:
             raise UserError(f"--mix-prob is a share of the images, at most 1 (got {self.mix_prob:g}).")
         if self.random_erase > 1:

@@ -105,7 +105,7 @@ def draw_ops(seed: int, epoch: int, indices, policy: Policy, size: int):
         length = pick(3) + 1 if policy.name == "augmix" else np.full(n, depth)
         for layer in range(depth):
             op = pick(len(ids))
-            b = pick(31) if policy.name == "ta_wide" else (
+            b = pick(bins) if policy.name == "ta_wide" else (
                 pick(policy.augmix_severity) if policy.name == "augmix" else np.full(n, policy.ra_magnitude))
             negate = signed[op] & (draw() < 0.5)
             used = layer < length  # AugMix's chains past their depth: Identity
