@@ -24,6 +24,7 @@ OPS = ("Identity", "ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate", "Br
        "Sharpness", "Posterize", "Solarize", "AutoContrast", "Equalize")
 GEOMETRIC = OPS[1:6]
 AUGMIX_WIDTH, AUGMIX_DEPTH = 3, 3  # torchvision's AugMix: 3 chains of 1-3 ops (chain_depth -1), alpha 1
+BINS = {"ta_wide": 31, "ra": 31, "augmix": 10}  # each policy's magnitude bins, torchvision's
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ def space(name: str, size: int) -> dict[str, tuple[np.ndarray | None, bool]]:
     """torchvision's augmentation space of a policy on S x S images: op -> (the magnitude of each bin, or None for an
     op without one; whether its sign is drawn). The bins from torch.linspace, as torchvision's, so the values are its
     float32 values."""
-    bins = 10 if name == "augmix" else 31
+    bins = BINS[name]
     shear, translate, rotate, color, bits, span = {
         "ta_wide": (0.99, 32.0, 135.0, 0.99, 8, 6),
         "ra": (0.3, 150.0 / 331.0 * size, 30.0, 0.9, 8, 4),
@@ -75,8 +76,7 @@ def draw_ops(seed: int, epoch: int, indices, policy: Policy, size: int):
     at bin --ra-magnitude; AugMix: 3 chains of depth uniform in 1-3, each op uniform over its 13 and its bin uniform
     in the first --augmix-severity of 10, the image's weight m ~ Beta(1, 1) and the chains' Dirichlet(1, 1, 1) x
     (1 - m). A signed op's magnitude is negated with chance 1/2."""
-    table = space(policy.name, size)
-    bins = 10 if policy.name == "augmix" else 31
+    table, bins = space(policy.name, size), BINS[policy.name]
     ids = np.array([OPS.index(name) for name in table])  # the policy's ops, as indices into OPS
     values = np.stack([np.zeros(bins) if v is None else v for v, _ in table.values()])  # (ops, bins)
     signed = np.array([s for _, s in table.values()])
