@@ -100,6 +100,20 @@ def write_parquet(path: Path, n: int, seed: int = 0, size=(32, 32), mode: str = 
     return path
 
 
+def encoded_rows(images: list, split: str = "train"):
+    """utils.data.sources.Rows over encoded images (bytes or file paths) in a datasets table, labelled 0 .. n-1, as
+    a parquet file's or an image folder's rows are read."""
+    import datasets
+
+    from utils.data.sources import read_rows
+
+    cells = [{"bytes": im, "path": None} if isinstance(im, bytes) else {"bytes": None, "path": str(im)}
+             for im in images]
+    features = datasets.Features({"image": datasets.Image(decode=False), "label": datasets.Value("int64")})
+    return read_rows(datasets.Dataset.from_dict({"image": cells, "label": list(range(len(images)))}, features=features),
+                     split, (None, None))
+
+
 def write_image_folder(root: Path, classes, size=(32, 32), mode: str = "RGB") -> Path:
     """An image folder (train/<class>/0.png, test/<class>/0.png) with one plain image per class and split."""
     for split in ("train", "test"):

@@ -9,11 +9,11 @@ import math
 
 import numpy as np
 import pytest
-import torch
 from conftest import (
     CPU_YAML,
     PROBE,
     assert_same_parameters,
+    encoded_rows,
     kill_job,
     oriented_exif,
     read_summary,
@@ -28,7 +28,6 @@ from PIL import Image, ImageOps
 from utils import UserError
 from utils.data.encoded import EncodedImages
 from utils.data.pixels import CropRecipe, decoded, eval_view, resized_crop_draws, square_pixels, train_view
-from utils.data.sources import Rows
 
 # EXIF orientation -> how to store an upright image so that the tag shows it upright again (the inverse of the
 # transpose ImageOps.exif_transpose applies; the fixture checks it with exif_transpose itself)
@@ -114,7 +113,7 @@ def stored(upright: Image.Image, tag: int, fmt: str) -> bytes:
 def views(data: bytes, reduce: bool) -> tuple[np.ndarray, np.ndarray]:
     """The training crop (sample 0, keyed by seed 3, epoch 1) and the evaluation view at 48 px of an image file, read
     as a --decode workers batch reads it (EncodedImages.read: the crop box drawn from the photo's shown size)."""
-    rows = Rows([data], torch.zeros(1, dtype=torch.int64), None, "train")
+    rows = encoded_rows([data])
     images, first = EncodedImages(rows, 48, CropRecipe(scale=(0.25, 1.0)), 0, reduce), np.zeros(1, dtype=np.int64)
     return images.read(first, (3, 1))[0][0].numpy(), images.read(first, None)[0][0].numpy()
 
@@ -149,7 +148,7 @@ def test_a_truncated_camera_jpeg_is_one_line_naming_its_row_decoded_reduced_or_f
     data = jpeg(photo(4000, 3000))[: 1 << 19]
     lines = []
     for reduce in (True, False):
-        rows = Rows([data], torch.zeros(1, dtype=torch.int64), None, "train")
+        rows = encoded_rows([data])
         with pytest.raises(UserError) as error:
             EncodedImages(rows, 224, CropRecipe(), 0, reduce).read(np.arange(1), None)
         lines.append(str(error.value))

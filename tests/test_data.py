@@ -522,7 +522,7 @@ def decoded(ds, split: str, columns=(None, None)):
     columns, each image decoded here by PIL (the expected pixels: not through utils/data's decode)."""
     rows = sources.read_rows(ds, split, columns)
     pixels = [np.asarray(Image.open(io.BytesIO(s) if isinstance(s, bytes) else s).convert("RGB"))
-              for s in rows.sources]
+              for s in rows.fetch(range(len(rows)))]
     return torch.from_numpy(np.stack(pixels)).permute(0, 3, 1, 2), rows.labels, rows.names
 
 

@@ -11,6 +11,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+from conftest import encoded_rows
 from PIL import Image
 from torchvision.transforms import v2
 
@@ -19,7 +20,6 @@ from utils.data.encoded import EncodedImages
 from utils.data.images import LoaderDataset, TensorImages
 from utils.data.pixels import CropRecipe
 from utils.data.policies import OPS, Policy, apply_policy, draw_ops, op_params, policy_draws, run_op
-from utils.data.sources import Rows
 from utils.data.transform import BatchTransform
 
 TORCHVISION = {"ta_wide": v2.TrivialAugmentWide, "ra": v2.RandAugment, "augmix": v2.AugMix}
@@ -178,7 +178,7 @@ def test_crops_cut_in_the_loaders_workers_get_their_policy_there_and_cached_imag
         Image.fromarray(rng.integers(0, 256, (60 + k, 90, 3), dtype=np.uint8)).save(buffer, format="PNG")
         files.append(buffer.getvalue())
     labels, indices = torch.arange(8), list(range(8))
-    encoded = EncodedImages(Rows(files, labels, None, "train"), size, CropRecipe(), 0)
+    encoded = EncodedImages(encoded_rows(files), size, CropRecipe(), 0)
     plain = LoaderDataset(encoded, labels, 3, True, 4, None).__getitems__(indices)
     augmented = LoaderDataset(encoded, labels, 3, True, 4, None, policy=policy).__getitems__(indices)
     assert augmented[2].policy is None and augmented[2].flip_crop is None

@@ -446,7 +446,7 @@ def test_decode_auto_streams_a_url_and_a_folder_of_tar_shards(stream_shards, cap
               "parquet": str(stream_shards["parquet"])}[data]
     cfg = SimpleNamespace(decode="auto", data_dir=folder, augment="standard", image_size=None, cache_dir=str(tmp_path),
                           val_fraction=None, image_column=None, label_column=None)
-    assert choose_decode(cfg, None) == ("stream" if why else "cache")
+    assert choose_decode(cfg, None)[0] == ("stream" if why else "cache")
     out = capsys.readouterr().out
     if why:
         assert out == f"streaming the shards, each batch decoded in the loader's workers (--decode auto: {why})\n"
@@ -462,7 +462,7 @@ def test_decode_auto_weighs_the_images_own_size_when_no_image_size_is_given(stre
         cfg = SimpleNamespace(decode="auto", data_dir=str(stream_shards["parquet"]), augment="standard",
                               image_size=None, cache_dir=str(disk), val_fraction=None, image_column=None,
                               label_column=None)
-        assert choose_decode(cfg, None) == "workers"
+        assert choose_decode(cfg, None)[0] == "workers"
         assert capsys.readouterr().out == (
             f"decoding each batch in the loader's workers (--decode auto: the decoded images take 6.3 MiB at 96 x 96 "
             f"px, {disk} has 1.0 MiB free)\n")

@@ -13,15 +13,15 @@ from utils.data.decode import default_cache_dir, load_source
 from utils.data.encoded import EncodedImages
 from utils.data.images import SPLITS, TensorImages, worker_share
 from utils.data.pixels import CropRecipe, crop_recipe
-from utils.data.sources import fingerprint, first_size, locate, split_rows
+from utils.data.sources import Source, fingerprint, first_size, locate
 from utils.data.stream import StreamSettings, holds_tar_shards_only, open_stream
-from utils.launch import main_print
+from utils.launch import first_on_each_machine, main_print
 
 
 def load_encoded(data_dir: str | None, dataset: str | None = None, image_size: int | None = None,
                  columns: tuple[str | None, str | None] = (None, None), val_fraction: float | None = None,
                  recipe: CropRecipe | None = None, workers: int | None = None, stream: StreamSettings | None = None,
-                 reduce: bool = True) -> dict:
+                 reduce: bool = True, source: Source | None = None) -> dict:
     """The built-in sources (as utils.data.decode.load_source gives them), with EncodedImages in place of the image
     tensors: nothing is decoded here (the per-channel mean and std, when the normalisation needs the data's, come
     from the first training images: EncodedImages.channel_stats).
@@ -29,12 +29,13 @@ def load_encoded(data_dir: str | None, dataset: str | None = None, image_size: i
     workers: the DataLoader's decoding worker processes (per process); None: this process's share of the cores.
     stream: read the shards of data_dir (a folder or a URL; --dataset: the Hub's) as a stream (utils/data/stream.py)
     with these settings, instead of through datasets' table (whose index every process reads; no cache file is
-    written). reduce: JPEGs decoded at the scale each view needs (False: --full-decode)."""
+    written). reduce: JPEGs decoded at the scale each view needs (False: --full-decode). source: located already
+    (load_builtin's; None: located here)."""
     if stream:
         rows, classes, description = open_stream(data_dir or f"hf://datasets/{dataset}", columns, stream)
     else:
-        source = locate(data_dir, dataset, val_fraction)
-        rows, classes = split_rows(source, columns, encoded=True)
+        source = source or locate(data_dir, dataset, val_fraction)
+        rows, classes = source.rows(columns)
         source.announce_held_out(main_print, len(rows["train"]), len(rows["test"]))
         key = fingerprint(source.paths, {"columns": list(columns), "val_fraction": source.fraction})
         description = {**source.describe(key), "decode": "workers"}
@@ -52,10 +53,10 @@ def load_builtin(cfg) -> dict:
     (utils/data/stream.py)."""
     dataset = cfg.dataset or (None if cfg.data_dir else "uoft-cs/cifar10")
     columns = (cfg.image_column, cfg.label_column)
-    decode = choose_decode(cfg, dataset)  # printed, with why
+    decode, source = choose_decode(cfg, dataset)  # printed, with why; the source located (and read) once
     if decode == "cache":  # the cache's mean and std are the data's: kept with its images (the rule: checked_data)
         data = load_source(cfg.data_dir, dataset, cfg.image_size, columns, cfg.val_fraction, cfg.cache_dir,
-                           cfg.decode_workers, not cfg.full_decode)
+                           cfg.decode_workers, not cfg.full_decode, source)
         stats = data.pop("mean"), data.pop("std")
         return data | {s: (TensorImages(data[s][0], stats), data[s][1]) for s in SPLITS}
     recipe = crop_recipe(cfg)
@@ -65,29 +66,31 @@ def load_builtin(cfg) -> dict:
         stream = StreamSettings(cfg.shuffle_buffer, cfg.shuffle_block, cfg.read_ahead,
                                 Path(cfg.cache_dir or default_cache_dir(local)) / "stream-index")
     return load_encoded(cfg.data_dir, dataset, cfg.image_size, columns, cfg.val_fraction, recipe, cfg.data_workers,
-                        stream, not cfg.full_decode)
+                        stream, not cfg.full_decode, source)
 
 
-def choose_decode(cfg, dataset: str | None) -> str:
-    """The path --decode takes, said on the main process with why: 'cache', 'workers' or 'stream'. auto: stream for a
+def choose_decode(cfg, dataset: str | None) -> tuple[str, Source | None]:
+    """The path --decode takes, said on the main process with why, 'cache', 'workers' or 'stream', and the source
+    --data-dir or `dataset` names, located (on each machine's first process first: the Hub's is downloaded once), and
+    for --decode auto's size read: None for a stream (its shards are listed as they are read). auto: stream for a
     --data-dir URL or a folder of tar shards; workers for --augment resized-crop (its crops need whole images), or when
     the decoded images (N x 3 x S x S bytes; S: --image-size, else the first training image's own size) would not
     fit in the cache folder's free space; else the cache. cfg: the data group of a script's Config (contradicting
     flags are refused when they are parsed)."""
-    if cfg.decode != "auto":
-        choice, why = cfg.decode, f"--decode {cfg.decode}"
-    elif is_url(cfg.data_dir):
+    choice, why = (cfg.decode, f"--decode {cfg.decode}") if cfg.decode != "auto" else (None, "--decode auto")
+    if choice is None and is_url(cfg.data_dir):
         choice, why = "stream", "--decode auto: --data-dir is a URL"
-    elif cfg.data_dir and holds_tar_shards_only(Path(cfg.data_dir)):
+    elif choice is None and cfg.data_dir and holds_tar_shards_only(Path(cfg.data_dir)):
         choice, why = "stream", "--decode auto: --data-dir holds tar shards"
-    elif cfg.augment == "resized-crop":
+    source = None if choice == "stream" else first_on_each_machine(lambda: locate(cfg.data_dir, dataset,
+                                                                                  cfg.val_fraction))
+    if choice is None and cfg.augment == "resized-crop":
         choice, why = "workers", "--decode auto: --augment resized-crop crops whole images"
-    else:
+    elif choice is None:
         folder = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir(cfg.data_dir)
         while not folder.exists():
             folder = folder.parent
-        source = locate(cfg.data_dir, dataset, cfg.val_fraction)
-        side = cfg.image_size or first_size(split_rows(source, (cfg.image_column, cfg.label_column), True)[0])[0]
+        side = cfg.image_size or first_size(source.rows((cfg.image_column, cfg.label_column))[0])[0]
         need, free = source.count() * 3 * side ** 2, shutil.disk_usage(folder).free
         choice = "workers" if need > free else "cache"
         why = (f"--decode auto: the decoded images take {need / 2**20:,.1f} MiB at {side} x {side} px, {folder} has "
@@ -95,4 +98,4 @@ def choose_decode(cfg, dataset: str | None) -> str:
     main_print({"workers": f"decoding each batch in the loader's workers ({why})",
                 "stream": f"streaming the shards, each batch decoded in the loader's workers ({why})",
                 "cache": f"decoding the images once into the cache ({why})"}[choice])
-    return choice
+    return choice, source

@@ -26,8 +26,8 @@ import torch
 
 from utils import UserError, first_line
 from utils.data.images import SPLITS, channel_stats
-from utils.data.pixels import open_image, row_pixels, square_pixels
-from utils.data.sources import Rows, fingerprint, first_size, locate, split_rows
+from utils.data.pixels import row_pixels, square_pixels
+from utils.data.sources import Rows, Source, fingerprint, first_size, locate
 from utils.launch import first_on_each_machine, main_print
 
 CACHE_FORMAT = 7  # bump when the cache file changes (4: class names, mean and std; 5: held-out splits; 6: mean and
@@ -43,18 +43,20 @@ def _decode_rows(rows: Rows, size: int, out: np.ndarray, start: int, stop: int, 
                  reduce: bool = True) -> None:
     """Decodes rows start..stop-1 into out[start:stop] ((N, S, S, 3) uint8: a memory map of the cache file), each
     resized to S x S (reduce: a JPEG decoded at the scale that needs); same_as (the first image's size and place, see
-    first_size): instead, each must be S x S."""
-    for i in range(start, stop):
-        im = open_image(rows.sources[i], rows.split, rows.where(i))
-        if im.size != (size, size) and same_as:
-            im.close()
-            raise UserError(f"the images do not share one square size ({same_as}, {im.size[0]}x{im.size[1]} (the "
-                            f"{rows.split} split's {rows.where(i)})); pass --image-size S to resize every image to "
-                            f"S x S.")
-        out[i] = row_pixels(rows, i, im, partial(square_pixels, size=size, reduce=reduce))
+    first_size): instead, each must be S x S. The encoded images are read from the table FETCH_ROWS at a time."""
+    for first in range(start, stop, FETCH_ROWS):
+        for i, source in enumerate(rows.fetch(range(first, min(first + FETCH_ROWS, stop))), first):
+            im = rows.open(source, i)
+            if im.size != (size, size) and same_as:
+                im.close()
+                raise UserError(f"the images do not share one square size ({same_as}, {im.size[0]}x{im.size[1]} "
+                                f"(the {rows.split} split's {rows.where(i)})); pass --image-size S to resize every "
+                                f"image to S x S.")
+            out[i] = row_pixels(rows, i, im, partial(square_pixels, size=size, reduce=reduce))
 
 
 DECODE_CHUNK = 512  # rows a decode worker takes at a time
+FETCH_ROWS = 64  # encoded images read from the table at once (camera-size JPEGs: about 250 MB)
 _JOB = None  # (rows, outputs, size, same_as, reduce) of the running parallel decode: forked workers inherit it
 
 
@@ -211,7 +213,8 @@ def _decode_into_cache(path: Path, rows: dict[str, Rows], size: int, same_as: st
 # ----------------------------------------------------------------------------------------------------
 def load_source(data_dir: str | None, dataset: str | None = None, image_size: int | None = None,
                 columns: tuple[str | None, str | None] = (None, None), val_fraction: float | None = None,
-                cache_dir: str | None = None, decode_workers: int | None = None, reduce: bool = True) -> dict:
+                cache_dir: str | None = None, decode_workers: int | None = None, reduce: bool = True,
+                source: Source | None = None) -> dict:
     """The built-in sources, as a template's load_data returns them: {'train': (images, labels), 'test': (images,
     labels)} on the CPU ('test': the evaluation split), with 'classes' (the class names, label k names classes[k]),
     'mean' and 'std' (per channel, of the training images, in [0, 1]) and 'dataset' (where it came from, the
@@ -224,7 +227,8 @@ def load_source(data_dir: str | None, dataset: str | None = None, image_size: in
     training images, held out (hold_out); None: the source's test (or validation) split, else VAL_FRACTION held out.
     cache_dir: where the decoded cache goes (default_cache_dir). decode_workers: processes that decode (the first
     run); None: one per core this process may run on. reduce: each JPEG decoded at the scale its resize to S x S
-    needs (utils/data/pixels.py's decoded); False: --full-decode.
+    needs (utils/data/pixels.py's decoded); False: --full-decode. source: data_dir's or dataset's, located already
+    (utils.data.builtin.load_builtin's; None: located here).
 
     The first process of each machine downloads (the Hub), decodes and writes the cache while the others wait, then
     they read it (first_on_each_machine: an input error found there stops every process with its line). Where the
@@ -235,17 +239,17 @@ def load_source(data_dir: str | None, dataset: str | None = None, image_size: in
     log = main_print
     if int(os.environ.get("LOCAL_RANK", "0")) > 0:
         workers = max(1, workers // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    return first_on_each_machine(lambda: _load(data_dir, dataset, cache_dir, log, settings, workers))
+    return first_on_each_machine(lambda: _load(source or locate(data_dir, dataset, val_fraction), data_dir, cache_dir,
+                                               log, settings, workers))
 
 
-def _load(data_dir, dataset: str, cache_dir, log, settings: dict, workers: int):
-    source = locate(data_dir, dataset, settings["val_fraction"])
+def _load(source: Source, data_dir, cache_dir, log, settings: dict, workers: int):
     key = fingerprint(source.paths, {**settings, "val_fraction": source.fraction}, CACHE_FORMAT)
     path = (Path(cache_dir) if cache_dir else default_cache_dir(data_dir)) / f"images-{key}.safetensors"
     data = _read_cache(path) if path.exists() else None
     if data is None:
         log(f"decoding the images once into uint8 tensors; cache: {path}")
-        rows, classes = split_rows(source, tuple(settings["columns"]))
+        rows, classes = source.rows(tuple(settings["columns"]))
         size, same_as = (settings["image_size"], None) if settings["image_size"] else first_size(rows)
         data = _decode_into_cache(path, rows, size, same_as, classes, workers, log, settings["reduce"])
     source.announce_held_out(log, len(data["train"][1]), len(data["test"][1]))

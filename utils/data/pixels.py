@@ -192,14 +192,16 @@ def region(im, box, out: tuple[int, int], interpolation: str, reduce: bool = Tru
     return part.resize(out, resample, box=(left - x0, top - y0, min(right, x1) - x0, min(bottom, y1) - y0))
 
 
-def open_image(source, split: str, where: str):
-    """The PIL image of a row (lazy: only its header is read until the pixels are asked for); one line if broken."""
+def open_image(source, rows, i: int):
+    """The PIL image of row i of `rows` (an encoded image `source`, bytes or a path), lazily: only its header is read
+    until the pixels are asked for; one line naming the row if it is broken."""
     from PIL import Image, UnidentifiedImageError
 
     try:
         return Image.open(io.BytesIO(source) if isinstance(source, bytes) else source)
     except (UnidentifiedImageError, OSError, TypeError) as e:
-        raise UserError(f"the {split} split has an undecodable image at {where} ({first_line(e)}).") from None
+        raise UserError(f"the {rows.split} split has an undecodable image at {rows.where(i)} ({first_line(e)}).") \
+            from None
 
 
 def row_pixels(rows, i: int, im, view) -> np.ndarray:

@@ -1,6 +1,6 @@
 """Image classification sources, read but not decoded: local parquet files, an image folder, or a Hub dataset, through
 `datasets`' own builders (`parquet`, `imagefolder`, `load_dataset`). `locate` finds what --data-dir / --dataset
-hold, `split_rows` reads each split's encoded images (parquet rows' bytes, or image files' paths), labels and class
+hold, `Source.rows` reads each split's encoded images (parquet rows' bytes, or image files' paths), labels and class
 names, in a fixed order: an image folder's rows shuffled once so that a prefix is class-balanced, and an evaluation
 part held out of train when the source has none (`hold_out`). Both data paths start here: utils/data/decode.py decodes
 every image once into a cache, utils/data/encoded.py decodes each as a batch asks for it.
@@ -47,6 +47,7 @@ class Source:
     paths: list
     source_eval: str | None
     fraction: float | None
+    read: tuple | None = None  # (columns, what rows() read with them)
 
     @property
     def eval_split(self) -> str:
@@ -73,6 +74,24 @@ class Source:
 
     def describe(self, fingerprint: str) -> dict:
         return {"source": self.name, "kind": self.kind, "fingerprint": fingerprint, "eval_split": self.eval_split}
+
+    def rows(self, columns: tuple[str | None, str | None]) -> tuple[dict[str, Rows], tuple[str, ...]]:
+        """{'train': rows, 'test': rows} of the source, read (not decoded) on the first call and kept for the next
+        (--decode auto's size, then the load): 'test' is its evaluation split, or the part of train held out; an
+        image folder's rows shuffled once with a fixed seed, so a prefix is class-balanced as in the Hub's files.
+        With the class names (shared_classes)."""
+        if self.read is None or self.read[0] != columns:
+            wanted = {"train": "train"} if self.fraction else {"train": "train", "test": self.source_eval}
+            dsd = self.hub if self.hub is not None else read_local(self.kind, {s: self.files[s] for s in
+                                                                              wanted.values()})
+            rows = {role: read_rows(dsd[s], s, columns) for role, s in wanted.items()}
+            if self.kind == "imagefolder":
+                rows = {role: r.take(_permutation(len(r))) for role, r in rows.items()}
+            if self.fraction:
+                rows = dict(zip(SPLITS, (rows["train"].take(part) for part in hold_out(len(rows["train"]),
+                                                                                      self.fraction))))
+            self.read = columns, (rows, shared_classes(rows, self.source_eval or "test"))
+        return self.read[1]
 
 
 def locate(data_dir: str | None, dataset: str | None, val_fraction: float | None) -> Source:
@@ -120,23 +139,6 @@ def fingerprint(paths: list[str | Path], settings: dict, version: int = 0) -> st
     change; cheap (no hashing of the contents)."""
     stats = [(str(Path(p).resolve()), os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in paths]
     return hashlib.sha256(json.dumps([version, stats, settings], sort_keys=True).encode()).hexdigest()[:16]
-
-
-def split_rows(source: Source, columns: tuple[str | None, str | None], encoded: bool = False
-               ) -> tuple[dict[str, Rows], tuple[str, ...]]:
-    """{'train': rows, 'test': rows} of the source, read (not decoded): 'test' is its evaluation split, or the part of
-    train held out; an image folder's rows shuffled once with a fixed seed, so a prefix is class-balanced as in the
-    Hub's files. `encoded`: the images stay in the datasets table (memory-mapped) and are read as a batch asks for
-    them (Rows.fetch), instead of one Python list of every image's bytes. With the class names (shared_classes)."""
-    wanted = {"train": "train"} if source.fraction else {"train": "train", "test": source.source_eval}
-    dsd = source.hub if source.hub is not None else read_local(source.kind, {s: source.files[s] for s in
-                                                                              wanted.values()})
-    rows = {role: read_rows(dsd[s], s, columns, encoded) for role, s in wanted.items()}
-    if source.kind == "imagefolder":
-        rows = {role: r.take(_permutation(len(r))) for role, r in rows.items()}
-    if source.fraction:
-        rows = dict(zip(SPLITS, (rows["train"].take(part) for part in hold_out(len(rows["train"]), source.fraction))))
-    return rows, shared_classes(rows, source.source_eval or "test")
 
 
 def find_source(data_dir: str | Path) -> tuple[str, dict[str, list[Path]]]:
@@ -270,7 +272,7 @@ class EncodedRows(abc.ABC):
 
     def open(self, source, i: int):
         """Row i's image as `fetch` gave it (`source`) opened as a PIL image, decoded lazily; one line if broken."""
-        return open_image(source, self.split, self.where(i))
+        return open_image(source, self, i)
 
     def sampler(self, dataset, train: bool, seed: int, step_images: int, layout: tuple[int, int, int]):
         """A training order of the rows' own (layout: processes, loader workers, micro-batch), or None: the
@@ -279,72 +281,43 @@ class EncodedRows(abc.ABC):
 
 
 class Rows(EncodedRows):
-    """A split's encoded images, labels and class names. `sources`: each row's image, a parquet row's bytes or an
-    image file's path: a list, or a TableImages that reads them from the datasets table when asked (`fetch`).
-    `numbers`: each row's number in the source split, for messages."""
+    """A split's rows in a datasets table (Arrow, memory-mapped from datasets' cache: nothing is read until a row is
+    asked for; worker processes get the table by reference, not a copy of its bytes): the table's rows `order` (its
+    shuffle or held-out part, chosen before anything is decoded), each an encoded image in `column` (a parquet row's
+    bytes or an image file's path), with their labels and the class names (or None)."""
 
-    def __init__(self, sources, labels: torch.Tensor, names: tuple[str, ...] | None, split: str,
-                 numbers: torch.Tensor | None = None):
-        self.sources, self.labels, self.names, self.split = sources, labels, names, split
-        self.numbers = numbers if numbers is not None else torch.arange(len(sources))
-
-    def __len__(self) -> int:
-        return len(self.sources)
-
-    def take(self, order: torch.Tensor) -> Rows:
-        """These rows in `order` (indices): shuffles and held-out parts are chosen before decoding, as orders."""
-        sources = (self.sources.take(order) if isinstance(self.sources, TableImages) else
-                   [self.sources[i] for i in order.tolist()])
-        return Rows(sources, self.labels[order], self.names, self.split, self.numbers[order])
-
-    def where(self, i: int) -> str:
-        """Where row i is, for messages: its file, or its row number in the source split."""
-        source = self.sources[i]
-        return f"row {int(self.numbers[i])}" if isinstance(source, bytes) else str(source)
-
-    def fetch(self, indices) -> list:
-        """The encoded images of rows `indices` (bytes or paths), in that order."""
-        if isinstance(self.sources, TableImages):
-            return self.sources.fetch(indices)
-        return [self.sources[i] for i in indices]
-
-
-class TableImages:
-    """Encoded images left in a datasets table (Arrow, memory-mapped from datasets' cache: nothing is read until a
-    row is asked for), in `order`. Worker processes get the table by reference, not a copy of its bytes."""
-
-    def __init__(self, ds, column: str, order: np.ndarray):
-        self.ds, self.column, self.order = ds, column, order
+    def __init__(self, ds, column: str, labels: torch.Tensor, names: tuple[str, ...] | None, split: str,
+                 order: np.ndarray | None = None):
+        self.ds, self.column, self.labels, self.names, self.split = ds, column, labels, names, split
+        self.order = np.arange(len(ds)) if order is None else order
 
     def __len__(self) -> int:
         return len(self.order)
 
-    def __getitem__(self, i: int):
-        return self.fetch([i])[0]
+    def take(self, order: torch.Tensor) -> Rows:
+        """These rows in `order` (indices)."""
+        return Rows(self.ds, self.column, self.labels[order], self.names, self.split, self.order[order.numpy()])
 
-    def take(self, order: torch.Tensor) -> TableImages:
-        return TableImages(self.ds, self.column, self.order[order.numpy()])
+    def where(self, i: int) -> str:
+        """Where row i is, for messages: its file, or its row number in the source split."""
+        source = self.fetch([i])[0]
+        return f"row {int(self.order[i])}" if isinstance(source, bytes) else str(source)
 
     def fetch(self, indices) -> list:
+        """The encoded images of rows `indices` (bytes or paths), in that order."""
         cells = self.ds[self.order[np.asarray(indices, dtype=np.int64)].tolist()][self.column]
         return [cell["bytes"] if cell["bytes"] is not None else cell["path"] for cell in cells]
 
 
-def read_rows(ds, split: str, columns: tuple[str | None, str | None], encoded: bool = False) -> Rows:
-    """A split's Rows: its image and label columns found and checked; `encoded`: the images left in the table."""
+def read_rows(ds, split: str, columns: tuple[str | None, str | None]) -> Rows:
+    """A split's Rows: its image and label columns found and checked, the images left encoded in the table (they are
+    decoded straight into the cache file or a batch, not one PIL object per row)."""
     from datasets import Image as ImageFeature
 
     image_col, label_col, names = image_and_label(ds.features, f"the {split} split", columns)
-    # Undecoded: the images are decoded straight into the cache file or a batch, not one PIL object per row. A
-    # parquet row holds the image's bytes; an image folder's row holds its path.
     ds = ds.cast_column(image_col, ImageFeature(decode=False))
     labels = torch.from_numpy(ds.with_format("arrow")[label_col].to_numpy(zero_copy_only=False).astype(np.int64))
-    if encoded:
-        return Rows(TableImages(ds, image_col, np.arange(len(ds))), labels, names, split)
-    column = ds.with_format("arrow")[image_col].combine_chunks()
-    sources = [blob if blob is not None else path for blob, path in
-               zip(column.field("bytes").to_pylist(), column.field("path").to_pylist())]
-    return Rows(sources, labels, names, split)
+    return Rows(ds, image_col, labels, names, split)
 
 
 def image_and_label(features, where: str, columns: tuple[str | None, str | None]):
@@ -398,7 +371,7 @@ def shared_classes(rows: dict[str, Rows], eval_name: str) -> tuple[str, ...]:
             why = (f"labels must be 0-{len(classes) - 1}" if names["train"] else
                    f"a label column without class names must hold the integers 0..C-1, and the training split has "
                    f"{len(classes)} distinct labels")
-            raise UserError(f"the {r.split} split has label {int(r.labels[bad[0]])} at row {int(r.numbers[bad[0]])} "
+            raise UserError(f"the {r.split} split has label {int(r.labels[bad[0]])} at {r.where(int(bad[0]))} "
                             f"({len(bad)} rows in all); {why}.")
     return classes
 

@@ -527,7 +527,7 @@ class StreamRows(EncodedRows):
         self.counts = np.array([s.rows for s in shards] if counts is None else counts, dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
         self.labels = torch.from_numpy(np.concatenate([s.labels[:c] for s, c in zip(shards, self.counts)]))
-        self.names, self.numbers = shards[0].names, torch.arange(len(self.labels))
+        self.names = shards[0].names
         self.pid = None  # the process its threads, open files and windows belong to (a forked worker has its own)
         identity = np.arange(len(self), dtype=np.int64)
         self.use_plan(Plan(identity, identity, np.append(identity[::settings.window], len(self)),
