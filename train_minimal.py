@@ -31,7 +31,7 @@ from accelerate.utils import ProjectConfiguration, set_seed
 from utils import UserError, process_count_problem
 from utils.cli import FlagParser, write_config_file
 from utils.data.decode import load_source
-from utils.data.images import crop_padding
+from utils.data.draws import crop_padding
 from utils.data.loaders import check_one_batch, make_loader, take_prefix
 from utils.data.transform import BatchTransform
 from utils.launch import run

@@ -3,8 +3,8 @@ second (the template's loader and on-device crop + flip + normalise), and the on
 over a Dataset's items (contract, labels) and the channel statistics.
 
 The Dataset is what torchvision.datasets.CIFAR10 gives without a transform: a PIL image and an int per item. Through
-the template it is read by batch in the loader's worker processes (utils/data/items.py; decoded as the built-in
-folders are, utils/data/encoded.py); the arrays are indexed one tensor index per batch in the main process. Each
+the template it is read by batch in the loader's worker processes (utils/data/sources.py; decoded as the built-in
+folders are, utils/data/images.py); the arrays are indexed one tensor index per batch in the main process. Each
 side runs in fresh processes, alternating, after warm-up passes.
 
     python bench/dataset_items.py --data-dir ../shared/data/cifar10 --images 10000

@@ -24,8 +24,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import add_data_args, header  # noqa: E402
 from utils.data.decode import load_source  # noqa: E402
 from utils.data.draws import Draws, augment_draws  # noqa: E402
-from utils.data.policies import POLICIES, Policy, apply_policy, policy_draws  # noqa: E402
-from utils.data.transform import BatchTransform  # noqa: E402
+from utils.data.transform import (  # noqa: E402
+    POLICIES,
+    BatchTransform,  # noqa: E402
+    Policy,
+    apply_policy,
+    policy_draws,
+)
 from utils.models import named_model  # noqa: E402
 
 ARMS = ("none", *POLICIES)

@@ -78,8 +78,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-from utils.data import encoded, stream  # noqa: E402
 from utils.data import images as image_kinds  # noqa: E402
+from utils.data import stream  # noqa: E402
 from utils.launch import run  # noqa: E402
 from utils.scripts import import_script  # noqa: E402
 
@@ -116,7 +116,7 @@ real_getitems = image_kinds.LoaderDataset.__getitems__
 
 
 def getitems(self, indices):
-    if isinstance(self.images, encoded.EncodedImages):  # in a loader worker: to the stream record, as it happens
+    if isinstance(self.images, image_kinds.EncodedImages):  # in a loader worker: to the stream record, as it happens
         return decoding_getitems(self, indices)
     if id(self) not in datasets_seen:
         datasets_seen.append(id(self))

@@ -26,7 +26,7 @@ from conftest import (
 from PIL import Image, ImageOps
 
 from utils import UserError
-from utils.data.encoded import EncodedImages
+from utils.data.images import EncodedImages
 from utils.data.pixels import CropRecipe, decoded, eval_view, resized_crop_draws, square_pixels, train_view
 
 # EXIF orientation -> how to store an upright image so that the tag shows it upright again (the inverse of the

@@ -29,8 +29,7 @@ from PIL import Image
 from utils import UserError
 from utils.data import decode, loaders, sources
 from utils.data.decode import default_cache_dir, load_source
-from utils.data.draws import Draws, Mixing, augment_draws, erase_draws, forward_seed, mix_draws
-from utils.data.images import crop_padding
+from utils.data.draws import Draws, Mixing, augment_draws, crop_padding, erase_draws, forward_seed, mix_draws
 from utils.data.loaders import make_loader
 from utils.data.transform import BatchTransform
 
@@ -690,7 +689,7 @@ def test_erased_boxes_hold_standard_normal_noise_and_every_other_pixel_is_the_un
     assert inputs.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
 
 
-# A copy's own torch Dataset (utils/data/items.py) ------------------------------------------------------------------
+# A copy's own torch Dataset (utils/data/sources.py) ------------------------------------------------------------------
 class Items(torch.utils.data.Dataset):
     """(image, label) items as given; the checks below break one of them."""
 

@@ -1,4 +1,4 @@
-"""--auto-augment (utils/data/policies.py) against torchvision.transforms.v2's TrivialAugmentWide, RandAugment and
+"""--auto-augment (utils/data/transform.py) against torchvision.transforms.v2's TrivialAugmentWide, RandAugment and
 AugMix: each op on each image at its own magnitude, the keyed draws' distributions, whole policies composed, and
 where a batch gets its policy (on the device after the crop and flip; in the loader's workers for crops cut as
 they are decoded)."""
@@ -16,11 +16,9 @@ from PIL import Image
 from torchvision.transforms import v2
 
 from utils.data.draws import Draws
-from utils.data.encoded import EncodedImages
-from utils.data.images import LoaderDataset, TensorImages
+from utils.data.images import EncodedImages, LoaderDataset, TensorImages
 from utils.data.pixels import CropRecipe
-from utils.data.policies import OPS, Policy, apply_policy, draw_ops, op_params, policy_draws, run_op
-from utils.data.transform import BatchTransform
+from utils.data.transform import OPS, BatchTransform, Policy, apply_policy, draw_ops, op_params, policy_draws, run_op
 
 TORCHVISION = {"ta_wide": v2.TrivialAugmentWide, "ra": v2.RandAugment, "augmix": v2.AugMix}
 

@@ -5,7 +5,12 @@ not count."""
 from __future__ import annotations
 
 import ast
+import os
+import sys
+from pathlib import Path
 
+import numpy as np
+import torch
 from conftest import REPO
 
 
@@ -103,7 +108,7 @@ def test_each_data_module_imports_only_the_modules_listed_before_it():
     """utils/data/__init__.py lists its modules bottom up; each imports only modules listed before it, so no module
     imports its consumer (the loaders use the `Images` protocol, never a kind's module)."""
     layers = data_layers(ast.get_docstring(ast.parse((REPO / "utils" / "data" / "__init__.py").read_text())))
-    assert layers[:4] == ["draws", "pixels", "policies", "images"] and "loaders" in layers
+    assert layers[:5] == ["draws", "pixels", "transform", "sources", "images"] and "loaders" in layers
     assert {f"{name}.py" for name in layers} == {p.name for p in (REPO / "utils" / "data").glob("*.py")} - \
         {"__init__.py"}
     problems = upward_imports(runtime_imports(), layers)
@@ -123,3 +128,63 @@ def test_the_layer_and_probe_checks_catch_a_module_importing_its_consumer_and_a_
     assert upward_imports({"data.loaders": {"data.images": [4]}, "data.draws": {}}, layers) == []
     assert probes("def f(images):\n    return hasattr(images, 'dataset')\n") == [2]
     assert probes("def f(images):\n    return isinstance(images, Images)\n") == []
+
+
+def data_modules_entered(call, *args) -> set[str]:
+    """The utils/data modules whose functions run while call(*args) runs (the profiler's call events)."""
+    entered = set()
+
+    def profile(frame, event, arg):
+        if event == "call" and f"{os.sep}utils{os.sep}data{os.sep}" in frame.f_code.co_filename:
+            entered.add(Path(frame.f_code.co_filename).stem)
+
+    sys.setprofile(profile)
+    try:
+        call(*args)
+    finally:
+        sys.setprofile(None)
+    return entered
+
+
+def train_batch(loader, transform, out: list) -> None:
+    out.append(transform.train(*loader.__getitems__(list(range(16)))))
+
+
+def test_a_training_batchs_pixels_pass_through_at_most_4_data_modules_on_every_decode_path(stream_shards, tmp_path):
+    """From a split's images to the model's input (LoaderDataset.__getitems__, then BatchTransform.train), a training
+    batch with every per-image draw on (a policy, erasing, mixing) runs code of these utils/data modules only:
+    images, transform and draws for the decoded cache; images, the rows' module (sources for a table or a copy's
+    Dataset, stream for shards), pixels, transform and draws on the paths decoded by batch (the draws module draws
+    from the batch's indices; the pixels pass through the other 4 at most)."""
+    from PIL import Image
+
+    from utils.data.builtin import load_encoded
+    from utils.data.draws import Mixing
+    from utils.data.images import EncodedImages, LoaderDataset, TensorImages
+    from utils.data.pixels import CropRecipe
+    from utils.data.sources import DatasetRows
+    from utils.data.stream import StreamSettings
+    from utils.data.transform import BatchTransform, Policy
+
+    rng = np.random.default_rng(0)
+    photos = [Image.fromarray(rng.integers(0, 256, (40 + k, 50, 3), dtype=np.uint8)) for k in range(16)]
+    dataset = [(photo, k % 10) for k, photo in enumerate(photos)]
+    kinds = {
+        "cache": TensorImages(torch.from_numpy(rng.integers(0, 256, (16, 3, 32, 32), dtype=np.uint8))),
+        "table": load_encoded(str(stream_shards["parquet"]), image_size=32, recipe=CropRecipe(), workers=0)["train"][0],
+        "stream": load_encoded(str(stream_shards["tar"]), image_size=32, recipe=CropRecipe(), workers=0,
+                               stream=StreamSettings(window=16, block=8))["train"][0],
+        "dataset": EncodedImages(DatasetRows.read(dataset, "train", "the Dataset", 32)[0], 32, CropRecipe(), 0),
+    }
+    decoded_by_batch = {"images", "pixels", "transform", "draws"}
+    expected = {"cache": {"images", "transform", "draws"}, "table": decoded_by_batch | {"sources"},
+                "stream": decoded_by_batch | {"stream"}, "dataset": decoded_by_batch | {"sources"}}
+    transform = BatchTransform(torch.device("cpu"), True, mean=(0.5,) * 3, std=(0.25,) * 3, num_classes=10)
+    for kind, images in kinds.items():
+        loader = LoaderDataset(images, torch.arange(len(images)) % 10, 0, True, 4, Mixing(0.2, 1.0, 1.0), 0.5,
+                               Policy("ta_wide"))
+        batch = []
+        entered = data_modules_entered(train_batch, loader, transform, batch)
+        assert batch[0][0].shape == (16, 3, 32, 32) and batch[0][1].shape == (16, 10)
+        assert entered == expected[kind], kind
+        assert len(entered - {"draws"}) <= 4

@@ -1,6 +1,6 @@
 """The built-in sources for a template's load_data (--data-dir, --dataset), on the path --decode chooses:
 decoded once into the cache (utils/data/decode.py), kept encoded and decoded by batch in the loader's workers
-(utils/data/encoded.py), or streamed from shards (utils/data/stream.py). `load_builtin` is the entry point;
+(utils/data/images.py), or streamed from shards (utils/data/stream.py). `load_builtin` is the entry point;
 `choose_decode` says which path --decode auto takes; `load_encoded` gives the encoded kind."""
 
 from __future__ import annotations
@@ -10,10 +10,9 @@ from pathlib import Path
 
 from utils.config_groups import is_url
 from utils.data.decode import default_cache_dir, load_source
-from utils.data.encoded import EncodedImages
-from utils.data.images import SPLITS, TensorImages, worker_share
+from utils.data.images import EncodedImages, TensorImages, worker_share
 from utils.data.pixels import CropRecipe, crop_recipe
-from utils.data.sources import Source, fingerprint, first_size, locate
+from utils.data.sources import SPLITS, Source, fingerprint, first_size, locate
 from utils.data.stream import StreamSettings, holds_tar_shards_only, open_stream
 from utils.launch import first_on_each_machine, main_print
 

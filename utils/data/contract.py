@@ -10,10 +10,9 @@ import numpy as np
 import torch
 
 from utils import UserError
-from utils.data.encoded import EncodedImages
-from utils.data.images import SPLITS, Images, TensorImages, worker_share
-from utils.data.items import DatasetRows
+from utils.data.images import EncodedImages, Images, TensorImages, worker_share
 from utils.data.pixels import crop_recipe
+from utils.data.sources import SPLITS, DatasetRows
 
 
 def checked_data(data: dict, where: str = "load_data", cfg=None, model_stats: dict | None = None,
@@ -22,7 +21,7 @@ def checked_data(data: dict, where: str = "load_data", cfg=None, model_stats: di
     of docs/customizing.md): 'train' and 'test', each a pair (images, labels): uint8 images N x H x W x 3 or
     N x 3 x H x W, square, both splits the same size, as numpy arrays (memory-mapped is fine) or tensors, or another
     kind of `Images` (the built-in sources'); integer labels 0 .. C-1; or each a map-style torch Dataset of
-    (image, label) items of any size (utils/data/items.py: at --image-size, under --augment resized-crop cropped as
+    (image, label) items of any size (utils/data/sources.py: at --image-size, under --augment resized-crop cropped as
     the built-in folders are; `cfg`, the script's Config, gives those flags); and 'classes', the C class names.
     Optional: 'mean' and 'std' (per channel, in [0, 1]; see below), 'dataset' (a JSON-able description, for
     summary.json), and 'eval_crop' and 'interpolation' (the built-in loader's: the test images are resized to S /

@@ -7,7 +7,7 @@ than memory trains from disk. This is the module to replace for data none of its
 must satisfy is utils/data/contract.py's (docs/customizing.md).
 
 `load_source` is the entry point: the first process of each machine reads and decodes, the others wait for it and then
-read the cache. For images too large to cache decoded, utils/data/encoded.py decodes each as a batch asks for it.
+read the cache. For images too large to cache decoded, utils/data/images.py decodes each as a batch asks for it.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import numpy as np
 import torch
 
 from utils import UserError, first_line
-from utils.data.images import SPLITS, channel_stats
-from utils.data.pixels import row_pixels, square_pixels
-from utils.data.sources import Rows, Source, fingerprint, first_size, locate
+from utils.data.images import channel_stats
+from utils.data.pixels import open_image, row_pixels, square_pixels
+from utils.data.sources import SPLITS, Rows, Source, fingerprint, first_size, locate
 from utils.launch import first_on_each_machine, main_print
 
 CACHE_FORMAT = 7  # bump when the cache file changes (4: class names, mean and std; 5: held-out splits; 6: mean and
@@ -46,7 +46,7 @@ def _decode_rows(rows: Rows, size: int, out: np.ndarray, start: int, stop: int, 
     first_size): instead, each must be S x S. The encoded images are read from the table FETCH_ROWS at a time."""
     for first in range(start, stop, FETCH_ROWS):
         for i, source in enumerate(rows.fetch(range(first, min(first + FETCH_ROWS, stop))), first):
-            im = rows.open(source, i)
+            im = open_image(source, rows, i)
             if im.size != (size, size) and same_as:
                 im.close()
                 raise UserError(f"the images do not share one square size ({same_as}, {im.size[0]}x{im.size[1]} "

@@ -21,7 +21,7 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
 
 
 ERASING, FORWARD, AUTO_AUGMENT = 4, 5, 6  # key_stream's purposes: random erasing; the model's own randomness;
-# the per-image policies (utils/data/policies.py)
+# the per-image policies (utils/data/transform.py)
 
 
 def key_stream(seed: int, epoch: int, purpose: int) -> np.ndarray:
@@ -32,6 +32,11 @@ def key_stream(seed: int, epoch: int, purpose: int) -> np.ndarray:
     if purpose > 3:
         return splitmix64(key_stream(seed, epoch, 0) ^ np.uint64(purpose))
     return splitmix64(np.array([(seed % 2**32) << 32 | (epoch % 2**30) << 2 | purpose], dtype=np.uint64))
+
+
+def crop_padding(size: int) -> int:
+    """The zero padding of the random crop: 4 pixels at 32 x 32, in proportion at other sizes."""
+    return max(1, round(size / 8))
 
 
 def augment_draws(seed: int, epoch: int, indices, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,7 +54,7 @@ def augment_draws(seed: int, epoch: int, indices, pad: int) -> tuple[torch.Tenso
 
 @dataclass(frozen=True)
 class PolicyDraws:
-    """A batch's --auto-augment draws, as utils/data/policies.py's `apply_policy` takes them. The ops run in layers
+    """A batch's --auto-augment draws, as utils/data/transform.py's `apply_policy` takes them. The ops run in layers
     (AugMix: chain after chain, each `depth` layers); in layer l, `order[l]` lists the batch's images sorted by the
     op they drew and `counts[l]` (on the host: it sets the shapes) how many drew each op of policies.OPS;
     `params[l]` is each sorted image's parameters (the inverse affine matrix of a geometric op, its factor, bit mask

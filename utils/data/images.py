@@ -1,35 +1,45 @@
-"""What a split's images are to the loaders, whatever holds them: `Images`, the declared protocol that every kind
-implements (its `read`: a batch of indices into uint8 pixels), and the kind that holds decoded uint8 tensors in
-memory (`TensorImages`: the decode cache's images, a copy's arrays). The other kind: encoded rows decoded by batch in
-the loader's workers, read from a table, a stream or a copy's torch Dataset (utils/data/encoded.py). The loaders
-(utils/data/loaders.py) use only what `Images` declares: one `LoaderDataset` over any kind (one whole batch per
-`__getitems__`, with its draws) and the kind's training order (`EpochSampler`, or a stream's own)."""
+"""A split's images as the loaders take them, whatever holds them: `Images`, the declared protocol every kind
+implements (its `read`: a batch of indices into uint8 pixels), and its two kinds: `TensorImages`, decoded uint8
+tensors in memory (the decode cache's images, a copy's arrays), and `EncodedImages`, encoded rows (a table's, a
+stream's or a copy's torch Dataset's: utils/data/sources.py's EncodedRows) decoded by batch in the loader's worker
+processes. The loaders (utils/data/loaders.py) use only what `Images` declares: one `LoaderDataset` over any kind (one
+whole batch per `__getitems__`, with its draws) and the kind's training order (`EpochSampler`, or a stream's own).
+
+Encoded images (--decode workers, --decode stream, a copy's Dataset) are for images whose decoded copy would not fit
+the cache (utils/data/decode.py) or that the crop recipe for natural images needs whole (--augment resized-crop,
+utils/data/pixels.py). The sampler's contract holds as on the cached path: each sample's crop, flip and mixing come
+from (seed, epoch, sample index), so batches are the same at any process count, worker count and after a resume."""
 
 from __future__ import annotations
 
 import abc
 import os
 from dataclasses import replace
+from functools import partial
 
 import numpy as np
 import torch
 
 from utils import UserError
 from utils.data.draws import Draws, Mixing, augment_draws, erase_draws, forward_seed, key_stream, mix_draws
-from utils.data.policies import Policy, apply_policy, policy_draws
-
-SPLITS = ("train", "test")  # load_data's splits: "test" is the one evaluated on
+from utils.data.pixels import (
+    CropRecipe,
+    evaluation_view,
+    open_image,
+    resized_crop_draws,
+    row_pixels,
+    square_pixels,
+    train_view,
+    upright_size,
+)
+from utils.data.sources import EncodedRows
+from utils.data.transform import Policy, apply_policy, policy_draws
 
 
 def worker_share() -> int:
     """Loader worker processes for this process: its share of the machine's cores (at least 1), for the kinds read and
     decoded in workers."""
     return max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-
-
-def crop_padding(size: int) -> int:
-    """The zero padding of the random crop: 4 pixels at 32 x 32, in proportion at other sizes."""
-    return max(1, round(size / 8))
 
 
 def channel_stats(images: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -85,7 +95,7 @@ class LoaderDataset(torch.utils.data.Dataset):
         """A training batch's draws for BatchTransform.train and the model's forward, from this dataset's
         augment_seed, epoch, augment, pad, mixing, erasing and policy: its forward seed (forward_seed) and, with
         augmentation, its crop and flip (augment_draws; none when the images come `cropped` already,
-        utils/data/encoded.py), its mixing (mix_draws), erasing (erase_draws) and policy (policy_draws), if any."""
+        utils/data/images.py), its mixing (mix_draws), erasing (erase_draws) and policy (policy_draws), if any."""
         seed, epoch = self.augment_seed, self.epoch
         if not self.augment:
             return Draws(forward=forward_seed(seed, epoch, host))
@@ -206,3 +216,53 @@ def as_images(images: Images | torch.Tensor) -> Images:
     """A split's images as the loaders take them: a kind of `Images` as it is; a bare uint8 (N, 3, S, S) tensor (from
     a script that calls the loaders without checked_data, as train_minimal.py does) as TensorImages."""
     return images if isinstance(images, Images) else TensorImages(images)
+
+
+STATS_IMAGES = 512  # training images the per-channel mean and std are estimated from (the first, decoded at S)
+
+
+class EncodedImages(Images):
+    """A split's encoded images at --image-size S: where the cached path holds an (N, 3, S, S) uint8 tensor. The
+    view of each image: `recipe` None: resized to S x S as the cache does (the small-image crops then run on the
+    device, as there); a CropRecipe: the random-resized crop in training, resize and centre crop in evaluation.
+    `rows`: a table's or a stream's (utils/data/sources.py's EncodedRows), which also gives the training order.
+    `reduce`: JPEGs decoded at the scale each view needs (utils/data/pixels.py's decoded); False: --full-decode."""
+
+    def __init__(self, rows: EncodedRows, size: int, recipe: CropRecipe | None, workers: int, reduce: bool = True):
+        self.rows, self.image_size, self.recipe, self.workers, self.reduce = rows, size, recipe, workers, reduce
+        self.crops_whole = recipe is not None
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def prefix(self, n: int) -> EncodedImages:
+        return EncodedImages(self.rows.take(torch.arange(n)), self.image_size, self.recipe, self.workers, self.reduce)
+
+    def read(self, indices, key):
+        """The batch decoded here (in a DataLoader worker) into one (B, S, S, 3) uint8 array: with the crop recipe and
+        a training `key`, each image's keyed random-resized crop and flip cut as it is decoded (cropped: True), else
+        its evaluation view (or the cache's resize, the small-image crops then drawn for the device)."""
+        rows, size, recipe = self.rows, self.image_size, self.recipe
+        out = np.empty((len(indices), size, size, 3), dtype=np.uint8)
+        opened = [open_image(source, rows, int(i)) for source, i in zip(rows.fetch(indices), indices)]
+        cropped = recipe is not None and key is not None
+        if cropped:
+            boxes, mirrored = resized_crop_draws(*key, indices, [upright_size(im) for im in opened], recipe)
+        for k, im in enumerate(opened):
+            view = (partial(train_view, box=boxes[k], mirrored=bool(mirrored[k]), size=size, recipe=recipe,
+                            reduce=self.reduce) if cropped else evaluation_view(size, recipe, self.reduce))
+            out[k] = row_pixels(rows, int(indices[k]), im, view)
+        return torch.from_numpy(out), cropped
+
+    def sampler(self, dataset, train, seed, step_images, micro, processes):
+        """The rows' own order (a stream plans what each process and loader worker reads), else every kind's."""
+        own = self.rows.sampler(dataset, train, seed, step_images, (processes, self.workers, micro))
+        return own or super().sampler(dataset, train, seed, step_images, micro, processes)
+
+    def channel_stats(self):
+        """Estimated from the first STATS_IMAGES training images, decoded at S (resized as the cache would)."""
+        sample = self.rows.take(torch.arange(min(STATS_IMAGES, len(self.rows))))
+        view = partial(square_pixels, size=self.image_size, reduce=self.reduce)
+        pixels = np.stack([row_pixels(sample, i, open_image(s, sample, i), view)
+                           for i, s in enumerate(sample.fetch(range(len(sample))))])
+        return channel_stats(torch.from_numpy(pixels).permute(0, 3, 1, 2))

@@ -13,9 +13,9 @@ import torch
 from accelerate.utils import broadcast_object_list
 
 from utils import UserError
-from utils.data.draws import Mixing
-from utils.data.images import Images, LoaderDataset, as_images, crop_padding
-from utils.data.policies import Policy, augment_policy
+from utils.data.draws import Mixing, crop_padding
+from utils.data.images import Images, LoaderDataset, as_images
+from utils.data.transform import Policy, augment_policy
 
 
 def check_one_batch(labels: torch.Tensor, batch_size: int, processes: int, accumulation: int = 1) -> None:

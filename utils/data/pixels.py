@@ -12,7 +12,7 @@ process count, before and after a resume (the crop boxes are drawn in the full-s
               `evaluation_view` picks the view of a run, which predict.py gives new images too).
 The draws are here; at full size the pixels are torchvision.transforms.v2.functional's on the PIL image (the same
 operations as torchvision's RandomResizedCrop, RandomHorizontalFlip, Resize and CenterCrop), in the loader's workers
-(utils/data/encoded.py). Written by hand only because torchvision's transforms draw from a global RNG, not from a key,
+(utils/data/images.py). Written by hand only because torchvision's transforms draw from a global RNG, not from a key,
 and decode the whole image first.
 """
 
@@ -110,7 +110,7 @@ def eval_view(im, size: int, recipe: CropRecipe, reduce: bool = True) -> np.ndar
 
 def square_pixels(im, size: int, reduce: bool = True) -> np.ndarray:
     """An opened image as (S, S, 3) uint8, resized (bicubic) to S x S unless it is that size: how every image enters
-    the cache, and the on-the-fly path's images without --augment resized-crop (utils/data/encoded.py), bit for bit."""
+    the cache, and the on-the-fly path's images without --augment resized-crop (utils/data/images.py), bit for bit."""
     width, height = upright_size(im)
     return np.asarray(region(im, (0, 0, width, height), (size, size), "bicubic", reduce))
 
@@ -194,9 +194,12 @@ def region(im, box, out: tuple[int, int], interpolation: str, reduce: bool = Tru
 
 def open_image(source, rows, i: int):
     """The PIL image of row i of `rows` (an encoded image `source`, bytes or a path), lazily: only its header is read
-    until the pixels are asked for; one line naming the row if it is broken."""
+    until the pixels are asked for; one line naming the row if it is broken. A PIL image (a copy's Dataset's) as it
+    is."""
     from PIL import Image, UnidentifiedImageError
 
+    if isinstance(source, Image.Image):
+        return source
     try:
         return Image.open(io.BytesIO(source) if isinstance(source, bytes) else source)
     except (UnidentifiedImageError, OSError, TypeError) as e:
@@ -207,7 +210,7 @@ def open_image(source, rows, i: int):
 def row_pixels(rows, i: int, im, view) -> np.ndarray:
     """view(row i's opened image (open_image)), closed after; one line naming the row if its pixels cannot be
     decoded. What every decode goes through: the cache's (utils/data/decode.py) and the workers'
-    (utils/data/encoded.py)."""
+    (utils/data/images.py)."""
     try:
         with im:
             return view(im)

@@ -1,9 +1,19 @@
 """Image classification sources, read but not decoded: local parquet files, an image folder, or a Hub dataset, through
-`datasets`' own builders (`parquet`, `imagefolder`, `load_dataset`). `locate` finds what --data-dir / --dataset
-hold, `Source.rows` reads each split's encoded images (parquet rows' bytes, or image files' paths), labels and class
-names, in a fixed order: an image folder's rows shuffled once so that a prefix is class-balanced, and an evaluation
-part held out of train when the source has none (`hold_out`). Both data paths start here: utils/data/decode.py decodes
-every image once into a cache, utils/data/encoded.py decodes each as a batch asks for it.
+`datasets`' own builders (`parquet`, `imagefolder`, `load_dataset`), and a copy's own torch Dataset. `locate` finds
+what --data-dir / --dataset hold, `Source.rows` reads each split's encoded images (parquet rows' bytes, or image
+files' paths), labels and class names, in a fixed order: an image folder's rows shuffled once so that a prefix is
+class-balanced, and an evaluation part held out of train when the source has none (`hold_out`). Both data paths start
+here: utils/data/decode.py decodes every image once into a cache, utils/data/images.py's EncodedImages decodes each
+as a batch asks for it.
+
+A copy's Dataset (`load_data` may return map-style Datasets for train and test): each item (image, label), the image
+a PIL image or a uint8 tensor (3 x H x W or H x W x 3) of any size and aspect when --image-size is given (else
+square, every item the train split's first item's size), the label an integer. `DatasetRows.read` reads every item
+once when the data is checked, in order, without decoding its pixels (a PIL image opened lazily, `Image.open(path)`,
+reads its header only): the contract is checked there with one line for the first item that breaks it, and the
+labels are kept. Training and evaluation then read the items again, a batch at a time, in the loader's worker
+processes, as the built-in image folders are. A Dataset must give the same item for an index every time
+(augmentation is the template's, drawn per sample).
 """
 
 from __future__ import annotations
@@ -23,9 +33,9 @@ import torch
 
 from utils import UserError, first_line
 from utils.config_groups import DATA_LAYOUTS, check_source
-from utils.data.images import SPLITS
 from utils.data.pixels import open_image
 
+SPLITS = ("train", "test")  # load_data's splits: "test" is the one evaluated on
 EVAL_SPLITS = ("test", "validation")  # the source's evaluation split: the first of these it has
 VAL_FRACTION = 0.1  # held out of train for evaluation when the source has no evaluation split
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")  # files; tar shard members
@@ -248,11 +258,11 @@ def pick_column(columns: list[str], where: str, names: tuple[str, ...], what: st
 
 
 class EncodedRows(abc.ABC):
-    """A split's encoded images as utils/data/encoded.py reads them, from a datasets table (`Rows`) or a stream's
-    shards (utils/data/stream.py's StreamRows): `labels` (every row's), `names` (the class names, or None), `split`,
-    `len()`, `take(order)` (the rows in that order), `where(i)` (row i, for messages), `fetch(indices)` (their encoded
-    images), `open` (one of them as a PIL image) and `sampler` (an order of their own, or None). A copy's Dataset
-    is a kind too (utils/data/items.py)."""
+    """A split's encoded images as utils/data/images.py reads them, from a datasets table (`Rows`) or a stream's
+    shards (utils/data/stream.py's StreamRows) or a copy's Dataset (`DatasetRows`): `labels` (every row's), `names`
+    (the class names, or None), `split`, `len()`, `take(order)` (the rows in that order), `where(i)` (row i, for
+    messages), `fetch(indices)` (their images as utils.data.pixels.open_image takes them: encoded bytes, a path, or a
+    PIL image) and `sampler` (an order of their own, or None)."""
 
     labels: torch.Tensor
     names: tuple[str, ...] | None
@@ -269,10 +279,6 @@ class EncodedRows(abc.ABC):
 
     @abc.abstractmethod
     def fetch(self, indices) -> list: ...
-
-    def open(self, source, i: int):
-        """Row i's image as `fetch` gave it (`source`) opened as a PIL image, decoded lazily; one line if broken."""
-        return open_image(source, self, i)
 
     def sampler(self, dataset, train: bool, seed: int, step_images: int, layout: tuple[int, int, int]):
         """A training order of the rows' own (layout: processes, loader workers, micro-batch), or None: the
@@ -343,7 +349,7 @@ def first_size(splits: dict[str, Rows]) -> tuple[int, str]:
     """The first image's size, which must be square, and where it is: every other image must share it when no
     --image-size is given (the decode checks each as it opens it: one pass over the files)."""
     rows = next(iter(splits.values()))
-    with rows.open(rows.fetch([0])[0], 0) as im:
+    with open_image(rows.fetch([0])[0], rows, 0) as im:
         (w, h), where = im.size, f"{im.size[0]}x{im.size[1]} (the {rows.split} split's {rows.where(0)})"
     if w != h:
         raise UserError(f"the images do not share one square size ({where}); pass --image-size S to resize every "
@@ -390,3 +396,92 @@ def hold_out(n: int, fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
                         f"the held-out part need at least one image.")
     order = _permutation(n)
     return order[k:].sort().values, order[:k].sort().values
+
+
+def item_image(item, what: str, size: int | None = None):
+    """One Dataset item's (image as a PIL image, label); `size`: the side every image must have (None: any size).
+    Nothing is decoded that the item did not decode. A broken contract: one line naming `what` (the split's Dataset
+    and the item's index)."""
+    from PIL import Image
+
+    if not isinstance(item, tuple | list) or len(item) != 2:
+        raise UserError(f"{what} must be a pair (image, label) (got {type(item).__name__}).")
+    image, label = item
+    if isinstance(image, torch.Tensor) and image.dtype == torch.uint8 and image.dim() == 3 and 3 in (
+            image.shape[0], image.shape[2]):
+        hwc = image.permute(1, 2, 0) if image.shape[0] == 3 and image.shape[2] != 3 else image
+        image = Image.fromarray(np.ascontiguousarray(hwc.cpu().numpy()))
+    elif not isinstance(image, Image.Image):
+        kind = (f"{str(image.dtype).removeprefix('torch.')} tensor {tuple(image.shape)}"
+                if isinstance(image, torch.Tensor) else type(image).__name__)
+        raise UserError(f"{what}'s image must be a PIL image or a uint8 tensor 3 x H x W or H x W x 3 (got {kind}).")
+    w, h = image.size
+    if size and (w, h) != (size, size):
+        raise UserError(f"{what}'s image is {w} x {h}; without --image-size every image must be {size} x {size}, as "
+                        f"item 0 of the train split is: pass --image-size S to resize (or crop) every image to S.")
+    if isinstance(label, torch.Tensor) and label.numel() == 1 and not label.is_floating_point():
+        label = label.item()
+    if isinstance(label, bool) or not isinstance(label, int | np.integer):
+        raise UserError(f"{what}'s label must be an integer (got {type(label).__name__} {label!r}).")
+    return image, int(label)
+
+
+class DatasetRows(EncodedRows):
+    """A Dataset's items as a split's rows, the items `order` of it (a prefix: --train-subset, --eval-subset)."""
+
+    def __init__(self, dataset: torch.utils.data.Dataset, split: str, what: str, labels: torch.Tensor,
+                 order: np.ndarray):
+        self.dataset, self.split, self.what, self.labels, self.order = dataset, split, what, labels, order
+        self.names = None
+
+    @classmethod
+    def read(cls, dataset: torch.utils.data.Dataset, split: str, what: str, size: int | None,
+             fixed: int | None = None) -> tuple[DatasetRows, int]:
+        """Every item read once and checked, its label kept: (the rows, S). `size`: --image-size (None: the items
+        must be square, all of `fixed`'s side, else the first item's)."""
+        try:
+            n = len(dataset)
+        except TypeError:
+            raise UserError(f"{what} must be a map-style Dataset with a length (got {type(dataset).__name__}).") \
+                from None
+        if n == 0:
+            raise UserError(f"{what} holds no items.")
+        labels, side = [], size or fixed
+        for i in range(n):
+            image, label = item_image(dataset[i], f"{what}'s item {i}", None if size else side)
+            if side is None:
+                side = image.size[0]
+                if image.size[0] != image.size[1]:
+                    raise UserError(f"{what}'s item {i}'s image is {image.size[0]} x {image.size[1]}; without "
+                                    f"--image-size every image must be square: pass --image-size S to resize (or "
+                                    f"crop) every image to S.")
+            labels.append(label)
+        return cls(dataset, split, what, torch.tensor(labels, dtype=torch.int64), np.arange(n)), side
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def take(self, order: torch.Tensor) -> DatasetRows:
+        return DatasetRows(self.dataset, self.split, self.what, self.labels[order], self.order[order.numpy()])
+
+    def where(self, i: int) -> str:
+        return f"item {int(self.order[i])} of {self.what}"
+
+    def fetch(self, indices) -> list:
+        """The items' images, each opened anew (`opened`)."""
+        return [self.opened(int(self.order[i])) for i in np.asarray(indices, dtype=np.int64)]
+
+    def opened(self, item: int):
+        """The Dataset's item's image as a new PIL image, so that the Dataset's own object is never closed or changed:
+        an image the Dataset opened lazily (`Image.open(path)` or of bytes; nothing decoded yet) opened again from its
+        file or bytes, so that a JPEG decodes at the scale its view needs as the built-in folders' do
+        (utils/data/pixels.py); a tensor's pixels wrapped; any other PIL image converted to RGB."""
+        from PIL import Image, ImageFile
+
+        image, _ = item_image((self.dataset[item][0], 0), f"{self.what}'s item {item}")
+        if isinstance(image, ImageFile.ImageFile) and image.tile:  # (tile: what load() has still to decode)
+            if image.filename:
+                return Image.open(image.filename)
+            if isinstance(image.fp, io.BytesIO):
+                return Image.open(io.BytesIO(image.fp.getvalue()))
+        return image.convert("RGB")

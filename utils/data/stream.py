@@ -1,6 +1,6 @@
 """Shards streamed as training reads them (--decode stream): parquet or webdataset tar shards, in a local folder or
 at an fsspec URL (hf://datasets/..., s3://...; the same code reads both), with no local copy. For data larger than
-the disk. The images are decoded by batch in the loader's workers as on the on-the-fly path (utils/data/encoded.py),
+the disk. The images are decoded by batch in the loader's workers as on the on-the-fly path (utils/data/images.py),
 whose EncodedImages.read reads them through `StreamRows` here instead of a memory-mapped table.
 
 What is read where, each epoch (`stream_plan`, a function of the shards' row counts, the seed, the epoch, the

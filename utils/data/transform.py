@@ -1,17 +1,274 @@
-"""The last step of every batch, on the training device: `BatchTransform` turns the loader's uint8 (B, 3, S, S)
-batch (NHWC memory, after the 4x smaller than float transfer) into the model's normalised float input, with each
-image's drawn crop and flip and the batch's mixing. In NHWC a row of an image is one contiguous run of bytes, so a
-crop is a copy of S rows, not of S x S pixels."""
+"""The batch's transforms on uint8 pixels, drawn per image by (seed, epoch, sample): the per-image policies and, as
+the last step of every batch on the training device, `BatchTransform`.
+
+Per-image augmentation policies (--auto-augment): torchvision's TrivialAugmentWide (`ta_wide`), RandAugment (`ra`,
+--ra-ops ops at --ra-magnitude) and AugMix (`augmix`, --augmix-severity), with the ops, magnitudes and spaces of
+torchvision.transforms.v2. Each image's ops, magnitudes and signs (and AugMix's chain depths and mixing weights) are
+drawn on the host from a hash of (seed, epoch, sample), as the crops are (`policy_draws`), so an image is augmented
+the same way by any process at any process count and after a resume; `apply_policy` then runs them on a whole uint8
+batch at once, each op once per batch on the images that drew it: on the device after the crop and flip for images
+cropped there, in the loader's workers for crops cut as they are decoded (--augment resized-crop).
+Written by hand because torchvision's classes draw from the global RNG and apply one op, at one magnitude, to a whole
+batch. Each op gives torchvision.transforms.v2.functional's result for each image at its own magnitude (within 1 level
+of 255, tests/test_policies.py); Equalize is torchvision's own, which works per image already.
+
+`BatchTransform` turns the loader's uint8 (B, 3, S, S) batch (NHWC memory, after the 4x smaller than float transfer)
+into the model's normalised float input, with each image's drawn crop and flip, its policy, its erasing and the
+batch's mixing. In NHWC a row of an image is one contiguous run of bytes, so a crop is a copy of S rows, not of
+S x S pixels."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from utils import UserError
-from utils.data.draws import Draws, PolicyDraws
-from utils.data.images import crop_padding
-from utils.data.policies import apply_policy
+from utils.data.draws import AUTO_AUGMENT, Draws, PolicyDraws, crop_padding, key_stream, splitmix64, uniform01
+
+POLICIES = ("ta_wide", "ra", "augmix")
+OPS = ("Identity", "ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate", "Brightness", "Color", "Contrast",
+       "Sharpness", "Posterize", "Solarize", "AutoContrast", "Equalize")
+GEOMETRIC = OPS[1:6]
+AUGMIX_WIDTH, AUGMIX_DEPTH = 3, 3  # torchvision's AugMix: 3 chains of 1-3 ops (chain_depth -1), alpha 1
+BINS = {"ta_wide": 31, "ra": 31, "augmix": 10}  # each policy's magnitude bins, torchvision's
+
+
+@dataclass(frozen=True)
+class Policy:
+    """--auto-augment and its strengths: RandAugment's op count and magnitude bin (of 31), AugMix's severity (its
+    magnitudes drawn from the first `severity` of 10 bins)."""
+    name: str
+    ra_ops: int = 2
+    ra_magnitude: int = 9
+    augmix_severity: int = 3
+
+
+def augment_policy(cfg) -> Policy | None:
+    """The policy of a script's data flags (its DataConfig group); None for --auto-augment none."""
+    if cfg.auto_augment == "none":
+        return None
+    return Policy(cfg.auto_augment, cfg.ra_ops, cfg.ra_magnitude, cfg.augmix_severity)
+
+
+def space(name: str, size: int) -> dict[str, tuple[np.ndarray | None, bool]]:
+    """torchvision's augmentation space of a policy on S x S images: op -> (the magnitude of each bin, or None for an
+    op without one; whether its sign is drawn). The bins from torch.linspace, as torchvision's, so the values are its
+    float32 values."""
+    bins = BINS[name]
+    shear, translate, rotate, color, bits, span = {
+        "ta_wide": (0.99, 32.0, 135.0, 0.99, 8, 6),
+        "ra": (0.3, 150.0 / 331.0 * size, 30.0, 0.9, 8, 4),
+        "augmix": (0.3, size / 3.0, 30.0, 0.9, 4, 4)}[name]
+
+    def line(top):
+        return torch.linspace(0.0, top, bins).double().numpy()
+
+    posterize = (bits - torch.arange(bins) / ((bins - 1) / span)).round().int().double().numpy()
+    ops = {"Identity": (None, False), "ShearX": (line(shear), True), "ShearY": (line(shear), True),
+           "TranslateX": (line(translate), True), "TranslateY": (line(translate), True), "Rotate": (line(rotate), True),
+           "Brightness": (line(color), True), "Color": (line(color), True), "Contrast": (line(color), True),
+           "Sharpness": (line(color), True), "Posterize": (posterize, False),
+           "Solarize": (torch.linspace(1.0, 0.0, bins).double().numpy(), False), "AutoContrast": (None, False),
+           "Equalize": (None, False)}
+    if name == "augmix":
+        del ops["Identity"]
+    return ops
+
+
+def draw_ops(seed: int, epoch: int, indices, policy: Policy, size: int):
+    """Each sample's ops: (op index into OPS (layers, n), signed magnitude (layers, n), AugMix's weights (n, 1 +
+    chains) or None, layers per chain), a function of (seed, epoch, sample index) only. TrivialAugmentWide: one op
+    uniform over its 14, a magnitude bin uniform over 31; RandAugment: --ra-ops ops uniform over the same 14, each
+    at bin --ra-magnitude; AugMix: 3 chains of depth uniform in 1-3, each op uniform over its 13 and its bin uniform
+    in the first --augmix-severity of 10, the image's weight m ~ Beta(1, 1) and the chains' Dirichlet(1, 1, 1) x
+    (1 - m). A signed op's magnitude is negated with chance 1/2."""
+    table, bins = space(policy.name, size), BINS[policy.name]
+    ids = np.array([OPS.index(name) for name in table])  # the policy's ops, as indices into OPS
+    values = np.stack([np.zeros(bins) if v is None else v for v, _ in table.values()])  # (ops, bins)
+    signed = np.array([s for _, s in table.values()])
+    n = len(indices)
+    h = np.asarray(indices).astype(np.uint64) ^ key_stream(seed, epoch, AUTO_AUGMENT)
+
+    def draw():
+        nonlocal h
+        h = splitmix64(h)
+        return uniform01(h)
+
+    def pick(k: int):
+        return np.minimum((draw() * k).astype(np.int64), k - 1)
+
+    chains, depth = (AUGMIX_WIDTH, AUGMIX_DEPTH) if policy.name == "augmix" else (1, 1)
+    if policy.name == "ra":
+        depth = policy.ra_ops
+    weights = None
+    if policy.name == "augmix":  # gamma(1) variates, normalised: m ~ Beta(1, 1), the chains' ~ Dirichlet(1, 1, 1)
+        gamma = -np.log1p(-np.stack([draw() for _ in range(2 + chains)], axis=1))
+        m = gamma[:, :2] / gamma[:, :2].sum(1, keepdims=True)
+        weights = np.concatenate([m[:, :1], gamma[:, 2:] / gamma[:, 2:].sum(1, keepdims=True) * m[:, 1:]], axis=1)
+    ops = np.zeros((chains * depth, n), dtype=np.int64)
+    magnitudes = np.zeros((chains * depth, n))
+    for chain in range(chains):
+        length = pick(3) + 1 if policy.name == "augmix" else np.full(n, depth)
+        for layer in range(depth):
+            op = pick(len(ids))
+            b = pick(bins) if policy.name == "ta_wide" else (
+                pick(policy.augmix_severity) if policy.name == "augmix" else np.full(n, policy.ra_magnitude))
+            negate = signed[op] & (draw() < 0.5)
+            used = layer < length  # AugMix's chains past their depth: Identity
+            ops[chain * depth + layer] = np.where(used, ids[op], 0)
+            magnitudes[chain * depth + layer] = np.where(used, values[op, b] * np.where(negate, -1.0, 1.0), 0.0)
+    return ops, magnitudes, weights, depth
+
+
+def inverse_affine(center, angle, translate, shear) -> np.ndarray:
+    """torchvision's _get_inverse_affine_matrix (scale 1) over arrays of images: (n, 6), in float64 as there."""
+    rot, sx, sy = np.radians(angle), np.radians(shear[0]), np.radians(shear[1])
+    (cx, cy), (tx, ty) = center, translate
+    a = np.cos(rot - sy) / np.cos(sy)
+    b = -(a * np.tan(sx) + np.sin(rot))
+    c = np.sin(rot - sy) / np.cos(sy)
+    d = np.cos(rot) - c * np.tan(sx)
+    return np.stack([d, -b, cx - d * (cx + tx) + b * (cy + ty), -c, a, cy + c * (cx + tx) - a * (cy + ty)], axis=1)
+
+
+def op_params(op: np.ndarray, magnitude: np.ndarray, size: int) -> np.ndarray:
+    """Each image's parameters for its op at its magnitude, as torchvision's AutoAugment classes pass them to the
+    functional ops (`_apply_image_or_video_transform`): the inverse affine matrix of the geometric ops (shears about
+    the corner, translations by whole pixels, rotations about the centre), 1 + magnitude and its complement for the
+    colour ops, posterize's bit mask, solarize's threshold (255 x magnitude)."""
+    n, m = len(op), magnitude
+    params = np.zeros((n, 6))
+    is_op = {name: op == OPS.index(name) for name in OPS}
+    corner = np.where(is_op["ShearX"] | is_op["ShearY"], -size * 0.5, 0.0)
+    shear = np.degrees(np.arctan(m))
+    geometric = np.isin(op, [OPS.index(name) for name in GEOMETRIC])
+    params[geometric] = inverse_affine(
+        (corner, corner),
+        np.where(is_op["Rotate"], -(m % 360), 0.0),  # rotate_image's angle in [0, 360), negated as there
+        (np.where(is_op["TranslateX"], np.trunc(m), 0.0), np.where(is_op["TranslateY"], np.trunc(m), 0.0)),
+        (np.where(is_op["ShearX"], shear, 0.0), np.where(is_op["ShearY"], shear, 0.0)))[geometric]
+    factor = 1.0 + m
+    colour = is_op["Brightness"] | is_op["Color"] | is_op["Contrast"] | is_op["Sharpness"]
+    params[colour, 0], params[colour, 1] = factor[colour], (1.0 - factor)[colour]
+    bits = m.astype(np.int64).clip(0, 8)
+    mask = np.where(bits >= 8, 255, ((1 << bits) - 1) << (8 - bits))
+    params[is_op["Posterize"], 0] = mask[is_op["Posterize"]]
+    params[is_op["Solarize"], 0] = 255 * m[is_op["Solarize"]]
+    return params
+
+
+def policy_draws(seed: int, epoch: int, indices, policy: Policy, size: int) -> PolicyDraws:
+    """A training batch's policy draws (draw_ops), grouped by op for `apply_policy`: on the host, beside the crop
+    draws (numpy; no device sync)."""
+    ops, magnitudes, weights, depth = draw_ops(seed, epoch, indices, policy, size)
+    orders, params, counts = [], [], []
+    for op, magnitude in zip(ops, magnitudes):
+        order = np.argsort(op, kind="stable")
+        orders.append(order)
+        params.append(op_params(op[order], magnitude[order], size))
+        counts.append(tuple(np.bincount(op, minlength=len(OPS)).tolist()))
+    return PolicyDraws(torch.from_numpy(np.stack(orders)), torch.from_numpy(np.stack(params)).float(), tuple(counts),
+                       None if weights is None else torch.from_numpy(weights).float(), depth,
+                       "bilinear" if policy.name == "augmix" else "nearest")
+
+
+# ----------------------------------------------------------------------------------------------------
+# The ops on uint8 (m, 3, S, S) batches, each image with its own parameters (m, 6)
+# ----------------------------------------------------------------------------------------------------
+
+def affine(images: torch.Tensor, theta: torch.Tensor, mode: str) -> torch.Tensor:
+    """torchvision's tensor affine (its _affine_grid and _apply_grid_transform, no fill: zeros), one matrix per
+    image. Every constant made on the device or as a Python number: no copy from the host, so no sync."""
+    m, _, h, w = images.shape
+    dev = images.device
+    xs = torch.linspace((1.0 - w) * 0.5, (w - 1.0) * 0.5, steps=w, device=dev)
+    ys = torch.linspace((1.0 - h) * 0.5, (h - 1.0) * 0.5, steps=h, device=dev)
+    base = torch.stack([xs.expand(h, w), ys.unsqueeze(1).expand(h, w), torch.ones(h, w, device=dev)], -1)
+    columns = theta.view(m, 2, 3).transpose(1, 2)
+    rescaled = torch.stack([columns[..., 0] / (0.5 * w), columns[..., 1] / (0.5 * h)], -1)
+    grid = base.view(1, h * w, 3).matmul(rescaled).view(m, h, w, 2)
+    out = F.grid_sample(images.float(), grid, mode=mode, padding_mode="zeros", align_corners=False)
+    return out.round_().to(torch.uint8)
+
+
+def blend(images: torch.Tensor, other: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """torchvision's _blend per image: image x factor + other x (1 - factor), clamped, truncated to uint8."""
+    factor, rest = (params[:, k].view(-1, 1, 1, 1) for k in (0, 1))
+    return images.float().mul_(factor).add_(other * rest).clamp_(0, 255).to(torch.uint8)
+
+
+def gray(images: torch.Tensor) -> torch.Tensor:
+    r, g, b = images.unbind(1)
+    return r.mul(0.2989).add_(g, alpha=0.587).add_(b, alpha=0.114).unsqueeze(1).floor_()
+
+
+def sharpen(images: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """torchvision's adjust_sharpness per image: the interior blended with its 3 x 3 smoothing (rounded)."""
+    kernel = torch.full((3, 1, 3, 3), 1.0 / 13.0, device=images.device)
+    kernel[:, :, 1, 1] = 5.0 / 13.0
+    out = images.float()
+    blurred = F.conv2d(out, kernel, groups=3).round_()
+    interior = out[..., 1:-1, 1:-1]
+    interior.add_(blurred.sub_(interior).mul_(params[:, 1].view(-1, 1, 1, 1)))
+    return out.clamp_(0, 255).to(torch.uint8)
+
+
+def autocontrast(images: torch.Tensor) -> torch.Tensor:
+    """torchvision's autocontrast (each channel of each image stretched to 0-255), with torch.where where it assigns
+    through a boolean mask (a host sync on a GPU)."""
+    x = images.float()
+    low, high = x.amin(dim=(-2, -1), keepdim=True), x.amax(dim=(-2, -1), keepdim=True)
+    flat = high == low
+    inv_scale = torch.where(flat, 1.0, (high - low).mul_(1.0 / 255))
+    return x.sub_(torch.where(flat, 0.0, low)).div_(inv_scale).clamp_(0, 255).to(torch.uint8)
+
+
+def run_op(name: str, images: torch.Tensor, params: torch.Tensor, mode: str) -> torch.Tensor:
+    import torchvision.transforms.v2.functional as TF
+
+    if name in GEOMETRIC:
+        return affine(images, params, mode)
+    if name == "Brightness":
+        return blend(images, torch.zeros((), device=images.device), params)
+    if name == "Color":
+        return blend(images, gray(images), params)
+    if name == "Contrast":
+        return blend(images, gray(images).mean(dim=(1, 2, 3), keepdim=True), params)
+    if name == "Sharpness":
+        return sharpen(images, params)
+    if name == "Posterize":
+        return images & params[:, 0].to(torch.uint8).view(-1, 1, 1, 1)
+    if name == "Solarize":
+        return torch.where(images >= params[:, 0].view(-1, 1, 1, 1), 255 - images, images)
+    if name == "AutoContrast":
+        return autocontrast(images)
+    if name == "Equalize":
+        return TF.equalize(images)
+    return images  # Identity
+
+
+def apply_policy(images: torch.Tensor, draws: PolicyDraws) -> torch.Tensor:
+    """uint8 (n, 3, S, S) -> the batch with each image's drawn ops applied (AugMix: its chains mixed by its weights,
+    truncated to uint8 as torchvision's), channels-last."""
+    chains = len(draws.order) // draws.depth
+    mixed = None if draws.weights is None else images.float() * draws.weights[:, 0].view(-1, 1, 1, 1)
+    for chain in range(chains):
+        out = images
+        for layer in range(chain * draws.depth, (chain + 1) * draws.depth):
+            order, counts = draws.order[layer], draws.counts[layer]
+            if counts[0] == len(order):  # every image drew Identity
+                continue
+            ordered = out.index_select(0, order)
+            parts = [run_op(name, part, params, draws.mode) for name, part, params, count in
+                     zip(OPS, ordered.split(counts), draws.params[layer].split(counts), counts) if count]
+            out = torch.empty_like(ordered).index_copy_(0, order, torch.cat(parts))
+        if mixed is not None:
+            mixed.add_(out * draws.weights[:, 1 + chain].view(-1, 1, 1, 1))
+    result = out if mixed is None else mixed.to(torch.uint8)
+    return result.contiguous(memory_format=torch.channels_last)
 
 
 class BatchTransform:
