@@ -150,11 +150,18 @@ def stream_read(self, rows):
 
 def decoding_getitems(self, indices):
     stream_record({"fetch": self.images.rows.split, "epoch": self.epoch, "rows": [int(i) for i in indices]})
-    hang = os.environ.get("PROBE_HANG_SAMPLE")  # EPOCH:INDEX: the worker decoding that training sample never returns
-    if hang and self.augment_seed is not None and [self.epoch, int(hang.split(":")[1])] in \
-            [[int(hang.split(":")[0]), int(i)] for i in indices]:
-        time.sleep(10 ** 6)
     return real_getitems(self, indices)
+
+
+real_encoded_read = image_kinds.EncodedImages.read
+
+
+def hanging_read(self, indices, key):
+    """EncodedImages.read, which never returns a training batch that holds PROBE_HANG_SAMPLE's sample in its epoch."""
+    hang = os.environ.get("PROBE_HANG_SAMPLE")  # EPOCH:INDEX
+    if hang and key is not None and key[1] == int(hang.split(":")[0]) and int(hang.split(":")[1]) in indices:
+        time.sleep(10 ** 6)
+    return real_encoded_read(self, indices, key)
 
 
 real_prepare = Accelerator.prepare
@@ -330,6 +337,7 @@ def fake_hub(folder: str) -> None:
 if os.environ.get("PROBE_FAKE_HUB"):
     fake_hub(os.environ["PROBE_FAKE_HUB"])
 image_kinds.LoaderDataset.__getitems__ = getitems
+image_kinds.EncodedImages.read = hanging_read
 stream.StreamRows.read = stream_read
 stream.index_shard = index_shard
 Accelerator.prepare = prepare

@@ -92,8 +92,9 @@ def test_a_hung_loader_worker_stops_the_job_in_one_line_naming_its_rank_and_resu
                                                                                                jpeg_parquet, tmp_path):
     """A loader worker of rank 1 that never returns the batch of optimizer step 10 (epoch 2, after the step-8
     checkpoint), with --dist-timeout 40: the job ends, non-zero, with one error line naming rank 1, the 20 s it waited
-    (half --dist-timeout) and its loader's workers; step 8 is the newest complete checkpoint, and --resume auto ends
-    with the uninterrupted run's trainable parameters bitwise."""
+    (half --dist-timeout) and its loader's workers, after the hung worker's stacks (once, at 10 s) where it waits;
+    step 8 is the newest complete checkpoint, and --resume auto ends with the uninterrupted run's trainable
+    parameters bitwise."""
     from utils import checkpoint as ckpt
     from utils.data.draws import key_stream
 
@@ -105,9 +106,15 @@ def test_a_hung_loader_worker_stops_the_job_in_one_line_naming_its_rank_and_resu
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert errors == ["error: rank 1 waited 20 s (half --dist-timeout) for a batch from its loader's worker processes, "
-                      "which hang (a read or a decode that does not return); this process (rank 1) stopped. Continue "
-                      "with --resume auto: it takes the newest complete checkpoint (one being written is never "
-                      "used)."], result.stderr[-3000:]
+                      "which hang (a read or a decode that does not return; the worker's stacks are above); this "
+                      "process (rank 1) stopped. Continue with --resume auto: it takes the newest complete checkpoint "
+                      "(one being written is never used)."], result.stderr[-3000:]
+    # faulthandler's dump of the hung worker's threads, once, at 10 s: one of them sleeps in the probe's read
+    stacks = result.stderr.split("Timeout (0:00:10)!\n")
+    assert len(stacks) == 2 and stacks[1].index(errors[0]) > 0, result.stderr[-3000:]
+    threads = [[line.rsplit(" in ", 1)[-1] for line in block.splitlines() if line.startswith("  File")]
+               for block in stacks[1].split("\n\n")]
+    assert ["hanging_read", "batch", "__getitems__"] in [frames[:3] for frames in threads], stacks[1][:3000]
     complete = [p.name for p in (out / "checkpoints").glob("step-*") if ckpt.problem(p) is None]
     assert max(complete) == "step-00000008" and not (out / "summary.json").exists()
     result = run_train(args(jpeg_parquet, out, "--data-workers", "2", "--resume", "auto"), launch=TWO_RANKS)

@@ -304,7 +304,8 @@ def run(job) -> int:
     except RuntimeError as e:  # torch.distributed.DistBackendError is one
         hung = re.match(r"DataLoader timed out after ([\d.]+) seconds", str(e))  # PyTorch's, at the loader's timeout
         why = (f"rank {rank} waited {float(hung[1]):g} s (half --dist-timeout) for a batch from its loader's worker "
-               f"processes, which hang (a read or a decode that does not return)") if hung else peer_failure(str(e))
+               f"processes, which hang (a read or a decode that does not return; the worker's stacks are above)"
+               ) if hung else peer_failure(str(e))
         if why is None:
             raise
         line = (f"error: {why}; this process (rank {rank}) stopped. Continue with --resume auto: it takes the newest "

@@ -13,6 +13,7 @@ from (seed, epoch, sample index), so batches are the same at any process count, 
 from __future__ import annotations
 
 import abc
+import faulthandler
 import os
 from dataclasses import replace
 from functools import partial
@@ -64,18 +65,30 @@ class LoaderDataset(torch.utils.data.Dataset):
     own (`Images.read`). A training batch's draws are keyed by `augment_seed` (None: an evaluation set), `epoch` (set
     by the sampler), `augment` (off: no crop and flip), `pad` (the crop's padding), `mixing`, `erasing` (the
     chance that an image is erased, --random-erase) and `policy` (--auto-augment). Crops that the kind cuts as it
-    decodes get the policy here, in the loader's worker; the others on the device after their crop and flip."""
+    decodes get the policy here, in the loader's worker; the others on the device after their crop and flip.
+    `watch_s` (loader workers; 0: off): a batch still being read after that many seconds writes the stacks of its
+    process's threads to stderr (faulthandler, whose own thread needs no lock a hung one may hold): a hang says
+    where it waits."""
 
     def __init__(self, images: Images, labels: torch.Tensor, augment_seed: int | None, augment: bool, pad: int,
-                 mixing: Mixing | None, erasing: float = 0.0, policy: Policy | None = None):
+                 mixing: Mixing | None, erasing: float = 0.0, policy: Policy | None = None, watch_s: float = 0.0):
         self.images, self.labels = images, labels
         self.augment_seed, self.augment, self.pad, self.mixing, self.epoch = augment_seed, augment, pad, mixing, 0
-        self.erasing, self.policy = erasing, policy
+        self.erasing, self.policy, self.watch_s = erasing, policy, watch_s
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def __getitems__(self, indices: list[int]):
+        if not self.watch_s:
+            return self.batch(indices)
+        faulthandler.dump_traceback_later(self.watch_s)
+        try:
+            return self.batch(indices)
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+
+    def batch(self, indices: list[int]):
         # the indices through numpy: 3 us for 128, torch.as_tensor(list) 14 us. non_blocking: with the data on a GPU
         # a blocking copy would wait for all queued GPU work every batch (a copy from pageable memory is staged
         # before the call returns, so the host array may go away at once).

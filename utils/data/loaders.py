@@ -50,9 +50,10 @@ def make_loader(images: Images | torch.Tensor, labels: torch.Tensor, batch_size:
     `policy`: --auto-augment's);
     evaluation keeps every image in order, as (images, labels). The kind's loader workers read and decode (none for
     images in memory); `timeout`: seconds a worker may take to give its batch before the loader raises (0: forever;
-    utils.launch.run says it in one line)."""
+    utils.launch.run says it in one line; the worker has written its stacks to stderr at half of it)."""
     images = as_images(images)
-    dataset = LoaderDataset(images, labels, seed if train else None, augment, pad, mixing, erasing, policy)
+    watch_s = timeout / 2 if images.workers else 0.0  # a hung worker's stacks, well before the loader gives up
+    dataset = LoaderDataset(images, labels, seed if train else None, augment, pad, mixing, erasing, policy, watch_s)
     return torch.utils.data.DataLoader(
         dataset,
         batch_size=batch_size,
