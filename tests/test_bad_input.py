@@ -116,8 +116,9 @@ def test_integer_labels_that_are_not_0_to_c_minus_1(tmp_path, small_data):
 
 def test_train_and_test_splits_with_different_classes(tmp_path, small_data):
     write_parquet(small_data / "test-00000-of-00001.parquet", 8, class_names=("cat", "dog"))
-    _fails_cleanly(tmp_path, ["--data-dir", str(small_data)], "the train and test splits have different classes "
-                   "(train: airplane, automobile, bird, cat, deer, dog, frog, horse, ship, truck; test: cat, dog).")
+    _fails_cleanly(tmp_path, ["--data-dir", str(small_data)], "the test split names other classes than the train "
+                   "split (airplane, automobile, bird, deer, frog, horse, ship, truck in one of them only): every "
+                   "split must name the same classes.")
 
 
 def test_a_label_column_that_is_neither_class_names_nor_integers(tmp_path, small_data):

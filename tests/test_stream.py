@@ -455,6 +455,18 @@ def test_decode_auto_streams_a_url_and_a_folder_of_tar_shards(stream_shards, cap
                               f"{240 * 3 * 96 * 96 / 2**20:,.1f} MiB at 96 x 96 px, {tmp_path} has ")
 
 
+@pytest.mark.parametrize("decode", ["cache", "workers"])
+def test_a_folder_of_tar_shards_asked_to_decode_other_than_as_a_stream_is_one_line(stream_shards, decode, tmp_path):
+    """Tar shards are read as a stream only: --decode cache or workers on a folder of them is refused in one line
+    that says which flag reads them."""
+    cfg = SimpleNamespace(decode=decode, data_dir=str(stream_shards["tar"]), augment="standard", image_size=None,
+                          cache_dir=str(tmp_path), val_fraction=None, image_column=None, label_column=None)
+    with pytest.raises(stream.UserError) as e:
+        choose_decode(cfg, None)
+    assert str(e.value) == (f"--decode {decode}: --data-dir {stream_shards['tar']} holds tar shards, which are read as "
+                            f"a stream (--decode stream, or auto).")
+
+
 def test_decode_auto_weighs_the_images_own_size_when_no_image_size_is_given(stream_shards, capsys, tmp_path):
     """--decode auto with no --image-size, on 240 parquet images whose first is 96 x 96 (6.3 MiB decoded) and a 1 MiB
     cache filesystem: the workers path, and the line says the size it weighed."""

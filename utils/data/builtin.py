@@ -8,12 +8,13 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from utils import UserError
 from utils.config_groups import is_url
 from utils.data.decode import default_cache_dir, load_source
 from utils.data.images import EncodedImages, TensorImages, worker_share
 from utils.data.pixels import CropRecipe, crop_recipe
 from utils.data.sources import SPLITS, Source, fingerprint, first_size, locate
-from utils.data.stream import StreamSettings, holds_tar_shards_only, open_stream
+from utils.data.stream import StreamSettings, open_stream
 from utils.launch import first_on_each_machine, main_print
 
 
@@ -79,10 +80,13 @@ def choose_decode(cfg, dataset: str | None) -> tuple[str, Source | None]:
     choice, why = (cfg.decode, f"--decode {cfg.decode}") if cfg.decode != "auto" else (None, "--decode auto")
     if choice is None and is_url(cfg.data_dir):
         choice, why = "stream", "--decode auto: --data-dir is a URL"
-    elif choice is None and cfg.data_dir and holds_tar_shards_only(Path(cfg.data_dir)):
-        choice, why = "stream", "--decode auto: --data-dir holds tar shards"
     source = None if choice == "stream" else first_on_each_machine(lambda: locate(cfg.data_dir, dataset,
                                                                                   cfg.val_fraction))
+    if source and source.kind == "shards":
+        if choice is not None:
+            raise UserError(f"--decode {choice}: --data-dir {cfg.data_dir} holds tar shards, which are read as a "
+                            f"stream (--decode stream, or auto).")
+        choice, why, source = "stream", "--decode auto: --data-dir holds tar shards", None
     if choice is None and cfg.augment == "resized-crop":
         choice, why = "workers", "--decode auto: --augment resized-crop crops whole images"
     elif choice is None:

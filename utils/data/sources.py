@@ -24,6 +24,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -152,9 +153,11 @@ def fingerprint(paths: list[str | Path], settings: dict, version: int = 0) -> st
 
 
 def find_source(data_dir: str | Path) -> tuple[str, dict[str, list[Path]]]:
-    """What --data-dir holds: ("parquet", {split: its <split>-*.parquet files at any depth, as in a Hub snapshot}) or
+    """What --data-dir holds: ("parquet", {split: its <split>-*.parquet files at any depth, as in a Hub snapshot}),
     ("imagefolder", {split: the image files of <split>/<class>/}), for the splits found: train, and test or
-    validation (the first of them that is there; neither: a part of train is held out, see hold_out)."""
+    validation (the first of them that is there; neither: a part of train is held out, see hold_out); or
+    ("shards", {}) for webdataset tar shards (*-train-*.tar at any depth), which are read as a stream
+    (utils/data/stream.py lists them)."""
     root = Path(data_dir)
     if not root.is_dir():
         raise UserError(f"--data-dir {root} does not exist or is not a directory. {DATA_LAYOUTS}")
@@ -164,11 +167,17 @@ def find_source(data_dir: str | Path) -> tuple[str, dict[str, list[Path]]]:
         return "parquet", {s: parquet[s] for s in ("train", eval_split) if s}
     if (root / "train").is_dir() and any(d.is_dir() for d in (root / "train").iterdir()):
         return "imagefolder", _image_folder_files(root)
-    raise UserError(
-        f"--data-dir {root} holds no train-*.parquet file and no image folder (train/<class>/*.png, "
-        f"test/<class>/...); expected the parquet layout of a Hub dataset (data/train-*.parquet), or such a folder"
-        + ("; its tar shards are read with --decode stream." if any(root.rglob("*.tar")) else ".")
-    )
+    if any(names_split(p.name, "train") for p in root.rglob("*.tar")):
+        return "shards", {}
+    raise UserError(f"--data-dir {root} holds no train-*.parquet file, no image folder (train/<class>/*.png, "
+                    f"test/<class>/...) and no tar shard (*-train-*.tar); expected the parquet layout of a Hub dataset "
+                    f"(data/train-*.parquet), or such a folder or shards.")
+
+
+def names_split(file_name: str, split: str) -> bool:
+    """Whether a shard's file name names the split, set off by -, _ or . (train-00000-of-00004.parquet,
+    cifar-train-0.tar)."""
+    return re.search(rf"(^|[-_.]){split}[-_.]", file_name) is not None
 
 
 def _image_folder_files(root: Path) -> dict[str, list[Path]]:
@@ -361,25 +370,33 @@ def shared_classes(rows: dict[str, Rows], eval_name: str) -> tuple[str, ...]:
     """The class names both splits share: the ClassLabel's, or "0".."C-1" for integer labels, which must then be
     exactly 0..C-1 in the training split (C: how many distinct labels it has). Every label must name a class.
     Checked before decoding."""
-    names = {role: r.names for role, r in rows.items()}
-    if names["train"] != names["test"]:
-        described = {s: ", ".join(n[:12]) + (", ..." if len(n) > 12 else "") if n else "integers" for s, n in
-                     names.items()}
-        raise UserError(f"the train and {eval_name} splits have different classes (train: {described['train']}; "
-                        f"{eval_name}: {described['test']}).")
-    classes = names["train"]
+    check_same_classes({"the train split": rows["train"].names, f"the {eval_name} split": rows["test"].names}, "split")
+    classes = rows["train"].names
     if classes is None:
         count = len(torch.unique(rows["train"].labels))
         classes = tuple(str(k) for k in range(count))
     for r in rows.values():
         bad = torch.nonzero((r.labels < 0) | (r.labels >= len(classes))).flatten()
         if len(bad):
-            why = (f"labels must be 0-{len(classes) - 1}" if names["train"] else
+            why = (f"labels must be 0-{len(classes) - 1}" if rows["train"].names else
                    f"a label column without class names must hold the integers 0..C-1, and the training split has "
                    f"{len(classes)} distinct labels")
             raise UserError(f"the {r.split} split has label {int(r.labels[bad[0]])} at {r.where(int(bad[0]))} "
                             f"({len(bad)} rows in all); {why}.")
     return classes
+
+
+def check_same_classes(named: dict[str, tuple[str, ...] | None], part: str) -> None:
+    """One line naming the first of the parts (splits, shards) whose class names (None: integer labels) are not the
+    first part's."""
+    (first, ours), *rest = named.items()
+    for where, theirs in rest:
+        if theirs != ours:
+            only = sorted(set(ours or ()) ^ set(theirs or ()))
+            why = ("integer labels in one of them" if None in (ours, theirs) else
+                   f"{', '.join(only)} in one of them only" if only else "the same names in another order")
+            raise UserError(f"{where} names other classes than {first} ({why}): every {part} must name the same "
+                            f"classes.")
 
 
 def _permutation(n: int) -> torch.Tensor:

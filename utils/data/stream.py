@@ -1,45 +1,15 @@
 """Shards streamed as training reads them (--decode stream): parquet or webdataset tar shards, in a local folder or
-at an fsspec URL (hf://datasets/..., s3://...; the same code reads both), with no local copy. For data larger than
-the disk. The images are decoded by batch in the loader's workers as on the on-the-fly path (utils/data/images.py),
-whose EncodedImages.read reads them through `StreamRows` here instead of a memory-mapped table.
+at an fsspec URL (hf://datasets/..., s3://...; the same code reads both), with no local copy, for data larger than
+the disk. utils/data/images.py's EncodedImages decodes them by batch in the loader's workers, reading them through
+`StreamRows` here instead of a memory-mapped table.
 
-What is read where, each epoch (`stream_plan`, a function of the shards' row counts, the seed, the epoch, the
-layout (processes x loader workers x micro-batch), the window and the block):
-  1. every shard cut into blocks of --shuffle-block rows (a shard's last block may be shorter), and the blocks of all
-     shards laid end to end in an order drawn from (seed, epoch), stratified by class (`spread_blocks`: each class's
-     blocks spread evenly over the epoch): the epoch's stream. Rows that sit together in a shard (a class, when
-     shards were written class by class) end up spread over the whole stream, whatever the shards' order or content,
-     and a stretch of it holds each class in about its share;
-  2. the stream cut to whole global batches (the N mod B rows at its end sit out this epoch, as N mod B images do
-     under utils.data.images.EpochSampler; the next epoch's order leaves out others) and split into one contiguous range
-     per reader (a process's loader worker), so each row is read by exactly one reader;
-  3. each reader's range shuffled within windows of --shuffle-buffer rows, keyed by (seed, epoch, row): a window
-     mixes the rows of about window / block blocks, drawn from the whole dataset;
-  4. the sampler's order (`StreamSampler`) lists each reader's batches where Accelerate's sharding (micro-batch k
-     to process k mod P) and the DataLoader (a process's j-th batch to worker j mod W) will hand them to it.
-The start says so when the plan's micro-batches still hold few classes (`class_mix`, against a uniform shuffle).
-
-Reading cost. A reader asks for a window's rows as one request per run of consecutive rows of a tar (a block, or
-the part of one in the window: one byte range) and one per parquet row group (read whole: a row group larger than
-the block is read once for each window that holds one of its blocks). With --read-ahead R, up to R requests are in
-flight on the reader's threads, and the next window of its range is asked for as soon as it starts on one. Memory:
-a reader holds at most three windows of encoded images (the one it decodes, the one before and the next), plus a
-row group per parquet request in flight. Every request to a remote folder is tried on its own (`retried`): a
-folder's listing, a file's size, a byte range (a tar's run of rows; a block of a parquet file or of the index pass,
-`RemoteFile`); a transient error (a 5xx, 408 or 429, a timeout, a reset connection, a body cut short) is tried again
-ATTEMPTS times with backoff, then stops the run with one line naming the URL. The listing skips hidden folders (the
-cache's `.decoded` among them) and the cache folder.
-
-The index (a parquet shard's footer and label column; a tar's headers and .cls members, which means reading it
-through) is read once per job, shard i by process i mod P, and kept in the cache folder keyed by the file's URL,
-size and version (ETag, Last-Modified or mtime, as its filesystem reports): a second start reads none of it again.
-
-The position in the stream is the epoch's batch count, which checkpoints hold already; the sampler adds the layout,
-window and block its epoch was planned with (stream.json), so a resume on another process count, micro-batch or
-worker count finishes that epoch in its planned order (each image once; only reads cross readers' ranges) and plans
-the next in the new layout.
-Evaluation reads the test shards in order, split the same way, and counts every image once (Accelerate pads an
-uneven last round with the first images, read a second time; gather_for_metrics drops them).
+docs/data.md ("Streamed shards") is the design in prose: each epoch's plan (`stream_plan`: blocks of --shuffle-block
+rows stratified by class over the epoch, cut to whole global batches, one contiguous range per reader, each shuffled
+within windows of --shuffle-buffer rows keyed by (seed, epoch, row); `StreamSampler` lists each reader's batches where
+Accelerate and the DataLoader hand them to it), what a reader requests and holds (--read-ahead), the retries of every
+request to a remote folder (`retried`, `RemoteFile`), the shards' index kept in the cache folder (`index_shard`), and
+the sampler's state in each checkpoint (stream.json), with which a resume on another layout finishes its epoch in
+the planned order.
 
 Written by hand, on pyarrow and fsspec (what datasets reads parquet and URLs with): datasets' IterableDataset
 splits shards between processes only when their count divides the readers' (else every process reads every shard
@@ -57,7 +27,6 @@ import io
 import json
 import math
 import os
-import re
 import tarfile
 import threading
 import time
@@ -77,7 +46,14 @@ from fsspec.exceptions import FSTimeoutError
 from utils import UserError, first_line, write_atomically
 from utils.data.draws import key_stream, splitmix64
 from utils.data.images import KeyedSampler
-from utils.data.sources import IMAGE_SUFFIXES, EncodedRows, image_and_label, shared_classes
+from utils.data.sources import (
+    IMAGE_SUFFIXES,
+    EncodedRows,
+    check_same_classes,
+    image_and_label,
+    names_split,
+    shared_classes,
+)
 from utils.launch import main_print, raise_if_any
 
 SHARD_SUFFIXES = (".parquet", ".tar")
@@ -219,9 +195,8 @@ def find_shards(data_dir: str, cache: Path | None = None) -> dict[str, list[str]
     files = shard_files(fs, root, f"cannot list --data-dir {data_dir}", cache)
     found = {}
     for split in ("train", "test", "validation"):
-        named = re.compile(rf"(^|[-_.]){split}[-_.]")
         found[split] = sorted(f if is_local(fs) else fs.unstrip_protocol(f) for f in files
-                              if named.search(PurePosixPath(f).name))
+                              if names_split(PurePosixPath(f).name, split))
     if not found["train"]:
         raise UserError(f"--decode stream: --data-dir {data_dir} holds no training shard (train-*.parquet or "
                         f"*-train-*.tar).")
@@ -251,17 +226,6 @@ def shard_files(fs, root: str, failed: str, cache: Path | None = None) -> list[s
             elif name.endswith(SHARD_SUFFIXES):
                 files.append(name)
     return files
-
-
-def holds_tar_shards_only(folder: Path) -> bool:
-    """Whether a local folder holds no image folder and its shards (find_shards') are tar shards, train's and
-    test's (or validation's)."""
-    if (folder / "train").is_dir():  # an image folder is not walked
-        return False
-    try:
-        return all(url.endswith(".tar") for urls in find_shards(str(folder)).values() for url in urls)
-    except UserError:  # no shards of both splits: the load says what is wrong
-        return False
 
 
 def _open(url: str, failed: str, size: int | None = None):
@@ -385,17 +349,6 @@ def _index_tar(url: str, f) -> Shard:
             labels.append(int(text))
     return Shard(url, np.array(labels, dtype=np.int64), None,
                  members=np.array([images[k] for k in keys], dtype=np.int64).reshape(-1, 2))
-
-
-def check_same_classes(shards: list[Shard]) -> None:
-    """One line naming a shard whose class names (its ClassLabel's; None: integer labels) are not the first's."""
-    first = shards[0]
-    for s in shards[1:]:
-        if s.names != first.names:
-            ours, theirs = set(first.names or ()), set(s.names or ())
-            missing = sorted(ours - theirs) or sorted(theirs - ours)
-            raise UserError(f"{s.url} names other classes than {first.url} ({', '.join(missing) or 'integer labels'}"
-                            f" in one of them only): every shard must name the same classes.")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -706,7 +659,7 @@ def open_stream(data_dir: str, columns: tuple[str | None, str | None], settings:
     found = find_shards(data_dir, settings.index_cache)
     eval_split = [s for s in found if s != "train"][0]
     shards = {s: index_shards(urls, columns, settings.index_cache) for s, urls in found.items()}
-    check_same_classes(shards["train"] + shards[eval_split])
+    check_same_classes({s.url: s.names for s in shards["train"] + shards[eval_split]}, "shard")
     rows = {"train": StreamRows(shards["train"], "train", settings),
             "test": StreamRows(shards[eval_split], eval_split, settings)}
     classes = shared_classes(rows, eval_split)  # names, or 0..C-1 for integer labels; every label in range
