@@ -22,7 +22,7 @@ import math
 import torch
 
 from utils import UserError
-from utils.pretrained import built_from
+from utils.pretrained import BuiltFrom, built_from
 
 # the last part of a tensor's name that marks a token or a position embedding: timm's cls_token, dist_token,
 # reg_token, pos_embed, absolute_pos_embed, relative_position_bias_table; transformers' cls_token, mask_token,
@@ -46,7 +46,7 @@ def parameter_groups(model: torch.nn.Module, lr: float, weight_decay: float, *, 
     prefixes of its parameters, for `layer_decay` on a model that is not timm's or transformers'."""
     built = built_from(model)
     new = set(built.new_tensors) if built else None  # None: all new, as a model trained from scratch
-    depth = depths(model, layers) if layer_decay is not None else {}
+    depth = depths(model, layers, built) if layer_decay is not None else {}
     groups: dict[tuple[bool, int, bool], list[torch.Tensor]] = {}
     for name, tensor in model.named_parameters():
         key = (new is not None and name not in new, depth.get(name, 0), exemptions and not decays(name, tensor))
@@ -58,9 +58,10 @@ def parameter_groups(model: torch.nn.Module, lr: float, weight_decay: float, *, 
             for key in sorted(groups) for backbone, d, exempt in [key]]
 
 
-def depths(model: torch.nn.Module, layers: list[tuple[str, ...]] | None) -> dict[str, int]:
-    """Each parameter's depth below the head's layer (0: in it), for --layer-decay."""
-    built, names = built_from(model), [name for name, _ in model.named_parameters()]
+def depths(model: torch.nn.Module, layers: list[tuple[str, ...]] | None, built: BuiltFrom | None) -> dict[str, int]:
+    """Each parameter's depth below the head's layer (0: in it), for --layer-decay; `built`: the pretrained model's
+    declaration (utils.pretrained.built_from), or None."""
+    names = [name for name, _ in model.named_parameters()]
     if built is not None and built.library == "timm":
         from timm.optim import param_groups_layer_decay
 

@@ -90,11 +90,12 @@ def choose_decode(cfg, dataset: str | None) -> tuple[str, Source | None]:
     if choice is None and cfg.augment == "resized-crop":
         choice, why = "workers", "--decode auto: --augment resized-crop crops whole images"
     elif choice is None:
+        side = cfg.image_size or first_size(source.rows((cfg.image_column, cfg.label_column))[0])[0]
+        need = source.count() * 3 * side ** 2
         folder = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir(cfg.data_dir)
         while not folder.exists():
             folder = folder.parent
-        side = cfg.image_size or first_size(source.rows((cfg.image_column, cfg.label_column))[0])[0]
-        need, free = source.count() * 3 * side ** 2, shutil.disk_usage(folder).free
+        free = shutil.disk_usage(folder).free
         choice = "workers" if need > free else "cache"
         why = (f"--decode auto: the decoded images take {need / 2**20:,.1f} MiB at {side} x {side} px, {folder} has "
                f"{free / 2**20:,.1f} MiB free")

@@ -366,10 +366,13 @@ def first_size(splits: dict[str, Rows]) -> tuple[int, str]:
     return w, where
 
 
-def shared_classes(rows: dict[str, Rows], eval_name: str) -> tuple[str, ...]:
-    """The class names both splits share: the ClassLabel's, or "0".."C-1" for integer labels, which must then be
-    exactly 0..C-1 in the training split (C: how many distinct labels it has). Every label must name a class.
-    Checked before decoding."""
+def shared_classes(rows: dict[str, EncodedRows], eval_name: str, shards: dict[str, tuple | None] | None = None
+                   ) -> tuple[str, ...]:
+    """The class names both splits share (and, for a stream, every one of its `shards`: {URL: its names}): the
+    ClassLabel's, or "0".."C-1" for integer labels, which must then be exactly 0..C-1 in the training split (C: how
+    many distinct labels it has). Every label must name a class. Checked before decoding."""
+    if shards:
+        check_same_classes(shards, "shard")
     check_same_classes({"the train split": rows["train"].names, f"the {eval_name} split": rows["test"].names}, "split")
     classes = rows["train"].names
     if classes is None:

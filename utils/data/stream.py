@@ -46,14 +46,7 @@ from fsspec.exceptions import FSTimeoutError
 from utils import UserError, first_line, write_atomically
 from utils.data.draws import key_stream, splitmix64
 from utils.data.images import KeyedSampler
-from utils.data.sources import (
-    IMAGE_SUFFIXES,
-    EncodedRows,
-    check_same_classes,
-    image_and_label,
-    names_split,
-    shared_classes,
-)
+from utils.data.sources import IMAGE_SUFFIXES, EncodedRows, image_and_label, names_split, shared_classes
 from utils.launch import main_print, raise_if_any
 
 SHARD_SUFFIXES = (".parquet", ".tar")
@@ -659,10 +652,10 @@ def open_stream(data_dir: str, columns: tuple[str | None, str | None], settings:
     found = find_shards(data_dir, settings.index_cache)
     eval_split = [s for s in found if s != "train"][0]
     shards = {s: index_shards(urls, columns, settings.index_cache) for s, urls in found.items()}
-    check_same_classes({s.url: s.names for s in shards["train"] + shards[eval_split]}, "shard")
     rows = {"train": StreamRows(shards["train"], "train", settings),
             "test": StreamRows(shards[eval_split], eval_split, settings)}
-    classes = shared_classes(rows, eval_split)  # names, or 0..C-1 for integer labels; every label in range
+    named = {s.url: s.names for s in shards["train"] + shards[eval_split]}
+    classes = shared_classes(rows, eval_split, named)  # names, or 0..C-1 for integer labels; every label in range
     return rows, classes, {"source": data_dir, "kind": "shards", "shards": {s: len(u) for s, u in found.items()},
                            "images": {s: len(rows[r]) for s, r in zip(found, rows)}, "eval_split": eval_split,
                            "decode": "stream", "shuffle_block": settings.block}
