@@ -272,11 +272,11 @@ def main(cfg: Config) -> dict:
         choose_fsdp_units(accelerator, fsdp, model)  # FSDP: the model's _no_split_modules, else by size; says which
         model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
         check_wrapper(accelerator, model, cfg.bf16_grad_sync)  # DDP or FSDP really wraps it; bf16 all-reduce if asked
+        ema = WeightEMA(accelerator, model, cfg.ema_decay) if cfg.ema_decay else None  # updated after each step
         transform = BatchTransform.for_data(data, accelerator.device, channels_last)  # its mean, std, size, classes
         extra_metrics = load_metrics(cfg.metric, data["classes"], accelerator)  # --metric: loaded, tried once
         run_eval = partial(evaluate, model, eval_loader, transform, accelerator, tta_flip=cfg.tta_flip,  # each once
                            classes=data["classes"], compute_loss=partial(compute_loss, cfg), metrics=extra_metrics)
-        ema = WeightEMA(accelerator, model, cfg.ema_decay) if cfg.ema_decay else None  # updated after each step
         guard = StopGuard(accelerator, HEALTH_CHECK_EVERY, checkpointer)  # preemption signals and a non-finite loss
         # when to evaluate, the best weights by --best-metric (checked now: a metric it evaluates), an early stop
         evaluator = Evaluator(cfg, run_eval, accelerator, model, tracker, guard, ema, extra_metrics)
