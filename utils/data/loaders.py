@@ -9,9 +9,6 @@ batches the same at any process count:
 
 from __future__ import annotations
 
-import multiprocessing
-import sys
-
 import torch
 from accelerate.utils import broadcast_object_list
 
@@ -19,16 +16,6 @@ from utils import UserError
 from utils.data.draws import Mixing, crop_padding
 from utils.data.images import Images, LoaderDataset, as_images
 from utils.data.transform import Policy, augment_policy
-
-# How the loaders' worker processes start. CPython before 3.11.10 can deadlock a child forked while a thread without
-# a Python thread state (a library's native thread calling back into Python) is creating one: the child waits
-# forever inside os.fork(), on the interpreter's thread-list lock, before any code of its own runs (gh-112275; seen
-# here as a loader worker that never started, about 1 fork in 100 under load). A training process has such threads,
-# so on those versions the workers are forked by a forkserver (a process of its own, started once, that has none).
-# Its cost: the script's imports once more per process, at the first loader; and a copy's Dataset must pickle.
-WORKER_START = "forkserver" if sys.version_info < (3, 11, 10) else None  # None: the platform's default, fork
-if WORKER_START:  # imported by the server once, not by each worker (which then runs only the script's own lines)
-    multiprocessing.set_forkserver_preload(["torch", "torchvision", "accelerate", "datasets", __name__])
 
 
 def check_one_batch(labels: torch.Tensor, batch_size: int, processes: int, accumulation: int = 1) -> None:
@@ -77,7 +64,6 @@ def make_loader(images: Images | torch.Tensor, labels: torch.Tensor, batch_size:
         # not persistent: each epoch's workers start after set_epoch, with the epoch that keys their draws
         num_workers=images.workers,
         timeout=timeout if images.workers else 0,  # a hung worker stops the job instead of hanging it
-        multiprocessing_context=WORKER_START if images.workers else None,
     )
 
 
@@ -87,7 +73,7 @@ def rebatched(loader: torch.utils.data.DataLoader, batch_size: int) -> torch.uti
     return torch.utils.data.DataLoader(loader.dataset, batch_size=batch_size, sampler=loader.sampler,
                                        drop_last=loader.drop_last, collate_fn=loader.collate_fn,
                                        pin_memory=loader.pin_memory, num_workers=loader.num_workers,
-                                       timeout=loader.timeout, multiprocessing_context=loader.multiprocessing_context)
+                                       timeout=loader.timeout)
 
 
 def build_loaders(data: dict, cfg, accelerator, plan):
