@@ -93,6 +93,9 @@ rec = {"batches": [], "allreduce_at": [], "synced_in_bf16": [], "comm_hook": Non
        "draws": [], "param_types": [], "local_numel": 0, "fsdp_units": [], "logs": [], "writes": [],
        "eval_outputs": [], "dataset_devices": [], "norm_types": [], "grad_norms": [], "hub_calls": []}
 datasets_seen: list[int] = []
+# the run's folder; also in a loader worker started by a forkserver, which runs this file as __mp_main__, without its
+# __main__ block, with the job's argv
+output_dir = str(Path(sys.argv[sys.argv.index("--output-dir") + 1]).resolve()) if "--output-dir" in sys.argv else None
 recorded: dict[str, torch.Tensor] = {}  # PROBE_RECORD_WEIGHTS: NAME@STEP -> tensor
 RECORD = [n for n in os.environ.get("PROBE_RECORD_WEIGHTS", "").split(",") if n]
 

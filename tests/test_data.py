@@ -30,6 +30,7 @@ from utils import UserError
 from utils.data import decode, loaders, sources
 from utils.data.decode import default_cache_dir, load_source
 from utils.data.draws import Draws, Mixing, augment_draws, crop_padding, erase_draws, forward_seed, mix_draws
+from utils.data.images import WORKER_START
 from utils.data.loaders import make_loader
 from utils.data.transform import BatchTransform
 
@@ -737,6 +738,22 @@ def test_a_dataset_item_of_the_wrong_type_label_or_size_stops_with_one_line_nami
     data = checked_data({"train": Items(good), "test": Items(pil), "classes": ["a", "b"]})
     assert data["image_size"] == 8 and data["train"][1].tolist() == [0, 1, 0, 1] and len(data["test"][0]) == 3
     assert data["mean"] == (0.0, 0.0, 0.0)
+
+
+@pytest.mark.skipif(WORKER_START is None, reason="this Python forks the loader's workers: nothing is pickled")
+def test_a_dataset_that_does_not_pickle_stops_with_one_line_where_workers_start_from_a_forkserver():
+    """On Python before 3.11.10 the loader's workers start from a forkserver and receive the Dataset pickled: one
+    holding a lambda is one line naming the split and saying what to do, before any worker starts."""
+    from utils.data.contract import checked_data
+
+    unpicklable = Items([(torch.zeros(3, 8, 8, dtype=torch.uint8), 0)] * 2)
+    unpicklable.transform = lambda image: image
+    with pytest.raises(UserError) as e:
+        checked_data({"train": unpicklable, "test": Items(unpicklable.items), "classes": ["a", "b"]})
+    assert str(e.value).startswith("load_data: the train Dataset cannot be pickled (")
+    assert str(e.value).endswith("on Python before 3.11.10 the loader's workers start from a forkserver and receive "
+                                 "it pickled: define its class at the top level of a module and keep no open file, "
+                                 "lock or lambda in it, or use Python 3.11.10 or newer.")
 
 
 def test_the_mean_and_std_are_load_datas_else_the_models_else_the_training_images_and_said_with_where_from():

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import math
 import shutil
+import subprocess
+import sys
+import sysconfig
 
 import numpy as np
 import pytest
@@ -214,3 +217,65 @@ def test_train_vit_decodes_in_workers_and_evaluate_checkpoint_reads_its_run_the_
     line = evaluate_weights(out / "model.safetensors")
     assert (line["script"], line["examples"], line["top1"]) == ("train_vit.py", 48, s["eval_top1"])
     assert line["loss"] == pytest.approx(s["eval_loss"], rel=1e-4)
+
+
+# A native thread that holds the interpreter's thread-list lock (runtime->interpreters.mutex, HEAD_LOCK in CPython's
+# pystate.c) 5 ms of every 5.5: what a library's thread does for an instant when it calls into Python.
+HOLDS_THE_THREAD_LIST_LOCK = r"""
+#define Py_BUILD_CORE
+#include <Python.h>
+#include <internal/pycore_runtime.h>
+#include <pthread.h>
+#include <unistd.h>
+static void *hold(void *unused) {
+    for (;;) {
+        PyThread_acquire_lock(_PyRuntime.interpreters.mutex, WAIT_LOCK);
+        usleep(5000);
+        PyThread_release_lock(_PyRuntime.interpreters.mutex);
+        usleep(500);
+    }
+    return unused;
+}
+int start(void) { pthread_t t; return pthread_create(&t, 0, hold, 0); }
+"""
+
+LOADER_BESIDE_THE_LOCK = """
+import ctypes, os, sys
+import torch
+from utils.data.images import TensorImages
+from utils.data.loaders import make_loader
+
+def main():
+    ctypes.PyDLL(sys.argv[1]).start()
+    images = TensorImages(torch.arange(64, dtype=torch.uint8).view(64, 1, 1, 1).expand(64, 3, 4, 4).contiguous())
+    images.workers = 2  # read in 2 loader worker processes, as the encoded kinds are
+    loader = make_loader(images, torch.arange(64), 16, train=True, timeout=30)
+    for epoch in range(3):  # each epoch starts its workers anew
+        loader.sampler.set_epoch(epoch)
+        print(sorted(int(i) for _, labels, _ in loader for i in labels), flush=True)
+    os._exit(0)  # the holding thread never stops: no interpreter shutdown under it
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.version_info >= (3, 12), reason="the lock is CPython 3.10-3.11's (3.12 reinitialises it)")
+@pytest.mark.skipif(shutil.which((sysconfig.get_config_var("CC") or "cc").split()[0]) is None, reason="no C compiler")
+def test_loader_workers_start_while_another_thread_holds_the_interpreters_thread_list_lock(tmp_path):
+    """CPython before 3.11.10 deadlocks a child forked while another thread holds the interpreter's thread-list lock
+    (gh-112275: the child waits for it in os.fork(); on this machine 19 of 20 plain forks beside the holding thread
+    below hung), which a library's native thread takes whenever it calls into Python: the loader worker that hung a
+    2-rank job 3 times in 227 runs under load. With that lock held 5 ms of every 5.5 by a native thread, a loader
+    with 2 worker processes delivers each of its 64 samples once in each of 3 epochs (each epoch starts its workers
+    anew), within its 30 s timeout."""
+    cc = (sysconfig.get_config_var("CC") or "cc").split()
+    (tmp_path / "hold.c").write_text(HOLDS_THE_THREAD_LIST_LOCK)
+    subprocess.run([*cc, "-shared", "-fPIC", f"-I{sysconfig.get_paths()['include']}", "-o", str(tmp_path / "hold.so"),
+                    str(tmp_path / "hold.c"), "-lpthread"], check=True)
+    (tmp_path / "loader.py").write_text(LOADER_BESIDE_THE_LOCK)
+    result = subprocess.run([sys.executable, str(tmp_path / "loader.py"), str(tmp_path / "hold.so")], cwd=REPO,
+                            env=script_env(PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == [str(list(range(64)))] * 3

@@ -20,6 +20,7 @@ from pathlib import Path
 from utils import UserError
 
 TOOLS = Path(__file__).resolve().parent.parent  # where the templates and the tools live
+IMPORTED: dict[str, str] = {}  # the module name and path of each script import_script has imported in this process
 
 
 def sha256(path: Path) -> str:
@@ -70,9 +71,22 @@ def import_script(path: Path):
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
     spec.loader.exec_module(module)
+    IMPORTED[spec.name] = str(path)
     for name in ("Config", "build_model", "load_data", "compute_loss"):
         if not hasattr(module, name):
             raise UserError(f"{path} defines no {name}: the tools rebuild a run through the training script's Config, "
                             f"build_model(cfg, num_classes), load_data(cfg) and compute_loss(cfg, logits, "
                             f"targets).")
     return module
+
+
+def new_after_imports(cls, scripts: dict):
+    """A bare `cls` object, made after importing each of `scripts` (IMPORTED of the process that pickled it) that this
+    process lacks. An object whose class's __reduce__ returns (new_after_imports, (cls, dict(IMPORTED)), state)
+    unpickles in a fresh process (a loader worker started by a forkserver, utils/data/images.py) when its state holds
+    objects of an imported script's classes (a copy's Dataset, imported by a tool): pickle restores the arguments and
+    calls this before it restores the state."""
+    for name, path in scripts.items():
+        if name not in sys.modules:
+            import_script(Path(path))
+    return cls.__new__(cls)

@@ -5,12 +5,13 @@ what summary.json records of the data."""
 from __future__ import annotations
 
 import warnings
+from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
 import torch
 
-from utils import UserError
-from utils.data.images import EncodedImages, Images, TensorImages, worker_share
+from utils import UserError, first_line
+from utils.data.images import WORKER_START, EncodedImages, Images, TensorImages, worker_share
 from utils.data.pixels import crop_recipe
 from utils.data.sources import SPLITS, DatasetRows
 
@@ -45,6 +46,7 @@ def checked_data(data: dict, where: str = "load_data", cfg=None, model_stats: di
             fixed = out["train"][0].image_size if split == "test" else None  # the test items: the train items' size
             rows, side = DatasetRows.read(data[split], split, f"{where}: the {split} Dataset",
                                           cfg and cfg.image_size, fixed)
+            check_pickles(data[split], f"{where}: the {split} Dataset")
             images = EncodedImages(rows, side, recipe, worker_share(), not (cfg and cfg.full_decode))
             labels = rows.labels
         else:
@@ -66,6 +68,19 @@ def checked_data(data: dict, where: str = "load_data", cfg=None, model_stats: di
     out |= normalisation(data, model_stats or {}, out["train"][0], where, say)
     view = {k: data[k] for k in ("eval_crop", "interpolation") if k in data}  # the built-in loader's resized crops
     return out | {"image_size": int(size)} | view
+
+
+def check_pickles(dataset, what: str) -> None:
+    """Where the loader's workers start from a forkserver (utils.data.images.WORKER_START), each gets the Dataset
+    pickled: one that does not pickle is one line now, not a traceback from the first worker."""
+    if WORKER_START:
+        try:
+            ForkingPickler.dumps(dataset)  # as the DataLoader sends it (tensors through shared memory)
+        except Exception as e:  # noqa: BLE001 - whatever pickling raises, said in one line
+            raise UserError(f"{what} cannot be pickled ({first_line(e)}); on Python before 3.11.10 the loader's "
+                            f"workers start from a forkserver and receive it pickled: define its class at the top "
+                            f"level of a module and keep no open file, lock or lambda in it, or use Python 3.11.10 "
+                            f"or newer.") from None
 
 
 def normalisation(data: dict, model_stats: dict, images: Images, where: str, say=None) -> dict:

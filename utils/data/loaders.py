@@ -14,7 +14,7 @@ from accelerate.utils import broadcast_object_list
 
 from utils import UserError
 from utils.data.draws import Mixing, crop_padding
-from utils.data.images import Images, LoaderDataset, as_images
+from utils.data.images import WORKER_START, Images, LoaderDataset, as_images
 from utils.data.transform import Policy, augment_policy
 
 
@@ -64,6 +64,7 @@ def make_loader(images: Images | torch.Tensor, labels: torch.Tensor, batch_size:
         # not persistent: each epoch's workers start after set_epoch, with the epoch that keys their draws
         num_workers=images.workers,
         timeout=timeout if images.workers else 0,  # a hung worker stops the job instead of hanging it
+        multiprocessing_context=WORKER_START if images.workers else None,
     )
 
 
@@ -73,7 +74,7 @@ def rebatched(loader: torch.utils.data.DataLoader, batch_size: int) -> torch.uti
     return torch.utils.data.DataLoader(loader.dataset, batch_size=batch_size, sampler=loader.sampler,
                                        drop_last=loader.drop_last, collate_fn=loader.collate_fn,
                                        pin_memory=loader.pin_memory, num_workers=loader.num_workers,
-                                       timeout=loader.timeout)
+                                       timeout=loader.timeout, multiprocessing_context=loader.multiprocessing_context)
 
 
 def build_loaders(data: dict, cfg, accelerator, plan):

@@ -35,6 +35,7 @@ import torch
 from utils import UserError, first_line
 from utils.config_groups import DATA_LAYOUTS, check_source
 from utils.data.pixels import open_image
+from utils.scripts import IMPORTED, new_after_imports
 
 SPLITS = ("train", "test")  # load_data's splits: "test" is the one evaluated on
 EVAL_SPLITS = ("test", "validation")  # the source's evaluation split: the first of these it has
@@ -477,6 +478,9 @@ class DatasetRows(EncodedRows):
                                     f"crop) every image to S.")
             labels.append(label)
         return cls(dataset, split, what, torch.tensor(labels, dtype=torch.int64), np.arange(n)), side
+
+    def __reduce__(self):  # the Dataset's class may be a script's that a tool imported (utils/scripts.py)
+        return new_after_imports, (DatasetRows, dict(IMPORTED)), self.__dict__
 
     def __len__(self) -> int:
         return len(self.order)
