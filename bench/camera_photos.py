@@ -5,7 +5,8 @@ plans them, and the same at full size (--full-decode), against torchvision's Ima
 (RandomResizedCrop(224), RandomHorizontalFlip: the whole image decoded first); the evaluation view (shorter side to
 256, centre 224) against torchvision's Resize(256) + CenterCrop(224); what building the decode cache costs per image
 (the resize to --size x --size); and how far the reduced decode's pixels are from the full decode's. All in this one
-process (num_workers=0: one worker's rate), one thread, each side in turn, repeated.
+process (num_workers=0: one worker's rate), one thread, each side in turn, repeated. --gpu: also the batches decoded
+on the GPU (--decode gpu: nvJPEG, the crops cut there), training crops and evaluation views, against the CPU worker.
 
     python bench/camera_photos.py --data-dir ../shared/data/cifar10 --images 32 --repeats 3
 
@@ -43,14 +44,17 @@ from utils.data.stream import StreamSettings  # noqa: E402
 def rate(loader, images: int) -> float:
     start = time.perf_counter()
     seen = sum(len(batch[1]) for batch in loader)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # --decode gpu's last batch finished, not only queued
     assert seen == images, (seen, images)
     return seen / (time.perf_counter() - start)
 
 
-def ours(folder, size: int, reduce: bool, train: bool, stream: StreamSettings | None = None):
+def ours(folder, size: int, reduce: bool, train: bool, stream: StreamSettings | None = None, device=None):
     """A DataLoader (batch 16, in this process) over `folder`'s training images as train_cifar.py's loaders read them:
-    keyed random-resized crops + flips (train), or the evaluation view."""
-    data = load_encoded(str(folder), image_size=size, recipe=CropRecipe(), workers=1, stream=stream, reduce=reduce)
+    keyed random-resized crops + flips (train), or the evaluation view; `device`: decoded there (--decode gpu)."""
+    data = load_encoded(str(folder), image_size=size, recipe=CropRecipe(), workers=1, stream=stream, reduce=reduce,
+                        device=device)
     images, labels = data["train"]
     dataset = LoaderDataset(images, labels, 0 if train else None, train, 0, None)
     order = images.sampler(dataset, True, 0, 16, 16, 1) if train else None
@@ -95,6 +99,7 @@ def main() -> None:
     parser = image_bench_parser(__doc__)
     parser.set_defaults(images=32)
     parser.add_argument("--gpu-rate", type=float, default=3000.0, help="a GPU's training images/s")
+    parser.add_argument("--gpu", action="store_true", help="also --decode gpu (nvJPEG), against the CPU worker")
     args = parser.parse_args()
     header("camera-size JPEGs, one loader worker: reduced decoding against torchvision")
     torch.set_num_threads(1)  # one worker's share
@@ -119,6 +124,9 @@ def main() -> None:
             "torchvision Resize + CenterCrop": torch.utils.data.DataLoader(torchvision.datasets.ImageFolder(
                 str(folder / "train"), transform=view), batch_size=16),
         }
+        if args.gpu:
+            loaders |= {"ours (--decode gpu)": ours(folder, args.size, False, True, device="cuda"),
+                        "ours (--decode gpu), evaluation view": ours(folder, args.size, False, False, device="cuda")}
         rates = {name: [] for name in loaders}
         cache = {"reduced": [], "full": []}
         for _ in range(args.repeats):
@@ -138,6 +146,9 @@ def main() -> None:
           f"reduced, {statistics.median(cache['full']):.0f} ms full")
     for name, (mean, most) in far.items():
         print(f"  reduced against full decoding, {name}: mean {mean:.2f}, max {most} levels of 255")
+    for name in [k for k in median if "gpu" in k]:
+        cpu = median["ours (--decode workers)" if "view" not in name else "ours, evaluation view"]
+        print(f"  {name}: {median[name] / cpu:.2f}x one CPU worker of ours (--decode workers)")
     for name in ("ours (--decode workers)", "torchvision ImageFolder + v2"):
         print(f"  a GPU training {args.gpu_rate:,.0f} img/s needs {args.gpu_rate / median[name]:.0f} workers like "
               f"{name}")

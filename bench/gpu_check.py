@@ -8,6 +8,7 @@ leaves the others' numbers:
   race        bench/gpu_race.py: ResNet-18 images/s and MFU, --recipe fast's seconds to 94%, airbench94, the ratio;
   vit         bench/gpu_race.py --parts vit_s: ViT-S images/s and MFU;
   policies    bench/policy_cost.py: --auto-augment's share of a ResNet-18 step (batch 512), and no host sync in it;
+  camera      bench/camera_photos.py --gpu: --decode gpu's images/s from 4000 x 3000 JPEGs against one CPU worker;
   vit_memory  bench/fsdp_memory.py --gpus 1: a ViT's memory under DDP/FSDP2, with and without activation
               checkpointing, on one GPU (1 process: what fits, not the sharding ratio).
 OUT gets <part>.log for each part, results.json (statuses, seconds, every number) and summary.txt, both rewritten
@@ -115,6 +116,7 @@ def plan(args) -> list[Part]:
              results=work / "race.json"),
         Part("vit", [*race, "--parts", "vit_s", "--results", str(work / "vit.json")], 50, results=work / "vit.json"),
         Part("policies", [py, "bench/policy_cost.py", *data, *cache, "--model", "resnet18", "--batch-size", "512"], 45),
+        Part("camera", [py, "bench/camera_photos.py", *data, "--images", "32", "--repeats", "2", "--gpu"], 90),
         Part("vit_memory", [py, "bench/fsdp_memory.py", "--gpus", "1", "--models", "vit_s", "vit_b",
                             "--mixed-precision", "bf16", "--batch-size", "256", "--results",
                             str(work / "vit_memory.json")], 60, results=work / "vit_memory.json"),

@@ -3,8 +3,9 @@
 # pandas, tensorboard and the CUDA stack (a cloud image, a lent machine), but not `datasets` or `airbench`:
 #   here, with internet:  bash bench/offline_kit.sh prepare DATA [PYTHON_VERSION]
 #       writes .gpu-kit/ in the checkout: wheels of datasets (three releases, so pip there picks one that fits the
-#       machine's pyarrow and fsspec) with their pure-Python needs, airbench 0.1.8 (built here: it is published as a
-#       source archive only), and DATA's CIFAR-10 parquet files; .gpu-kit/ is kept out of git
+#       machine's pyarrow and fsspec) with their pure-Python needs, torchcodec 0.17.0 (--decode gpu), airbench 0.1.8
+#       (built here: it is published as a source archive only), and DATA's CIFAR-10 parquet files; .gpu-kit/ is kept
+#       out of git
 #   there, from the checkout with .gpu-kit/ beside it:
 #       bash bench/offline_kit.sh run bash bench/gpu_check.sh OUT
 #       installs the carried wheels (nothing is fetched), prints the versions that matter, runs the command offline
@@ -30,6 +31,7 @@ prepare)
     # newest first, each datasets release with the dill / multiprocess / fsspec it accepts
     get datasets==4.4.1 dill==0.4.0 multiprocess==0.70.18 fsspec==2025.10.0
     get datasets==3.6.0 dill==0.3.8 multiprocess==0.70.16 fsspec==2025.3.0
+    get torchcodec==0.17.0  # --decode gpu (nvJPEG); built for torch 2.14
     if ! ls "$kit"/whl/airbench-*.whl >/dev/null 2>&1; then
         src=$(mktemp -d)
         "$py" -m pip download -q --no-deps --no-binary=:all: -d "$src" airbench==0.1.8
@@ -42,9 +44,9 @@ prepare)
 run)
     shift
     [ -d "$kit/whl" ] || { echo "error: no $kit/whl here: run 'bash bench/offline_kit.sh prepare DATA' first" >&2; exit 2; }
-    "$py" -m pip install -q --no-index --find-links "$kit/whl" --no-cache-dir datasets airbench
+    "$py" -m pip install -q --no-index --find-links "$kit/whl" --no-cache-dir datasets airbench torchcodec
     "$py" -c 'import importlib
-for name in ("torch", "torchvision", "accelerate", "datasets", "pyarrow", "airbench"):
+for name in ("torch", "torchvision", "accelerate", "datasets", "pyarrow", "airbench", "torchcodec"):
     try:
         print(name, importlib.import_module(name).__version__)
     except Exception as e:

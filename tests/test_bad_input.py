@@ -10,6 +10,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import (
     CIFAR_CLASSES,
     CPU_YAML,
@@ -214,9 +215,30 @@ def test_image_size_outside_8_to_512(tmp_path, small_data, size):
     (["--data-dir", "s3://bucket/shards", "--decode", "cache"], "--data-dir s3://bucket/shards is a URL: its shards "
                                                                 "are streamed (--decode stream or auto), not read "
                                                                 "through --decode cache."),
+    (["--data-dir", "s3://bucket/shards", "--decode", "gpu"], "--data-dir s3://bucket/shards is a URL: its shards "
+                                                              "are streamed (--decode stream or auto), not read "
+                                                              "through --decode gpu."),
 ])
 def test_contradicting_or_missing_data_flags(tmp_path, small_data, extra, message):
     _fails_cleanly(tmp_path, ["--data-dir", str(small_data), *extra], message.format(data=small_data))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has the CUDA device --decode gpu needs")
+def test_decode_gpu_without_a_cuda_device_is_one_line(tmp_path, small_data):
+    _fails_cleanly(tmp_path, ["--data-dir", str(small_data), "--decode", "gpu"],
+                   "--decode gpu decodes JPEGs on the GPU (nvJPEG), and this process has no CUDA device; use --decode "
+                   "workers (or auto) to decode in the loader's workers.")
+
+
+def test_decode_gpu_without_an_importable_torchcodec_is_one_line(tmp_path, small_data):
+    """A TorchCodec that does not import (here a package that raises as one built for another torch does)."""
+    shadow = tmp_path / "shadow" / "torchcodec"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise OSError('libtorchcodec_core.so: undefined symbol')\n")
+    _fails_cleanly(tmp_path, ["--data-dir", str(small_data), "--decode", "gpu"],
+                   "--decode gpu decodes through TorchCodec, which does not import here (OSError: "
+                   "libtorchcodec_core.so: undefined symbol); pip install torchcodec (a release built for this torch), "
+                   "or use --decode workers.", env=script_env(PYTHONPATH=f"{shadow.parent}:{REPO}"))
 
 
 def test_eval_subset_larger_than_the_split(tmp_path, small_data):

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from conftest import (
     CPU_YAML,
+    DEVICES,
     PROBE,
     assert_same_parameters,
     encoded_rows,
@@ -154,6 +155,74 @@ def test_a_truncated_camera_jpeg_is_one_line_naming_its_row_decoded_reduced_or_f
         lines.append(str(error.value))
     assert lines[0] == lines[1], lines
     assert lines[0].startswith("the train split has an undecodable image at row 0 (OSError: image file is truncated")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Decoded on the device (--decode gpu)
+# ----------------------------------------------------------------------------------------------------
+# The device path's code is the same on a CPU (TorchCodec's libjpeg-turbo) as on a GPU (nvJPEG): the CPU runs here,
+# the GPU where one is (bench/gpu_check.sh runs these tests on it), with a wider bound for nvJPEG's own IDCT.
+BOUND = {"cpu": (0.01, 1), "cuda": (1.0, 16)}  # (mean, max) levels of 255 from Pillow's full decode's views
+
+
+def host_and_device(data: list[bytes], size: int, recipe: CropRecipe | None, device: str, key) -> tuple:
+    """A batch of encoded images read as --decode workers reads it at full size (Pillow) and as --decode gpu reads
+    it on `device`: the two (B, S, S, 3) uint8 arrays."""
+    rows, indices = encoded_rows(data), np.arange(len(data))
+    host, cropped = EncodedImages(rows, size, recipe, 0, reduce=False).read(indices, key)
+    on_device, also_cropped = EncodedImages(rows, size, recipe, 0, reduce=False, device=device).read(indices, key)
+    assert cropped == also_cropped and on_device.device.type == device
+    return host.numpy(), on_device.cpu().numpy()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["baseline", "progressive", "cmyk", "grayscale", "png"])
+def test_a_batch_decoded_on_the_device_gives_pillows_views_within_a_bound(kind, device):
+    """A batch of 8 photo-like 1600 x 1200 images (JPEG quality 90, or PNG), read through --decode gpu's path on
+    `device`: the training crops (random-resized, keyed, with flips; bilinear and bicubic), the evaluation view and
+    the cache's resize to S x S equal those of the full decode by Pillow within BOUND: on a CPU at most 1 level of
+    255 and 0.01 on average (measured: 0.001-0.002); PNGs (decoded by Pillow on the host, then copied) bitwise."""
+    im = photo(1600, 1200)
+    data = {"baseline": lambda: jpeg(im), "progressive": lambda: jpeg(im, progressive=True),
+            "cmyk": lambda: jpeg(im.convert("CMYK")), "grayscale": lambda: jpeg(im.convert("L")),
+            "png": lambda: png(im)}[kind]()
+    mean, most = (0.0, 0) if kind == "png" else BOUND[device]
+    for recipe, key in ((CropRecipe(), (3, 1)), (CropRecipe(interpolation="bicubic"), (3, 2)), (CropRecipe(), None),
+                        (None, None)):
+        host, on_device = host_and_device([data] * 8, 64, recipe, device, key)
+        difference = np.abs(host.astype(int) - on_device.astype(int))
+        assert difference.mean() <= mean and difference.max() <= most, (recipe, key, difference.mean(),
+                                                                         difference.max())
+
+
+def png(im: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    im.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_phone_photos_exif_orientation_is_applied_when_decoded_on_the_device(device):
+    """A 957 x 715 JPEG photo stored with each EXIF orientation 1-8: decoded on the device, its training crop and
+    evaluation view equal the host's full decode's (which the test above shows upright) within BOUND."""
+    upright_photo = photo(957, 715, seed=5)
+    files = [stored(upright_photo, tag, "JPEG") for tag in STORED]
+    for recipe, key in ((CropRecipe(scale=(0.25, 1.0)), (3, 1)), (CropRecipe(scale=(0.25, 1.0)), None)):
+        host, on_device = host_and_device(files, 48, recipe, device, key)
+        for k in range(len(files)):
+            difference = np.abs(host[k].astype(int) - on_device[k].astype(int))
+            assert difference.mean() <= BOUND[device][0] and difference.max() <= BOUND[device][1], (k + 1, key)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_truncated_jpeg_decoded_on_the_device_is_the_same_one_line(device):
+    """A 4000 x 3000 JPEG cut after half its bytes, in a batch with a whole one: the device path stops with the same
+    one line as the workers' path, naming its row."""
+    whole, data = jpeg(photo(400, 300)), jpeg(photo(4000, 3000))[: 1 << 19]
+    with pytest.raises(UserError) as error:
+        EncodedImages(encoded_rows([whole, data]), 224, CropRecipe(), 0, False, device).read(np.arange(2), None)
+    assert str(error.value).startswith("the train split has an undecodable image at row 1 (OSError: image file is "
+                                       "truncated")
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -126,3 +126,26 @@ def test_the_doctor_on_one_gpu_reports_its_device_and_the_cuda_and_nccl_versions
     nccl = ".".join(map(str, torch.cuda.nccl.version()))
     assert ": cuda" in rank and f"CUDA {torch.version.cuda}, NCCL {nccl}" in rank, rank
     assert result.stdout.splitlines()[-1] == "doctor: OK (1 processes, NO)"
+
+
+@pytest.mark.slow
+def test_a_one_gpu_job_decoding_on_the_gpu_trains_the_same_steps_as_the_cpu_workers(cifar_dir, tmp_path):
+    """--decode gpu on a folder of 256 + 64 upscaled CIFAR-10 JPEGs (96-128 px, every 4th a phone photo with EXIF
+    orientation 6), --augment resized-crop at 64 px, resnet8, 2 epochs, fp32: the job records decode "gpu", trains the
+    same 16 steps as --decode workers --full-decode on the same files, with a finite loss, and its top-1 on the 64
+    test images is within 8 images (12.5 points) of the workers job's (their pixels differ by nvJPEG's IDCT only)."""
+    from conftest import write_upscaled_cifar
+
+    photos = write_upscaled_cifar(tmp_path / "photos", cifar_dir, n_train=256, n_test=64, photos=4)
+    summaries = {}
+    for decode in ("gpu", "workers"):
+        out = tmp_path / decode
+        result = run_train(["--data-dir", str(photos), "--output-dir", str(out), "--decode", decode, "--full-decode",
+                            "--augment", "resized-crop", "--image-size", "64", "--model", "resnet8", "--batch-size",
+                            "32", "--epochs", "2", "--tracker", "none"], launch=[*ONE_GPU, "--mixed_precision", "no"])
+        assert result.returncode == 0, result.stderr[-4000:]
+        summaries[decode] = read_summary(out)
+    gpu, workers = summaries["gpu"], summaries["workers"]
+    assert (gpu["dataset"]["decode"], workers["dataset"]["decode"]) == ("gpu", "workers")
+    assert gpu["global_step"] == workers["global_step"] == 16 and math.isfinite(gpu["train_loss"])
+    assert abs(gpu["eval_top1"] - workers["eval_top1"]) <= 12.5, (gpu["eval_top1"], workers["eval_top1"])

@@ -84,13 +84,14 @@ def test_a_failed_or_hung_part_leaves_the_others_results_and_a_spent_budget_skip
 def test_the_cuda_test_files_collect_without_wandb_or_notebook_packages():
     """The GPU machine lacks wandb and nbclient: the files gpu_check hands to pytest must not need them."""
     files = cuda_test_files()
-    assert files == ["tests/test_cuda.py", "tests/test_data.py", "tests/test_distributed.py", "tests/test_policies.py"]
+    assert files == ["tests/test_camera.py", "tests/test_cuda.py", "tests/test_data.py", "tests/test_distributed.py",
+                     "tests/test_policies.py"]
     blocked = "import sys; [sys.modules.__setitem__(m, None) for m in ('wandb', 'nbclient', 'nbformat')]; "
     collect = run_python(["-c", blocked + "import pytest; sys.exit(pytest.main(sys.argv[1:]))", "--collect-only", "-q",
                           "-m", "cuda", "-p", "no:cacheprovider", *files], script_env(), timeout=300)
     assert collect.returncode == 0, collect.stdout[-3000:]
     assert pytest_outcome(collect.stdout) is None  # --collect-only prints no "passed" line
-    assert "14/" in collect.stdout.splitlines()[-1], collect.stdout[-500:]  # 14 CUDA cases selected
+    assert "22/" in collect.stdout.splitlines()[-1], collect.stdout[-500:]  # 22 CUDA cases selected
 
 
 def test_pytest_outcome_is_the_last_summary_line():

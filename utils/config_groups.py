@@ -49,9 +49,11 @@ class DataConfig(Group):
     decode: str = opt("auto", "cache: decode every image once into a uint8 cache file; workers: keep the images "
                       "encoded and decode each batch in the loader's worker processes (full-size images); stream: "
                       "read parquet or tar shards (a folder or a URL) block by block with no local copy, decoded as "
-                      "workers does; auto: stream for a URL or tar shards, workers for --augment resized-crop or when "
-                      "the decoded images would not fit the cache folder's free space, else cache",
-                      ("auto", "cache", "workers", "stream"))
+                      "workers does; gpu: keep the images encoded and decode each batch's JPEGs on the GPU (nvJPEG, "
+                      "through TorchCodec), then crop and resize them there; auto: stream for a URL or tar shards, "
+                      "workers for --augment resized-crop or when the decoded images would not fit the cache "
+                      "folder's free space, else cache",
+                      ("auto", "cache", "workers", "stream", "gpu"))
     full_decode: bool = opt(False, "decode every JPEG at full size; unset: at the smallest of 1/8, 1/4, 1/2 or full "
                             "scale that still holds the pixels its crop or resize needs (faster for large photos)")
     data_workers: int | None = opt(None, "--decode workers / stream, or a Dataset from load_data: loader worker "
@@ -120,7 +122,7 @@ class DataConfig(Group):
         if self.decode == "cache" and self.augment == "resized-crop":
             raise UserError("--augment resized-crop crops whole images as they are decoded: it needs --decode workers "
                             "(or auto), not --decode cache.")
-        if is_url(self.data_dir) and self.decode in ("cache", "workers"):
+        if is_url(self.data_dir) and self.decode in ("cache", "workers", "gpu"):
             raise UserError(f"--data-dir {self.data_dir} is a URL: its shards are streamed (--decode stream or auto), "
                             f"not read through --decode {self.decode}.")
         if self.decode == "stream" and self.val_fraction is not None:

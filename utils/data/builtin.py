@@ -1,6 +1,6 @@
-"""The built-in sources for a template's load_data (--data-dir, --dataset), on the path --decode chooses:
-decoded once into the cache (utils/data/decode.py), kept encoded and decoded by batch in the loader's workers
-(utils/data/images.py), or streamed from shards (utils/data/stream.py). `load_builtin` is the entry point;
+"""The built-in sources for a template's load_data (--data-dir, --dataset), on the path --decode chooses: decoded once
+into the cache (utils/data/decode.py), kept encoded and decoded by batch in the loader's workers (utils/data/images.py)
+or on the GPU (--decode gpu), or streamed from shards (utils/data/stream.py). `load_builtin` is the entry point;
 `choose_decode` says which path --decode auto takes; `load_encoded` gives the encoded kind."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from utils import UserError
+from utils import UserError, first_line
 from utils.config_groups import is_url
 from utils.data.decode import default_cache_dir, load_source
 from utils.data.images import EncodedImages, TensorImages, worker_share
@@ -21,7 +21,7 @@ from utils.launch import first_on_each_machine, main_print
 def load_encoded(data_dir: str | None, dataset: str | None = None, image_size: int | None = None,
                  columns: tuple[str | None, str | None] = (None, None), val_fraction: float | None = None,
                  recipe: CropRecipe | None = None, workers: int | None = None, stream: StreamSettings | None = None,
-                 reduce: bool = True, source: Source | None = None) -> dict:
+                 reduce: bool = True, source: Source | None = None, device: str | None = None) -> dict:
     """The built-in sources (as utils.data.decode.load_source gives them), with EncodedImages in place of the image
     tensors: nothing is decoded here (the per-channel mean and std, when the normalisation needs the data's, come
     from the first training images: EncodedImages.channel_stats).
@@ -30,7 +30,8 @@ def load_encoded(data_dir: str | None, dataset: str | None = None, image_size: i
     stream: read the shards of data_dir (a folder or a URL; --dataset: the Hub's) as a stream (utils/data/stream.py)
     with these settings, instead of through datasets' table (whose index every process reads; no cache file is
     written). reduce: JPEGs decoded at the scale each view needs (False: --full-decode). source: located already
-    (load_builtin's; None: located here)."""
+    (load_builtin's; None: located here). device: each batch's JPEGs decoded there by the process that reads it
+    (--decode gpu: 'cuda'; no loader workers), not by Pillow in the loader's workers."""
     if stream:
         rows, classes, description = open_stream(data_dir or f"hf://datasets/{dataset}", columns, stream)
     else:
@@ -38,12 +39,27 @@ def load_encoded(data_dir: str | None, dataset: str | None = None, image_size: i
         rows, classes = source.rows(columns)
         source.announce_held_out(main_print, len(rows["train"]), len(rows["test"]))
         key = fingerprint(source.paths, {"columns": list(columns), "val_fraction": source.fraction})
-        description = {**source.describe(key), "decode": "workers"}
+        description = {**source.describe(key), "decode": "gpu" if device else "workers"}
     size = image_size or first_size(rows)[0]
-    workers = workers or worker_share()
-    data = {s: (EncodedImages(rows[s], size, recipe, workers, reduce), rows[s].labels) for s in SPLITS}
+    workers = 0 if device else workers or worker_share()
+    data = {s: (EncodedImages(rows[s], size, recipe, workers, reduce, device), rows[s].labels) for s in SPLITS}
     view = {"eval_crop": recipe.eval_crop, "interpolation": recipe.interpolation} if recipe else {}  # how it evaluates
     return data | {"classes": classes, "dataset": description} | view
+
+
+def check_gpu_decode() -> None:
+    """--decode gpu needs TorchCodec (its decode_jpeg: nvJPEG) and a CUDA device; one line if either is missing."""
+    import torch
+
+    try:
+        import torchcodec.decoders  # noqa: F401 - the decoder --decode gpu calls
+    except Exception as e:  # noqa: BLE001 - not installed, or built for another torch: one line either way
+        raise UserError(f"--decode gpu decodes through TorchCodec, which does not import here ({first_line(e)}); "
+                        f"pip install torchcodec (a release built for this torch), or use --decode workers.") \
+            from None
+    if not torch.cuda.is_available():
+        raise UserError("--decode gpu decodes JPEGs on the GPU (nvJPEG), and this process has no CUDA device; use "
+                        "--decode workers (or auto) to decode in the loader's workers.")
 
 
 def load_builtin(cfg) -> dict:
@@ -66,7 +82,7 @@ def load_builtin(cfg) -> dict:
         stream = StreamSettings(cfg.shuffle_buffer, cfg.shuffle_block, cfg.read_ahead,
                                 Path(cfg.cache_dir or default_cache_dir(local)) / "stream-index")
     return load_encoded(cfg.data_dir, dataset, cfg.image_size, columns, cfg.val_fraction, recipe, cfg.data_workers,
-                        stream, not cfg.full_decode, source)
+                        stream, not cfg.full_decode, source, "cuda" if decode == "gpu" else None)
 
 
 def choose_decode(cfg, dataset: str | None) -> tuple[str, Source | None]:
@@ -78,6 +94,8 @@ def choose_decode(cfg, dataset: str | None) -> tuple[str, Source | None]:
     fit in the cache folder's free space; else the cache. cfg: the data group of a script's Config (contradicting
     flags are refused when they are parsed)."""
     choice, why = (cfg.decode, f"--decode {cfg.decode}") if cfg.decode != "auto" else (None, "--decode auto")
+    if choice == "gpu":
+        check_gpu_decode()
     if choice is None and is_url(cfg.data_dir):
         choice, why = "stream", "--decode auto: --data-dir is a URL"
     source = None if choice == "stream" else first_on_each_machine(lambda: locate(cfg.data_dir, dataset,
@@ -101,5 +119,6 @@ def choose_decode(cfg, dataset: str | None) -> tuple[str, Source | None]:
                f"{free / 2**20:,.1f} MiB free")
     main_print({"workers": f"decoding each batch in the loader's workers ({why})",
                 "stream": f"streaming the shards, each batch decoded in the loader's workers ({why})",
+                "gpu": f"decoding each batch's JPEGs on the GPU ({why})",
                 "cache": f"decoding the images once into the cache ({why})"}[choice])
     return choice, source

@@ -1,14 +1,15 @@
-"""A split's images as the loaders take them, whatever holds them: `Images`, the declared protocol every kind
-implements (its `read`: a batch of indices into uint8 pixels), and its two kinds: `TensorImages`, decoded uint8
-tensors in memory (the decode cache's images, a copy's arrays), and `EncodedImages`, encoded rows (a table's, a
-stream's or a copy's torch Dataset's: utils/data/sources.py's EncodedRows) decoded by batch in the loader's worker
-processes. The loaders (utils/data/loaders.py) use only what `Images` declares: one `LoaderDataset` over any kind (one
-whole batch per `__getitems__`, with its draws) and the kind's training order (`EpochSampler`, or a stream's own).
+"""A split's images as the loaders take them, whatever holds them: `Images`, the declared protocol every kind implements
+(its `read`: a batch of indices into uint8 pixels), and its two kinds: `TensorImages`, decoded uint8 tensors in memory
+(the decode cache's images, a copy's arrays), and `EncodedImages`, encoded rows (a table's, a stream's or a copy's torch
+Dataset's: utils/data/sources.py's EncodedRows) decoded by batch in the loader's worker processes (--decode gpu: on the
+GPU, by the process that trains). The loaders (utils/data/loaders.py) use only what `Images` declares: one
+`LoaderDataset` over any kind (one whole batch per `__getitems__`, with its draws) and the kind's training order
+(`EpochSampler`, or a stream's own).
 
-Encoded images (--decode workers, --decode stream, a copy's Dataset) are for images whose decoded copy would not fit
-the cache (utils/data/decode.py) or that the crop recipe for natural images needs whole (--augment resized-crop,
-utils/data/pixels.py). The sampler's contract holds as on the cached path: each sample's crop, flip and mixing come
-from (seed, epoch, sample index), so batches are the same at any process count, worker count and after a resume."""
+Encoded images (--decode workers, --decode stream, a copy's Dataset) are for images whose decoded copy would not fit the
+cache (utils/data/decode.py) or that the crop recipe for natural images needs whole (--augment resized-crop,
+utils/data/pixels.py). The sampler's contract holds as on the cached path: each sample's crop, flip and mixing come from
+(seed, epoch, sample index), so batches are the same at any process count, worker count and after a resume."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from utils import UserError
 from utils.data.draws import Draws, Mixing, augment_draws, erase_draws, forward_seed, key_stream, mix_draws
 from utils.data.pixels import (
     CropRecipe,
+    device_views,
     evaluation_view,
     open_image,
     resized_crop_draws,
@@ -252,28 +254,36 @@ class EncodedImages(Images):
     view of each image: `recipe` None: resized to S x S as the cache does (the small-image crops then run on the
     device, as there); a CropRecipe: the random-resized crop in training, resize and centre crop in evaluation.
     `rows`: a table's or a stream's (utils/data/sources.py's EncodedRows), which also gives the training order.
-    `reduce`: JPEGs decoded at the scale each view needs (utils/data/pixels.py's decoded); False: --full-decode."""
+    `reduce`: JPEGs decoded at the scale each view needs (utils/data/pixels.py's decoded); False: --full-decode.
+    `device`: the batch's JPEGs decoded there, whole, by the process that reads it (--decode gpu: 'cuda', `workers`
+    0; utils/data/pixels.py's device_views); None: by Pillow, in the loader's workers."""
 
-    def __init__(self, rows: EncodedRows, size: int, recipe: CropRecipe | None, workers: int, reduce: bool = True):
+    def __init__(self, rows: EncodedRows, size: int, recipe: CropRecipe | None, workers: int, reduce: bool = True,
+                 device: str | None = None):
         self.rows, self.image_size, self.recipe, self.workers, self.reduce = rows, size, recipe, workers, reduce
-        self.crops_whole = recipe is not None
+        self.crops_whole, self.device, self.on_device = recipe is not None, device, device not in (None, "cpu")
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def prefix(self, n: int) -> EncodedImages:
-        return EncodedImages(self.rows.take(torch.arange(n)), self.image_size, self.recipe, self.workers, self.reduce)
+        return EncodedImages(self.rows.take(torch.arange(n)), self.image_size, self.recipe, self.workers, self.reduce,
+                             self.device)
 
     def read(self, indices, key):
-        """The batch decoded here (in a DataLoader worker) into one (B, S, S, 3) uint8 array: with the crop recipe and
-        a training `key`, each image's keyed random-resized crop and flip cut as it is decoded (cropped: True), else
-        its evaluation view (or the cache's resize, the small-image crops then drawn for the device)."""
+        """The batch decoded here (in a DataLoader worker; with `device`, in the process that reads it) into one (B,
+        S, S, 3) uint8 array: with the crop recipe and a training `key`, each image's keyed random-resized crop and
+        flip cut as it is decoded (cropped: True), else its evaluation view (or the cache's resize, the small-image
+        crops then drawn for the device)."""
         rows, size, recipe = self.rows, self.image_size, self.recipe
-        out = np.empty((len(indices), size, size, 3), dtype=np.uint8)
-        opened = [open_image(source, rows, int(i)) for source, i in zip(rows.fetch(indices), indices)]
+        sources = rows.fetch(indices)
+        opened = [open_image(source, rows, int(i)) for source, i in zip(sources, indices)]
         cropped = recipe is not None and key is not None
-        if cropped:
-            boxes, mirrored = resized_crop_draws(*key, indices, [upright_size(im) for im in opened], recipe)
+        boxes, mirrored = (resized_crop_draws(*key, indices, [upright_size(im) for im in opened], recipe) if cropped
+                           else (None, None))
+        if self.device is not None:
+            return device_views(rows, indices, sources, opened, size, recipe, boxes, mirrored, self.device), cropped
+        out = np.empty((len(indices), size, size, 3), dtype=np.uint8)
         for k, im in enumerate(opened):
             view = (partial(train_view, box=boxes[k], mirrored=bool(mirrored[k]), size=size, recipe=recipe,
                             reduce=self.reduce) if cropped else evaluation_view(size, recipe, self.reduce))

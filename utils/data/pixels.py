@@ -22,8 +22,10 @@ import io
 import math
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 import numpy as np
+import torch
 
 from utils import UserError, first_line
 from utils.data.draws import key_stream, splitmix64, uniform01
@@ -102,10 +104,16 @@ def eval_view(im, size: int, recipe: CropRecipe, reduce: bool = True) -> np.ndar
     the extra pixel before the crop, as timm's transforms do; transformers' image processors put it after)."""
     import torchvision.transforms.v2.functional as TF
 
-    (width, height), short = upright_size(im), int(size / recipe.eval_crop)
-    out = (short, int(short * height / width)) if width <= height else (int(short * width / height), short)
+    width, height = upright_size(im)
+    out = eval_resize(width, height, size, recipe)
     return np.asarray(TF.center_crop(region(im, (0, 0, width, height), out, recipe.interpolation, reduce),
                                      [size, size]))
+
+
+def eval_resize(width: int, height: int, size: int, recipe: CropRecipe) -> tuple[int, int]:
+    """The (width, height) the evaluation view resizes an image of (width, height) to before its centre crop."""
+    short = int(size / recipe.eval_crop)
+    return (short, int(short * height / width)) if width <= height else (int(short * width / height), short)
 
 
 def square_pixels(im, size: int, reduce: bool = True) -> np.ndarray:
@@ -225,3 +233,71 @@ def evaluation_view(size: int, recipe: CropRecipe | None, reduce: bool = True):
     predict.py gives new images the same view."""
     return (partial(eval_view, size=size, recipe=recipe, reduce=reduce) if recipe else
             partial(square_pixels, size=size, reduce=reduce))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Decoding on the GPU (--decode gpu)
+# ----------------------------------------------------------------------------------------------------
+DEVICE_CHUNK = 32  # JPEGs decoded on the device per call: 32 camera photos (12 MP) take 1.2 GB decoded
+
+
+def device_views(rows, indices, sources: list, opened: list, size: int, recipe: CropRecipe | None, boxes, mirrored,
+                 device) -> torch.Tensor:
+    """A batch's views (EncodedImages.read's: `boxes` and `mirrored` for the training crops, else the evaluation
+    view) decoded on `device` (--decode gpu: the GPU's nvJPEG through TorchCodec's decode_jpeg, DEVICE_CHUNK images a
+    call; on a CPU, the same call's libjpeg-turbo, which the tests run): each JPEG decoded whole and upright (TorchCodec
+    applies its EXIF orientation on either device) and cut by torchvision's tensor functions (`tensor_view`). Any
+    other format, a JPEG the device decoder refuses, and one whose EXIF orientation TorchCodec reads otherwise than
+    `orientation` (the decoded size is not the upright size the boxes were drawn in) through the host's view
+    (Pillow, at full size), then copied. (B, S, S, 3) uint8 on `device`."""
+    from torchcodec.decoders import decode_jpeg
+
+    jpegs = [k for k, im in enumerate(opened) if im.format == "JPEG"]
+    done = {}
+    for start in range(0, len(jpegs), DEVICE_CHUNK):
+        chunk = jpegs[start:start + DEVICE_CHUNK]
+        data = [torch.frombuffer(bytearray(encoded(sources[k])), dtype=torch.uint8) for k in chunk]
+        try:
+            done |= dict(zip(chunk, decode_jpeg(data, mode="RGB", device=device)))
+        except RuntimeError:  # one the decoder refuses (a truncated file; nvJPEG's unsupported kinds): each alone
+            for k, one in zip(chunk, data):
+                try:
+                    done[k] = decode_jpeg(one, mode="RGB", device=device)
+                except RuntimeError:
+                    pass  # the host's view decodes it, or says in one line why it cannot
+    views = []
+    for k, im in enumerate(opened):
+        box, flip = (None, False) if boxes is None else (boxes[k], bool(mirrored[k]))
+        pixels = done.pop(k, None)
+        if pixels is not None and pixels.shape[-2:] == upright_size(im)[::-1]:  # upright, as the boxes were drawn
+            im.close()
+            views.append(tensor_view(pixels, size, recipe, box, flip))
+            continue
+        view = (partial(train_view, box=box, mirrored=flip, size=size, recipe=recipe, reduce=False) if box is not None
+                else evaluation_view(size, recipe, reduce=False))
+        views.append(torch.tensor(row_pixels(rows, int(indices[k]), im, view), device=device))
+    return torch.stack(views)
+
+
+def encoded(source) -> bytes:
+    """An encoded image's bytes: a row's own, or its file's."""
+    return source if isinstance(source, bytes) else Path(source).read_bytes()
+
+
+def tensor_view(pixels: torch.Tensor, size: int, recipe: CropRecipe | None, box=None, mirrored: bool = False):
+    """The view of an upright (3, H, W) uint8 image as the host's views cut it, by torchvision's tensor functions
+    (antialiased, the recipe's filter): with `box` (top, left, height, width) train_view's crop and flip, else
+    evaluation_view's; (S, S, 3) uint8."""
+    import torchvision.transforms.v2.functional as TF
+
+    mode = TF.InterpolationMode[(recipe.interpolation if recipe else "bicubic").upper()]
+    if box is not None:
+        top, left, height, width = map(int, box)
+        out = TF.resized_crop(pixels, top, left, height, width, [size, size], mode, antialias=True)
+        out = TF.horizontal_flip(out) if mirrored else out
+    elif recipe is not None:
+        width, height = eval_resize(pixels.shape[-1], pixels.shape[-2], size, recipe)
+        out = TF.center_crop(TF.resize(pixels, [height, width], mode, antialias=True), [size, size])
+    else:  # the cache's resize to S x S (bicubic; none at S x S already)
+        out = pixels if pixels.shape[-2:] == (size, size) else TF.resize(pixels, [size, size], mode, antialias=True)
+    return out.permute(1, 2, 0)
