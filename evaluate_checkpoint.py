@@ -32,7 +32,7 @@ from utils.evaluation import evaluate, load_metrics
 from utils.runs import add_run_flags, build_trained_model, open_run
 from utils.tracking import model_record
 
-OVERRIDES = ("data_dir", "dataset", "cache_dir", "eval_subset", "image_size", "model")  # flags that replace the run's
+OVERRIDES = ("data_dir", "dataset", "cache_dir", "decode", "eval_subset", "image_size", "model")  # replace the run's
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -42,6 +42,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--data-dir", default=None, help="parquet or image folder; default: the run's")
     parser.add_argument("--dataset", default=None, help="Hub dataset; default: the run's")
     parser.add_argument("--cache-dir", default=None, help="decoded-tensor cache; default: the run's")
+    parser.add_argument("--decode", default=None, choices=("auto", "cache", "workers", "stream", "gpu"),
+                        help="how the images are decoded, as for train_cifar.py; default: the run's (a run decoded on "
+                        "the GPU evaluates on a CPU with --decode workers)")
     parser.add_argument("--eval-subset", type=int, default=None, help="default: the run's (else all)")
     parser.add_argument("--image-size", type=int, default=None, help="default: the run's")
     parser.add_argument("--model", default=None, help="default: the run's (needed only for weights without a "

@@ -22,6 +22,7 @@ from conftest import (
     evaluate_weights,
     kill_job,
     read_summary,
+    run_python,
     run_train,
     script_env,
     start,
@@ -205,7 +206,7 @@ def test_train_vit_decodes_in_workers_and_evaluate_checkpoint_reads_its_run_the_
     """train_vit.py (vit_micro at 32 px) with the crop recipe decoded in the loader's workers on 2 ranks x 2 workers
     trains 12 steps and evaluates the 48 test images' centre crops once; evaluate_checkpoint.py on its weights (1
     process, the run's config: decoded in workers) reports the same 48 images, the run's top-1 and its loss to
-    1e-4."""
+    1e-4; its --decode replaces the run's (without CUDA, --decode gpu is refused in one line, exit 2)."""
     out = tmp_path / "vit"
     result = run_train(["--data-dir", str(jpeg_folder), "--output-dir", str(out), "--model", "vit_micro",
                         "--image-size", "32", "--augment", "resized-crop", "--batch-size", "16",
@@ -217,6 +218,12 @@ def test_train_vit_decodes_in_workers_and_evaluate_checkpoint_reads_its_run_the_
     line = evaluate_weights(out / "model.safetensors")
     assert (line["script"], line["examples"], line["top1"]) == ("train_vit.py", 48, s["eval_top1"])
     assert line["loss"] == pytest.approx(s["eval_loss"], rel=1e-4)
+    if not torch.cuda.is_available():  # --decode replaces the run's: here one that needs a GPU, refused in one line
+        asked = run_python([str(REPO / "evaluate_checkpoint.py"), str(out / "model.safetensors"), "--decode", "gpu"],
+                           script_env(), timeout=300)
+        assert asked.returncode == 2 and asked.stderr.strip().splitlines()[-1] == (
+            "error: --decode gpu decodes JPEGs on the GPU (nvJPEG), and this process has no CUDA device; use --decode "
+            "workers (or auto) to decode in the loader's workers."), asked.stderr[-3000:]
 
 
 # A native thread that holds the interpreter's thread-list lock (runtime->interpreters.mutex, HEAD_LOCK in CPython's
