@@ -252,6 +252,9 @@ def device_views(rows, indices, sources: list, opened: list, size: int, recipe: 
     (Pillow, at full size), then copied. (B, S, S, 3) uint8 on `device`."""
     from torchcodec.decoders import decode_jpeg
 
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # this rank's GPU (Accelerate made it the current device)
+        device = torch.device("cuda", torch.cuda.current_device())
     jpegs = [k for k, im in enumerate(opened) if im.format == "JPEG"]
     done = {}
     for start in range(0, len(jpegs), DEVICE_CHUNK):
