@@ -154,8 +154,9 @@ def test_a_training_batchs_pixels_pass_through_at_most_4_data_modules_on_every_d
     """From a split's images to the model's input (LoaderDataset.__getitems__, then BatchTransform.train), a training
     batch with every per-image draw on (a policy, erasing, mixing) runs code of these utils/data modules only:
     images, transform and draws for the decoded cache; images, the rows' module (sources for a table or a copy's
-    Dataset, stream for shards), pixels, transform and draws on the paths decoded by batch (the draws module draws
-    from the batch's indices; the pixels pass through the other 4 at most)."""
+    Dataset, stream for shards), pixels, transform and draws on the paths decoded by batch, --decode gpu's too (its
+    code run on the CPU here; the draws module draws from the batch's indices; the pixels pass through the other 4 at
+    most)."""
     from PIL import Image
 
     from utils.data.builtin import load_encoded
@@ -175,10 +176,13 @@ def test_a_training_batchs_pixels_pass_through_at_most_4_data_modules_on_every_d
         "stream": load_encoded(str(stream_shards["tar"]), image_size=32, recipe=CropRecipe(), workers=0,
                                stream=StreamSettings(window=16, block=8))["train"][0],
         "dataset": EncodedImages(DatasetRows.read(dataset, "train", "the Dataset", 32)[0], 32, CropRecipe(), 0),
+        "gpu": load_encoded(str(stream_shards["parquet"]), image_size=32, recipe=CropRecipe(),
+                            device="cpu")["train"][0],
     }
     decoded_by_batch = {"images", "pixels", "transform", "draws"}
     expected = {"cache": {"images", "transform", "draws"}, "table": decoded_by_batch | {"sources"},
-                "stream": decoded_by_batch | {"stream"}, "dataset": decoded_by_batch | {"sources"}}
+                "stream": decoded_by_batch | {"stream"}, "dataset": decoded_by_batch | {"sources"},
+                "gpu": decoded_by_batch | {"sources"}}
     transform = BatchTransform(torch.device("cpu"), True, mean=(0.5,) * 3, std=(0.25,) * 3, num_classes=10)
     for kind, images in kinds.items():
         loader = LoaderDataset(images, torch.arange(len(images)) % 10, 0, True, 4, Mixing(0.2, 1.0, 1.0), 0.5,
