@@ -45,8 +45,8 @@ from utils.data.transform import Policy, apply_policy, policy_draws
 # forever inside os.fork(), on the interpreter's thread-list lock, before any code of its own runs (gh-112275; seen
 # here as a loader worker that never started: 3 of 227 2-rank jobs under load). A training process has such threads,
 # so on those versions the workers are forked by a forkserver (a process of its own, started once, that has none).
-# Its cost: the libraries' imports once more per process, at its first loader (about 3 s on a 2-core CPU); then a
-# worker starts as fast as a forked one and runs the script's own top-level lines; and a copy's Dataset must pickle.
+# Its cost: the libraries' imports once more per process, at its first loader (docs/performance.md, P15); then a
+# worker starts about as fast as a forked one and runs the script's own top-level lines; a copy's Dataset must pickle.
 WORKER_START = "forkserver" if sys.version_info < (3, 11, 10) else None  # None: the platform's default, fork
 if WORKER_START:  # imported by the server once, not by each worker (which then runs only the script's own lines)
     multiprocessing.set_forkserver_preload(["torch", "torchvision", "accelerate", "datasets", "utils.data.loaders"])
