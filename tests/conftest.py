@@ -40,6 +40,20 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 CUDA = torch.cuda.is_available()
 
 
+def torchcodec_imports() -> bool:
+    try:
+        import torchcodec.decoders  # noqa: F401
+    except Exception:  # noqa: BLE001 - not installed, or built for another torch release
+        return False
+    return True
+
+
+# --decode gpu's decoder. Each TorchCodec release loads with one torch release only; a machine whose torch it was not
+# built for skips the tests that decode through it, but CI (whose torch the requirements pin it for) runs them all.
+TORCHCODEC = bool(os.environ.get("CI")) or torchcodec_imports()
+NEEDS_TORCHCODEC = pytest.mark.skipif(not TORCHCODEC, reason="TorchCodec does not import with this torch")
+
+
 # Fixtures that run training jobs (real processes): a test that uses one is `slow`, as is every test marked so by hand
 # (it starts a job itself). `python -m pytest -m "not slow"` is the quick subset for the edit-test loop.
 JOB_FIXTURES = {"reference", "small_run", "ddp_jobs", "bf16_jobs", "fsdp_jobs", "vit_jobs", "tracked_runs",

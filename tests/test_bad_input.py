@@ -14,6 +14,7 @@ import torch
 from conftest import (
     CIFAR_CLASSES,
     CPU_YAML,
+    NEEDS_TORCHCODEC,
     REPO,
     run_train,
     script_env,
@@ -223,6 +224,7 @@ def test_contradicting_or_missing_data_flags(tmp_path, small_data, extra, messag
     _fails_cleanly(tmp_path, ["--data-dir", str(small_data), *extra], message.format(data=small_data))
 
 
+@NEEDS_TORCHCODEC
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has the CUDA device --decode gpu needs")
 def test_decode_gpu_without_a_cuda_device_is_one_line(tmp_path, small_data):
     _fails_cleanly(tmp_path, ["--data-dir", str(small_data), "--decode", "gpu"],

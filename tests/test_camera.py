@@ -12,6 +12,7 @@ import pytest
 from conftest import (
     CPU_YAML,
     DEVICES,
+    NEEDS_TORCHCODEC,
     PROBE,
     assert_same_parameters,
     encoded_rows,
@@ -175,6 +176,7 @@ def host_and_device(data: list[bytes], size: int, recipe: CropRecipe | None, dev
     return host.numpy(), on_device.cpu().numpy()
 
 
+@NEEDS_TORCHCODEC
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["baseline", "progressive", "cmyk", "grayscale", "png"])
 def test_a_batch_decoded_on_the_device_gives_pillows_views_within_a_bound(kind, device):
@@ -201,6 +203,7 @@ def png(im: Image.Image) -> bytes:
     return buf.getvalue()
 
 
+@NEEDS_TORCHCODEC
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_phone_photos_exif_orientation_is_applied_when_decoded_on_the_device(device):
     """A 957 x 715 JPEG photo stored with each EXIF orientation 1-8: decoded on the device, its training crop and
@@ -214,6 +217,7 @@ def test_a_phone_photos_exif_orientation_is_applied_when_decoded_on_the_device(d
             assert difference.mean() <= BOUND[device][0] and difference.max() <= BOUND[device][1], (k + 1, key)
 
 
+@NEEDS_TORCHCODEC
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_truncated_jpeg_decoded_on_the_device_is_the_same_one_line(device):
     """A 4000 x 3000 JPEG cut after half its bytes, in a batch with a whole one: the device path stops with the same

@@ -15,7 +15,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import GPU_YAML, PROBE, REPO, assert_same_state, job_args, read_summary, run_train, script_env
+from conftest import (
+    GPU_YAML,
+    NEEDS_TORCHCODEC,
+    PROBE,
+    REPO,
+    assert_same_state,
+    job_args,
+    read_summary,
+    run_train,
+    script_env,
+)
 from safetensors.torch import load_file
 
 from utils.launch import make_deterministic
@@ -128,6 +138,7 @@ def test_the_doctor_on_one_gpu_reports_its_device_and_the_cuda_and_nccl_versions
     assert result.stdout.splitlines()[-1] == "doctor: OK (1 processes, NO)"
 
 
+@NEEDS_TORCHCODEC
 @pytest.mark.slow
 def test_a_one_gpu_job_decoding_on_the_gpu_trains_the_same_steps_as_the_cpu_workers(cifar_dir, tmp_path):
     """--decode gpu on a folder of 256 + 64 upscaled CIFAR-10 JPEGs (96-128 px, every 4th a phone photo with EXIF

@@ -221,9 +221,8 @@ def test_train_vit_decodes_in_workers_and_evaluate_checkpoint_reads_its_run_the_
     if not torch.cuda.is_available():  # --decode replaces the run's: here one that needs a GPU, refused in one line
         asked = run_python([str(REPO / "evaluate_checkpoint.py"), str(out / "model.safetensors"), "--decode", "gpu"],
                            script_env(), timeout=300)
-        assert asked.returncode == 2 and asked.stderr.strip().splitlines()[-1] == (
-            "error: --decode gpu decodes JPEGs on the GPU (nvJPEG), and this process has no CUDA device; use --decode "
-            "workers (or auto) to decode in the loader's workers."), asked.stderr[-3000:]
+        assert asked.returncode == 2, asked.stderr[-3000:]  # the CUDA line (or TorchCodec's, where it cannot load)
+        assert asked.stderr.strip().splitlines()[-1].startswith("error: --decode gpu decodes "), asked.stderr[-3000:]
 
 
 # A native thread that holds the interpreter's thread-list lock (runtime->interpreters.mutex, HEAD_LOCK in CPython's

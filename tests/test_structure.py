@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from conftest import REPO
+from conftest import REPO, TORCHCODEC
 
 
 def runtime_imports() -> dict[str, dict[str, list[int]]]:
@@ -155,8 +155,8 @@ def test_a_training_batchs_pixels_pass_through_at_most_4_data_modules_on_every_d
     batch with every per-image draw on (a policy, erasing, mixing) runs code of these utils/data modules only:
     images, transform and draws for the decoded cache; images, the rows' module (sources for a table or a copy's
     Dataset, stream for shards), pixels, transform and draws on the paths decoded by batch, --decode gpu's too (its
-    code run on the CPU here; the draws module draws from the batch's indices; the pixels pass through the other 4 at
-    most)."""
+    code run on the CPU here, where TorchCodec imports; the draws module draws from the batch's indices; the pixels
+    pass through the other 4 at most)."""
     from PIL import Image
 
     from utils.data.builtin import load_encoded
@@ -176,9 +176,10 @@ def test_a_training_batchs_pixels_pass_through_at_most_4_data_modules_on_every_d
         "stream": load_encoded(str(stream_shards["tar"]), image_size=32, recipe=CropRecipe(), workers=0,
                                stream=StreamSettings(window=16, block=8))["train"][0],
         "dataset": EncodedImages(DatasetRows.read(dataset, "train", "the Dataset", 32)[0], 32, CropRecipe(), 0),
-        "gpu": load_encoded(str(stream_shards["parquet"]), image_size=32, recipe=CropRecipe(),
-                            device="cpu")["train"][0],
     }
+    if TORCHCODEC:
+        kinds["gpu"] = load_encoded(str(stream_shards["parquet"]), image_size=32, recipe=CropRecipe(),
+                                    device="cpu")["train"][0]
     decoded_by_batch = {"images", "pixels", "transform", "draws"}
     expected = {"cache": {"images", "transform", "draws"}, "table": decoded_by_batch | {"sources"},
                 "stream": decoded_by_batch | {"stream"}, "dataset": decoded_by_batch | {"sources"},
