@@ -283,9 +283,15 @@ IDENTITY_KEYS = {"output_dir", "run_name", "group", "tags", "wandb_project", "da
 
 
 def differing(runs: list[Run]) -> list[str]:
-    """The config keys whose values differ between the runs, sorted."""
+    """The config keys whose values differ between the runs, sorted. A built model or optimizer record differs as the
+    table shows it (_text: its name or class; each group's lr and weight decay), not by its parameter counts, which
+    follow the model (parameters_on_main_process says those)."""
     keys = sorted({k for run in runs for k in run.config})
-    return [k for k in keys if len({json.dumps(run.config.get(k), sort_keys=True) for run in runs}) > 1]
+
+    def shown(value):
+        return _text(value) if isinstance(value, dict) and "class" in value else json.dumps(value, sort_keys=True)
+
+    return [k for k in keys if len({shown(run.config.get(k)) for run in runs}) > 1]
 
 
 # Facts the run derived from its flags and launch (utils.tracking.run_facts): a label names them after the flags, the

@@ -245,6 +245,22 @@ def test_a_summary_only_run_gives_the_model_and_optimizer_it_built_as_a_wandb_ru
     assert "eval_top1" not in run.config
 
 
+def test_an_optimizer_record_differs_by_its_groups_lr_and_decay_not_by_the_models_parameter_counts():
+    """Two runs of different models whose optimizers are SGD with the same lr and weight decay per group: the config
+    table lists the model, not the optimizer; a third run with another lr in a group lists the optimizer too."""
+    def sgd(parameters: int, lr: float) -> dict:
+        return {"class": "SGD", "groups": [{"name": "all", "tensors": 9, "parameters": parameters, "lr": lr,
+                                            "weight_decay": 5e-4},
+                                           {"name": "all/no_decay", "tensors": 4, "parameters": parameters // 100,
+                                            "lr": lr, "weight_decay": 0.0}]}
+
+    runs = [compare_runs.Run(name, name, config={"model": {"name": name, "class": "ResNet"}, "optimizer": optimizer})
+            for name, optimizer in (("resnet8", sgd(77_000, 0.1)), ("resnet18", sgd(11_000_000, 0.1)),
+                                    ("resnet9", sgd(6_000_000, 0.05)))]
+    assert compare_runs.differing(runs[:2]) == ["model"]
+    assert compare_runs.differing(runs) == ["model", "optimizer"]
+
+
 def test_the_group_table_names_each_groups_model_whole():
     """The settings table of two groups shows the model record's name whole (a timm name of 44 characters), not cut
     at the table's width; an optimizer record shows its class and each group's lr and weight decay."""
