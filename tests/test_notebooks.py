@@ -4,6 +4,7 @@ settings that replace each notebook's cell tagged `parameters`."""
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 
 import nbformat
@@ -57,7 +58,7 @@ def test_launch_from_notebook_trains_each_script_with_two_processes_and_shows_th
         monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     notebook = execute("launch_from_notebook.ipynb", f"SCRIPT = {script!r}\nDATA_DIR = {str(cifar_dir)!r}\n"
                        f"OUTPUT_DIR = {str(out)!r}\nTRAIN_SUBSET, EVAL_SUBSET = {subsets}\nEPOCHS = 1\n"
-                       f"TRACKER = 'wandb'\nEXTRA_FLAGS = {extra!r}", monkeypatch)
+                       f"TRACKER = 'wandb'\nEXTRA_FLAGS = {extra!r}\nPORT = {free_port()}", monkeypatch)
     s = read_summary(out)
     assert (s["world_size"], s["epochs_completed"], s["eval_examples"]) == (2, 1, subsets[1])
     assert s["config"]["output_dir"] == str(out) and s["config"]["batch_size"] == 64
@@ -69,6 +70,14 @@ def test_launch_from_notebook_trains_each_script_with_two_processes_and_shows_th
     assert run.metric(*compare_runs.COLUMNS["final top-1 %"]) == s["eval_top1"]
     built = s.get("model", s["config"]["model"])  # the templates record what they built; train_minimal, its flag
     assert run.config["model"] == built and len(compare_runs.points(run, "epoch", "eval/top1")) == 1
+
+
+def free_port() -> int:
+    """A port no process here listens on (the notebook's processes meet on it: not 29500, which a job beside the
+    tests may hold)."""
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        return probe.getsockname()[1]
 
 
 def test_compare_runs_notebook_shows_the_table_groups_and_plots(tracked_runs, tmp_path, monkeypatch):
