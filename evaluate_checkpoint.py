@@ -25,6 +25,7 @@ from accelerate import Accelerator
 
 from utils import UserError
 from utils.cli import FlagParser
+from utils.config_groups import DataConfig
 from utils.data.contract import checked_data
 from utils.data.loaders import make_loader, take_prefix
 from utils.data.transform import BatchTransform
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--data-dir", default=None, help="parquet or image folder; default: the run's")
     parser.add_argument("--dataset", default=None, help="Hub dataset; default: the run's")
     parser.add_argument("--cache-dir", default=None, help="decoded-tensor cache; default: the run's")
-    parser.add_argument("--decode", default=None, choices=("auto", "cache", "workers", "stream", "gpu"),
+    parser.add_argument("--decode", default=None, choices=DataConfig.__dataclass_fields__["decode"].metadata["choices"],
                         help="how the images are decoded, as for train_cifar.py; default: the run's (a run decoded on "
                         "the GPU evaluates on a CPU with --decode workers)")
     parser.add_argument("--eval-subset", type=int, default=None, help="default: the run's (else all)")
