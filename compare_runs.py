@@ -264,7 +264,7 @@ def _text(value) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
-def _cell(value, width: int) -> str:
+def _cell(value, width: float) -> str:
     """A config value in a table: a built model or optimizer record as its name or class, whole; else JSON, cut."""
     if isinstance(value, dict) and "class" in value:
         return _text(value)
@@ -287,11 +287,7 @@ def differing(runs: list[Run]) -> list[str]:
     table shows it (_text: its name or class; each group's lr and weight decay), not by its parameter counts, which
     follow the model (parameters_on_main_process says those)."""
     keys = sorted({k for run in runs for k in run.config})
-
-    def shown(value):
-        return _text(value) if isinstance(value, dict) and "class" in value else json.dumps(value, sort_keys=True)
-
-    return [k for k in keys if len({shown(run.config.get(k)) for run in runs}) > 1]
+    return [k for k in keys if len({_cell(run.config.get(k), math.inf) for run in runs}) > 1]  # whole, as shown
 
 
 # Facts the run derived from its flags and launch (utils.tracking.run_facts): a label names them after the flags, the
