@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 from utils import UserError, first_line, write_atomically
 from utils.cli import FlagParser
 from utils.data.images import worker_share
-from utils.data.pixels import CropRecipe, evaluation_view
+from utils.data.pixels import CropRecipe, check_pixels, evaluation_view
 from utils.data.sources import IMAGE_SUFFIXES
 from utils.data.transform import BatchTransform
 from utils.launch import run as run_job
@@ -111,7 +111,7 @@ class ImageFiles(torch.utils.data.Dataset):
 def read_view(path: Path, view):
     from PIL import Image
 
-    with Image.open(path) as im:
+    with check_pixels(Image.open(path), str(path)) as im:
         return view(im)
 
 

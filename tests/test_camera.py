@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import io
 import math
+import struct
+import warnings
+import zlib
 
 import numpy as np
 import pytest
+import torch
 from conftest import (
     CPU_YAML,
     DEVICES,
@@ -158,6 +162,70 @@ def test_a_truncated_camera_jpeg_is_one_line_naming_its_row_decoded_reduced_or_f
     assert lines[0].startswith("the train split has an undecodable image at row 0 (OSError: image file is truncated")
 
 
+QUADRANTS = ((200, 30, 30), (30, 200, 30), (30, 30, 200), (220, 220, 40))  # top-left, top-right, bottom-left, -right
+
+
+def quadrants(width: int, height: int) -> Image.Image:
+    """An image of four flat colours, one per quadrant (QUADRANTS): cheap to make and to encode at any size."""
+    im = Image.new("RGB", (width, height), QUADRANTS[0])
+    for k, colour in enumerate(QUADRANTS[1:], 1):
+        im.paste(colour, (width // 2 * (k % 2), height // 2 * (k // 2), width, height))
+    return im
+
+
+def header_only_png(width: int, height: int) -> bytes:
+    """A PNG whose header says width x height, with a few bytes of pixel data: what a decompression bomb shows."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)) +
+            chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b""))
+
+
+def test_a_200_megapixel_phone_photo_is_read_in_training_evaluation_and_prediction(tmp_path):
+    """A 16320 x 12240 JPEG (a phone's 200-megapixel mode; Pillow's own limit refuses more than 179 megapixels) of
+    four flat quadrants: read without a warning in a training batch (a 48 px crop of the keyed box), its evaluation
+    view (48 px) and predict.py's view of the file; the evaluation view's four corners are the four quadrants'
+    colours within 3 levels of 255, and predict.py's view is the evaluation view."""
+    import predict
+
+    path = tmp_path / "phone.jpg"
+    quadrants(16320, 12240).save(path, quality=90)
+    images = EncodedImages(encoded_rows([path]), 48, CropRecipe(), 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # Pillow's DecompressionBombWarning included
+        crop, cropped = images.read(np.arange(1), (0, 0))
+        evaluation = images.read(np.arange(1), None)[0][0].numpy()
+        summary = {"image_size": 48, "eval_crop": CropRecipe.eval_crop, "interpolation": "bilinear"}
+        predicted = predict.read_view(path, predict.run_view(summary))
+    assert cropped and crop.shape == (1, 48, 48, 3)
+    corners = evaluation[[0, 0, -1, -1], [0, -1, 0, -1]].astype(int)
+    assert np.abs(corners - np.array(QUADRANTS)).max() <= 3, corners
+    assert np.array_equal(predicted, evaluation)
+
+
+def test_an_image_whose_header_claims_more_than_max_pixels_is_one_line_in_training_prediction_and_a_dataset(tmp_path):
+    """A PNG whose header says 40000 x 40000 (1,600 megapixels, more than MAX_PIXELS) stops reading it with one line
+    naming it and its size, before any pixel is decoded: in a training batch, in predict.py, and as a copy's Dataset
+    item."""
+    import predict
+    from utils.data.sources import DatasetRows
+
+    path = tmp_path / "bomb.png"
+    path.write_bytes(header_only_png(40000, 40000))
+    tail = "is 40000 x 40000 pixels (1,600 megapixels), more than the 1,074 that the data path decodes; shrink it or " \
+           "leave it out."
+    with pytest.raises(UserError) as error:
+        EncodedImages(encoded_rows([path]), 48, CropRecipe(), 0).read(np.arange(1), (0, 0))
+    assert str(error.value) == f"the train split's image at {path} {tail}"
+    with pytest.raises(UserError) as error:
+        predict.read_view(path, predict.run_view({"image_size": 48}))
+    assert str(error.value) == f"{path} {tail}"
+    with pytest.raises(UserError) as error:
+        DatasetRows.read([(Image.open(path), 0)], "train", "load_data()['train']", 48)
+    assert str(error.value) == f"load_data()['train']'s item 0's image {tail}"
+
+
 # ----------------------------------------------------------------------------------------------------
 # Decoded on the device (--decode gpu)
 # ----------------------------------------------------------------------------------------------------
@@ -195,6 +263,29 @@ def test_a_batch_decoded_on_the_device_gives_pillows_views_within_a_bound(kind, 
         difference = np.abs(host.astype(int) - on_device.astype(int))
         assert difference.mean() <= mean and difference.max() <= most, (recipe, key, difference.mean(),
                                                                          difference.max())
+
+
+@NEEDS_TORCHCODEC
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_device_decodes_a_batchs_jpegs_in_calls_of_at_most_device_pixels_with_the_same_views(device, monkeypatch):
+    """A batch of 400 x 300 (120,000 pixels) and 800 x 600 (480,000) JPEGs and a PNG, with DEVICE_PIXELS at 300,000:
+    TorchCodec's decode_jpeg gets the JPEGs in batch order, in calls of at most 300,000 pixels (the 800 x 600 ones
+    alone), and the views equal those of one call for the whole batch bitwise."""
+    import torchcodec.decoders
+
+    from utils.data import pixels
+
+    sizes = [(400, 300), (400, 300), (800, 600), (400, 300), (400, 300), (400, 300), (800, 600)]
+    data = [jpeg(photo(w, h, seed=k)) for k, (w, h) in enumerate(sizes)] + [png(photo(400, 300))]
+    rows, indices = encoded_rows(data), np.arange(len(data))
+    whole = EncodedImages(rows, 48, CropRecipe(), 0, device=device).read(indices, (3, 1))[0].cpu()
+    calls, real = [], torchcodec.decoders.decode_jpeg
+    monkeypatch.setattr(torchcodec.decoders, "decode_jpeg", lambda data, **kw: calls.append(len(data)) or
+                        real(data, **kw))
+    monkeypatch.setattr(pixels, "DEVICE_PIXELS", 300_000)
+    parts = EncodedImages(rows, 48, CropRecipe(), 0, device=device).read(indices, (3, 1))[0].cpu()
+    assert calls == [2, 1, 2, 1, 1]  # 240,000; 480,000; 240,000; 120,000 (with the next: 600,000); 480,000
+    assert torch.equal(parts, whole)
 
 
 def png(im: Image.Image) -> bytes:

@@ -68,10 +68,12 @@ def _decode_chunk(role: str, start: int, stop: int) -> None:
 def decode_all(rows: dict[str, Rows], outputs: dict[str, np.ndarray], size: int, workers: int,
                same_as: str | None = None, reduce: bool = True) -> None:
     """Decodes every split's rows into its output array (_decode_rows), with `workers` processes. The workers are
-    forked (as PyTorch's DataLoader workers are): they inherit the rows and the outputs, memory maps of the cache file
-    that they write into, so no image crosses a pipe. Each row is decoded alone: the result is the same bit for bit
-    for any number of workers. An undecodable image (or one of another size, with same_as) stops the decode with the
-    first bad row's line, as one worker would.
+    forked: they inherit the rows and the outputs, memory maps of the cache file that they write into, so no image
+    crosses a pipe. Forked even where the loaders' workers start from a forkserver (utils.data.images.WORKER_START):
+    the pool starts before training, when the process's other threads (the launcher's watch, tqdm's monitor, gloo's
+    and OpenMP's native ones) do not call into Python, so none can hold the lock a forked child would wait on. Each
+    row is decoded alone: the result is the same bit for bit for any number of workers. An undecodable image (or one
+    of another size, with same_as) stops the decode with the first bad row's line, as one worker would.
     Written with concurrent.futures: datasets' map(num_proc=...) would write every decoded image to an Arrow cache
     first, a second copy on disk."""
     global _JOB

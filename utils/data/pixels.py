@@ -26,11 +26,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image
 
 from utils import UserError, first_line
 from utils.data.draws import key_stream, splitmix64, uniform01
 
 TRIES = 10  # torchvision's RandomResizedCrop: tries before its fallback
+# Pillow refuses to open an image of more than 179 megapixels and warns above 89 (Image.MAX_IMAGE_PIXELS), a guard
+# for servers that open strangers' files; a phone's 200-megapixel photo is a user's own data. Off, for every image
+# this process opens (a copy's Dataset's too); the data path's own limit, MAX_PIXELS, is checked from each header
+# (`check_pixels`), and a JPEG is then decoded at the scale its view needs (`decoded`).
+Image.MAX_IMAGE_PIXELS = None
+MAX_PIXELS = 2**30  # 1,074 megapixels: any camera's photo, a stitched panorama; 3 GiB as decoded RGB at full size
 
 
 @dataclass(frozen=True)
@@ -163,8 +170,6 @@ def decoded(im, box, out: tuple[int, int], reduce: bool = True):
     the smallest DCT scale 1/s (1/2, 1/4, 1/8: libjpeg's, through Pillow's Image.draft) at which the box still holds
     `out` (width, height) pixels; a pixel of the reduced image covers s x s pixels of the full one, so the box scales
     by 1/s (shifted by the part pixel at the start of an axis the orientation reverses). Other formats: s = 1."""
-    from PIL import Image
-
     tag, (width, height), (full_width, full_height) = orientation(im), im.size, upright_size(im)
     scale = shrink(box[2] - box[0], box[3] - box[1], out) if reduce and im.format == "JPEG" else 1
     if scale > 1:
@@ -186,8 +191,6 @@ def region(im, box, out: tuple[int, int], interpolation: str, reduce: bool = Tru
     the filter named `interpolation` (antialiased, as PIL always is): at full size, torchvision's crop and resize of
     the PIL image; decoded reduced (`decoded`), the box's pixels of the reduced image (with the part pixels at its
     edges) resized to `out` by PIL's resize of a box of real coordinates."""
-    from PIL import Image
-
     rgb, scale, (left, top, right, bottom) = decoded(im, box, out, reduce)
     resample = Image.Resampling[interpolation.upper()]
     if scale == 1:  # torchvision's TF.crop and TF.resize of a PIL image are these PIL calls
@@ -204,15 +207,26 @@ def open_image(source, rows, i: int):
     """The PIL image of row i of `rows` (an encoded image `source`, bytes or a path), lazily: only its header is read
     until the pixels are asked for; one line naming the row if it is broken. A PIL image (a copy's Dataset's) as it
     is."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import UnidentifiedImageError
 
     if isinstance(source, Image.Image):
         return source
     try:
-        return Image.open(io.BytesIO(source) if isinstance(source, bytes) else source)
+        im = Image.open(io.BytesIO(source) if isinstance(source, bytes) else source)
     except (UnidentifiedImageError, OSError, TypeError) as e:
         raise UserError(f"the {rows.split} split has an undecodable image at {rows.where(i)} ({first_line(e)}).") \
             from None
+    return check_pixels(im, f"the {rows.split} split's image at {rows.where(i)}")
+
+
+def check_pixels(im, what: str):
+    """An opened image, or one line (`what` names it) when its header gives it more than MAX_PIXELS pixels."""
+    width, height = im.size
+    if width * height > MAX_PIXELS:
+        im.close()
+        raise UserError(f"{what} is {width} x {height} pixels ({width * height / 1e6:,.0f} megapixels), more than the "
+                        f"{MAX_PIXELS / 1e6:,.0f} that the data path decodes; shrink it or leave it out.")
+    return im
 
 
 def row_pixels(rows, i: int, im, view) -> np.ndarray:
@@ -238,27 +252,33 @@ def evaluation_view(size: int, recipe: CropRecipe | None, reduce: bool = True):
 # ----------------------------------------------------------------------------------------------------
 # Decoding on the GPU (--decode gpu)
 # ----------------------------------------------------------------------------------------------------
-DEVICE_CHUNK = 32  # JPEGs decoded on the device per call: 32 camera photos (12 MP) take 1.2 GB decoded
+DEVICE_PIXELS = 2**28  # pixels decoded on the device per call (768 MiB as RGB): 21 camera photos of 12 MP, or one
+# phone photo of 200 MP alone
 
 
 def device_views(rows, indices, sources: list, opened: list, size: int, recipe: CropRecipe | None, boxes, mirrored,
                  device) -> torch.Tensor:
     """A batch's views (EncodedImages.read's: `boxes` and `mirrored` for the training crops, else the evaluation
-    view) decoded on `device` (--decode gpu: the GPU's nvJPEG through TorchCodec's decode_jpeg, DEVICE_CHUNK images a
-    call; on a CPU, the same call's libjpeg-turbo, which the tests run): each JPEG decoded whole and upright (TorchCodec
-    applies its EXIF orientation on either device) and cut by torchvision's tensor functions (`tensor_view`). Any
-    other format, a JPEG the device decoder refuses, and one whose EXIF orientation TorchCodec reads otherwise than
-    `orientation` (the decoded size is not the upright size the boxes were drawn in) through the host's view
-    (Pillow, at full size), then copied. (B, S, S, 3) uint8 on `device`."""
+    view) decoded on `device` (--decode gpu: the GPU's nvJPEG through TorchCodec's decode_jpeg, up to DEVICE_PIXELS
+    pixels a call; on a CPU, the same call's libjpeg-turbo, which the tests run): each JPEG decoded whole and upright
+    (TorchCodec applies its EXIF orientation on either device) and cut by torchvision's tensor functions
+    (`tensor_view`). Any other format, a JPEG the device decoder refuses, and one whose EXIF orientation TorchCodec
+    reads otherwise than `orientation` (the decoded size is not the upright size the boxes were drawn in) through the
+    host's view (Pillow, at full size), then copied. (B, S, S, 3) uint8 on `device`."""
     from torchcodec.decoders import decode_jpeg
 
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:  # this rank's GPU (Accelerate made it the current device)
         device = torch.device("cuda", torch.cuda.current_device())
-    jpegs = [k for k, im in enumerate(opened) if im.format == "JPEG"]
+    chunks, held = [[]], 0  # the batch's JPEGs in calls of at most DEVICE_PIXELS pixels (a larger one alone)
+    for k, im in enumerate(opened):
+        if im.format == "JPEG":
+            if chunks[-1] and held + math.prod(im.size) > DEVICE_PIXELS:
+                chunks, held = [*chunks, []], 0
+            chunks[-1].append(k)
+            held += math.prod(im.size)
     done = {}
-    for start in range(0, len(jpegs), DEVICE_CHUNK):
-        chunk = jpegs[start:start + DEVICE_CHUNK]
+    for chunk in filter(None, chunks):
         data = [torch.frombuffer(bytearray(encoded(sources[k])), dtype=torch.uint8) for k in chunk]
         try:
             done |= dict(zip(chunk, decode_jpeg(data, mode="RGB", device=device)))

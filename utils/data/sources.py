@@ -34,7 +34,7 @@ import torch
 
 from utils import UserError, first_line
 from utils.config_groups import DATA_LAYOUTS, check_source
-from utils.data.pixels import open_image
+from utils.data.pixels import check_pixels, open_image
 from utils.scripts import IMPORTED, new_after_imports
 
 SPLITS = ("train", "test")  # load_data's splits: "test" is the one evaluated on
@@ -436,7 +436,7 @@ def item_image(item, what: str, size: int | None = None):
         kind = (f"{str(image.dtype).removeprefix('torch.')} tensor {tuple(image.shape)}"
                 if isinstance(image, torch.Tensor) else type(image).__name__)
         raise UserError(f"{what}'s image must be a PIL image or a uint8 tensor 3 x H x W or H x W x 3 (got {kind}).")
-    w, h = image.size
+    w, h = check_pixels(image, f"{what}'s image").size
     if size and (w, h) != (size, size):
         raise UserError(f"{what}'s image is {w} x {h}; without --image-size every image must be {size} x {size}, as "
                         f"item 0 of the train split is: pass --image-size S to resize (or crop) every image to S.")
