@@ -411,6 +411,35 @@ def test_an_image_folder_names_its_classes_from_its_folders(tmp_path, accelerato
     assert load_source(str(tmp_path / "folder"), cache_dir=str(tmp_path / "cache"))["classes"] == data["classes"]
 
 
+def test_phone_photos_in_formats_the_data_path_does_not_read_are_left_out_with_a_one_line_warning(tmp_path, accelerator,
+                                                                                                 capsys):
+    """Beside one PNG per class and split: an iPhone's .HEIC photos (two), a camera's raw .dng and an AVIF photo. The
+    load reads the 3 training and 3 test PNGs and warns in one line that it left out 4 photos (1 .avif, 1 .dng, 2
+    .heic); a class folder holding only .heic photos stops with one line that says so; predict.py lists each of them
+    (a row each, an unreadable one with Pillow's reason)."""
+    import predict
+
+    folder = write_image_folder(tmp_path / "folder", ("ant", "bee", "cow"))
+    heic = b"\0\0\0\x18ftypheic\0\0\0\0mif1heic"  # an ISO-BMFF header, as a HEIC file starts
+    (folder / "train" / "ant" / "IMG_0001.HEIC").write_bytes(heic)
+    (folder / "train" / "bee" / "IMG_0002.heic").write_bytes(heic)
+    (folder / "test" / "cow" / "DSC_0003.DNG").write_bytes(b"II*\0" + bytes(64))
+    (folder / "train" / "cow" / "1.avif").write_bytes(heic.replace(b"heic", b"avif"))
+    data = load_source(str(folder), cache_dir=str(tmp_path / "cache"))
+    assert (len(data["train"][1]), len(data["test"][1])) == (3, 3)
+    warned = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
+    assert warned == [f"warning: left out 4 photos under --data-dir {folder} in formats the data path does not read "
+                      f"(1 .avif, 1 .dng, 2 .heic); convert them to JPEG to train on them."]
+    (folder / "train" / "bee" / "0.png").unlink()
+    assert _folder_error(tmp_path, accelerator) == (
+        f"the class folder {folder / 'train' / 'bee'} holds no image ({', '.join(sources.IMAGE_SUFFIXES)}); it holds "
+        f"photos in formats the data path does not read (1 .heic): convert them to JPEG.")
+    files, names = predict.find_images(str(folder / "train"))
+    assert names == ["ant/0.png", "ant/IMG_0001.HEIC", "bee/IMG_0002.heic", "cow/0.png", "cow/1.avif"]
+    assert predict.why_unreadable(files[1], predict.run_view({"image_size": 32})).startswith(
+        "UnidentifiedImageError: cannot identify image file")
+
+
 def test_images_of_mixed_sizes_and_modes_are_resized_to_rgb_image_size_or_stop_asking_for_it(tmp_path, accelerator):
     folder = write_mixed_folder(tmp_path / "folder")
     message = _folder_error(tmp_path, accelerator)

@@ -26,6 +26,7 @@ import json
 import os
 import re
 import shutil
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,12 +36,16 @@ import torch
 from utils import UserError, first_line
 from utils.config_groups import DATA_LAYOUTS, check_source
 from utils.data.pixels import check_pixels, open_image
+from utils.launch import main_print
 from utils.scripts import IMPORTED, new_after_imports
 
 SPLITS = ("train", "test")  # load_data's splits: "test" is the one evaluated on
 EVAL_SPLITS = ("test", "validation")  # the source's evaluation split: the first of these it has
 VAL_FRACTION = 0.1  # held out of train for evaluation when the source has no evaluation split
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")  # files; tar shard members
+# photos that phones and cameras write in formats the data path does not read (HEIF and raw: not by Pillow; AVIF: not
+# by datasets' image folder): an image folder's are left out with a warning (a raw file is often a JPEG's twin)
+OTHER_PHOTOS = (".heic", ".heif", ".avif", ".dng", ".cr2", ".cr3", ".nef", ".arw", ".raf", ".orf", ".rw2")
 IMAGE_COLUMNS, LABEL_COLUMNS = ("img", "image"), ("label", "labels", "fine_label")
 
 
@@ -113,7 +118,10 @@ def locate(data_dir: str | None, dataset: str | None, val_fraction: float | None
     if data_dir is None and dataset is None:
         raise UserError("no data: pass --data-dir (a local folder) or --dataset (a Hub dataset id).")
     if data_dir is not None:
-        kind, files = find_source(data_dir)
+        kind, files, unread = find_source(data_dir)
+        if unread:
+            main_print(f"warning: left out {sum(unread.values()):,} photos under --data-dir {data_dir} in formats the "
+                       f"data path does not read ({counted(unread)}); convert them to JPEG to train on them.")
         hub, splits, paths = None, list(files), [p for ps in files.values() for p in ps]
     else:
         kind, files, hub = "hub", None, read_hub(dataset)
@@ -132,7 +140,7 @@ def first_image_size(data_dir: str, image_column: str | None = None) -> tuple[in
     from PIL import Image
 
     try:
-        kind, files = find_source(data_dir)
+        kind, files, _ = find_source(data_dir)
         first = files["train"][0]
         if kind == "parquet":
             import pyarrow.parquet as pq
@@ -153,23 +161,23 @@ def fingerprint(paths: list[str | Path], settings: dict, version: int = 0) -> st
     return hashlib.sha256(json.dumps([version, stats, settings], sort_keys=True).encode()).hexdigest()[:16]
 
 
-def find_source(data_dir: str | Path) -> tuple[str, dict[str, list[Path]]]:
+def find_source(data_dir: str | Path) -> tuple[str, dict[str, list[Path]], Counter]:
     """What --data-dir holds: ("parquet", {split: its <split>-*.parquet files at any depth, as in a Hub snapshot}),
     ("imagefolder", {split: the image files of <split>/<class>/}), for the splits found: train, and test or
     validation (the first of them that is there; neither: a part of train is held out, see hold_out); or
     ("shards", {}) for webdataset tar shards (*-train-*.tar at any depth), which are read as a stream
-    (utils/data/stream.py lists them)."""
+    (utils/data/stream.py lists them). Then how many files of each of OTHER_PHOTOS an image folder left out."""
     root = Path(data_dir)
     if not root.is_dir():
         raise UserError(f"--data-dir {root} does not exist or is not a directory. {DATA_LAYOUTS}")
     parquet = {split: sorted(root.rglob(f"{split}-*.parquet")) for split in ("train", *EVAL_SPLITS)}
     if parquet["train"]:
         eval_split = next((s for s in EVAL_SPLITS if parquet[s]), None)
-        return "parquet", {s: parquet[s] for s in ("train", eval_split) if s}
+        return "parquet", {s: parquet[s] for s in ("train", eval_split) if s}, Counter()
     if (root / "train").is_dir() and any(d.is_dir() for d in (root / "train").iterdir()):
-        return "imagefolder", _image_folder_files(root)
+        return "imagefolder", *_image_folder_files(root)
     if any(names_split(p.name, "train") for p in root.rglob("*.tar")):
-        return "shards", {}
+        return "shards", {}, Counter()
     raise UserError(f"--data-dir {root} holds no train-*.parquet file, no image folder (train/<class>/*.png, "
                     f"test/<class>/...) and no tar shard (*-train-*.tar); expected the parquet layout of a Hub dataset "
                     f"(data/train-*.parquet), or such a folder or shards.")
@@ -181,21 +189,32 @@ def names_split(file_name: str, split: str) -> bool:
     return re.search(rf"(^|[-_.]){split}[-_.]", file_name) is not None
 
 
-def _image_folder_files(root: Path) -> dict[str, list[Path]]:
+def counted(suffixes: Counter) -> str:
+    """'1 .avif, 2 .heic': how many files of each suffix."""
+    return ", ".join(f"{n:,} {suffix}" for suffix, n in sorted(suffixes.items()))
+
+
+def _image_folder_files(root: Path) -> tuple[dict[str, list[Path]], Counter]:
     splits = ["train"] + [s for s in EVAL_SPLITS if (root / s).is_dir()][:1]
-    files, classes = {}, {}
+    files, classes, unread = {}, {}, Counter()
     for split in splits:
         folder = root / split
         classes[split] = sorted(d.name for d in folder.iterdir() if d.is_dir())
         for name in classes[split]:
-            if not any(f.suffix.lower() in IMAGE_SUFFIXES for f in (folder / name).iterdir()):
-                raise UserError(f"the class folder {folder / name} holds no image ({', '.join(IMAGE_SUFFIXES)}).")
-        files[split] = sorted(f for f in folder.rglob("*") if f.suffix.lower() in IMAGE_SUFFIXES)
+            suffixes = [f.suffix.lower() for f in (folder / name).iterdir()]
+            if not any(suffix in IMAGE_SUFFIXES for suffix in suffixes):
+                others = Counter(suffix for suffix in suffixes if suffix in OTHER_PHOTOS)
+                why = (f"; it holds photos in formats the data path does not read ({counted(others)}): convert them "
+                       f"to JPEG") if others else ""
+                raise UserError(f"the class folder {folder / name} holds no image ({', '.join(IMAGE_SUFFIXES)}){why}.")
+        found = sorted(folder.rglob("*"))
+        files[split] = [f for f in found if f.suffix.lower() in IMAGE_SUFFIXES]
+        unread.update(f.suffix.lower() for f in found if f.suffix.lower() in OTHER_PHOTOS)
     if len(splits) == 2 and classes["train"] != classes[splits[1]]:
         differ = sorted(set(classes["train"]) ^ set(classes[splits[1]]))
         raise UserError(f"--data-dir {root}: train/ and {splits[1]}/ have different class folders ({', '.join(differ)} "
                         f"only in one of them).")
-    return files
+    return files, unread
 
 
 def read_local(kind: str, files: dict[str, list[Path]]):
