@@ -18,6 +18,7 @@ from conftest import (
     DEVICES,
     NEEDS_TORCHCODEC,
     PROBE,
+    TORCHCODEC,
     assert_same_parameters,
     encoded_rows,
     kill_job,
@@ -102,6 +103,25 @@ def test_a_reduced_decode_gives_the_full_decodes_view_within_a_bound(kind):
     for name, view in views.items():
         difference = np.abs(view(True).astype(int) - view(False).astype(int))
         assert difference.mean() <= 1.0 and difference.max() <= 16, (name, difference.mean(), difference.max())
+
+
+@pytest.mark.parametrize("device", [None, *DEVICES])
+def test_a_jpeg_with_a_second_image_decodes_as_the_jpeg_it_starts_with(device):
+    """A 1600 x 1200 photo saved with a second, small image after it (what Pillow opens as MPO: a phone's Ultra HDR
+    gain map, a camera's depth map or preview): a batch of it gives the same training crops, evaluation view and S x S
+    resize as the same photo saved as a plain JPEG, bitwise, decoded reduced on the host (at 1/8 scale, as a JPEG)
+    and, with TorchCodec, on the device."""
+    im = photo(1600, 1200)
+    buf = io.BytesIO()
+    im.save(buf, format="MPO", save_all=True, append_images=[Image.new("RGB", (160, 120), (255, 0, 0))], quality=90)
+    mpo, plain = buf.getvalue(), jpeg(im)
+    assert opened(mpo).format == "MPO" and decoded(opened(mpo), (0, 0, 1600, 1200), (64, 64))[1] == 8
+    if device is not None and not TORCHCODEC:
+        pytest.skip("needs TorchCodec")
+    for recipe, key in ((CropRecipe(), (3, 1)), (CropRecipe(), None), (None, None)):
+        got, want = (EncodedImages(encoded_rows([data] * 4), 64, recipe, 0, device=device).read(np.arange(4), key)[0]
+                     for data in (mpo, plain))
+        assert torch.equal(got.cpu(), want.cpu()), (recipe, key)
 
 
 def stored(upright: Image.Image, tag: int, fmt: str) -> bytes:

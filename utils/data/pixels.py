@@ -138,6 +138,9 @@ def square_pixels(im, size: int, reduce: bool = True) -> np.ndarray:
 UPRIGHT = {2: ("FLIP_LEFT_RIGHT", (1, 0)), 3: ("ROTATE_180", (1, 1)), 4: ("FLIP_TOP_BOTTOM", (0, 1)),
            5: ("TRANSPOSE", (0, 0)), 6: ("ROTATE_270", (1, 0)), 7: ("TRANSVERSE", (1, 1)), 8: ("ROTATE_90", (0, 1))}
 SCALES = (8, 4, 2, 1)  # libjpeg decodes a JPEG at 1/8, 1/4, 1/2 or full scale in the DCT domain
+# Pillow's formats of a JPEG: MPO is one with more images after the first (a phone's Ultra HDR gain map, a depth map),
+# and every decoder reads the first
+JPEG_FORMATS = ("JPEG", "MPO")
 
 
 def orientation(im) -> int:
@@ -171,7 +174,7 @@ def decoded(im, box, out: tuple[int, int], reduce: bool = True):
     `out` (width, height) pixels; a pixel of the reduced image covers s x s pixels of the full one, so the box scales
     by 1/s (shifted by the part pixel at the start of an axis the orientation reverses). Other formats: s = 1."""
     tag, (width, height), (full_width, full_height) = orientation(im), im.size, upright_size(im)
-    scale = shrink(box[2] - box[0], box[3] - box[1], out) if reduce and im.format == "JPEG" else 1
+    scale = shrink(box[2] - box[0], box[3] - box[1], out) if reduce and im.format in JPEG_FORMATS else 1
     if scale > 1:
         drafted = im.draft(None, (width // scale, height // scale))
         scale = round(width / drafted[1][2]) if drafted else 1
@@ -272,7 +275,7 @@ def device_views(rows, indices, sources: list, opened: list, size: int, recipe: 
         device = torch.device("cuda", torch.cuda.current_device())
     chunks, held = [[]], 0  # the batch's JPEGs in calls of at most DEVICE_PIXELS pixels (a larger one alone)
     for k, im in enumerate(opened):
-        if im.format == "JPEG":
+        if im.format in JPEG_FORMATS:
             if chunks[-1] and held + math.prod(im.size) > DEVICE_PIXELS:
                 chunks, held = [*chunks, []], 0
             chunks[-1].append(k)
