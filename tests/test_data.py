@@ -17,6 +17,7 @@ from conftest import (
     CIFAR_CLASSES,
     DEVICES,
     digests,
+    encoded_rows,
     export_png_folder,
     small_tmpfs,
     write_cifar_dir,
@@ -438,6 +439,37 @@ def test_phone_photos_in_formats_the_data_path_does_not_read_are_left_out_with_a
     assert names == ["ant/0.png", "ant/IMG_0001.HEIC", "bee/IMG_0002.heic", "cow/0.png", "cow/1.avif"]
     assert predict.why_unreadable(files[1], predict.run_view({"image_size": 32})).startswith(
         "UnidentifiedImageError: cannot identify image file")
+
+
+def test_a_16_bit_grayscale_image_is_read_by_its_top_8_bits_not_clipped_to_white(tmp_path, accelerator):
+    """16-bit grayscale PNGs and TIFFs (Pillow's I;16) of gradients over 0-65535: the decode cache, a batch decoded in
+    the loader's workers and a copy's Dataset items (loaded PIL images) give the pixels of 8-bit grayscale PNGs of
+    each value's top 8 bits (value >> 8), bitwise; Pillow's own conversion to RGB makes 99.6% of them 255."""
+    from utils.data.images import EncodedImages
+    from utils.data.sources import DatasetRows
+
+    ramp = np.linspace(0, 65535, 32 * 32).reshape(32, 32).astype(np.uint16)
+    ramps = {"up": ramp, "down": ramp[::-1].copy()}
+    for depth, top in (("16", lambda a: a), ("8", lambda a: (a >> 8).astype(np.uint8))):
+        for split in ("train", "test"):
+            for name, a in ramps.items():
+                (tmp_path / depth / split / name).mkdir(parents=True)
+                Image.fromarray(top(a)).save(tmp_path / depth / split / name / "0.png")
+                Image.fromarray(top(a)).save(tmp_path / depth / split / name / "1.tif")
+    wide = Image.open(tmp_path / "16" / "train" / "up" / "0.png")
+    assert wide.mode == "I;16" and (np.asarray(wide.convert("RGB")) == 255).mean() > 0.99
+    got = load_source(str(tmp_path / "16"), cache_dir=str(tmp_path / "c16"))["train"]
+    want = load_source(str(tmp_path / "8"), cache_dir=str(tmp_path / "c8"))["train"]
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    files = sorted((tmp_path / "16" / "train").rglob("*.*"))
+    eight = [tmp_path / "8" / f.relative_to(tmp_path / "16") for f in files]
+    read = [EncodedImages(encoded_rows(paths), 32, None, 0).read(np.arange(4), None)[0] for paths in (files, eight)]
+    assert torch.equal(read[0], read[1])
+    loaded = [(Image.open(f), 0) for f in files]
+    for im, _ in loaded:
+        im.load()
+    rows, _ = DatasetRows.read(loaded, "train", "load_data()['train']", 32)
+    assert torch.equal(EncodedImages(rows, 32, None, 0).read(np.arange(4), None)[0], read[1])
 
 
 def test_images_of_mixed_sizes_and_modes_are_resized_to_rgb_image_size_or_stop_asking_for_it(tmp_path, accelerator):

@@ -178,7 +178,7 @@ def decoded(im, box, out: tuple[int, int], reduce: bool = True):
     if scale > 1:
         drafted = im.draft(None, (width // scale, height // scale))
         scale = round(width / drafted[1][2]) if drafted else 1
-    rgb = im.convert("RGB")  # grayscale repeated into 3 channels, CMYK converted, RGBA's alpha dropped, palettes too
+    rgb = as_rgb(im)
     dx = dy = 0.0
     if tag != 1:
         method, (back_x, back_y) = UPRIGHT[tag]
@@ -187,6 +187,15 @@ def decoded(im, box, out: tuple[int, int], reduce: bool = True):
     if scale == 1:
         return rgb, 1, box
     return rgb, scale, (box[0] / scale + dx, box[1] / scale + dy, box[2] / scale + dx, box[3] / scale + dy)
+
+
+def as_rgb(im):
+    """An image's pixels as RGB: grayscale repeated into 3 channels, CMYK converted, alpha dropped, palettes looked up;
+    16-bit grayscale (a PNG's or TIFF's I;16) by its top 8 bits, as a viewer shows it (Pillow's own conversion clips
+    it at 255: a white image)."""
+    if im.mode.startswith("I;16"):
+        im = Image.fromarray((np.asarray(im) >> 8).astype(np.uint8))
+    return im.convert("RGB")
 
 
 def region(im, box, out: tuple[int, int], interpolation: str, reduce: bool = True):

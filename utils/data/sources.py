@@ -35,7 +35,7 @@ import torch
 
 from utils import UserError, first_line
 from utils.config_groups import DATA_LAYOUTS, check_source
-from utils.data.pixels import check_pixels, open_image
+from utils.data.pixels import as_rgb, check_pixels, open_image
 from utils.launch import main_print
 from utils.scripts import IMPORTED, new_after_imports
 
@@ -518,7 +518,7 @@ class DatasetRows(EncodedRows):
         """The Dataset's item's image as a new PIL image, so that the Dataset's own object is never closed or changed:
         an image the Dataset opened lazily (`Image.open(path)` or of bytes; nothing decoded yet) opened again from its
         file or bytes, so that a JPEG decodes at the scale its view needs as the built-in folders' do
-        (utils/data/pixels.py); a tensor's pixels wrapped; any other PIL image converted to RGB."""
+        (utils/data/pixels.py); a tensor's pixels wrapped; any other PIL image converted to RGB (`as_rgb`)."""
         from PIL import Image, ImageFile
 
         image, _ = item_image((self.dataset[item][0], 0), f"{self.what}'s item {item}")
@@ -527,4 +527,4 @@ class DatasetRows(EncodedRows):
                 return Image.open(image.filename)
             if isinstance(image.fp, io.BytesIO):
                 return Image.open(io.BytesIO(image.fp.getvalue()))
-        return image.convert("RGB")
+        return as_rgb(image)
