@@ -472,6 +472,26 @@ def test_a_16_bit_grayscale_image_is_read_by_its_top_8_bits_not_clipped_to_white
     assert torch.equal(EncodedImages(rows, 32, None, 0).read(np.arange(4), None)[0], read[1])
 
 
+def test_a_palette_png_with_transparency_is_read_as_its_palette_colours_without_a_warning(tmp_path):
+    """A 32 x 32 palette PNG with transparency (a sticker, an icon): a batch decoded in the loader's workers gives
+    each pixel its palette entry's colour (looked up here in the palette itself), with warnings as errors (Pillow
+    warns of each such image converted to RGB directly)."""
+    import warnings
+
+    from utils.data.images import EncodedImages
+
+    rng = np.random.default_rng(0)
+    im = Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)).convert("P")
+    im.save(tmp_path / "sticker.png", transparency=bytes([0] * 16 + [255] * 240))
+    stored = Image.open(tmp_path / "sticker.png")
+    assert stored.mode == "P" and isinstance(stored.info["transparency"], bytes)
+    colours = np.array(stored.getpalette(), dtype=np.uint8).reshape(-1, 3)[np.asarray(stored)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        batch = EncodedImages(encoded_rows([tmp_path / "sticker.png"]), 32, None, 0).read(np.arange(1), None)[0]
+    assert np.array_equal(batch[0].numpy(), colours)
+
+
 def test_images_of_mixed_sizes_and_modes_are_resized_to_rgb_image_size_or_stop_asking_for_it(tmp_path, accelerator):
     folder = write_mixed_folder(tmp_path / "folder")
     message = _folder_error(tmp_path, accelerator)

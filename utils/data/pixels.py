@@ -195,6 +195,8 @@ def as_rgb(im):
     it at 255: a white image)."""
     if im.mode.startswith("I;16"):
         im = Image.fromarray((np.asarray(im) >> 8).astype(np.uint8))
+    elif im.mode == "P" and "transparency" in im.info:  # the same colours; Pillow warns of each such image to RGB
+        im = im.convert("RGBA")
     return im.convert("RGB")
 
 
