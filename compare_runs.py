@@ -505,13 +505,15 @@ def figure(runs: list[Run], x: str, ys: tuple[str, ...], y_label: str, by_group:
 
 def plot(runs: list[Run], folder: Path, by_group: bool) -> list[Path]:
     """Writes the FIGURES as PNG files into folder, a curve per run; with by_group also groups_<file>, a curve per
-    group. Returns their paths."""
+    group; a chart no run has a point of is not written. Returns their paths."""
     import matplotlib.pyplot as plt
 
-    folder.mkdir(parents=True, exist_ok=True)
     written = []
     for grouped in (False, True) if by_group else (False,):
         for filename, x, y, y_label in FIGURES:
+            if not any(points(run, x, key) for run in runs for key in y):
+                continue
+            folder.mkdir(parents=True, exist_ok=True)
             fig = figure(runs, x, y, y_label, grouped)
             written.append(folder / f"{'groups_' if grouped else ''}{filename}")
             fig.savefig(written[-1], dpi=100)
@@ -547,6 +549,10 @@ def main(argv: list[str] | None = None) -> int:
         baseline = args.baseline or (next(iter(groups)) if len(groups) == 2 else None)
         for line in [*notes, *(verdicts(groups, baseline) if baseline is not None else [])]:
             print(line)
+    silent = [label for run, label in zip(runs, labels(runs, settings=False), strict=True) if not run.history]
+    if silent:
+        print(f"no curves of {', '.join(silent)}: a run without a tracker (--tracker none) logs no history; its "
+              f"summary.json holds the final numbers only")
     for path in plot(runs, Path(args.plots), by_group):
         print(f"wrote {path}")
     return 0

@@ -225,6 +225,29 @@ def test_each_chart_names_its_metric_and_draws_every_run_under_a_legend_naming_i
     assert sorted(p.name for p in written) == sorted(expected) and all(p.stat().st_size > 0 for p in written)
 
 
+def test_runs_without_a_history_get_no_empty_chart_and_a_line_naming_them(tmp_path, capsys):
+    """Two --tracker none runs (summary.json only): compare_runs.py prints their table, one line naming both as
+    without curves, and writes no chart (an empty chart would claim a comparison it cannot draw). Beside a run that
+    logged a history, the charts are written with that run's curve alone in the legend."""
+    import compare_runs
+
+    folders = write_summary_runs(tmp_path, {"a": ("g", {"lr": 0.1}, summary(50.0, 49.0)),
+                                            "b": ("g", {"lr": 0.2}, summary(52.0, 51.0))})
+    assert compare_runs.main([*map(str, folders), "--plots", str(tmp_path / "plots")]) == 0
+    out = capsys.readouterr().out
+    assert f"no curves of {folders[0]}, {folders[1]}: a run without a tracker (--tracker none) logs no history; its " \
+           f"summary.json holds the final numbers only" in out.splitlines()
+    assert "wrote" not in out and not (tmp_path / "plots").exists()
+    logged = compare_runs.Run("logged", "id-1", config={"lr": 0.3}, history=[
+        {"_step": 4, "epoch": 1, "eval/top1": 40.0, "train/epoch_loss": 1.8, "_timestamp": 10.0}])
+    runs = [logged, *(compare_runs.load_summary(folder) for folder in folders)]
+    written = compare_runs.plot(runs, tmp_path / "mixed", by_group=False)
+    assert sorted(p.name for p in written) == sorted(f[0] for f in compare_runs.FIGURES)
+    fig = compare_runs.figure(runs, "epoch", ("eval/top1",), "eval top-1 (%)", by_group=False)
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert legend == ["logged (lr 0.3)"] and [list(line.get_ydata()) for line in fig.axes[0].lines] == [[40.0]]
+
+
 def test_a_summary_only_run_gives_the_model_and_optimizer_it_built_as_a_wandb_run_does(tmp_path):
     """A --tracker none run's config, read from summary.json, holds the model and optimizer records where its flags
     were and the run's facts (world size, precision, versions), as the tracker's config (a W&B run's) does; its other

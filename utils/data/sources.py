@@ -120,8 +120,9 @@ def locate(data_dir: str | None, dataset: str | None, val_fraction: float | None
     if data_dir is not None:
         kind, files, unread = find_source(data_dir)
         if unread:
-            main_print(f"warning: left out {sum(unread.values()):,} photos under --data-dir {data_dir} in formats the "
-                       f"data path does not read ({counted(unread)}); convert them to JPEG to train on them.")
+            n = sum(unread.values())
+            main_print(f"warning: left out {n:,} photo{'s' * (n != 1)} under --data-dir {data_dir} in formats the data "
+                       f"path does not read ({counted(unread)}); convert them to JPEG to train on them.")
         hub, splits, paths = None, list(files), [p for ps in files.values() for p in ps]
     else:
         kind, files, hub = "hub", None, read_hub(dataset)
