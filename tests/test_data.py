@@ -441,6 +441,34 @@ def test_phone_photos_in_formats_the_data_path_does_not_read_are_left_out_with_a
         "UnidentifiedImageError: cannot identify image file")
 
 
+def test_an_image_folders_class_is_its_top_folder_at_any_depth_and_hidden_folders_are_left_out(tmp_path, accelerator):
+    """Photos kept in albums inside the class folders (train/cat/2024/, train/cat/2023/trip/, and one directly in
+    train/dog/): every image takes the class of the folder under train/ that holds it (checked by the grey each class
+    is painted: ant 0, cat 20, dog 40), where datasets' image folder would name the class by the album; Jupyter's
+    hidden .ipynb_checkpoints folders (one beside the classes, one inside a class) are neither a class nor images; an
+    image directly in train/ is one line."""
+    folder = tmp_path / "folder"
+    layout = {"ant": ["a.png", "2024/b.png"], "cat": ["2024/c.png", "2023/trip/d.png"], "dog": ["e.png", "2023/f.png"]}
+    for split in ("train", "test"):
+        for k, (name, paths) in enumerate(layout.items()):
+            for path in paths:
+                (folder / split / name / path).parent.mkdir(parents=True, exist_ok=True)
+                Image.new("RGB", (8, 8), (20 * k,) * 3).save(folder / split / name / path)
+    for hidden in (folder / "train" / ".ipynb_checkpoints", folder / "train" / "cat" / ".ipynb_checkpoints"):
+        hidden.mkdir()
+        Image.new("RGB", (8, 8), (250, 250, 250)).save(hidden / "x-checkpoint.png")
+    data = load_source(str(folder), cache_dir=str(tmp_path / "cache"))
+    assert data["classes"] == ("ant", "cat", "dog")
+    for split in ("train", "test"):
+        images, labels = data[split]
+        assert sorted((int(label), int(image[0, 0, 0])) for image, label in zip(images, labels)) == [
+            (0, 0), (0, 0), (1, 20), (1, 20), (2, 40), (2, 40)]
+    Image.new("RGB", (8, 8)).save(folder / "train" / "loose.png")
+    assert _folder_error(tmp_path, accelerator) == (f"{folder / 'train' / 'loose.png'} is not in a class folder: an "
+                                                    f"image folder's images go in {folder / 'train'}/<class>/, at any "
+                                                    f"depth beneath it.")
+
+
 def test_a_16_bit_grayscale_image_is_read_by_its_top_8_bits_not_clipped_to_white(tmp_path, accelerator):
     """16-bit grayscale PNGs and TIFFs (Pillow's I;16) of gradients over 0-65535: the decode cache, a batch decoded in
     the loader's workers and a copy's Dataset items (loaded PIL images) give the pixels of 8-bit grayscale PNGs of

@@ -100,7 +100,7 @@ class Source:
         if self.read is None or self.read[0] != columns:
             wanted = {"train": "train"} if self.fraction else {"train": "train", "test": self.source_eval}
             dsd = self.hub if self.hub is not None else read_local(self.kind, {s: self.files[s] for s in
-                                                                              wanted.values()})
+                                                                              wanted.values()}, Path(self.name))
             rows = {role: read_rows(dsd[s], s, columns) for role, s in wanted.items()}
             if self.kind == "imagefolder":
                 rows = {role: r.take(_permutation(len(r))) for role, r in rows.items()}
@@ -196,20 +196,28 @@ def counted(suffixes: Counter) -> str:
 
 
 def _image_folder_files(root: Path) -> tuple[dict[str, list[Path]], Counter]:
+    """{split: its image files}: each class folder's at any depth beneath it (train/cat/2024/IMG_0001.jpg is a cat),
+    hidden files and folders (.ipynb_checkpoints) left out; and how many photos of OTHER_PHOTOS were left out."""
     splits = ["train"] + [s for s in EVAL_SPLITS if (root / s).is_dir()][:1]
     files, classes, unread = {}, {}, Counter()
     for split in splits:
         folder = root / split
-        classes[split] = sorted(d.name for d in folder.iterdir() if d.is_dir())
+        classes[split] = sorted(d.name for d in folder.iterdir() if d.is_dir() and not d.name.startswith("."))
+        found = sorted(f for f in folder.rglob("*") if not any(part.startswith(".") for part in
+                                                                f.relative_to(folder).parts))
+        files[split] = [f for f in found if f.suffix.lower() in IMAGE_SUFFIXES]
+        loose = [f for f in files[split] if f.parent == folder]
+        if loose:
+            raise UserError(f"{loose[0]} is not in a class folder: an image folder's images go in {folder}/<class>/, "
+                            f"at any depth beneath it.")
+        held = Counter(f.relative_to(folder).parts[0] for f in files[split])
         for name in classes[split]:
-            suffixes = [f.suffix.lower() for f in (folder / name).iterdir()]
-            if not any(suffix in IMAGE_SUFFIXES for suffix in suffixes):
-                others = Counter(suffix for suffix in suffixes if suffix in OTHER_PHOTOS)
+            if not held[name]:
+                others = Counter(f.suffix.lower() for f in found if f.relative_to(folder).parts[0] == name and
+                                 f.suffix.lower() in OTHER_PHOTOS)
                 why = (f"; it holds photos in formats the data path does not read ({counted(others)}): convert them "
                        f"to JPEG") if others else ""
                 raise UserError(f"the class folder {folder / name} holds no image ({', '.join(IMAGE_SUFFIXES)}){why}.")
-        found = sorted(folder.rglob("*"))
-        files[split] = [f for f in found if f.suffix.lower() in IMAGE_SUFFIXES]
         unread.update(f.suffix.lower() for f in found if f.suffix.lower() in OTHER_PHOTOS)
     if len(splits) == 2 and classes["train"] != classes[splits[1]]:
         differ = sorted(set(classes["train"]) ^ set(classes[splits[1]]))
@@ -218,8 +226,9 @@ def _image_folder_files(root: Path) -> tuple[dict[str, list[Path]], Counter]:
     return files, unread
 
 
-def read_local(kind: str, files: dict[str, list[Path]]):
-    """The splits through datasets' packaged builder for the kind ('parquet' or 'imagefolder'); both work offline."""
+def read_local(kind: str, files: dict[str, list[Path]], root: Path):
+    """The splits through datasets' packaged builder for the kind ('parquet' or 'imagefolder'); both work offline. An
+    image folder's labels are its class folders (with_classes), not datasets' (each file's own folder)."""
     import datasets
     import pyarrow.parquet as pq
 
@@ -234,7 +243,10 @@ def read_local(kind: str, files: dict[str, list[Path]]):
         if kind == "parquet":  # a builder per split: one for both would cast the test file to the train file's features
             return {s: datasets.load_dataset(kind, data_files={s: [str(p) for p in ps]}, split=s)  # (class names too)
                     for s, ps in files.items()}
-        return datasets.load_dataset(kind, data_files={s: [str(p) for p in ps] for s, ps in files.items()})
+        dsd = datasets.load_dataset(kind, data_files={s: [str(p) for p in ps] for s, ps in files.items()},
+                                    drop_labels=True)
+        return {s: with_classes(dsd[s], {str(p): p.relative_to(root / s).parts[0] for p in ps})
+                for s, ps in files.items()}
     except Exception as e:
         cause = root_cause(e)  # load_dataset wraps the real reason (a full disk, say) in DatasetGenerationError
         if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
@@ -248,6 +260,20 @@ def read_local(kind: str, files: dict[str, list[Path]]):
     finally:
         if shown:
             datasets.enable_progress_bars()
+
+
+def with_classes(ds, class_of: dict[str, str]):
+    """An image folder's split with its label column: each image's class (`class_of` its path), as a ClassLabel of
+    the class names sorted (the folders' order). Written by hand: datasets' image folder labels a file by the folder
+    it is in, so train/cat/2024/IMG_0001.jpg would be of class 2024 (and files at mixed depths of none)."""
+    from datasets import ClassLabel
+    from datasets import Image as ImageFeature
+
+    paths = [cell["path"] for cell in ds.cast_column("image", ImageFeature(decode=False))["image"]]
+    classes = sorted(set(class_of.values()))
+    index = {name: k for k, name in enumerate(classes)}
+    return ds.add_column("label", [index[class_of[path]] for path in paths]).cast_column("label",
+                                                                                          ClassLabel(names=classes))
 
 
 def read_hub(name: str):
