@@ -445,8 +445,8 @@ def test_an_image_folders_class_is_its_top_folder_at_any_depth_and_hidden_folder
     """Photos kept in albums inside the class folders (train/cat/2024/, train/cat/2023/trip/, and one directly in
     train/dog/): every image takes the class of the folder under train/ that holds it (checked by the grey each class
     is painted: ant 0, cat 20, dog 40), where datasets' image folder would name the class by the album; Jupyter's
-    hidden .ipynb_checkpoints folders (one beside the classes, one inside a class) are neither a class nor images; an
-    image directly in train/ is one line."""
+    hidden .ipynb_checkpoints folders (one beside the classes, one inside a class) are neither a class nor images, nor
+    is the ._e.png that macOS writes beside e.png on a foreign disk; an image directly in train/ is one line."""
     folder = tmp_path / "folder"
     layout = {"ant": ["a.png", "2024/b.png"], "cat": ["2024/c.png", "2023/trip/d.png"], "dog": ["e.png", "2023/f.png"]}
     for split in ("train", "test"):
@@ -457,6 +457,7 @@ def test_an_image_folders_class_is_its_top_folder_at_any_depth_and_hidden_folder
     for hidden in (folder / "train" / ".ipynb_checkpoints", folder / "train" / "cat" / ".ipynb_checkpoints"):
         hidden.mkdir()
         Image.new("RGB", (8, 8), (250, 250, 250)).save(hidden / "x-checkpoint.png")
+    (folder / "train" / "dog" / "._e.png").write_bytes(b"\0\5\26\7" + bytes(60))  # macOS's AppleDouble file
     data = load_source(str(folder), cache_dir=str(tmp_path / "cache"))
     assert data["classes"] == ("ant", "cat", "dog")
     for split in ("train", "test"):
