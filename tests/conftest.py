@@ -247,9 +247,13 @@ def jpeg_parquet(cifar_dir, tmp_path_factory) -> Path:
 def add_tar_sample(tar: tarfile.TarFile, key: str, ext: str, image: bytes, label: int) -> None:
     """One webdataset sample: KEY.<ext> (the image's bytes) and KEY.cls (its label as text)."""
     for name, blob in ((f"{key}.{ext}", image), (f"{key}.cls", str(label).encode())):
-        info = tarfile.TarInfo(name)
-        info.size = len(blob)
-        tar.addfile(info, io.BytesIO(blob))
+        add_tar_sample_file(tar, name, blob)
+
+
+def add_tar_sample_file(tar: tarfile.TarFile, name: str, blob: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(blob)
+    tar.addfile(info, io.BytesIO(blob))
 
 
 def write_tar_shards(root: Path, parquet_dir: Path) -> Path:

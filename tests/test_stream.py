@@ -9,6 +9,7 @@ import collections
 import json
 import os
 import shutil
+import tarfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,6 +20,8 @@ from conftest import (
     CPU_YAML,
     FSDP_CPU_YAML,
     REPO,
+    add_tar_sample,
+    add_tar_sample_file,
     assert_same_parameters,
     evaluate_weights,
     kill_job,
@@ -298,6 +301,27 @@ def test_a_listing_the_server_always_refuses_is_one_line_naming_the_url_and_writ
         assert state["log"] == [("GET", "/")] * 6
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "runs").exists() and not (tmp_path / "cache").exists()
+
+
+def test_a_tar_shard_leaves_out_macos_hidden_members_and_names_a_sample_with_neither_image_nor_label(tmp_path):
+    """A webdataset tar as macOS's tar writes it, a ._KEY.jpg and ._KEY.cls (AppleDouble) before each file: its index
+    holds the 3 samples and their labels alone; a sample of a .json alone is one line saying it has neither an
+    image nor a .cls label."""
+    from utils.data.stream import index_shard
+
+    shard = tmp_path / "cifar-train-0.tar"
+    with tarfile.open(shard, "w") as tar:
+        for row in range(3):
+            for hidden in (f"._s{row}.jpg", f"._s{row}.cls"):
+                add_tar_sample_file(tar, hidden, b"\0\5\26\7" + bytes(60))
+            add_tar_sample(tar, f"s{row}", "jpg", b"\xff\xd8 not decoded here", 7 - row)
+    indexed = index_shard(str(shard), (None, None))
+    assert indexed.labels.tolist() == [7, 6, 5] and len(indexed.members) == 3
+    with tarfile.open(shard, "a") as tar:
+        add_tar_sample_file(tar, "s3.json", b"{}")
+    with pytest.raises(stream.UserError) as error:
+        index_shard(str(shard), (None, None))
+    assert str(error.value) == f"{shard}: the sample s3 has other files but no .cls label and no image."
 
 
 def test_a_second_start_reads_no_tar_through_and_a_changed_shard_is_read_again(stream_shards, tmp_path):

@@ -314,14 +314,14 @@ def _index_parquet(url: str, f, columns) -> Shard:
 
 def _index_tar(url: str, f) -> Shard:
     """A webdataset tar: samples are members sharing a key (the name up to its first dot), each an image
-    (KEY.jpg, .png, ...) and its class number (KEY.cls). Only headers and .cls members are read (tarfile seeks over
-    the images)."""
+    (KEY.jpg, .png, ...) and its class number (KEY.cls); hidden files (the ._KEY.jpg that macOS's tar adds beside
+    each file) are left out. Only headers and .cls members are read (tarfile seeks over the images)."""
     images, classes, keys = {}, {}, []
     with tarfile.open(fileobj=f, mode="r:") as tar:
         for m in tar:
-            if not m.isfile():
-                continue
             folder, _, name = m.name.rpartition("/")
+            if not m.isfile() or name.startswith("."):
+                continue
             stem, _, ext = name.partition(".")
             key = f"{folder}/{stem}"
             if key not in images and key not in classes:
@@ -332,9 +332,10 @@ def _index_tar(url: str, f) -> Shard:
                 classes[key] = m
         labels = []
         for key in keys:
-            if key not in images or key not in classes:
-                has, lacks = ("an image", ".cls label") if key in images else ("a .cls label", "image")
-                raise UserError(f"{url}: the sample {key.lstrip('/')} has {has} but no {lacks}.")
+            missing = [what for what, found in ((".cls label", classes), ("image", images)) if key not in found]
+            if missing:
+                has = "an image" if key in images else "a .cls label" if key in classes else "other files"
+                raise UserError(f"{url}: the sample {key.lstrip('/')} has {has} but no {' and no '.join(missing)}.")
             member = tar.extractfile(classes[key])
             text = member.read().decode(errors="replace").strip()
             if not text.isdigit():
