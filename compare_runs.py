@@ -234,8 +234,12 @@ def run_table(runs: list[Run]) -> str:
 def labels(runs: list[Run], settings: bool = True) -> list[str]:
     """Each run's label: its name (--run-name), else the output folder it was read from, else its W&B id; with
     `settings`, then the model it trained and the values of the (at most 3) other settings that differ between the
-    runs: "runs/a (resnet8; lr 0.1)". Runs whose labels would be the same get their id too."""
-    differ = [k for k in differing_settings(runs) if k != "model"][:3] if settings else []
+    runs: "runs/a (resnet8; lr 0.1)", the flags and launch facts, else (none differs) the derived settings, which
+    follow from them (an lr's effective_lr and optimizer record). Runs whose labels would be the same get their id
+    too."""
+    differ = differing_settings(runs) if settings else []
+    given = [k for k in differ if k not in DERIVED_KEYS]  # the flags and launch facts: the derived follow from them
+    differ = [k for k in (given or differ) if k != "model"][:3]
     out = []
     for run in runs:
         base = run.name if run.name and run.name != run.id else (run.folder or run.id)

@@ -225,6 +225,24 @@ def test_each_chart_names_its_metric_and_draws_every_run_under_a_legend_naming_i
     assert sorted(p.name for p in written) == sorted(expected) and all(p.stat().st_size > 0 for p in written)
 
 
+def test_a_legend_names_the_flags_that_differ_not_the_settings_derived_from_them():
+    """Two runs at lr 0.1 and 0.05, whose effective_lr and optimizer record (derived from the lr) differ too: each
+    label names the model and the lr alone; two runs whose flags are the same but whose global batch differs (a
+    derived setting) are told apart by it."""
+    import compare_runs
+
+    def run(name, lr, global_batch=128):
+        optimizer = {"class": "SGD", "groups": [{"name": "all", "tensors": 9, "parameters": 77000, "lr": lr,
+                                                 "weight_decay": 5e-4}]}
+        return compare_runs.Run(name, f"id-{name}", config={"model": {"name": "resnet8", "class": "ResNet"}, "lr": lr,
+                                                            "effective_lr": lr,
+                                                            "optimizer": optimizer, "global_batch": global_batch})
+
+    assert compare_runs.labels([run("a", 0.1), run("b", 0.05)]) == ["a (resnet8; lr 0.1)", "b (resnet8; lr 0.05)"]
+    assert compare_runs.labels([run("a", 0.1), run("b", 0.1, 256)]) == ["a (resnet8; global_batch 128)",
+                                                                       "b (resnet8; global_batch 256)"]
+
+
 def test_runs_without_a_history_get_no_empty_chart_and_a_line_naming_them(tmp_path, capsys):
     """Two --tracker none runs (summary.json only): compare_runs.py prints their table, one line naming both as
     without curves, and writes no chart (an empty chart would claim a comparison it cannot draw). Beside a run that
