@@ -430,7 +430,7 @@ def test_phone_photos_in_formats_the_data_path_does_not_read_are_left_out_with_a
     assert (len(data["train"][1]), len(data["test"][1])) == (3, 3)
     warned = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
     assert warned == [f"warning: left out 4 photos under --data-dir {folder} in formats the data path does not read "
-                      f"(1 .avif, 1 .dng, 2 .heic); convert them to JPEG to train on them."]
+                      f"(1 .avif, 1 .dng, 2 .heic); convert them to JPEG to use them."]
     (folder / "train" / "bee" / "0.png").unlink()
     assert _folder_error(tmp_path, accelerator) == (
         f"the class folder {folder / 'train' / 'bee'} holds no image ({', '.join(sources.IMAGE_SUFFIXES)}); it holds "

@@ -122,7 +122,7 @@ def locate(data_dir: str | None, dataset: str | None, val_fraction: float | None
         if unread:
             n = sum(unread.values())
             main_print(f"warning: left out {n:,} photo{'s' * (n != 1)} under --data-dir {data_dir} in formats the data "
-                       f"path does not read ({counted(unread)}); convert them to JPEG to train on them.")
+                       f"path does not read ({counted(unread)}); convert them to JPEG to use them.")
         hub, splits, paths = None, list(files), [p for ps in files.values() for p in ps]
     else:
         kind, files, hub = "hub", None, read_hub(dataset)
