@@ -443,17 +443,21 @@ def test_phone_photos_in_formats_the_data_path_does_not_read_are_left_out_with_a
 
 def test_an_image_folders_class_is_its_top_folder_at_any_depth_and_hidden_folders_are_left_out(tmp_path, accelerator):
     """Photos kept in albums inside the class folders (train/cat/2024/, train/cat/2023/trip/, and one directly in
-    train/dog/): every image takes the class of the folder under train/ that holds it (checked by the grey each class
-    is painted: ant 0, cat 20, dog 40), where datasets' image folder would name the class by the album; Jupyter's
+    train/dog/, itself a link to a folder elsewhere; train/cat/2024/up a link back to train/cat): every image, once,
+    takes the class of the folder under train/ that holds it (checked by the grey each class is painted: ant 0, cat
+    20, dog 40), where datasets' image folder would name the class by the album; Jupyter's
     hidden .ipynb_checkpoints folders (one beside the classes, one inside a class) are neither a class nor images, nor
     is the ._e.png that macOS writes beside e.png on a foreign disk; an image directly in train/ is one line."""
-    folder = tmp_path / "folder"
+    folder, elsewhere = tmp_path / "folder", tmp_path / "elsewhere"
     layout = {"ant": ["a.png", "2024/b.png"], "cat": ["2024/c.png", "2023/trip/d.png"], "dog": ["e.png", "2023/f.png"]}
     for split in ("train", "test"):
         for k, (name, paths) in enumerate(layout.items()):
+            home = (elsewhere if name == "dog" else folder) / split / name  # dog/: a link to a folder elsewhere
             for path in paths:
-                (folder / split / name / path).parent.mkdir(parents=True, exist_ok=True)
-                Image.new("RGB", (8, 8), (20 * k,) * 3).save(folder / split / name / path)
+                (home / path).parent.mkdir(parents=True, exist_ok=True)
+                Image.new("RGB", (8, 8), (20 * k,) * 3).save(home / path)
+        (folder / split / "dog").symlink_to(elsewhere / split / "dog")
+        (folder / split / "cat" / "2024" / "up").symlink_to(folder / split / "cat")  # a link back up: walked once
     for hidden in (folder / "train" / ".ipynb_checkpoints", folder / "train" / "cat" / ".ipynb_checkpoints"):
         hidden.mkdir()
         Image.new("RGB", (8, 8), (250, 250, 250)).save(hidden / "x-checkpoint.png")

@@ -195,25 +195,38 @@ def counted(suffixes: Counter) -> str:
     return ", ".join(f"{n:,} {suffix}" for suffix, n in sorted(suffixes.items()))
 
 
+def visible_files(folder: Path) -> list[Path]:
+    """The files under `folder` at any depth, sorted: hidden files and folders (.ipynb_checkpoints, macOS's ._ files)
+    left out, folders linked from elsewhere followed (once each: a link back up is not walked again). Written with
+    os.walk: pathlib's rglob neither prunes hidden folders nor follows links."""
+    found, seen = [], set()
+    for top, folders, names in os.walk(folder, followlinks=True):
+        real = os.path.realpath(top)
+        folders[:] = [] if real in seen else [f for f in folders if not f.startswith(".")]
+        if real not in seen:
+            seen.add(real)
+            found += [Path(top, name) for name in names if not name.startswith(".")]
+    return sorted(found)
+
+
 def _image_folder_files(root: Path) -> tuple[dict[str, list[Path]], Counter]:
-    """{split: its image files}: each class folder's at any depth beneath it (train/cat/2024/IMG_0001.jpg is a cat),
-    hidden files and folders (.ipynb_checkpoints) left out; and how many photos of OTHER_PHOTOS were left out."""
+    """{split: its image files}: each class folder's at any depth beneath it (train/cat/2024/IMG_0001.jpg is a cat;
+    visible_files), and how many photos of OTHER_PHOTOS were left out."""
     splits = ["train"] + [s for s in EVAL_SPLITS if (root / s).is_dir()][:1]
     files, classes, unread = {}, {}, Counter()
     for split in splits:
         folder = root / split
         classes[split] = sorted(d.name for d in folder.iterdir() if d.is_dir() and not d.name.startswith("."))
-        found = sorted(f for f in folder.rglob("*") if not any(part.startswith(".") for part in
-                                                                f.relative_to(folder).parts))
+        found, depth = visible_files(folder), len(folder.parts)  # a file's class: its part at `depth`
         files[split] = [f for f in found if f.suffix.lower() in IMAGE_SUFFIXES]
-        loose = [f for f in files[split] if f.parent == folder]
+        loose = [f for f in files[split] if len(f.parts) == depth + 1]
         if loose:
             raise UserError(f"{loose[0]} is not in a class folder: an image folder's images go in {folder}/<class>/, "
                             f"at any depth beneath it.")
-        held = Counter(f.relative_to(folder).parts[0] for f in files[split])
+        held = Counter(f.parts[depth] for f in files[split])
         for name in classes[split]:
             if not held[name]:
-                others = Counter(f.suffix.lower() for f in found if f.relative_to(folder).parts[0] == name and
+                others = Counter(f.suffix.lower() for f in found if f.parts[depth] == name and
                                  f.suffix.lower() in OTHER_PHOTOS)
                 why = (f"; it holds photos in formats the data path does not read ({counted(others)}): convert them "
                        f"to JPEG") if others else ""
@@ -245,7 +258,7 @@ def read_local(kind: str, files: dict[str, list[Path]], root: Path):
                     for s, ps in files.items()}
         dsd = datasets.load_dataset(kind, data_files={s: [str(p) for p in ps] for s, ps in files.items()},
                                     drop_labels=True)
-        return {s: with_classes(dsd[s], {str(p): p.relative_to(root / s).parts[0] for p in ps})
+        return {s: with_classes(dsd[s], {str(p): p.parts[len((root / s).parts)] for p in ps})
                 for s, ps in files.items()}
     except Exception as e:
         cause = root_cause(e)  # load_dataset wraps the real reason (a full disk, say) in DatasetGenerationError
