@@ -9,11 +9,11 @@
 Prints a table (best and final eval top-1, training images/s, wall time, epochs) and the config keys whose values
 differ, and writes PNG plots to --plots: eval top-1 against epoch and against wall-clock time, train loss against
 step. A local run is read from its `.wandb` file, so offline runs need no upload (`wandb sync` does that); a run
-without a tracker from its summary.json. A job resumed after preemption continues its W&B run in a new offline
-folder; folders of one run id are merged. With groups: one row per group, the settings that differ between groups
-(and a warning for a group whose runs differ in more than the seed), group plots, and for each group against the
-baseline the difference of the means with its 95% interval and a verdict (docs/comparing-runs.md says how to read
-it).
+without a tracker from its summary.json and history.jsonl. A job resumed after preemption continues its W&B run in a
+new offline folder; folders of one run id are merged. With groups: one row per group, the settings that differ
+between groups (and a warning for a group whose runs differ in more than the seed), group plots, and for each group
+against the baseline the difference of the means with its 95% interval and a verdict (docs/comparing-runs.md says
+how to read it).
 """
 
 from __future__ import annotations
@@ -118,7 +118,8 @@ def _items(items) -> dict:
 
 
 def load_summary(folder: Path) -> Run:
-    """A run without a tracker (--tracker none): its output folder's summary.json (no history, so no curves)."""
+    """A run without a tracker (--tracker none): its output folder's summary.json, and its history.jsonl for the
+    curves (read_history)."""
     try:
         summary = json.loads((folder / "summary.json").read_text())
     except (OSError, ValueError) as e:
@@ -129,7 +130,22 @@ def load_summary(folder: Path) -> Run:
     facts = {*LAUNCH_FACTS, *DERIVED_KEYS, "versions", "git_commit", "command"}
     config = {**summary.get("config", {}), **{key: summary[key] for key in facts if key in summary}}
     return Run(name=config.get("run_name") or folder.name, id=folder.name, group=config.get("group"), config=config,
-               summary=summary)
+               summary=summary, history=read_history(folder / HISTORY_FILE))
+
+
+HISTORY_FILE = "history.jsonl"  # utils.tracking.HISTORY_FILE (not imported: this tool reads runs without torch)
+
+
+def read_history(path: Path) -> list[dict]:
+    """A run folder's history.jsonl: one dict per logged step, with _step and _timestamp (none without the file; a
+    last line cut short by a kill left out)."""
+    rows = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return rows
 
 
 def load_local(folder: Path) -> Run:
@@ -555,8 +571,8 @@ def main(argv: list[str] | None = None) -> int:
             print(line)
     silent = [label for run, label in zip(runs, labels(runs, settings=False), strict=True) if not run.history]
     if silent:
-        print(f"no curves of {', '.join(silent)}: a run without a tracker (--tracker none) logs no history; its "
-              f"summary.json holds the final numbers only")
+        print(f"no curves of {', '.join(silent)}: neither a tracker's run nor a history.jsonl (a run's logged numbers, "
+              f"which the templates write) in the folder; its summary.json holds the final numbers only")
     for path in plot(runs, Path(args.plots), by_group):
         print(f"wrote {path}")
     return 0

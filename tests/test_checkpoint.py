@@ -84,11 +84,11 @@ def _kill_after_checkpoint(out: Path, proc: Forked, step: int) -> None:
 def test_kill_9_mid_epoch_on_two_processes_then_resume_on_one_matches_the_uninterrupted_run(reference, cifar_dir,
                                                                                             cache_dir, tmp_path):
     """A 2-rank job killed with kill -9 mid-epoch and resumed on 1 process ends with the uninterrupted run's
-    trainable parameters and EMA bitwise (fp32, `--deterministic`), each step logged once, and logs what the
-    uninterrupted run logs: the same keys at the same steps, each training value (train/*: losses, the interrupted
-    epoch's mean loss included, learning rates, gradient norms) within 1e-5 (relative) of its value there. Timings
-    and memory aside; the evaluations differ, by the BatchNorm statistics one process gathers from every
-    micro-batch."""
+    trainable parameters and EMA bitwise (fp32, `--deterministic`), each step logged once (to the tracker and to
+    history.jsonl, which holds every number the tracker got, line for line), and logs what the uninterrupted run
+    logs: the same keys at the same steps, each training value (train/*: losses, the interrupted epoch's mean loss
+    included, learning rates, gradient norms) within 1e-5 (relative) of its value there. Timings and memory aside;
+    the evaluations differ, by the BatchNorm statistics one process gathers from every micro-batch."""
     out = tmp_path / "killed"
     proc = start(job_args(cifar_dir, cache_dir, out, "--log-every", "1"), TWO_RANKS, script=PROBE)
     _kill_after_checkpoint(out, proc, 3)
@@ -109,6 +109,8 @@ def test_kill_9_mid_epoch_on_two_processes_then_resume_on_one_matches_the_uninte
     assert [step for step, values in logs if "train/loss" in values] == list(range(1, 17))  # ... logged once each
     assert [step for step, values in logs if "eval/ema_top1" in values] == EVALUATED_AT  # also each evaluation
     assert [step for step, _ in logs] == sorted(step for step, _ in logs)  # the tracker's step never goes back
+    history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
+    assert [[row.pop("_step"), row] for row in history if row.pop("_timestamp")] == logs  # what the tracker got
     assert s["global_step"] == 16 and s["train_images_seen"] == 16 * 32  # the first life's images counted too
     assert_same_parameters(out, reference)  # BatchNorm's running statistics: 1 process saw every micro-batch
     assert_same_parameters(out, reference, file="model_ema.safetensors")  # the EMA resumed from the step-3 checkpoint
@@ -426,6 +428,8 @@ def test_a_checkpoint_from_before_sample_keyed_augmentation_is_refused_in_one_li
 
 
 def test_overwrite_deletes_the_earlier_runs_checkpoints_and_starts_fresh(small_run, tmp_path):
+    """--overwrite over a finished run: a fresh run (none of the earlier checkpoints left, its history.jsonl begun
+    anew)."""
     data, earlier = small_run
     out = tmp_path / "overwritten"
     shutil.copytree(earlier, out)
@@ -437,6 +441,8 @@ def test_overwrite_deletes_the_earlier_runs_checkpoints_and_starts_fresh(small_r
     assert s["resumed_from"] is None and s["config"]["lr"] == 0.3 and s["global_step"] == 4  # 64 images / 16
     states = [json.loads((p / "trainer_state.json").read_text()) for p in (out / "checkpoints").iterdir()]
     assert states and all(state["config"]["lr"] == 0.3 for state in states)  # none of the earlier run's is left
+    history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
+    assert [row["_step"] for row in history] == [4, 4]  # this run's evaluation and epoch: the earlier run's are gone
 
 
 def test_a_run_resumed_with_ema_decay_from_a_checkpoint_without_one_starts_the_ema_from_its_weights(small_run,

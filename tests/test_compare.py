@@ -244,21 +244,30 @@ def test_a_legend_names_the_flags_that_differ_not_the_settings_derived_from_them
 
 
 def test_runs_without_a_history_get_no_empty_chart_and_a_line_naming_them(tmp_path, capsys):
-    """Two --tracker none runs (summary.json only): compare_runs.py prints their table, one line naming both as
-    without curves, and writes no chart (an empty chart would claim a comparison it cannot draw). Beside a run that
-    logged a history, the charts are written with that run's curve alone in the legend."""
+    """Two folders of summary.json alone: compare_runs.py prints their table, one line naming both as without
+    curves, and writes no chart (an empty chart would claim a comparison it cannot draw). Given a history.jsonl (the
+    one a --tracker none run writes; its last line cut short by a kill), a run's curve is drawn from it. Beside a run
+    that logged a history, the charts are written with that run's curve alone in the legend."""
     import compare_runs
 
     folders = write_summary_runs(tmp_path, {"a": ("g", {"lr": 0.1}, summary(50.0, 49.0)),
                                             "b": ("g", {"lr": 0.2}, summary(52.0, 51.0))})
     assert compare_runs.main([*map(str, folders), "--plots", str(tmp_path / "plots")]) == 0
     out = capsys.readouterr().out
-    assert f"no curves of {folders[0]}, {folders[1]}: a run without a tracker (--tracker none) logs no history; its " \
-           f"summary.json holds the final numbers only" in out.splitlines()
+    assert f"no curves of {folders[0]}, {folders[1]}: neither a tracker's run nor a history.jsonl (a run's logged " \
+           f"numbers, which the templates write) in the folder; its summary.json holds the final numbers only" in \
+           out.splitlines()
     assert "wrote" not in out and not (tmp_path / "plots").exists()
+    (folders[1] / "history.jsonl").write_text('{"_step": 4, "_timestamp": 5.0, "epoch": 1, "eval/top1": 45.5}\n'
+                                              '{"_step": 8, "_timestamp": 9.0, "epoch": 2, "eval/top1": 51.0}\n'
+                                              '{"_step": 9, "_tim')
+    fig = compare_runs.figure([compare_runs.load_summary(folder) for folder in folders], "epoch", ("eval/top1",),
+                              "eval top-1 (%)", by_group=False)
+    assert [(line.get_label(), list(line.get_xdata()), list(line.get_ydata())) for line in fig.axes[0].lines] == [
+        ("b (lr 0.2)", [1, 2], [45.5, 51.0])]
     logged = compare_runs.Run("logged", "id-1", config={"lr": 0.3}, history=[
         {"_step": 4, "epoch": 1, "eval/top1": 40.0, "train/epoch_loss": 1.8, "_timestamp": 10.0}])
-    runs = [logged, *(compare_runs.load_summary(folder) for folder in folders)]
+    runs = [logged, compare_runs.load_summary(folders[0])]
     written = compare_runs.plot(runs, tmp_path / "mixed", by_group=False)
     assert sorted(p.name for p in written) == sorted(f[0] for f in compare_runs.FIGURES)
     fig = compare_runs.figure(runs, "epoch", ("eval/top1",), "eval top-1 (%)", by_group=False)

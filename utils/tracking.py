@@ -1,9 +1,9 @@
 """What a run reports: to W&B or TensorBoard (through Accelerate's trackers), to the console and to summary.json.
 
 `Tracker` owns the policies: W&B offline without credentials, the same W&B run continued across resumes, logging
-only past the last logged step, the confusion-matrix plot, progress lines when there is no terminal, the final
-summary. `TrainMeter` sums the training loss and its named terms on the device (no host sync per step) and reads
-them once per log window and per epoch."""
+only past the last logged step, the logged numbers kept in the run's folder too (HISTORY_FILE), the confusion-matrix
+plot, progress lines when there is no terminal, the final summary. `TrainMeter` sums the training loss and its named
+terms on the device (no host sync per step) and reads them once per log window and per epoch."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from utils.config_groups import LoggingConfig
 
 LOGGED_STEP_FILE = "tracker_logged_step.txt"
+HISTORY_FILE = "history.jsonl"  # every logged step's numbers, whatever the tracker (compare_runs.py draws them)
 MAX_PER_CLASS_KEYS = 20  # more classes: no eval/top1_<class> keys and no confusion plot (summary.json has them all)
 PROFILE = {"wait": 4, "warmup": 1, "active": 3, "repeat": 1}  # --profile: torch.profiler.schedule, in optimizer steps
 
@@ -72,6 +73,8 @@ class Tracker:
         # values: resume is exact); log only past them, so the tracker's steps keep increasing.
         logged = self.output_dir / LOGGED_STEP_FILE
         self.already_logged = int(logged.read_text()) if resumed and logged.is_file() else 0
+        if accelerator.is_main_process and not resumed:  # a run started over (--overwrite) keeps no earlier history
+            (self.output_dir / HISTORY_FILE).unlink(missing_ok=True)
         return run_id
 
     def _note_logged(self, step: int) -> None:
@@ -92,9 +95,14 @@ class Tracker:
         return step % self.log_every == 0
 
     def log(self, values: dict, step: int) -> None:
+        """`values` at optimizer step `step` to the tracker and, their numbers, as a line of the run's HISTORY_FILE
+        (main process): a run's curves without a tracker, and without W&B's reader."""
         if step > self.already_logged:
             self.accelerator.log(values, step=step)
             if self.accelerator.is_main_process:
+                numbers = {k: v for k, v in values.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+                with open(self.output_dir / HISTORY_FILE, "a") as f:
+                    f.write(json.dumps({"_step": step, "_timestamp": time.time(), **numbers}) + "\n")
                 self._note_logged(step)
 
     def log_train(self, step: int, epoch: int, losses: dict, lr: float, images_per_sec: float,
