@@ -202,10 +202,12 @@ def visible_files(folder: Path) -> list[Path]:
     found, seen = [], set()
     for top, folders, names in os.walk(folder, followlinks=True):
         real = os.path.realpath(top)
-        folders[:] = [] if real in seen else [f for f in folders if not f.startswith(".")]
-        if real not in seen:
-            seen.add(real)
-            found += [Path(top, name) for name in names if not name.startswith(".")]
+        if real in seen:  # reached again through a link
+            folders[:] = []
+            continue
+        seen.add(real)
+        folders[:] = [f for f in folders if not f.startswith(".")]
+        found += [Path(top, name) for name in names if not name.startswith(".")]
     return sorted(found)
 
 
