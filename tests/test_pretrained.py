@@ -461,9 +461,10 @@ def test_the_tools_rebuild_a_fine_tuned_model_from_the_run_folder_when_its_pretr
 def test_a_model_input_size_other_than_the_datas_is_said_with_its_cost_and_the_other_choice(small_timm, cifar_dir):
     """A timm folder pretrained at 40 px, on CIFAR-10's 32 px images with no --image-size: one line says it trains at
     40 x 40 px, the data's 32 x 32, 1.6x the pixels per image, and that --image-size 32 trains at the data's size;
-    --image-size given: no such line."""
+    --image-size given: no such line; photos larger than the model's input (1600 x 1200, or 1200 x 1600): no such
+    line either (they are cut down to it, as fine-tuning does)."""
     import train_cifar
-    from utils.pretrained import apply_preprocessing
+    from utils.pretrained import apply_preprocessing, say_size
 
     said = []
     apply_preprocessing(train_cifar.parse_config(["--model", str(small_timm), "--data-dir", str(cifar_dir)]),
@@ -476,6 +477,12 @@ def test_a_model_input_size_other_than_the_datas_is_said_with_its_cost_and_the_o
     apply_preprocessing(train_cifar.parse_config(["--model", str(small_timm), "--data-dir", str(cifar_dir),
                                                   "--image-size", "32"]), said.append)
     assert len(said) == 1 and "trains at its input size" not in said[0]
+    cfg = train_cifar.parse_config(["--model", str(small_timm), "--image-size", "40"])
+    said.clear()
+    for photo in ((1600, 1200), (1200, 1600), (40, 900), (39, 900)):
+        say_size(cfg, photo, said.append)
+    assert len(said) == 1 and said[0].startswith(f"--model {small_timm}: trains at its input size, 40 x 40 px, where "
+                                                 f"the data's first image is 39 x 900 px")
 
 
 def test_a_transformers_backbone_without_a_head_gets_a_new_one_and_says_so(sources, tmp_path):

@@ -218,10 +218,11 @@ def check_input_size(cfg, source: Pretrained, size: int | None) -> None:
 
 
 def say_size(cfg, found: tuple[int, int] | None, say) -> None:
-    """When the model's input size (now --image-size) differs from the data's own (`found`: its first image's (width,
-    height), None when unknown), one line: which size is used, why, what it costs in pixels per image against the
-    data's size, and how to choose that one instead."""
-    if found is None or found == (cfg.image_size, cfg.image_size):
+    """When the model's input size (now --image-size) is larger than the data's own (`found`: its first image's
+    (width, height), None when unknown; its shorter side smaller), one line: which size is used, why, what it costs in
+    pixels per image against the data's size, and how to choose that one instead. Larger images (photos) are cut down
+    to the model's size, as fine-tuning does: nothing to say."""
+    if found is None or min(found) >= cfg.image_size:
         return
     (w, h), s = found, cfg.image_size
     ratio = s * s / (w * h)
