@@ -272,15 +272,17 @@ def row(i: int, good: int, values: list[float], picks: list[int], names, files, 
 
 def report(out: Path, names: list[str], classes: list[str], folder: bool) -> dict:
     """The last line: rows written, images that could not be read and, for a tree of class folders named as the
-    run's classes, the top-1 against the folder names."""
+    run's classes, the top-1 against the folder names: each image's top folder, as training reads an image folder
+    (cat/2024/IMG_0001.jpg is a cat), else the folder it is in."""
     with open(out, newline="") as f:
         rows = list(csv.DictReader(f)) if out.suffix == ".csv" else [json.loads(line) for line in f]
     bad = sum(1 for r in rows if r["error"])
-    line = f"wrote {len(rows)} predictions to {out}" + (f"; {bad} images could not be read (their error column)"
-                                                          if bad else "")
+    line = f"wrote {len(rows)} predictions to {out}" + (
+        f"; {bad} image{'s' * (bad != 1)} could not be read (their error column)" if bad else "")
     result = {"rows": len(rows), "unreadable": bad}
-    labels = [Path(name).parent.name for name in names]
-    if folder and all(label in classes for label in labels):
+    named = ([Path(name).parts[0] for name in names], [Path(name).parent.name for name in names])
+    labels = next((labels for labels in named if all(label in classes for label in labels)), None)
+    if folder and labels is not None:
         good = [(r["prediction"], label) for r, label in zip(rows, labels) if not r["error"]]
         top1 = 100.0 * sum(p == label for p, label in good) / max(len(good), 1)
         line += f"; top-1 against the folder names: {top1:.2f}% of {len(good)} images"

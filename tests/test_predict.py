@@ -184,3 +184,28 @@ def test_a_copys_own_build_model_predicts_through_its_script(jpeg_folder, tmp_pa
     rows = read_rows(tmp_path / "p.csv")
     top1 = 100.0 * sum(r["prediction"] == Path(r["path"]).parent.name for r in rows) / len(rows)
     assert top1 == read_summary(out)["eval_top1"] and len(rows) == 48
+
+
+def test_the_folder_top1_reads_each_images_class_as_training_does_and_counts_in_the_singular():
+    """The last line's top-1 against the folder names takes each image's top folder, as training reads an image
+    folder (cat/2024/a.jpg is a cat: 2 of 3 right, the unreadable one left out), else, where the top folders are not
+    the run's classes (photos/cat/a.jpg), the folder each image is in; one unreadable image is said in the singular."""
+    import tempfile
+
+    import predict
+
+    classes = ["cat", "dog"]
+    for names, predictions, errors, want in (
+            (["cat/2024/a.jpg", "cat/b.jpg", "dog/2023/c.jpg", "dog/d.jpg"], ["cat", "dog", "dog", ""],
+             ["", "", "", "OSError: truncated"], "66.67% of 3 images"),
+            (["photos/cat/a.jpg", "photos/dog/b.jpg"], ["cat", "cat"], ["", ""], "50.00% of 2 images")):
+        with tempfile.TemporaryDirectory() as folder:
+            out = Path(folder) / "p.csv"
+            with open(out, "w", newline="") as f:
+                writer = csv.DictWriter(f, ["path", "prediction", "probability", "error"])
+                writer.writeheader()
+                writer.writerows({"path": n, "prediction": p, "probability": "0.5", "error": e}
+                                 for n, p, e in zip(names, predictions, errors))
+            line = predict.report(out, names, classes, folder=True)["line"]
+        unreadable = "; 1 image could not be read (their error column)" if any(errors) else ""
+        assert line == f"wrote {len(names)} predictions to {out}{unreadable}; top-1 against the folder names: {want}"
