@@ -572,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
     silent = [label for run, label in zip(runs, labels(runs, settings=False), strict=True) if not run.history]
     if silent:
         print(f"no curves of {', '.join(silent)}: neither a tracker's run nor a history.jsonl (a run's logged numbers, "
-              f"which the templates write) in the folder; its summary.json holds the final numbers only")
+              f"which the templates write) in the folder; summary.json holds the final numbers only")
     for path in plot(runs, Path(args.plots), by_group):
         print(f"wrote {path}")
     return 0

@@ -255,7 +255,7 @@ def test_runs_without_a_history_get_no_empty_chart_and_a_line_naming_them(tmp_pa
     assert compare_runs.main([*map(str, folders), "--plots", str(tmp_path / "plots")]) == 0
     out = capsys.readouterr().out
     assert f"no curves of {folders[0]}, {folders[1]}: neither a tracker's run nor a history.jsonl (a run's logged " \
-           f"numbers, which the templates write) in the folder; its summary.json holds the final numbers only" in \
+           f"numbers, which the templates write) in the folder; summary.json holds the final numbers only" in \
            out.splitlines()
     assert "wrote" not in out and not (tmp_path / "plots").exists()
     (folders[1] / "history.jsonl").write_text('{"_step": 4, "_timestamp": 5.0, "epoch": 1, "eval/top1": 45.5}\n'
