@@ -288,7 +288,8 @@ def device_views(rows, indices, sources: list, opened: list, size: int, recipe: 
     for k, im in enumerate(opened):
         if im.format in JPEG_FORMATS:
             if chunks[-1] and held + math.prod(im.size) > DEVICE_PIXELS:
-                chunks, held = [*chunks, []], 0
+                chunks.append([])
+                held = 0
             chunks[-1].append(k)
             held += math.prod(im.size)
     done = {}
