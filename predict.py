@@ -42,7 +42,7 @@ from utils import UserError, first_line, write_atomically
 from utils.cli import FlagParser
 from utils.data.images import worker_share
 from utils.data.pixels import CropRecipe, check_pixels, evaluation_view
-from utils.data.sources import IMAGE_SUFFIXES, OTHER_PHOTOS, visible_files
+from utils.data.sources import IMAGE_SUFFIXES, PHOTO_SUFFIXES, visible_files
 from utils.data.transform import BatchTransform
 from utils.launch import run as run_job
 from utils.runs import WEIGHTS, add_run_flags, build_trained_model, open_run
@@ -70,11 +70,11 @@ def parse_args(argv: list[str] | None = None):
 
 def find_images(images: str) -> tuple[list[Path], list[str]]:
     """(the files, each one's path as the output names it): a folder's image files, recursively, sorted
-    (visible_files: hidden ones, such as a cache's .decoded, left out; photos Pillow does not read, OTHER_PHOTOS, kept:
-    their rows say so); or a list file's lines."""
+    (visible_files: hidden ones, such as a cache's .decoded, left out; photos Pillow does not read here, a camera's raw
+    files, kept: their rows say so); or a list file's lines."""
     source = Path(images)
     if source.is_dir():
-        files = [p for p in visible_files(source) if p.suffix.lower() in IMAGE_SUFFIXES + OTHER_PHOTOS]
+        files = [p for p in visible_files(source) if p.suffix.lower() in PHOTO_SUFFIXES]
         names = [p.relative_to(source).as_posix() for p in files]
     elif source.is_file():
         try:

@@ -7,6 +7,8 @@ plans them, and the same at full size (--full-decode), against torchvision's Ima
 (the resize to --size x --size); and how far the reduced decode's pixels are from the full decode's. All in this one
 process (num_workers=0: one worker's rate), one thread, each side in turn, repeated. --gpu: also the batches decoded
 on the GPU (--decode gpu: nvJPEG, the crops cut there), training crops and evaluation views, against the CPU worker.
+--heic: also the same photos as an iPhone's HEIC (quality 90, pillow-heif's x265 encoder), whose decode has no reduced
+scale, against the JPEGs.
 
     python bench/camera_photos.py --data-dir ../shared/data/cifar10 --images 32 --repeats 3
 
@@ -75,6 +77,18 @@ def tars(folder: Path, root: Path) -> Path:
     return root
 
 
+def as_heic(folder: Path, root: Path) -> Path:
+    """The image folder's JPEGs saved again as HEIC photos (quality 90) in a folder of the same layout."""
+    import pillow_heif
+
+    for path in folder.rglob("*.jpg"):
+        (root / path.parent.relative_to(folder)).mkdir(parents=True, exist_ok=True)
+        with Image.open(path) as im:
+            pillow_heif.from_pillow(im).save(root / path.relative_to(folder).with_suffix(".heic"), quality=90,
+                                             enc_params={"preset": "ultrafast"})
+    return root
+
+
 def distance(folder: Path, size: int) -> dict[str, tuple[float, int]]:
     """Mean and max |reduced - full| per pixel (levels of 255) of the training crops (the same keyed boxes) and the
     evaluation views of the folder's training images."""
@@ -100,6 +114,7 @@ def main() -> None:
     parser.set_defaults(images=32)
     parser.add_argument("--gpu-rate", type=float, default=3000.0, help="a GPU's training images/s")
     parser.add_argument("--gpu", action="store_true", help="also --decode gpu (nvJPEG), against the CPU worker")
+    parser.add_argument("--heic", action="store_true", help="also the photos as HEIC, against the JPEGs")
     args = parser.parse_args()
     header("camera-size JPEGs, one loader worker: reduced decoding against torchvision")
     torch.set_num_threads(1)  # one worker's share
@@ -127,6 +142,8 @@ def main() -> None:
         if args.gpu:
             loaders |= {"ours (--decode gpu)": ours(folder, args.size, False, True, device="cuda"),
                         "ours (--decode gpu), evaluation view": ours(folder, args.size, False, False, device="cuda")}
+        if args.heic:
+            loaders["ours (--decode workers), HEIC"] = ours(as_heic(folder, Path(tmp) / "heic"), args.size, True, True)
         rates = {name: [] for name in loaders}
         cache = {"reduced": [], "full": []}
         for _ in range(args.repeats):
@@ -149,6 +166,9 @@ def main() -> None:
     for name in [k for k in median if "gpu" in k]:
         cpu = median["ours (--decode workers)" if "view" not in name else "ours, evaluation view"]
         print(f"  {name}: {median[name] / cpu:.2f}x one CPU worker of ours (--decode workers)")
+    if args.heic:
+        print(f"  HEIC: {median['ours (--decode workers), HEIC'] / median['ours (--decode workers)']:.2f}x the JPEGs' "
+              f"rate")
     for name in ("ours (--decode workers)", "torchvision ImageFolder + v2"):
         print(f"  a GPU training {args.gpu_rate:,.0f} img/s needs {args.gpu_rate / median[name]:.0f} workers like "
               f"{name}")

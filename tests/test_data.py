@@ -10,6 +10,7 @@ import time
 from types import SimpleNamespace
 
 import numpy as np
+import pillow_heif
 import pytest
 import torch
 from accelerate import Accelerator
@@ -412,33 +413,37 @@ def test_an_image_folder_names_its_classes_from_its_folders(tmp_path, accelerato
     assert load_source(str(tmp_path / "folder"), cache_dir=str(tmp_path / "cache"))["classes"] == data["classes"]
 
 
-def test_phone_photos_in_formats_the_data_path_does_not_read_are_left_out_with_a_one_line_warning(tmp_path, accelerator,
-                                                                                                 capsys):
-    """Beside one PNG per class and split: an iPhone's .HEIC photos (two), a camera's raw .dng and an AVIF photo. The
-    load reads the 3 training and 3 test PNGs and warns in one line that it left out 4 photos (1 .avif, 1 .dng, 2
-    .heic); a class folder holding only .heic photos stops with one line that says so; predict.py lists each of them
-    (a row each, an unreadable one with Pillow's reason)."""
+def test_iphone_heic_and_avif_photos_are_read_and_raw_files_left_out_with_a_one_line_warning(tmp_path, accelerator,
+                                                                                             capsys):
+    """Beside one PNG per class and split (grey 0, 20, 40 by class): an iPhone's .HEIC photo in train/ant/ (grey 100),
+    an .avif in train/cow/ (grey 140), a camera's raw .dng in test/cow/ and .NEF in train/bee/. The load reads the 5
+    training and 3 test images, each with its class (the HEIC and AVIF within 2 levels of their grey: lossy), and
+    warns in one line that it left out 2 photos (1 .dng, 1 .nef); a class folder holding only raw files stops with
+    one line that says so; predict.py lists every file (a row each, the raw file with Pillow's reason)."""
     import predict
 
     folder = write_image_folder(tmp_path / "folder", ("ant", "bee", "cow"))
-    heic = b"\0\0\0\x18ftypheic\0\0\0\0mif1heic"  # an ISO-BMFF header, as a HEIC file starts
-    (folder / "train" / "ant" / "IMG_0001.HEIC").write_bytes(heic)
-    (folder / "train" / "bee" / "IMG_0002.heic").write_bytes(heic)
-    (folder / "test" / "cow" / "DSC_0003.DNG").write_bytes(b"II*\0" + bytes(64))
-    (folder / "train" / "cow" / "1.avif").write_bytes(heic.replace(b"heic", b"avif"))
+    pillow_heif.from_pillow(Image.new("RGB", (32, 32), (100,) * 3)).save(folder / "train" / "ant" / "IMG_0001.HEIC")
+    Image.new("RGB", (32, 32), (140,) * 3).save(folder / "train" / "cow" / "1.avif")
+    (folder / "test" / "cow" / "DSC_0003.dng").write_bytes(b"II*\0" + bytes(64))
+    (folder / "train" / "bee" / "DSC_0004.NEF").write_bytes(b"II*\0" + bytes(64))
     data = load_source(str(folder), cache_dir=str(tmp_path / "cache"))
-    assert (len(data["train"][1]), len(data["test"][1])) == (3, 3)
+    assert (len(data["train"][1]), len(data["test"][1])) == (5, 3)
+    greys = sorted((int(label), int(image.float().mean().round())) for image, label in zip(*data["train"]))
+    assert greys[0][0] == 0 and abs(greys[1][1] - 100) <= 2 and greys[1][0] == 0, greys  # ant: 0 and the HEIC
+    assert greys[4][0] == 2 and abs(greys[4][1] - 140) <= 2, greys  # cow: 40 and the AVIF
     warned = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
-    assert warned == [f"warning: left out 4 photos under --data-dir {folder} in formats the data path does not read "
-                      f"(1 .avif, 1 .dng, 2 .heic); convert them to JPEG to use them."]
+    assert warned == [f"warning: left out 2 photos under --data-dir {folder} in formats the data path does not read "
+                      f"(1 .dng, 1 .nef); convert them to JPEG to use them."]
     (folder / "train" / "bee" / "0.png").unlink()
     assert _folder_error(tmp_path, accelerator) == (
         f"the class folder {folder / 'train' / 'bee'} holds no image ({', '.join(sources.IMAGE_SUFFIXES)}); it holds "
-        f"photos in formats the data path does not read (1 .heic): convert them to JPEG.")
+        f"photos in formats the data path does not read (1 .nef): convert them to JPEG.")
     files, names = predict.find_images(str(folder / "train"))
-    assert names == ["ant/0.png", "ant/IMG_0001.HEIC", "bee/IMG_0002.heic", "cow/0.png", "cow/1.avif"]
-    assert predict.why_unreadable(files[1], predict.run_view({"image_size": 32})).startswith(
+    assert names == ["ant/0.png", "ant/IMG_0001.HEIC", "bee/DSC_0004.NEF", "cow/0.png", "cow/1.avif"]
+    assert predict.why_unreadable(files[2], predict.run_view({"image_size": 32})).startswith(
         "UnidentifiedImageError: cannot identify image file")
+    assert abs(predict.read_view(files[1], predict.run_view({"image_size": 32})).mean() - 100) <= 2
 
 
 def test_an_image_folders_class_is_its_top_folder_at_any_depth_and_hidden_folders_are_left_out(tmp_path, accelerator):

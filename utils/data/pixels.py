@@ -37,6 +37,13 @@ TRIES = 10  # torchvision's RandomResizedCrop: tries before its fallback
 # this process opens (a copy's Dataset's too); the data path's own limit, MAX_PIXELS, is checked from each header
 # (`check_pixels`), and a JPEG is then decoded at the scale its view needs (`decoded`).
 Image.MAX_IMAGE_PIXELS = None
+try:  # iPhones' HEIC photos: Pillow opens them through pi-heif's plugin (libheif), for every image this process opens,
+    # upright (libheif applies the file's rotation, and the plugin resets its EXIF orientation to 1: see `orientation`)
+    from pi_heif import register_heif_opener
+except ImportError:  # without it, an image folder counts .heic files among the photos it leaves out (sources.py)
+    pass
+else:
+    register_heif_opener()
 MAX_PIXELS = 2**30  # 1,074 megapixels: any camera's photo, a stitched panorama; 3 GiB as decoded RGB at full size
 
 
@@ -145,7 +152,8 @@ JPEG_FORMATS = ("JPEG", "MPO")
 
 def orientation(im) -> int:
     """An opened image's EXIF orientation (2-8: stored rotated or mirrored), read from its header without decoding
-    pixels; 1: upright, no tag, or a tag that does not read."""
+    pixels; 1: upright, no tag, or a tag that does not read. A HEIC's and an AVIF's rotation and mirroring (their
+    irot and imir boxes): a HEIC comes decoded upright and tagged 1 (pi-heif), an AVIF stored and tagged (Pillow)."""
     if "exif" not in im.info:  # (a PNG's getexif() would decode the pixels to look after them)
         return 1
     try:

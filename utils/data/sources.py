@@ -1,10 +1,10 @@
 """Image classification sources, read but not decoded: local parquet files, an image folder, or a Hub dataset, through
-`datasets`' own builders (`parquet`, `imagefolder`, `load_dataset`), and a copy's own torch Dataset. `locate` finds
-what --data-dir / --dataset hold, `Source.rows` reads each split's encoded images (parquet rows' bytes, or image
-files' paths), labels and class names, in a fixed order: an image folder's rows shuffled once so that a prefix is
-class-balanced, and an evaluation part held out of train when the source has none (`hold_out`). Both data paths start
-here: utils/data/decode.py decodes every image once into a cache, utils/data/images.py's EncodedImages decodes each
-as a batch asks for it.
+`datasets` (its `parquet` builder, a table of an image folder's files, `load_dataset`), and a copy's own torch
+Dataset. `locate` finds what --data-dir / --dataset hold, `Source.rows` reads each split's encoded images (parquet
+rows' bytes, or image files' paths), labels and class names, in a fixed order: an image folder's rows shuffled once
+so that a prefix is class-balanced, and an evaluation part held out of train when the source has none (`hold_out`).
+Both data paths start here: utils/data/decode.py decodes every image once into a cache, utils/data/images.py's
+EncodedImages decodes each as a batch asks for it.
 
 A copy's Dataset (`load_data` may return map-style Datasets for train and test): each item (image, label), the image
 a PIL image or a uint8 tensor (3 x H x W or H x W x 3) of any size and aspect when --image-size is given (else
@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image
 
 from utils import UserError, first_line
 from utils.config_groups import DATA_LAYOUTS, check_source
@@ -42,10 +43,13 @@ from utils.scripts import IMPORTED, new_after_imports
 SPLITS = ("train", "test")  # load_data's splits: "test" is the one evaluated on
 EVAL_SPLITS = ("test", "validation")  # the source's evaluation split: the first of these it has
 VAL_FRACTION = 0.1  # held out of train for evaluation when the source has no evaluation split
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")  # files; tar shard members
-# photos that phones and cameras write in formats the data path does not read (HEIF and raw: not by Pillow; AVIF: not
-# by datasets' image folder): an image folder's are left out with a warning (a raw file is often a JPEG's twin)
-OTHER_PHOTOS = (".heic", ".heif", ".avif", ".dng", ".cr2", ".cr3", ".nef", ".arw", ".raf", ".orf", ".rw2")
+# photo formats by file suffix; those Pillow opens here are read (HEIC: with pi-heif installed, utils/data/pixels.py;
+# AVIF: a Pillow built with libavif, as its wheels are), the others (cameras' raw files, often a JPEG's twin) left
+# out of an image folder with a warning; IMAGE_SUFFIXES also picks a tar shard's image members
+PHOTO_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".heic", ".heif", ".avif",
+                  ".dng", ".cr2", ".cr3", ".nef", ".arw", ".raf", ".orf", ".rw2")
+IMAGE_SUFFIXES = tuple(s for s in PHOTO_SUFFIXES if s in Image.registered_extensions())
+OTHER_PHOTOS = tuple(s for s in PHOTO_SUFFIXES if s not in IMAGE_SUFFIXES)
 IMAGE_COLUMNS, LABEL_COLUMNS = ("img", "image"), ("label", "labels", "fine_label")
 
 
@@ -242,8 +246,8 @@ def _image_folder_files(root: Path) -> tuple[dict[str, list[Path]], Counter]:
 
 
 def read_local(kind: str, files: dict[str, list[Path]], root: Path):
-    """The splits through datasets' packaged builder for the kind ('parquet' or 'imagefolder'); both work offline. An
-    image folder's labels are its class folders (with_classes), not datasets' (each file's own folder)."""
+    """The splits of local files, through `datasets` (offline): parquet files by its packaged builder, an image folder
+    as a table of its files' paths and classes (`image_folder_table`); both memory-mapped from datasets' cache."""
     import datasets
     import pyarrow.parquet as pq
 
@@ -258,10 +262,7 @@ def read_local(kind: str, files: dict[str, list[Path]], root: Path):
         if kind == "parquet":  # a builder per split: one for both would cast the test file to the train file's features
             return {s: datasets.load_dataset(kind, data_files={s: [str(p) for p in ps]}, split=s)  # (class names too)
                     for s, ps in files.items()}
-        dsd = datasets.load_dataset(kind, data_files={s: [str(p) for p in ps] for s, ps in files.items()},
-                                    drop_labels=True)
-        return {s: with_classes(dsd[s], {str(p): p.parts[len((root / s).parts)] for p in ps})
-                for s, ps in files.items()}
+        return {s: image_folder_table(ps, len((root / s).parts)) for s, ps in files.items()}
     except Exception as e:
         cause = root_cause(e)  # load_dataset wraps the real reason (a full disk, say) in DatasetGenerationError
         if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
@@ -277,18 +278,23 @@ def read_local(kind: str, files: dict[str, list[Path]], root: Path):
             datasets.enable_progress_bars()
 
 
-def with_classes(ds, class_of: dict[str, str]):
-    """An image folder's split with its label column: each image's class (`class_of` its path), as a ClassLabel of
-    the class names sorted (the folders' order). Written by hand: datasets' image folder labels a file by the folder
-    it is in, so train/cat/2024/IMG_0001.jpg would be of class 2024 (and files at mixed depths of none)."""
-    from datasets import ClassLabel
+def image_folder_table(files: list[Path], depth: int):
+    """An image folder's split as a datasets table: each file's path (an image column) and its class, the file's
+    part at `depth`, the top folder under the split (train/cat/2024/IMG_0001.jpg is a cat), as a ClassLabel of the
+    class names sorted. Written by hand: datasets' image folder names a file's class by the folder it is in (2024),
+    and leaves out the suffixes it does not list (.heic, .avif)."""
+    from datasets import ClassLabel, Dataset, Features
     from datasets import Image as ImageFeature
 
-    paths = [cell["path"] for cell in ds.cast_column("image", ImageFeature(decode=False))["image"]]
-    classes = sorted(set(class_of.values()))
+    classes = sorted({f.parts[depth] for f in files})
     index = {name: k for k, name in enumerate(classes)}
-    return ds.add_column("label", [index[class_of[path]] for path in paths]).cast_column("label",
-                                                                                          ClassLabel(names=classes))
+    features = Features({"image": ImageFeature(), "label": ClassLabel(names=classes)})
+    return Dataset.from_generator(_image_folder_rows, features=features, gen_kwargs={
+        "paths": [str(f) for f in files], "labels": [index[f.parts[depth]] for f in files]})
+
+
+def _image_folder_rows(paths: list[str], labels: list[int]):
+    yield from ({"image": path, "label": label} for path, label in zip(paths, labels))
 
 
 def read_hub(name: str):
