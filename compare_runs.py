@@ -9,11 +9,11 @@
 Prints a table (best and final eval top-1, training images/s, wall time, epochs) and the config keys whose values
 differ, and writes PNG plots to --plots: eval top-1 against epoch and against wall-clock time, train loss against
 step. A local run is read from its `.wandb` file, so offline runs need no upload (`wandb sync` does that); a run
-without a tracker from its summary.json and history.jsonl. A job resumed after preemption continues its W&B run in a
-new offline folder; folders of one run id are merged. With groups: one row per group, the settings that differ
-between groups (and a warning for a group whose runs differ in more than the seed), group plots, and for each group
-against the baseline the difference of the means with its 95% interval and a verdict (docs/comparing-runs.md says
-how to read it).
+without a tracker from its summary.json and history.jsonl (one still training: its config.yaml and history). A job
+resumed after preemption continues its W&B run in a new offline folder; folders of one run id are merged. With
+groups: one row per group, the settings that differ between groups (and a warning for a group whose runs differ in
+more than the seed), group plots, and for each group against the baseline the difference of the means with its 95%
+interval and a verdict (docs/comparing-runs.md says how to read it).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import zlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from utils import UserError
+from utils import UserError, first_line
 
 WANDB_PATH = re.compile(r"[\w.-]+/[\w.-]+/[\w]+")
 
@@ -119,16 +119,24 @@ def _items(items) -> dict:
 
 def load_summary(folder: Path) -> Run:
     """A run without a tracker (--tracker none): its output folder's summary.json, and its history.jsonl for the
-    curves (read_history)."""
+    curves (read_history). A run still training, or stopped before its end, has no summary.json yet: its flags from
+    its config.yaml (written with its first checkpoint), its numbers so far from the history."""
+    import yaml
+
     try:
-        summary = json.loads((folder / "summary.json").read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"cannot read {folder / 'summary.json'} ({type(e).__name__}: {e}).") from None
+        if (folder / "summary.json").is_file():
+            summary = json.loads((folder / "summary.json").read_text())
+        else:
+            summary = {"config": yaml.safe_load((folder / "config.yaml").read_text()) or {}} \
+                if (folder / "config.yaml").is_file() else {}
+    except (OSError, ValueError, yaml.YAMLError) as e:
+        name = "summary.json" if (folder / "summary.json").is_file() else "config.yaml"
+        raise UserError(f"cannot read {folder / name} ({type(e).__name__}: {first_line(e)}).") from None
     # as in the tracker's config (utils.tracking.run_facts): the run's facts beside its flags, the model and optimizer
     # the script built standing where the --model and --optimizer flags are, so a run read from W&B and one read
     # from here compare alike
     facts = {*LAUNCH_FACTS, *DERIVED_KEYS, "versions", "git_commit", "command"}
-    config = {**summary.get("config", {}), **{key: summary[key] for key in facts if key in summary}}
+    config = {**summary.pop("config", {}), **{key: summary[key] for key in facts if key in summary}}
     return Run(name=config.get("run_name") or folder.name, id=folder.name, group=config.get("group"), config=config,
                summary=summary, history=read_history(folder / HISTORY_FILE))
 
@@ -152,7 +160,7 @@ def load_local(folder: Path) -> Run:
     """One W&B run folder (offline-run-* or run-*), read from its .wandb file."""
     files = sorted(Path(folder).glob("run-*.wandb"))
     if not files:
-        raise UserError(f"{folder} holds no run-*.wandb file (nor a summary.json).")
+        raise UserError(f"{folder} holds no run-*.wandb file (nor a summary.json or {HISTORY_FILE}).")
     run = Run(name=folder.name, id=files[0].stem[4:])
     for record in read_records(files[0]):
         kind = record.WhichOneof("record_type")
@@ -205,7 +213,7 @@ def load(source: str) -> list[Run]:
         folders = sorted(p for p in root.glob("*run-*") if p.is_dir() and not p.is_symlink())
         if (path / "wandb_runs.txt").is_file():  # W&B wrote elsewhere ($WANDB_DIR); train_cifar.py listed the folders
             folders += [Path(line) for line in (path / "wandb_runs.txt").read_text().split()]
-        if not folders and (path / "summary.json").is_file():
+        if not folders and any((path / name).is_file() for name in ("summary.json", HISTORY_FILE)):
             return [replace(load_summary(path), folder=str(source))]
         folders = folders or [path]
         lives: dict[str, list[Run]] = {}
@@ -569,6 +577,11 @@ def main(argv: list[str] | None = None) -> int:
         baseline = args.baseline or (next(iter(groups)) if len(groups) == 2 else None)
         for line in [*notes, *(verdicts(groups, baseline) if baseline is not None else [])]:
             print(line)
+    unfinished = [label for run, label in zip(runs, labels(runs, settings=False), strict=True)
+                  if run.history and not run.summary]
+    if unfinished:
+        print(f"no final numbers yet of {', '.join(unfinished)} (still training, or stopped before its end): their "
+              f"numbers so far, from their logged history")
     silent = [label for run, label in zip(runs, labels(runs, settings=False), strict=True) if not run.history]
     if silent:
         print(f"no curves of {', '.join(silent)}: neither a tracker's run nor a history.jsonl (a run's logged numbers, "

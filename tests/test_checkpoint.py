@@ -122,6 +122,32 @@ def test_kill_9_mid_epoch_on_two_processes_then_resume_on_one_matches_the_uninte
                    if k.startswith("train/")), step
 
 
+def test_a_run_without_its_summary_yet_compares_by_its_flags_and_its_logged_numbers_so_far(reference, tmp_path,
+                                                                                          capsys):
+    """A run still training, or stopped before its end, has no summary.json yet (the reference run's folder without
+    it): compare_runs.py reads its flags from its config.yaml and its numbers so far from its history.jsonl. Its row
+    gives the summary's final top-1 and epochs, and the best logged top-1; its eval top-1 curve is every logged
+    eval/top1; one line says these are the numbers so far."""
+    import compare_runs
+
+    run = tmp_path / "running"
+    shutil.copytree(reference, run, ignore=shutil.ignore_patterns("checkpoints", "*.safetensors"))
+    s = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").unlink()
+    top1 = [row["eval/top1"] for row in map(json.loads, (run / "history.jsonl").read_text().splitlines())
+            if "eval/top1" in row]
+    assert compare_runs.main([str(run), "--plots", str(tmp_path / "plots")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    row = next(line.split() for line in lines if line.startswith(str(run)))
+    assert row[2:4] == [f"{max(top1):.2f}", f"{s['eval_top1']:.2f}"] and row[-1] == str(s["epochs_completed"]), row
+    assert (f"no final numbers yet of {run} (still training, or stopped before its end): their numbers so far, from "
+            f"their logged history") in lines
+    [loaded] = compare_runs.load(str(run))
+    assert (loaded.config["model"], loaded.config["lr"], loaded.config["tracker"]) == ("resnet8", 0.01, "none")
+    fig = compare_runs.figure([loaded], "epoch", ("eval/top1",), "eval top-1 (%)", by_group=False)
+    assert [list(line.get_ydata()) for line in fig.axes[0].lines] == [top1]
+
+
 def logged_values(out: Path) -> dict[int, dict]:
     """The tracker's logged values by step (probe_train's record of rank 0), timings and memory left out."""
     by_step = {}
