@@ -143,7 +143,9 @@ def main() -> None:
             loaders |= {"ours (--decode gpu)": ours(folder, args.size, False, True, device="cuda"),
                         "ours (--decode gpu), evaluation view": ours(folder, args.size, False, False, device="cuda")}
         if args.heic:
-            loaders["ours (--decode workers), HEIC"] = ours(as_heic(folder, Path(tmp) / "heic"), args.size, True, True)
+            heic = as_heic(folder, Path(tmp) / "heic")
+            heic_megabytes = statistics.mean(p.stat().st_size for p in heic.rglob("*.heic")) / 2**20
+            loaders["ours (--decode workers), HEIC"] = ours(heic, args.size, True, True)
         rates = {name: [] for name in loaders}
         cache = {"reduced": [], "full": []}
         for _ in range(args.repeats):
@@ -167,8 +169,8 @@ def main() -> None:
         cpu = median["ours (--decode workers)" if "view" not in name else "ours, evaluation view"]
         print(f"  {name}: {median[name] / cpu:.2f}x one CPU worker of ours (--decode workers)")
     if args.heic:
-        print(f"  HEIC: {median['ours (--decode workers), HEIC'] / median['ours (--decode workers)']:.2f}x the JPEGs' "
-              f"rate")
+        heic_rate = median["ours (--decode workers), HEIC"] / median["ours (--decode workers)"]
+        print(f"  HEIC ({heic_megabytes:.1f} MB each): {heic_rate:.2f}x the JPEGs' rate")
     for name in ("ours (--decode workers)", "torchvision ImageFolder + v2"):
         print(f"  a GPU training {args.gpu_rate:,.0f} img/s needs {args.gpu_rate / median[name]:.0f} workers like "
               f"{name}")
