@@ -611,8 +611,8 @@ def test_a_source_without_an_evaluation_split_holds_out_a_fixed_part_of_train_an
     whole = decoded(datasets_parquet(src / "train-00000-of-00001.parquet"), "train")  # the 40, in order
     data = load_source(str(src), cache_dir=str(tmp_path / "cache"))
     assert capsys.readouterr().out.splitlines()[-1] == (
-        "no evaluation split: evaluating on 4 of the 40 training images, held out by --val-fraction 0.1 (a fixed "
-        "shuffle: the same on every process and run); training on the other 36")
+        "no evaluation split: evaluating on 4 of the 40 training images, held out by --val-fraction 0.1 (each class "
+        "its share, by a fixed shuffle: the same on every process and run); training on the other 36")
     assert data["dataset"]["eval_split"] == "0.1 of train, held out"
     (train_x, train_y), (held_x, held_y) = data["train"], data["test"]
     assert len(train_y) == 36 and len(held_y) == 4 and train_x.is_contiguous(memory_format=torch.channels_last)
@@ -634,6 +634,28 @@ def test_a_source_without_an_evaluation_split_holds_out_a_fixed_part_of_train_an
     assert load_source(str(src), cache_dir=str(tmp_path / "cache"))["dataset"]["eval_split"] == "test"
     with pytest.raises(UserError, match=r"^--val-fraction must be between 0 and 1 \(got 1\)\.$"):
         load_source(str(src), cache_dir=str(tmp_path / "cache"), val_fraction=1.0)
+
+
+def test_a_held_out_part_is_stratified_by_class_on_rows_sorted_by_class_with_a_rare_class(tmp_path, accelerator):
+    """40 training rows sorted by class, 20 of class 0, 12 of class 1, 6 of class 2 and 2 of class 3, with
+    --val-fraction 0.25: 10 held out, each class its share (5, 3, 1.5, 0.5) rounded down (5, 3, 1, 0) and the one
+    left over to the larger of the two classes with the largest remainder (class 2: 5, 3, 2, 0), so every class keeps
+    its training rows and the held-out part has each class in its proportion. With 1 row of class 3 and
+    --val-fraction 0.5 (20 of 39 held out; shares 10, 6, 3, 0.5), the row left over goes not to class 3 (its only
+    row) but to the largest class (11, 6, 3, 0). The same rows on every load."""
+    src = tmp_path / "src"
+    src.mkdir()
+    labels = [0] * 20 + [1] * 12 + [2] * 6 + [3] * 2
+    write_parquet(src / "train-00000-of-00001.parquet", 40, seed=5, labels=labels)
+    data = load_source(str(src), cache_dir=str(tmp_path / "cache"), val_fraction=0.25)
+    assert torch.bincount(data["test"][1], minlength=4).tolist() == [5, 3, 2, 0]
+    assert torch.bincount(data["train"][1], minlength=4).tolist() == [15, 9, 4, 2]
+    again = load_source(str(src), cache_dir=str(tmp_path / "other-cache"), val_fraction=0.25)
+    assert torch.equal(again["test"][0], data["test"][0])
+    (src / "train-00000-of-00001.parquet").unlink()
+    write_parquet(src / "train-00000-of-00001.parquet", 39, seed=5, labels=labels[:39])  # one row of class 3
+    rare = load_source(str(src), cache_dir=str(tmp_path / "cache"), val_fraction=0.5)  # 10, 6, 3, 0.5 of 20
+    assert torch.bincount(rare["test"][1], minlength=4).tolist() == [11, 6, 3, 0]
 
 
 def decoded(ds, split: str, columns=(None, None)):

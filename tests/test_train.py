@@ -355,7 +355,8 @@ def test_a_hub_dataset_without_a_test_split_holds_out_the_stated_part_on_two_ran
     assert result.returncode == 0, result.stderr[-3000:]
     stated = [line for line in result.stdout.splitlines() if line.startswith("no evaluation split")]
     assert stated == ["no evaluation split: evaluating on 32 of the 320 training images, held out by --val-fraction "
-                      "0.1 (a fixed shuffle: the same on every process and run); training on the other 288"]
+                      "0.1 (each class its share, by a fixed shuffle: the same on every process and run); training "
+                      "on the other 288"]
     s = read_summary(out)
     assert s["dataset"] == {"source": str(repo), "kind": "hub", "fingerprint": s["dataset"]["fingerprint"],
                             "eval_split": "0.1 of train, held out"}

@@ -36,8 +36,8 @@ class DataConfig(Group):
                               "first process downloads it); unset: uoft-cs/cifar10")
     image_column: str | None = opt(None, "the data's image column; unset: img or image")
     label_column: str | None = opt(None, "the data's label column; unset: label, labels or fine_label")
-    val_fraction: float | None = opt(None, "evaluate on this fraction of the training images, held out (a fixed "
-                                     "shuffle); unset: the test (or validation) split, else 0.1 held out")
+    val_fraction: float | None = opt(None, "evaluate on this fraction of the training images, held out (each "
+                                     "class's share, fixed); unset: the test (or validation) split, else 0.1 held out")
     cache_dir: str | None = opt(None, "decoded-tensor cache, and --decode stream's shard indices; unset: "
                                 "<data-dir>/.decoded if writable, else ~/.cache/accelerate-cifar")
     decode_workers: int | None = opt(None, "processes that decode the source into the cache (the first run on a "

@@ -30,9 +30,10 @@ from utils.data.pixels import open_image, row_pixels, square_pixels
 from utils.data.sources import SPLITS, Rows, Source, fingerprint, first_size, locate
 from utils.launch import first_on_each_machine, main_print
 
-CACHE_FORMAT = 8  # bump when the cache file changes (4: class names, mean and std; 5: held-out splits; 6: mean and
+CACHE_FORMAT = 9  # bump when the cache file changes (4: class names, mean and std; 5: held-out splits; 6: mean and
 # std as tensors, labels first: decoded into through a memory map; 7: EXIF orientation, JPEGs decoded reduced; 8: an
-# image folder's classes its top folders, 16-bit grayscale by its top bits, MPO decoded reduced as JPEG)
+# image folder's classes its top folders, 16-bit grayscale by its top bits, MPO decoded reduced as JPEG; 9: held-out
+# splits stratified by class)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -90,8 +90,9 @@ class Source:
         """Says what is evaluated on when a part of train is held out."""
         if self.fraction:
             log(f"no evaluation split{' used' if self.source_eval else ''}: evaluating on {n_held:,} of the "
-                f"{n_train + n_held:,} training images, held out by --val-fraction {self.fraction:g} (a fixed "
-                f"shuffle: the same on every process and run); training on the other {n_train:,}")
+                f"{n_train + n_held:,} training images, held out by --val-fraction {self.fraction:g} (each "
+                f"class its share, by a fixed shuffle: the same on every process and run); training on the other "
+                f"{n_train:,}")
 
     def describe(self, fingerprint: str) -> dict:
         return {"source": self.name, "kind": self.kind, "fingerprint": fingerprint, "eval_split": self.eval_split}
@@ -109,7 +110,7 @@ class Source:
             if self.kind == "imagefolder":
                 rows = {role: r.take(_permutation(len(r))) for role, r in rows.items()}
             if self.fraction:
-                rows = dict(zip(SPLITS, (rows["train"].take(part) for part in hold_out(len(rows["train"]),
+                rows = dict(zip(SPLITS, (rows["train"].take(part) for part in hold_out(rows["train"].labels,
                                                                                       self.fraction))))
             self.read = columns, (rows, shared_classes(rows, self.source_eval or "test"))
         return self.read[1]
@@ -474,16 +475,29 @@ def _permutation(n: int) -> torch.Tensor:
     return torch.randperm(n, generator=torch.Generator().manual_seed(0))
 
 
-def hold_out(n: int, fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the rows to train on, the rows held out for evaluation) of n training rows: round(fraction x n) rows drawn
-    by a fixed permutation (seed 0, not --seed: changing the seed must not change what is evaluated on), each part
-    in the source's order."""
-    k = round(fraction * n)
+def hold_out(labels: torch.Tensor, fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the rows to train on, the rows held out for evaluation) of the training rows of these labels: round(fraction
+    x n) rows, stratified (each class holds out its share, rounded down, and the rows left over go to the classes of
+    the largest remainders, the larger class first; never a class's last training row), so a folder sorted by class
+    or with a rare class is evaluated on every class in its proportion. Each class's rows are drawn by a fixed
+    permutation (seed 0, not --seed: changing the seed must not change what is evaluated on); each part in the
+    source's order."""
+    n = len(labels)
+    classes, counts = labels.unique(return_counts=True)
+    share = counts.double() * fraction
+    quota = share.floor().long()
+    by_remainder = sorted(range(len(classes)), key=lambda c: (-float(share[c] - quota[c]), -int(counts[c]), c))
+    for c in [c for c in by_remainder if quota[c] + 1 < counts[c]][:round(fraction * n) - int(quota.sum())]:
+        quota[c] += 1
+    k = int(quota.sum())
     if not 0 < k < n:
         raise UserError(f"--val-fraction {fraction:g} of {n:,} training images holds out {k:,}; both the training and "
                         f"the held-out part need at least one image.")
     order = _permutation(n)
-    return order[k:].sort().values, order[:k].sort().values
+    held = torch.cat([order[labels[order] == c][:q] for c, q in zip(classes, quota)]).sort().values
+    kept = torch.ones(n, dtype=torch.bool)
+    kept[held] = False
+    return kept.nonzero().flatten(), held
 
 
 def item_image(item, what: str, size: int | None = None):
