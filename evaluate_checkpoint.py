@@ -61,6 +61,10 @@ def main(argv: list[str] | None = None) -> dict:
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=summary.get("mixed_precision"))
     stats = {"mean": summary["image_mean"], "std": summary["image_std"]} if "image_mean" in summary else {}
     data = checked_data(run.module.load_data(cfg) | stats, f"{script.name}'s load_data", cfg)  # as it trained
+    trained, now = (d.get("dataset", {}).get("eval_split") for d in (summary, data))
+    if trained and now and trained != now:  # another --data-dir, or a held-out part drawn by another rule
+        accelerator.print(f"warning: the run evaluated on {trained}; this evaluates on {now}, which may hold images "
+                          f"the run trained on.")
     model = build_trained_model(run, len(data["classes"]))
     channels_last = summary.get("channels_last", False)
     if channels_last:

@@ -613,7 +613,7 @@ def test_a_source_without_an_evaluation_split_holds_out_a_fixed_part_of_train_an
     assert capsys.readouterr().out.splitlines()[-1] == (
         "no evaluation split: evaluating on 4 of the 40 training images, held out by --val-fraction 0.1 (each class "
         "its share, by a fixed shuffle: the same on every process and run); training on the other 36")
-    assert data["dataset"]["eval_split"] == "0.1 of train, held out"
+    assert data["dataset"]["eval_split"] == "0.1 of train, held out by class"
     (train_x, train_y), (held_x, held_y) = data["train"], data["test"]
     assert len(train_y) == 36 and len(held_y) == 4 and train_x.is_contiguous(memory_format=torch.channels_last)
     # Disjoint, together the whole split, each part in the file's order: find each image's row in the file.

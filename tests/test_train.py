@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import fields
@@ -338,9 +339,11 @@ def test_two_ranks_train_on_a_png_folder_of_cifar_exactly_as_on_the_same_parquet
 
 
 @pytest.mark.slow
-def test_a_hub_dataset_without_a_test_split_holds_out_the_stated_part_on_two_ranks_and_evaluates_it_again(tmp_path):
+def test_a_hub_dataset_without_a_test_split_holds_out_the_stated_part_on_two_ranks_and_evaluates_it_again(tmp_path,
+                                                                                                         capsys):
     """--dataset NAME with named columns (a local path in the Hub's layout stands in for the id: no network here);
-    evaluate_checkpoint.py finds the same data and held-out part from summary.json alone."""
+    evaluate_checkpoint.py finds the same data and held-out part from summary.json alone, and says in one line when
+    the summary names another part than the one it evaluates on (a run whose part was drawn by another rule)."""
     import evaluate_checkpoint
 
     repo = tmp_path / "hub" / "pets"
@@ -359,11 +362,18 @@ def test_a_hub_dataset_without_a_test_split_holds_out_the_stated_part_on_two_ran
                       "on the other 288"]
     s = read_summary(out)
     assert s["dataset"] == {"source": str(repo), "kind": "hub", "fingerprint": s["dataset"]["fingerprint"],
-                            "eval_split": "0.1 of train, held out"}
+                            "eval_split": "0.1 of train, held out by class"}
     assert s["classes"] == ["cat", "dog", "fish"] and s["image_size"] == 16 and s["world_size"] == 2
     assert s["train_images_seen"] == 288 and s["global_step"] == 288 // 32 and s["eval_examples"] == 32
+    capsys.readouterr()
     evaluated = evaluate_checkpoint.main([str(out / "model.safetensors"), "--cache-dir", str(cache)])
     assert evaluated["examples"] == 32 and evaluated["top1"] == pytest.approx(s["eval_top1"])  # the held-out part
+    assert "warning" not in capsys.readouterr().out
+    older = s["dataset"] | {"eval_split": "0.1 of train, held out"}
+    (out / "summary.json").write_text(json.dumps(s | {"dataset": older}))
+    evaluate_checkpoint.main([str(out / "model.safetensors"), "--cache-dir", str(cache)])
+    assert ("warning: the run evaluated on 0.1 of train, held out; this evaluates on 0.1 of train, held out by class, "
+            "which may hold images the run trained on.") in capsys.readouterr().out.splitlines()
 
 
 # Early stopping ----------------------------------------------------------------------------------------------------

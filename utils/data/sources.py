@@ -72,8 +72,8 @@ class Source:
 
     @property
     def eval_split(self) -> str:
-        """What is evaluated on, for summary.json."""
-        return f"{self.fraction:g} of train, held out" if self.fraction else self.source_eval
+        """What is evaluated on, for summary.json (evaluate_checkpoint.py compares it with the run's)."""
+        return f"{self.fraction:g} of train, held out by class" if self.fraction else self.source_eval
 
     def count(self) -> int:
         """How many images the source's train and evaluation splits hold, read from the parquet footers, the file
