@@ -478,10 +478,10 @@ def _permutation(n: int) -> torch.Tensor:
 def hold_out(labels: torch.Tensor, fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(the rows to train on, the rows held out for evaluation) of the training rows of these labels: round(fraction
     x n) rows, stratified (each class holds out its share, rounded down, and the rows left over go to the classes of
-    the largest remainders, the larger class first; never a class's last training row), so the held-out part has
-    each class in its proportion as near as whole rows allow, however the rows are ordered. Each class's rows are
-    drawn by a fixed permutation (seed 0, not --seed: changing the seed must not change what is evaluated on); each
-    part in the source's order."""
+    the largest remainders, the larger class first; never a class's last training row, which may leave fewer), so
+    the held-out part has each class in its proportion as near as whole rows allow, however the rows are ordered.
+    Each class's rows are drawn by a fixed permutation (seed 0, not --seed: changing the seed must not change what
+    is evaluated on); each part in the source's order."""
     n = len(labels)
     classes, counts = labels.unique(return_counts=True)
     share = counts.double() * fraction
