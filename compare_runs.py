@@ -250,8 +250,10 @@ def table(rows: list[list[str]]) -> str:
 def run_table(runs: list[Run]) -> str:
     rows = [["run", "group", *COLUMNS]]
     for run, label in zip(runs, labels(runs, settings=False), strict=True):
-        values = [run.metric(*spec) for spec in COLUMNS.values()]
-        rows.append([label, run.group or "-", *(f"{v:.2f}" if i < 2 else f"{v:,.0f}" for i, v in enumerate(values))])
+        values = [run.metric(*spec) for spec in COLUMNS.values()]  # NaN: not logged (a run's wall time before its
+        # summary.json is written)
+        cells = ["-" if math.isnan(v) else f"{v:.2f}" if i < 2 else f"{v:,.0f}" for i, v in enumerate(values)]
+        rows.append([label, run.group or "-", *cells])
     return table(rows)
 
 

@@ -126,8 +126,8 @@ def test_a_run_without_its_summary_yet_compares_by_its_flags_and_its_logged_numb
                                                                                           capsys):
     """A run still training, or stopped before its end, has no summary.json yet (the reference run's folder without
     it): compare_runs.py reads its flags from its config.yaml and its numbers so far from its history.jsonl. Its row
-    gives the summary's final top-1 and epochs, and the best logged top-1; its eval top-1 curve is every logged
-    eval/top1; one line says these are the numbers so far."""
+    gives the summary's final top-1 and epochs, the best logged top-1, and "-" for the wall time it has not logged;
+    its eval top-1 curve is every logged eval/top1; one line says these are the numbers so far."""
     import compare_runs
 
     run = tmp_path / "running"
@@ -139,7 +139,7 @@ def test_a_run_without_its_summary_yet_compares_by_its_flags_and_its_logged_numb
     assert compare_runs.main([str(run), "--plots", str(tmp_path / "plots")]) == 0
     lines = capsys.readouterr().out.splitlines()
     row = next(line.split() for line in lines if line.startswith(str(run)))
-    assert row[2:4] == [f"{max(top1):.2f}", f"{s['eval_top1']:.2f}"] and row[-1] == str(s["epochs_completed"]), row
+    assert row[2:4] == [f"{max(top1):.2f}", f"{s['eval_top1']:.2f}"] and row[-2:] == ["-", str(s["epochs_completed"])]
     assert (f"no final numbers yet of {run} (still training, or stopped before its end): their numbers so far, from "
             f"their logged history") in lines
     [loaded] = compare_runs.load(str(run))
