@@ -415,33 +415,40 @@ def test_an_image_folder_names_its_classes_from_its_folders(tmp_path, accelerato
 
 def test_iphone_heic_and_avif_photos_are_read_and_raw_files_left_out_with_a_one_line_warning(tmp_path, accelerator,
                                                                                              capsys):
-    """Beside one PNG per class and split (grey 0, 20, 40 by class): an iPhone's .HEIC photo in train/ant/ (grey 100),
-    an .avif in train/cow/ (grey 140), a camera's raw .dng in test/cow/ and .NEF in train/bee/. The load reads the 5
-    training and 3 test images, each with its class (the HEIC and AVIF within 2 levels of their grey: lossy), and
-    warns in one line that it left out 2 photos (1 .dng, 1 .nef); a class folder holding only raw files stops with
+    """Beside one PNG per class and split (red 0, 20, 40 by class): an iPhone's .HEIC photo (grey 100) and a JPEG
+    saved from a browser as .jfif (grey 60) in train/ant/, an .avif in train/cow/ (grey 140), a camera's raw .dng in
+    test/cow/ and .NEF in train/bee/, a JPEG XL .jxl (no Pillow plugin) in train/cow/. The load reads the 6 training
+    and 3 test images, each with its class (their red: the lossy ones within 2 levels of their grey), and warns in
+    one line that it left out 3 photos (1 .dng, 1 .jxl, 1 .nef); a class folder holding only raw files stops with
     one line that says so; predict.py lists every file (a row each, the raw file with Pillow's reason)."""
     import predict
 
     folder = write_image_folder(tmp_path / "folder", ("ant", "bee", "cow"))
     pillow_heif.from_pillow(Image.new("RGB", (32, 32), (100,) * 3)).save(folder / "train" / "ant" / "IMG_0001.HEIC")
+    Image.new("RGB", (32, 32), (60,) * 3).save(folder / "train" / "ant" / "download.jfif", format="JPEG")
     Image.new("RGB", (32, 32), (140,) * 3).save(folder / "train" / "cow" / "1.avif")
     (folder / "test" / "cow" / "DSC_0003.dng").write_bytes(b"II*\0" + bytes(64))
     (folder / "train" / "bee" / "DSC_0004.NEF").write_bytes(b"II*\0" + bytes(64))
+    (folder / "train" / "cow" / "2.jxl").write_bytes(b"\xff\x0a" + bytes(64))
     data = load_source(str(folder), cache_dir=str(tmp_path / "cache"))
-    assert (len(data["train"][1]), len(data["test"][1])) == (5, 3)
-    greys = sorted((int(label), int(image.float().mean().round())) for image, label in zip(*data["train"]))
-    assert greys[0][0] == 0 and abs(greys[1][1] - 100) <= 2 and greys[1][0] == 0, greys  # ant: 0 and the HEIC
-    assert greys[4][0] == 2 and abs(greys[4][1] - 140) <= 2, greys  # cow: 40 and the AVIF
+    assert (len(data["train"][1]), len(data["test"][1])) == (6, 3)
+    greys = {}
+    for image, label in zip(*data["train"]):
+        greys.setdefault(int(label), []).append(image[0].float().mean().item())  # red: write_image_folder's grey
+    want = {0: [0, 60, 100], 1: [20], 2: [40, 140]}
+    assert {k: len(v) for k, v in greys.items()} == {k: len(v) for k, v in want.items()}, greys
+    assert all(abs(got - grey) <= 2 for k in want for got, grey in zip(sorted(greys[k]), want[k])), greys
     warned = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
-    assert warned == [f"warning: left out 2 photos under --data-dir {folder} in formats the data path does not read "
-                      f"(1 .dng, 1 .nef); convert them to JPEG to use them."]
+    assert warned == [f"warning: left out 3 photos under --data-dir {folder} in formats the data path does not read "
+                      f"(1 .dng, 1 .jxl, 1 .nef); convert them to JPEG to use them."]
     (folder / "train" / "bee" / "0.png").unlink()
     assert _folder_error(tmp_path, accelerator) == (
         f"the class folder {folder / 'train' / 'bee'} holds no image ({', '.join(sources.IMAGE_SUFFIXES)}); it holds "
         f"photos in formats the data path does not read (1 .nef): convert them to JPEG.")
     files, names = predict.find_images(str(folder / "train"))
-    assert names == ["ant/0.png", "ant/IMG_0001.HEIC", "bee/DSC_0004.NEF", "cow/0.png", "cow/1.avif"]
-    assert predict.why_unreadable(files[2], predict.run_view({"image_size": 32})).startswith(
+    assert names == ["ant/0.png", "ant/IMG_0001.HEIC", "ant/download.jfif", "bee/DSC_0004.NEF", "cow/0.png",
+                     "cow/1.avif", "cow/2.jxl"]
+    assert predict.why_unreadable(files[3], predict.run_view({"image_size": 32})).startswith(
         "UnidentifiedImageError: cannot identify image file")
     assert abs(predict.read_view(files[1], predict.run_view({"image_size": 32})).mean() - 100) <= 2
 

@@ -43,11 +43,12 @@ from utils.scripts import IMPORTED, new_after_imports
 SPLITS = ("train", "test")  # load_data's splits: "test" is the one evaluated on
 EVAL_SPLITS = ("test", "validation")  # the source's evaluation split: the first of these it has
 VAL_FRACTION = 0.1  # held out of train for evaluation when the source has no evaluation split
-# photo formats by file suffix; those Pillow opens here are read (HEIC: with pi-heif installed, utils/data/pixels.py;
-# AVIF: a Pillow built with libavif, as its wheels are), the others (cameras' raw files, often a JPEG's twin) left
-# out of an image folder with a warning; IMAGE_SUFFIXES also picks a tar shard's image members
-PHOTO_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".heic", ".heif", ".avif",
-                  ".dng", ".cr2", ".cr3", ".nef", ".arw", ".raf", ".orf", ".rw2")
+# photo formats by file suffix (.jfif: a JPEG saved from a browser); those Pillow opens here are read (HEIC: with
+# pi-heif installed, utils/data/pixels.py; AVIF: a Pillow built with libavif, as its wheels are), the others (JPEG XL
+# without a plugin, cameras' raw files: often a JPEG's twin) left out of an image folder with a warning;
+# IMAGE_SUFFIXES also picks a tar shard's image members
+PHOTO_SUFFIXES = (".png", ".jpg", ".jpeg", ".jfif", ".jpe", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".heic", ".heif",
+                  ".avif", ".jxl", ".dng", ".cr2", ".cr3", ".nef", ".arw", ".raf", ".orf", ".rw2")
 IMAGE_SUFFIXES = tuple(s for s in PHOTO_SUFFIXES if s in Image.registered_extensions())
 OTHER_PHOTOS = tuple(s for s in PHOTO_SUFFIXES if s not in IMAGE_SUFFIXES)
 IMAGE_COLUMNS, LABEL_COLUMNS = ("img", "image"), ("label", "labels", "fine_label")
