@@ -1,7 +1,7 @@
 """P7: the first decode with --decode-workers N against 1 worker: images/s of load_source on a folder of CIFAR-10 PNGs
 (all 60,000 images of the parquet source, written once as lossless PNGs into a temporary image folder), each run
-into an empty cache folder, alternating, after one warm-up run (datasets' imagefolder builder lists the files
-once), and its decode alone. The caches written must be the same file, byte for byte.
+into an empty cache folder, alternating, after one warm-up run (the folder's table of files, built once into
+datasets' cache), and its decode alone. The caches written must be the same file, byte for byte.
 
     python bench/decode_rate.py --data-dir ../shared/data/cifar10            # 2 workers against 1
     python bench/decode_rate.py --data-dir ../shared/data/cifar10 --workers 8 --repeats 3
@@ -74,7 +74,7 @@ def main() -> None:
     try:
         count = png_folder(args.data_dir, work)
         print(f"{count:,} PNG files in {work / 'folder'}", flush=True)
-        decode(work / "folder", work / "cache", 1)  # warm-up: datasets' imagefolder cache, the files in page cache
+        decode(work / "folder", work / "cache", 1)  # warm-up: the folder's table (datasets' cache), files in page cache
         rates, decoding, digests = {1: [], args.workers: []}, {1: [], args.workers: []}, set()
         for _ in range(args.repeats):
             for workers in (args.workers, 1):

@@ -397,11 +397,17 @@ def test_image_folder_bad_input_is_named_in_one_sentence(tmp_path, accelerator):
     message = _folder_error(tmp_path, accelerator)
     assert message.startswith(f"the train split has an undecodable image at {broken} ("), message
     broken.unlink()
-    (folder / "test").rename(folder / "elsewhere")  # no test split: 1 of the 10 images held out; 0.05 holds out none
-    assert load_source(str(folder), cache_dir=str(tmp_path / "cache"))["test"][0].shape == (1, 3, 32, 32)
-    with pytest.raises(UserError, match=r"^--val-fraction 0\.05 of 10 training images holds out 0; both the training "
-                                        r"and the held-out part need at least one image\.$"):
-        load_source(str(folder), cache_dir=str(tmp_path / "cache"), val_fraction=0.05)
+    (folder / "test").rename(folder / "elsewhere")  # no test split: a part of train is held out, but never a class's
+    with pytest.raises(UserError, match=r"^--val-fraction 0\.1 of 10 training images in 10 classes holds out 0 \(each "
+                                        r"class its share, never its last training image\); both the training and "
+                                        r"the held-out part need at least one image: give the data a test split, or "
+                                        r"more images\.$"):  # only image
+        load_source(str(folder), cache_dir=str(tmp_path / "cache"))
+    for k, name in enumerate(CIFAR_CLASSES):
+        Image.new("RGB", (32, 32), color=k * 20).save(folder / "train" / name / "1.png")
+    assert load_source(str(folder), cache_dir=str(tmp_path / "cache"))["test"][0].shape == (2, 3, 32, 32)  # of 20
+    with pytest.raises(UserError, match=r"^--val-fraction 0\.02 of 20 training images in 10 classes holds out 0 "):
+        load_source(str(folder), cache_dir=str(tmp_path / "cache"), val_fraction=0.02)
 
 
 def test_an_image_folder_names_its_classes_from_its_folders(tmp_path, accelerator):

@@ -492,8 +492,9 @@ def hold_out(labels: torch.Tensor, fraction: float) -> tuple[torch.Tensor, torch
         quota[c] += 1
     k = int(quota.sum())
     if not 0 < k < n:
-        raise UserError(f"--val-fraction {fraction:g} of {n:,} training images holds out {k:,}; both the training and "
-                        f"the held-out part need at least one image.")
+        raise UserError(f"--val-fraction {fraction:g} of {n:,} training images in {len(classes)} classes holds out "
+                        f"{k:,} (each class its share, never its last training image); both the training and the "
+                        f"held-out part need at least one image: give the data a test split, or more images.")
     order = _permutation(n)
     held = torch.cat([order[labels[order] == c][:q] for c, q in zip(classes, quota)]).sort().values
     kept = torch.ones(n, dtype=torch.bool)
