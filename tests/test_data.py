@@ -935,6 +935,29 @@ def test_the_mean_and_std_are_load_datas_else_the_models_else_the_training_image
         assert data_facts(checked)["image_stats_from"] == source
 
 
+def test_a_channel_the_same_in_every_training_pixel_is_normalised_unscaled_not_divided_by_zero():
+    """Training images whose green channel is 0 in every pixel (red and blue vary): their own std of green is 0, so it
+    is taken as 1 and said in the normalising line; a batch comes out of the transform finite, green all 0 and red
+    and blue as (x - mean) / std. load_data's own std of 0 is one line."""
+    from utils.data.contract import checked_data
+
+    images = torch.zeros(4, 3, 2, 2, dtype=torch.uint8)
+    images[:2, 0], images[:, 2, 0] = 255, 51  # red: half 255, half 0; blue: rows of 51 and 0
+    data = {"train": (images, [0, 1, 0, 1]), "test": (images, [0, 1, 0, 1]), "classes": ["a", "b"]}
+    said = []
+    checked = checked_data(data, say=said.append)
+    assert checked["std"] == (0.5, 1.0, 0.1) and checked["mean"] == (0.5, 0.0, 0.1)
+    assert said == ["normalising with the training images' mean (0.5000, 0.0000, 0.1000) and std (0.5000, 1.0000, "
+                    "0.1000); the green channel is the same in every training pixel: std 1 there, not 0"]
+    x = BatchTransform.for_data(checked, torch.device("cpu"), channels_last=False)(images)
+    assert torch.isfinite(x).all() and (x[:, 1] == 0).all()
+    assert torch.allclose(x[:, 0], (images[:, 0] / 255 - 0.5) / 0.5) and torch.allclose(x[:, 2], (images[:, 2] / 255
+                                                                                                 - 0.1) / 0.1)
+    with pytest.raises(UserError, match=r"^load_data's std \(0\.2000, 0\.0000, 0\.2000\) is not above 0 for green: "
+                                        r"the inputs are divided by it\.$"):
+        checked_data(data | {"mean": (0.5,) * 3, "std": (0.2, 0.0, 0.2)})
+
+
 def test_a_dataset_on_the_device_and_arrays_under_resized_crops_are_refused_with_one_line(tmp_path):
     """--data-on-device needs decoded images: one line for a Dataset; --augment resized-crop needs images decoded as
     they are cropped: one line for arrays."""

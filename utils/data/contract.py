@@ -15,6 +15,8 @@ from utils.data.images import WORKER_START, EncodedImages, Images, TensorImages,
 from utils.data.pixels import crop_recipe
 from utils.data.sources import SPLITS, DatasetRows
 
+CHANNELS = ("red", "green", "blue")
+
 
 def checked_data(data: dict, where: str = "load_data", cfg=None, model_stats: dict | None = None,
                  say=None) -> dict:
@@ -86,8 +88,9 @@ def check_pickles(dataset, what: str) -> None:
 def normalisation(data: dict, model_stats: dict, images: Images, where: str, say=None) -> dict:
     """{'mean', 'std', 'stats_from'}: the per-channel mean and std the inputs are normalised with, by one rule, the
     first that exists: load_data's 'mean' and 'std' (a copy's own choice), the pretrained model's (`model_stats`:
-    what its weights were trained with), the training images' own (Images.channel_stats). `say`: one line naming
-    them and where they came from (and what they won over)."""
+    what its weights were trained with), the training images' own (Images.channel_stats), in which a channel the same
+    in every pixel gets std 1, not 0 (load_data's or a model's std of 0: one line). `say`: one line naming them and
+    where they came from (and what they won over)."""
     model = {k: tuple(map(float, model_stats[k])) for k in ("mean", "std") if k in model_stats}
     if "mean" in data and "std" in data:
         stats, source, whose = {k: tuple(map(float, data[k])) for k in ("mean", "std")}, where, f"{where}'s"
@@ -96,10 +99,18 @@ def normalisation(data: dict, model_stats: dict, images: Images, where: str, say
     else:
         stats, source, whose = dict(zip(("mean", "std"), images.channel_stats())), "training images", \
             "the training images'"
+    flat = [name for name, std in zip(CHANNELS, stats["std"]) if not std > 0]  # dividing by it: inputs of inf, NaN
+    if flat and source != "training images":
+        raise UserError(f"{whose} std ({', '.join(f'{v:.4f}' for v in stats['std'])}) is not above 0 for "
+                        f"{', '.join(flat)}: the inputs are divided by it.")
+    if flat:  # a channel the same in every pixel (synthetic or single-channel data) carries nothing: left unscaled
+        stats["std"] = tuple(1.0 if name in flat else std for name, std in zip(CHANNELS, stats["std"]))
     if say is not None:
         beaten = (f"; the pretrained model's ({_shown(model)}) are not used: {where}'s own win"
                   if len(model) == 2 and source == where and model != stats else "")
-        say(f"normalising with {whose} {_shown(stats)}{beaten}")
+        unscaled = (f"; the {' and '.join(flat)} channel{'s are' if len(flat) > 1 else ' is'} the same in every "
+                    f"training pixel: std 1 there, not 0" if flat else "")
+        say(f"normalising with {whose} {_shown(stats)}{beaten}{unscaled}")
     return stats | {"stats_from": source}
 
 
