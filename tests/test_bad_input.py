@@ -131,6 +131,14 @@ def test_a_label_column_that_is_neither_class_names_nor_integers(tmp_path, small
     _fails_cleanly(tmp_path, ["--data-dir", str(small_data)], "the test split's label column 'label' is Value(")
 
 
+def test_an_image_folder_of_one_class_is_one_line_not_a_run_at_100_percent(tmp_path):
+    """All the photos in one folder under train/ (and test/): one class, which would train to a loss of 0 and a
+    top-1 of 100% that mean nothing, stops with one line."""
+    folder = write_image_folder(tmp_path / "photos", ("photos",))
+    _fails_cleanly(tmp_path, ["--data-dir", str(folder)], "error: load_data gives 1 class (photos); a classifier needs "
+                   "at least 2 (an image folder: a folder of images per class, in train/ and test/).")
+
+
 def test_images_of_different_sizes_without_image_size(tmp_path, small_data):
     write_parquet(small_data / "test-00000-of-00001.parquet", 8, size=(28, 28))
     _fails_cleanly(tmp_path, ["--data-dir", str(small_data)], "the images do not share one square size (32x32 (the "

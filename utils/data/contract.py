@@ -25,8 +25,8 @@ def checked_data(data: dict, where: str = "load_data", cfg=None, model_stats: di
     N x 3 x H x W, square, both splits the same size, as numpy arrays (memory-mapped is fine) or tensors, or another
     kind of `Images` (the built-in sources'); integer labels 0 .. C-1; or each a map-style torch Dataset of
     (image, label) items of any size (utils/data/sources.py: at --image-size, under --augment resized-crop cropped as
-    the built-in folders are; `cfg`, the script's Config, gives those flags); and 'classes', the C class names.
-    Optional: 'mean' and 'std' (per channel, in [0, 1]; see below), 'dataset' (a JSON-able description, for
+    the built-in folders are; `cfg`, the script's Config, gives those flags); and 'classes', the C class names (at
+    least 2). Optional: 'mean' and 'std' (per channel, in [0, 1]; see below), 'dataset' (a JSON-able description, for
     summary.json), and 'eval_crop' and 'interpolation' (the built-in loader's: the test images are resized to S /
     eval_crop on their shorter side with that filter, then centre-cropped to S; for preprocessor_config.json).
     Returns them with each split's images as an `Images` kind (arrays and tensors: TensorImages, an (N, 3, S, S)
@@ -39,6 +39,10 @@ def checked_data(data: dict, where: str = "load_data", cfg=None, model_stats: di
         got = sorted(data) if isinstance(data, dict) else type(data).__name__
         raise UserError(f"{where} must return a dict with 'train', 'test' and 'classes' (got {got}).")
     classes = tuple(str(c) for c in data["classes"])
+    if len(classes) < 2:  # trains to a loss of 0 and a top-1 of 100% that mean nothing
+        raise UserError(f"{where} gives {len(classes)} class{'es' * (len(classes) != 1)} ({', '.join(classes)}); a "
+                        f"classifier needs at least 2 (an image folder: a folder of images per class, in train/ and "
+                        f"test/).")
     out = {"classes": classes, "dataset": data.get("dataset", {"source": where})}
     recipe = crop_recipe(cfg) if cfg is not None else None
     if recipe and any(isinstance(data[s], torch.utils.data.Dataset) for s in SPLITS):  # how it evaluates, for export
