@@ -935,6 +935,21 @@ def test_the_mean_and_std_are_load_datas_else_the_models_else_the_training_image
         assert data_facts(checked)["image_stats_from"] == source
 
 
+def test_the_start_says_the_images_and_classes_that_train_and_warns_of_classes_without_a_training_image():
+    """One line of the training and evaluation images, the classes and the fewest and most training images a class
+    has (by name); each class as many: that count. A class without a training image (a --train-subset too small, a
+    load_data whose labels miss a class) is a warning naming it, the first 5 of many."""
+    said = []
+    loaders.say_counts(torch.tensor([0, 1, 1, 2, 2, 2]), torch.arange(3), ("ant", "bee", "cow"), said.append)
+    loaders.say_counts(torch.tensor([0, 1, 0, 1]), torch.arange(2), ("ant", "bee"), said.append)
+    loaders.say_counts(torch.tensor([1, 1, 7]), torch.arange(5), tuple("abcdefgh"), said.append)
+    assert said == [
+        "data: 6 training and 3 evaluation images of 3 classes (1 training image of ant to 3 of cow)",
+        "data: 4 training and 2 evaluation images of 2 classes (2 training images each)",
+        "data: 3 training and 5 evaluation images of 8 classes (0 training images of a to 2 of b)",
+        "warning: 6 of the 8 classes have no training image (a, c, d, e, f and 1 more): the model cannot learn them"]
+
+
 def test_a_channel_the_same_in_every_training_pixel_is_normalised_unscaled_not_divided_by_zero():
     """Training images whose green channel is 0 in every pixel (red and blue vary): their own std of green is 0, so it
     is taken as 1 and said in the normalising line; a batch comes out of the transform finite, green all 0 and red

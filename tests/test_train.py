@@ -360,6 +360,8 @@ def test_a_hub_dataset_without_a_test_split_holds_out_the_stated_part_on_two_ran
     assert stated == ["no evaluation split: evaluating on 32 of the 320 training images, held out by --val-fraction "
                       "0.1 (each class its share, by a fixed shuffle: the same on every process and run); training "
                       "on the other 288"]
+    assert [line for line in result.stdout.splitlines() if line.startswith("data: ")][0].startswith(
+        "data: 288 training and 32 evaluation images of 3 classes (")
     s = read_summary(out)
     assert s["dataset"] == {"source": str(repo), "kind": "hub", "fingerprint": s["dataset"]["fingerprint"],
                             "eval_split": "0.1 of train, held out by class"}

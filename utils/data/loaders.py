@@ -35,6 +35,24 @@ def take_prefix(pair: tuple[Images | torch.Tensor, torch.Tensor], n: int | None,
     return (images, labels) if n is None else (images.prefix(n), labels[:n])
 
 
+def say_counts(train_labels: torch.Tensor, eval_labels: torch.Tensor, classes: tuple[str, ...], say) -> None:
+    """One line of what trains and what is evaluated (after --train-subset and --eval-subset): the images, the
+    classes and the fewest and most training images a class has; and a warning naming the classes without a training
+    image, which the model cannot learn."""
+    counts = torch.bincount(train_labels.cpu(), minlength=len(classes)).tolist()
+    few, many = counts.index(min(counts)), counts.index(max(counts))
+    images = f"{counts[few]:,} training image{'s' * (counts[few] != 1)}"
+    spread = f"{images} each" if counts[few] == counts[many] else \
+        f"{images} of {classes[few]} to {counts[many]:,} of {classes[many]}"
+    say(f"data: {len(train_labels):,} training and {len(eval_labels):,} evaluation images of {len(classes)} classes "
+        f"({spread})")
+    missing = [name for name, n in zip(classes, counts) if n == 0]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5:,} more" if len(missing) > 5 else "")
+        say(f"warning: {len(missing):,} of the {len(classes)} classes have no training image ({shown}): the model "
+            f"cannot learn them")
+
+
 def keep_batch(batch):
     """collate_fn for LoaderDataset: `__getitems__` already returned the collated batch."""
     return batch
@@ -87,6 +105,7 @@ def build_loaders(data: dict, cfg, accelerator, plan):
     train_split = take_prefix(data["train"], cfg.train_subset, "--train-subset")
     eval_split = take_prefix(data["test"], cfg.eval_subset, "--eval-subset")
     check_one_batch(train_split[1], plan.micro, accelerator.num_processes, plan.accumulation)
+    say_counts(train_split[1], eval_split[1], data["classes"], accelerator.print)
     if cfg.data_on_device:  # GPU-resident: Accelerate's move to the device becomes a no-op
         train_split, eval_split = ((images.to(accelerator.device), labels.to(accelerator.device))
                                    for images, labels in (train_split, eval_split))
