@@ -144,8 +144,6 @@ def locate(data_dir: str | None, dataset: str | None, val_fraction: float | None
 def first_image_size(data_dir: str, image_column: str | None = None) -> tuple[int, int] | None:
     """(width, height) of a local --data-dir's first training image, from its header alone (an image folder's first
     file, a parquet folder's first row); None when it cannot be told cheaply (the load says what is wrong)."""
-    from PIL import Image
-
     try:
         kind, files, _ = find_source(data_dir)
         first = files["train"][0]
@@ -496,7 +494,9 @@ def hold_out(labels: torch.Tensor, fraction: float) -> tuple[torch.Tensor, torch
                         f"{k:,} (each class its share, never its last training image); both the training and the "
                         f"held-out part need at least one image: give the data a test split, or more images.")
     order = _permutation(n)
-    held = torch.cat([order[labels[order] == c][:q] for c, q in zip(classes, quota)]).sort().values
+    by_class = order[torch.argsort(labels[order], stable=True)]  # each class's rows in the permutation's order
+    starts = torch.cumsum(counts, 0) - counts
+    held = torch.cat([by_class[start:start + q] for start, q in zip(starts.tolist(), quota.tolist())]).sort().values
     kept = torch.ones(n, dtype=torch.bool)
     kept[held] = False
     return kept.nonzero().flatten(), held
@@ -506,8 +506,6 @@ def item_image(item, what: str, size: int | None = None):
     """One Dataset item's (image as a PIL image, label); `size`: the side every image must have (None: any size).
     Nothing is decoded that the item did not decode. A broken contract: one line naming `what` (the split's Dataset
     and the item's index)."""
-    from PIL import Image
-
     if not isinstance(item, tuple | list) or len(item) != 2:
         raise UserError(f"{what} must be a pair (image, label) (got {type(item).__name__}).")
     image, label = item
@@ -583,7 +581,7 @@ class DatasetRows(EncodedRows):
         an image the Dataset opened lazily (`Image.open(path)` or of bytes; nothing decoded yet) opened again from its
         file or bytes, so that a JPEG decodes at the scale its view needs as the built-in folders' do
         (utils/data/pixels.py); a tensor's pixels wrapped; any other PIL image converted to RGB (`as_rgb`)."""
-        from PIL import Image, ImageFile
+        from PIL import ImageFile
 
         image, _ = item_image((self.dataset[item][0], 0), f"{self.what}'s item {item}")
         if isinstance(image, ImageFile.ImageFile) and image.tile:  # (tile: what load() has still to decode)
