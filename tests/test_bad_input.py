@@ -73,8 +73,8 @@ def test_a_missing_data_dir_is_the_only_output_and_creates_no_output_folder(tmp_
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.strip().splitlines() == [
         f"error: --data-dir {tmp_path / 'nope'} does not exist. --data-dir takes a folder of train-*.parquet / "
-        f"test-*.parquet files (a Hub dataset's layout) or an image folder (train/<class>/*.png, test/<class>/...); "
-        f"leave it out to download uoft-cs/cifar10 from the Hub, or pass --dataset OWNER/NAME."]
+        f"test-*.parquet files (a Hub dataset's layout) or an image folder (train/<class>/*.png, test/<class>/... or "
+        f"val/<class>/...); leave it out to download uoft-cs/cifar10 from the Hub, or pass --dataset OWNER/NAME."]
     assert not out.exists()
 
 

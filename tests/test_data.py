@@ -34,6 +34,7 @@ from utils.data.decode import default_cache_dir, load_source
 from utils.data.draws import Draws, Mixing, augment_draws, crop_padding, erase_draws, forward_seed, mix_draws
 from utils.data.images import WORKER_START
 from utils.data.loaders import make_loader
+from utils.data.stream import find_shards
 from utils.data.transform import BatchTransform
 
 MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)  # per channel, CIFAR-10's training images, in [0, 1]
@@ -408,6 +409,41 @@ def test_image_folder_bad_input_is_named_in_one_sentence(tmp_path, accelerator):
     assert load_source(str(folder), cache_dir=str(tmp_path / "cache"))["test"][0].shape == (2, 3, 32, 32)  # of 20
     with pytest.raises(UserError, match=r"^--val-fraction 0\.02 of 20 training images in 10 classes holds out 0 "):
         load_source(str(folder), cache_dir=str(tmp_path / "cache"), val_fraction=0.02)
+
+
+def test_a_val_or_dev_folder_or_valid_parquet_is_the_evaluation_split_and_an_unread_folder_beside_train_is_named(
+        tmp_path, accelerator, capsys):
+    """ImageNet's and most image sets' layout, train/ and val/: the 30 images of val/ (or dev/) are evaluated on, each
+    with its class, not 0.1 of train held out while val/ lies unread; a parquet folder's valid-*.parquet and tar
+    shards *-val-*.tar likewise. The names are datasets' split keywords (a test split's before a validation split's).
+    A folder beside train/ that names no split (holdout/) is named in one warning line before 0.1 of train is held
+    out."""
+    from datasets.data_files import SPLIT_KEYWORDS
+
+    assert sources.EVAL_SPLITS == tuple(SPLIT_KEYWORDS["test"] + SPLIT_KEYWORDS["validation"])
+    train = (torch.randint(0, 256, (60, 3, 8, 8), dtype=torch.uint8), torch.arange(60) % 3)
+    held = (torch.randint(0, 256, (30, 3, 8, 8), dtype=torch.uint8), torch.arange(30) % 3)
+    for name in ("val", "dev", "holdout"):
+        root = tmp_path / name
+        export_png_folder(root, {"train": train, "test": held}, split_names={"test": name})
+        data = load_source(str(root), cache_dir=str(tmp_path / "cache"))
+        said = capsys.readouterr().out
+        if name == "holdout":
+            assert len(data["test"][1]) == 6 and len(data["train"][1]) == 54, said  # 0.1 of each class's 20
+            assert (f"warning: --data-dir {root} holds holdout/ beside train/, which is not read: an evaluation "
+                    f"split's folder is named test/, validation/ or val/.") in said.splitlines()
+        else:
+            assert digests(*data["test"]) == digests(*held) and digests(*data["train"]) == digests(*train)
+            assert "warning" not in said and sources.locate(str(root), None, None).eval_split == name
+    parquet = tmp_path / "parquet"
+    write_parquet(parquet / "train-00000-of-00001.parquet", 20, seed=1)
+    write_parquet(parquet / "valid-00000-of-00001.parquet", 7, seed=2)
+    assert len(load_source(str(parquet), cache_dir=str(tmp_path / "cache"))["test"][1]) == 7
+    shards = tmp_path / "shards"  # --decode stream's shards, listed
+    shards.mkdir()
+    for name in ("cifar-train-0.tar", "cifar-val-0.tar"):
+        (shards / name).write_bytes(b"")
+    assert find_shards(str(shards)) == {split: [str(shards / f"cifar-{split}-0.tar")] for split in ("train", "val")}
 
 
 def test_an_image_folder_names_its_classes_from_its_folders(tmp_path, accelerator):

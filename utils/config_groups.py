@@ -37,7 +37,8 @@ class DataConfig(Group):
     image_column: str | None = opt(None, "the data's image column; unset: img or image")
     label_column: str | None = opt(None, "the data's label column; unset: label, labels or fine_label")
     val_fraction: float | None = opt(None, "evaluate on this fraction of the training images, held out (each "
-                                     "class's share, fixed); unset: the test (or validation) split, else 0.1 held out")
+                                     "class's share, fixed); unset: the test (or validation, val/) split, else 0.1 "
+                                     "held out")
     cache_dir: str | None = opt(None, "decoded-tensor cache, and --decode stream's shard indices; unset: "
                                 "<data-dir>/.decoded if writable, else ~/.cache/accelerate-cifar")
     decode_workers: int | None = opt(None, "processes that decode the source into the cache (the first run on a "
@@ -242,8 +243,8 @@ class HubConfig(Group):
 
 # The validators' helpers (also used by utils/data/decode.py and utils/evaluation.py) -------------------------------
 DATA_LAYOUTS = ("--data-dir takes a folder of train-*.parquet / test-*.parquet files (a Hub dataset's layout) or an "
-                "image folder (train/<class>/*.png, test/<class>/...); leave it out to download uoft-cs/cifar10 from "
-                "the Hub, or pass --dataset OWNER/NAME.")
+                "image folder (train/<class>/*.png, test/<class>/... or val/<class>/...); leave it out to download "
+                "uoft-cs/cifar10 from the Hub, or pass --dataset OWNER/NAME.")
 
 
 def is_url(path: str | None) -> bool:

@@ -41,7 +41,9 @@ from utils.launch import main_print
 from utils.scripts import IMPORTED, new_after_imports
 
 SPLITS = ("train", "test")  # load_data's splits: "test" is the one evaluated on
-EVAL_SPLITS = ("test", "validation")  # the source's evaluation split: the first of these it has
+# the source's evaluation split: the first of these names it has, a test split before a validation split (the names
+# datasets gives each split, datasets.data_files.SPLIT_KEYWORDS: a folder val/ or dev/ is a validation split)
+EVAL_SPLITS = ("test", "testing", "eval", "evaluation", "validation", "valid", "dev", "val")
 VAL_FRACTION = 0.1  # held out of train for evaluation when the source has no evaluation split
 # photo formats by file suffix (.jfif: a JPEG saved from a browser); those Pillow opens here are read (HEIC: with
 # pi-heif installed, utils/data/pixels.py; AVIF: a Pillow built with libavif, as its wheels are), the others (JPEG XL
@@ -130,6 +132,11 @@ def locate(data_dir: str | None, dataset: str | None, val_fraction: float | None
             main_print(f"warning: left out {n:,} photo{'s' * (n != 1)} under --data-dir {data_dir} in formats the data "
                        f"path does not read ({counted(unread)}); convert them to JPEG to use them.")
         hub, splits, paths = None, list(files), [p for ps in files.values() for p in ps]
+        beside = sorted(d.name for d in Path(data_dir).iterdir() if d.is_dir() and not d.name.startswith(".")
+                        and d.name != "train") if kind == "imagefolder" and len(files) == 1 else []
+        if beside:
+            main_print(f"warning: --data-dir {data_dir} holds {', '.join(d + '/' for d in beside)} beside train/, "
+                       f"which is not read: an evaluation split's folder is named test/, validation/ or val/.")
     else:
         kind, files, hub = "hub", None, read_hub(dataset)
         splits = list(hub)
@@ -168,14 +175,15 @@ def fingerprint(paths: list[str | Path], settings: dict, version: int = 0) -> st
 
 def find_source(data_dir: str | Path) -> tuple[str, dict[str, list[Path]], Counter]:
     """What --data-dir holds: ("parquet", {split: its <split>-*.parquet files at any depth, as in a Hub snapshot}),
-    ("imagefolder", {split: the image files of <split>/<class>/}), for the splits found: train, and test or
-    validation (the first of them that is there; neither: a part of train is held out, see hold_out); or
+    ("imagefolder", {split: the image files of <split>/<class>/}), for the splits found: train, and the first of
+    EVAL_SPLITS that is there (test/, val/, ...; none: a part of train is held out, see hold_out); or
     ("shards", {}) for webdataset tar shards (*-train-*.tar at any depth), which are read as a stream
     (utils/data/stream.py lists them). Then how many files of each of OTHER_PHOTOS an image folder left out."""
     root = Path(data_dir)
     if not root.is_dir():
         raise UserError(f"--data-dir {root} does not exist or is not a directory. {DATA_LAYOUTS}")
-    parquet = {split: sorted(root.rglob(f"{split}-*.parquet")) for split in ("train", *EVAL_SPLITS)}
+    found = sorted(root.rglob("*.parquet"))  # one walk of the folder, not one per split name
+    parquet = {split: [p for p in found if p.name.startswith(f"{split}-")] for split in ("train", *EVAL_SPLITS)}
     if parquet["train"]:
         eval_split = next((s for s in EVAL_SPLITS if parquet[s]), None)
         return "parquet", {s: parquet[s] for s in ("train", eval_split) if s}, Counter()

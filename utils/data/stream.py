@@ -46,7 +46,7 @@ from fsspec.exceptions import FSTimeoutError
 from utils import UserError, first_line, write_atomically
 from utils.data.draws import key_stream, splitmix64
 from utils.data.images import KeyedSampler
-from utils.data.sources import IMAGE_SUFFIXES, EncodedRows, image_and_label, names_split, shared_classes
+from utils.data.sources import EVAL_SPLITS, IMAGE_SUFFIXES, EncodedRows, image_and_label, names_split, shared_classes
 from utils.launch import main_print, raise_if_any
 
 SHARD_SUFFIXES = (".parquet", ".tar")
@@ -183,17 +183,17 @@ class RemoteFile(io.RawIOBase):
 # ----------------------------------------------------------------------------------------------------
 def find_shards(data_dir: str, cache: Path | None = None) -> dict[str, list[str]]:
     """{split: its shards' URLs, sorted}: files named <split>-*.parquet / *-<split>-*.tar (any depth but in hidden
-    folders and the cache folder) for train and the first of test or validation that has any."""
+    folders and the cache folder) for train and the first of EVAL_SPLITS (test, ..., val) that has any."""
     fs, root = url_to_fs(data_dir)
     files = shard_files(fs, root, f"cannot list --data-dir {data_dir}", cache)
     found = {}
-    for split in ("train", "test", "validation"):
+    for split in ("train", *EVAL_SPLITS):
         found[split] = sorted(f if is_local(fs) else fs.unstrip_protocol(f) for f in files
                               if names_split(PurePosixPath(f).name, split))
     if not found["train"]:
         raise UserError(f"--decode stream: --data-dir {data_dir} holds no training shard (train-*.parquet or "
                         f"*-train-*.tar).")
-    eval_split = next((s for s in ("test", "validation") if found[s]), None)
+    eval_split = next((s for s in EVAL_SPLITS if found[s]), None)
     if eval_split is None:
         raise UserError(f"--decode stream: --data-dir {data_dir} holds no test or validation shard; a stream "
                         f"evaluates on its own shards (--val-fraction holds rows out of a table, not of a stream).")
