@@ -13,7 +13,8 @@ script that trained it (utils/runs.py, as evaluate_checkpoint.py does) and sees 
 did: the same decode (upright, by its EXIF orientation), resize and crop (utils/data/pixels.py's evaluation_view,
 which `--decode workers` evaluates through: the cache's resize, or an --augment resized-crop run's resize and centre
 crop), mean, std, memory format, precision, micro-batch and --tta-flip. When IMAGES is a tree of class folders
-named as the run's classes, it also prints the top-1 against the folder names.
+named as the run's classes, it also prints the top-1 against the folder names (over the images in folders that name a
+class; the others' folders are named).
 
 Under `accelerate launch` each process predicts its share (Accelerate's sharding; images decoded in each process's
 loader workers) and the main process writes every image's row once, in the input's order. The rows go to
@@ -273,19 +274,26 @@ def row(i: int, good: int, values: list[float], picks: list[int], names, files, 
 def report(out: Path, names: list[str], classes: list[str], folder: bool) -> dict:
     """The last line: rows written, images that could not be read and, for a tree of class folders named as the
     run's classes, the top-1 against the folder names: each image's top folder, as training reads an image folder
-    (cat/2024/IMG_0001.jpg is a cat), else the folder it is in."""
+    (cat/2024/IMG_0001.jpg is a cat), else the folder it is in (whichever names a class for more images). Images in
+    folders that name no class are left out of it, the folders named."""
     with open(out, newline="") as f:
         rows = list(csv.DictReader(f)) if out.suffix == ".csv" else [json.loads(line) for line in f]
     bad = sum(1 for r in rows if r["error"])
     line = f"wrote {len(rows)} predictions to {out}" + (
         f"; {bad} image{'s' * (bad != 1)} could not be read (their error column)" if bad else "")
     result = {"rows": len(rows), "unreadable": bad}
-    named = ([Path(name).parts[0] for name in names], [Path(name).parent.name for name in names])
-    labels = next((labels for labels in named if all(label in classes for label in labels)), None)
-    if folder and labels is not None:
-        good = [(r["prediction"], label) for r, label in zip(rows, labels) if not r["error"]]
+    parts = [Path(name).parts for name in names]  # an image directly in IMAGES is in no class folder: ""
+    named = ([p[0] if len(p) > 1 else "" for p in parts], [p[-2] if len(p) > 1 else "" for p in parts])
+    labels = max(named, key=lambda labels: sum(label in classes for label in labels))
+    if folder and any(label in classes for label in labels):
+        good = [(r["prediction"], label) for r, label in zip(rows, labels) if not r["error"] and label in classes]
         top1 = 100.0 * sum(p == label for p, label in good) / max(len(good), 1)
         line += f"; top-1 against the folder names: {top1:.2f}% of {len(good)} images"
+        others = sorted({label for label in labels if label not in classes})
+        if others:
+            left = sum(label not in classes for label in labels)
+            shown = ", ".join(f"{name or '.'}/" for name in others[:3]) + (" ..." if len(others) > 3 else "")
+            line += f" ({left} in {shown} left out: not a class of the run)"
         result["top1"] = top1
     return result | {"line": line}
 

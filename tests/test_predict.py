@@ -189,7 +189,9 @@ def test_a_copys_own_build_model_predicts_through_its_script(jpeg_folder, tmp_pa
 def test_the_folder_top1_reads_each_images_class_as_training_does_and_counts_in_the_singular():
     """The last line's top-1 against the folder names takes each image's top folder, as training reads an image
     folder (cat/2024/a.jpg is a cat: 2 of 3 right, the unreadable one left out), else, where the top folders are not
-    the run's classes (photos/cat/a.jpg), the folder each image is in; one unreadable image is said in the singular."""
+    the run's classes (photos/cat/a.jpg), the folder each image is in; one unreadable image is said in the singular.
+    Images in folders that name no class of the run (unsorted/, or IMAGES itself) are left out of it and counted, their
+    folders named (1 of 2 right: 50%, not 25% of 4)."""
     import tempfile
 
     import predict
@@ -198,7 +200,9 @@ def test_the_folder_top1_reads_each_images_class_as_training_does_and_counts_in_
     for names, predictions, errors, want in (
             (["cat/2024/a.jpg", "cat/b.jpg", "dog/2023/c.jpg", "dog/d.jpg"], ["cat", "dog", "dog", ""],
              ["", "", "", "OSError: truncated"], "66.67% of 3 images"),
-            (["photos/cat/a.jpg", "photos/dog/b.jpg"], ["cat", "cat"], ["", ""], "50.00% of 2 images")):
+            (["photos/cat/a.jpg", "photos/dog/b.jpg"], ["cat", "cat"], ["", ""], "50.00% of 2 images"),
+            (["cat/a.jpg", "dog/b.jpg", "unsorted/c.jpg", "d.jpg"], ["cat", "cat", "dog", "dog"], [""] * 4,
+             "50.00% of 2 images (2 in ./, unsorted/ left out: not a class of the run)")):
         with tempfile.TemporaryDirectory() as folder:
             out = Path(folder) / "p.csv"
             with open(out, "w", newline="") as f:
