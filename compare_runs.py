@@ -6,14 +6,15 @@
     python compare_runs.py runs/* --by-group                    # runs sharing --group: mean +/- std over seeds
     python compare_runs.py runs/* --baseline lr0.1              # does each other group beat lr0.1?
 
-Prints a table (best and final eval top-1, training images/s, wall time, epochs) and the config keys whose values
-differ, and writes PNG plots to --plots: eval top-1 against epoch and against wall-clock time, train loss against
-step. A local run is read from its `.wandb` file, so offline runs need no upload (`wandb sync` does that); a run
-without a tracker from its summary.json and history.jsonl (one still training: its config.yaml and history). A job
-resumed after preemption continues its W&B run in a new offline folder; folders of one run id are merged. With
-groups: one row per group, the settings that differ between groups (and a warning for a group whose runs differ in
-more than the seed), group plots, and for each group against the baseline the difference of the means with its 95%
-interval and a verdict (docs/comparing-runs.md says how to read it).
+Prints a table (best and final eval top-1, training images/s, wall time, epochs), a warning when the runs were
+evaluated on different images (another split or number of images), and the config keys whose values differ, and
+writes PNG plots to --plots: eval top-1 against epoch and against wall-clock time, train loss against step. A local
+run is read from its `.wandb` file, so offline runs need no upload (`wandb sync` does that); a run without a tracker
+from its summary.json and history.jsonl (one still training: its config.yaml and history). A job resumed after
+preemption continues its W&B run in a new offline folder; folders of one run id are merged. With groups: one row per
+group, the settings that differ between groups (and a warning for a group whose runs differ in more than the seed),
+group plots, and for each group against the baseline the difference of the means with its 95% interval and a verdict
+(docs/comparing-runs.md says how to read it).
 """
 
 from __future__ import annotations
@@ -255,6 +256,20 @@ def run_table(runs: list[Run]) -> str:
         cells = ["-" if math.isnan(v) else f"{v:.2f}" if i < 2 else f"{v:,.0f}" for i, v in enumerate(values)]
         rows.append([label, run.group or "-", *cells])
     return table(rows)
+
+
+def evaluated_unlike(runs: list[Run]) -> str | None:
+    """A warning when the finished runs' top-1 were measured on different evaluation images: another split (a test
+    split, a held-out part of train) or another number of images (--eval-subset, other data); None when they agree."""
+    seen = {}
+    for run, label in zip(runs, labels(runs, settings=False), strict=True):
+        split, n = (run.summary.get("dataset") or {}).get("eval_split"), run.summary.get("eval_examples")
+        if n is not None:
+            seen.setdefault(f"{split or 'an evaluation split'}: {n:,} images", []).append(label)
+    if len(seen) < 2:
+        return None
+    shown = "; ".join(f"{', '.join(names)} on {on}" for on, names in seen.items())
+    return f"warning: the runs were evaluated on different images ({shown}): their top-1 are not comparable"
 
 
 def labels(runs: list[Run], settings: bool = True) -> list[str]:
@@ -564,6 +579,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     runs = [run for source in args.runs for run in load(source)]
     print(run_table(runs))
+    if (unlike := evaluated_unlike(runs)) is not None:
+        print(unlike)
     print()
     print(config_differences(runs))
     by_group = args.by_group or args.baseline is not None

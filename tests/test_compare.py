@@ -326,3 +326,23 @@ def test_the_group_table_names_each_groups_model_whole():
     sgd = {"class": "SGD", "groups": [{"tensors": 62, "parameters": 11, "lr": 0.1, "weight_decay": 5e-4},
                                       {"tensors": 2, "parameters": 3, "lr": 0.01, "weight_decay": 0.0}]}
     assert compare_runs._cell(sgd, 48) == "SGD (lr 0.1 wd 0.0005 / lr 0.01 wd 0)"  # an optimizer: its groups' lr, wd
+
+
+def test_runs_evaluated_on_other_images_are_warned_in_one_line_and_runs_on_the_same_images_are_not(tmp_path, capsys):
+    """Two runs on the test split's 10,000 images (one an offline W&B run, one a summary.json folder) and one on the
+    first 1,000 of them (--eval-subset): one warning line after the table names each group of runs (the W&B run by
+    its name) and what it evaluated on. The two on the same images alone get no warning; nor does a run with no final numbers yet."""
+    on = {"a": ("test", 10000), "b": ("test", 10000), "c": ("test", 1000)}
+    specs = {name: ("g", {"lr": 0.1, "eval_subset": n if n < 10000 else None},
+                    {**summary(50.0, 49.0), "dataset": {"source": "cifar10", "eval_split": split}, "eval_examples": n})
+             for name, (split, n) in on.items()}
+    folders = [*write_wandb_runs(tmp_path / "wandb", {"a": specs["a"]}),
+               *write_summary_runs(tmp_path, {k: specs[k] for k in "bc"})]
+    assert compare_runs.main([*map(str, folders), "--plots", str(tmp_path / "plots")]) == 0
+    warned = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning")]
+    assert warned == [f"warning: the runs were evaluated on different images (a, {folders[1]} on test: "
+                      f"10,000 images; {folders[2]} on test: 1,000 images): their top-1 are not comparable"]
+    (folders[2] / "summary.json").unlink()
+    (folders[2] / "history.jsonl").write_text('{"_step": 4, "_timestamp": 5.0, "epoch": 1, "eval/top1": 45.5}\n')
+    assert compare_runs.main([*map(str, folders), "--plots", str(tmp_path / "plots")]) == 0
+    assert not [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning")]
