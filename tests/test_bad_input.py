@@ -74,13 +74,15 @@ def test_a_missing_data_dir_is_the_only_output_and_creates_no_output_folder(tmp_
     assert result.stderr.strip().splitlines() == [
         f"error: --data-dir {tmp_path / 'nope'} does not exist. --data-dir takes a folder of train-*.parquet / "
         f"test-*.parquet files (a Hub dataset's layout) or an image folder (train/<class>/*.png, test/<class>/... or "
-        f"val/<class>/...); leave it out to download uoft-cs/cifar10 from the Hub, or pass --dataset OWNER/NAME."]
+        f"val/<class>/...; or <class>/*.png alone); leave it out to download uoft-cs/cifar10 from the Hub, or pass "
+        f"--dataset OWNER/NAME."]
     assert not out.exists()
 
 
 def test_a_data_dir_pointing_into_an_image_folder_stops_with_one_line_and_leaves_no_folder_anywhere(tmp_path):
     """--data-dir mine/train (the training split of an image folder, not the folder) into a new --output-dir
-    runs/new: one line, exit 2; no output folder (nor runs/), and nothing new in the data folder (no cache folder)."""
+    runs/new: one line naming the folder to pass, exit 2; no output folder (nor runs/), and nothing new in the data
+    folder (no cache folder). (Class folders in a folder of another name are a train split: test_data.py.)"""
     mine = tmp_path / "mine"
     for split in ("train", "test"):
         for c in ("cat", "dog"):
@@ -91,7 +93,10 @@ def test_a_data_dir_pointing_into_an_image_folder_stops_with_one_line_and_leaves
     out = tmp_path / "runs" / "new"
     result = run_train(["--data-dir", str(mine / "train"), "--output-dir", str(out), "--tracker", "none"])
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines()[-1].startswith(f"error: --data-dir {mine / 'train'} holds no ")
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: --data-dir {mine / 'train'} holds no train/ folder: it is named as a split of an image folder; pass "
+        f"the folder that holds train/ and test/ (here {mine}), or give the class folders a folder of another name to "
+        f"train on them alone.")
     assert not (tmp_path / "runs").exists()
     assert sorted(p.relative_to(mine).as_posix() for p in mine.rglob("*")) == before
 

@@ -331,7 +331,8 @@ def test_the_group_table_names_each_groups_model_whole():
 def test_runs_evaluated_on_other_images_are_warned_in_one_line_and_runs_on_the_same_images_are_not(tmp_path, capsys):
     """Two runs on the test split's 10,000 images (one an offline W&B run, one a summary.json folder) and one on the
     first 1,000 of them (--eval-subset): one warning line after the table names each group of runs (the W&B run by
-    its name) and what it evaluated on. The two on the same images alone get no warning; nor does a run with no final numbers yet."""
+    its name) and what it evaluated on. The two on the same images alone get no warning; nor does a run with no final
+    numbers yet."""
     on = {"a": ("test", 10000), "b": ("test", 10000), "c": ("test", 1000)}
     specs = {name: ("g", {"lr": 0.1, "eval_subset": n if n < 10000 else None},
                     {**summary(50.0, 49.0), "dataset": {"source": "cifar10", "eval_split": split}, "eval_examples": n})

@@ -446,6 +446,27 @@ def test_a_val_or_dev_folder_or_valid_parquet_is_the_evaluation_split_and_an_unr
     assert find_shards(str(shards)) == {split: [str(shards / f"cifar-{split}-0.tar")] for split in ("train", "val")}
 
 
+def test_a_folder_of_class_folders_alone_is_the_train_split_with_a_part_held_out_by_class(tmp_path, accelerator):
+    """torchvision's ImageFolder layout, <class>/*.png with no train/ (datasets reads it as the train split): its 90
+    images are read, each with its class, 0.1 of each class's 30 held out for evaluation (3 each, 81 trained on), the
+    two parts disjoint and together every image. A folder holding test/ but no train/ stops with one line pointing at
+    predict.py; an empty train/ with one line naming it."""
+    images = (torch.randint(0, 256, (90, 3, 8, 8), dtype=torch.uint8), torch.arange(90) % 3)
+    export_png_folder(tmp_path / "photos", {"all": images}, split_names={"all": "."})
+    data = load_source(str(tmp_path / "photos"), cache_dir=str(tmp_path / "cache"))
+    assert data["classes"] == tuple(CIFAR_CLASSES[:3])
+    assert torch.bincount(data["test"][1]).tolist() == [3, 3, 3] and len(data["train"][1]) == 81
+    assert sorted(digests(*data["train"]) + digests(*data["test"])) == digests(*images)
+    (tmp_path / "photos" / "test").mkdir()
+    with pytest.raises(UserError, match=rf"^--data-dir {tmp_path / 'photos'} holds test/ but no train/ beside it: "
+                                        rf"training reads train/<class>/\.\.\.; a trained run scores a folder of class "
+                                        rf"folders with predict\.py RUN {tmp_path / 'photos' / 'test'} --output"):
+        load_source(str(tmp_path / "photos"), cache_dir=str(tmp_path / "cache"))
+    (tmp_path / "photos" / "test").rename(tmp_path / "photos" / "train")
+    with pytest.raises(UserError, match=rf"^{tmp_path / 'photos' / 'train'} holds no class folder: "):
+        load_source(str(tmp_path / "photos"), cache_dir=str(tmp_path / "cache"))
+
+
 def test_an_image_folder_names_its_classes_from_its_folders(tmp_path, accelerator):
     write_image_folder(tmp_path / "folder", ("dogs", "cats", "birds"))
     data = load_source(str(tmp_path / "folder"), cache_dir=str(tmp_path / "cache"))

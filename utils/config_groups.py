@@ -243,8 +243,8 @@ class HubConfig(Group):
 
 # The validators' helpers (also used by utils/data/decode.py and utils/evaluation.py) -------------------------------
 DATA_LAYOUTS = ("--data-dir takes a folder of train-*.parquet / test-*.parquet files (a Hub dataset's layout) or an "
-                "image folder (train/<class>/*.png, test/<class>/... or val/<class>/...); leave it out to download "
-                "uoft-cs/cifar10 from the Hub, or pass --dataset OWNER/NAME.")
+                "image folder (train/<class>/*.png, test/<class>/... or val/<class>/...; or <class>/*.png alone); "
+                "leave it out to download uoft-cs/cifar10 from the Hub, or pass --dataset OWNER/NAME.")
 
 
 def is_url(path: str | None) -> bool:

@@ -133,7 +133,7 @@ def locate(data_dir: str | None, dataset: str | None, val_fraction: float | None
                        f"path does not read ({counted(unread)}); convert them to JPEG to use them.")
         hub, splits, paths = None, list(files), [p for ps in files.values() for p in ps]
         beside = sorted(d.name for d in Path(data_dir).iterdir() if d.is_dir() and not d.name.startswith(".")
-                        and d.name != "train") if kind == "imagefolder" and len(files) == 1 else []
+                        and d.name != "train") if (Path(data_dir) / "train").is_dir() and len(files) == 1 else []
         if beside:
             main_print(f"warning: --data-dir {data_dir} holds {', '.join(d + '/' for d in beside)} beside train/, "
                        f"which is not read: an evaluation split's folder is named test/, validation/ or val/.")
@@ -176,7 +176,8 @@ def fingerprint(paths: list[str | Path], settings: dict, version: int = 0) -> st
 def find_source(data_dir: str | Path) -> tuple[str, dict[str, list[Path]], Counter]:
     """What --data-dir holds: ("parquet", {split: its <split>-*.parquet files at any depth, as in a Hub snapshot}),
     ("imagefolder", {split: the image files of <split>/<class>/}), for the splits found: train, and the first of
-    EVAL_SPLITS that is there (test/, val/, ...; none: a part of train is held out, see hold_out); or
+    EVAL_SPLITS that is there (test/, val/, ...; none: a part of train is held out, see hold_out), or of <class>/
+    alone (the train split, split_folder); or
     ("shards", {}) for webdataset tar shards (*-train-*.tar at any depth), which are read as a stream
     (utils/data/stream.py lists them). Then how many files of each of OTHER_PHOTOS an image folder left out."""
     root = Path(data_dir)
@@ -191,6 +192,20 @@ def find_source(data_dir: str | Path) -> tuple[str, dict[str, list[Path]], Count
         return "imagefolder", *_image_folder_files(root)
     if any(names_split(p.name, "train") for p in root.rglob("*.tar")):
         return "shards", {}, Counter()
+    folders = [d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith(".")]
+    if "train" in folders:
+        raise UserError(f"{root / 'train'} holds no class folder: an image folder's images go in "
+                        f"{root / 'train'}/<class>/, at any depth beneath it.")
+    if root.name in ("train", *EVAL_SPLITS):  # likely the split of an image folder, given for the folder
+        raise UserError(f"--data-dir {root} holds no train/ folder: it is named as a split of an image folder; pass "
+                        f"the folder that holds train/ and test/ (here {root.parent}), or give the class folders a "
+                        f"folder of another name to train on them alone.")
+    if split := next((s for s in EVAL_SPLITS if s in folders), None):
+        raise UserError(f"--data-dir {root} holds {split}/ but no train/ beside it: training reads train/<class>/...; "
+                        f"a trained run scores a folder of class folders with predict.py RUN {root / split} --output "
+                        f"FILE.csv (its top-1 against the folder names).")
+    if folders and any(Path(name).suffix.lower() in IMAGE_SUFFIXES for _, _, names in os.walk(root) for name in names):
+        return "imagefolder", *_image_folder_files(root)  # <class>/*.jpg alone: the train split, as datasets reads it
     raise UserError(f"--data-dir {root} holds no train-*.parquet file, no image folder (train/<class>/*.png, "
                     f"test/<class>/...) and no tar shard (*-train-*.tar); expected the parquet layout of a Hub dataset "
                     f"(data/train-*.parquet), or such a folder or shards.")
@@ -223,13 +238,19 @@ def visible_files(folder: Path) -> list[Path]:
     return sorted(found)
 
 
+def split_folder(root: Path, split: str) -> Path:
+    """An image folder's folder of a split's class folders: root/<split>; the training split's, without a train/ in
+    root, is root itself (root/<class>/*.jpg, torchvision's ImageFolder layout, which datasets reads as train)."""
+    return root / split if split != "train" or (root / split).is_dir() else root
+
+
 def _image_folder_files(root: Path) -> tuple[dict[str, list[Path]], Counter]:
     """{split: its image files}: each class folder's at any depth beneath it (train/cat/2024/IMG_0001.jpg is a cat;
     visible_files), and how many photos of OTHER_PHOTOS were left out."""
-    splits = ["train"] + [s for s in EVAL_SPLITS if (root / s).is_dir()][:1]
+    splits = ["train"] + [s for s in EVAL_SPLITS if (root / "train").is_dir() and (root / s).is_dir()][:1]
     files, classes, unread = {}, {}, Counter()
     for split in splits:
-        folder = root / split
+        folder = split_folder(root, split)
         classes[split] = sorted(d.name for d in folder.iterdir() if d.is_dir() and not d.name.startswith("."))
         found, depth = visible_files(folder), len(folder.parts)  # a file's class: its part at `depth`
         files[split] = [f for f in found if f.suffix.lower() in IMAGE_SUFFIXES]
@@ -270,7 +291,7 @@ def read_local(kind: str, files: dict[str, list[Path]], root: Path):
         if kind == "parquet":  # a builder per split: one for both would cast the test file to the train file's features
             return {s: datasets.load_dataset(kind, data_files={s: [str(p) for p in ps]}, split=s)  # (class names too)
                     for s, ps in files.items()}
-        return {s: image_folder_table(ps, len((root / s).parts)) for s, ps in files.items()}
+        return {s: image_folder_table(ps, len(split_folder(root, s).parts)) for s, ps in files.items()}
     except Exception as e:
         cause = root_cause(e)  # load_dataset wraps the real reason (a full disk, say) in DatasetGenerationError
         if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
