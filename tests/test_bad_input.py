@@ -198,10 +198,10 @@ def test_decode_auto_decodes_in_the_loader_workers_when_the_cache_would_not_fit_
         assert list(disk.iterdir()) == []
 
 
-@pytest.mark.parametrize("size", ["4", "1000"])
-def test_image_size_outside_8_to_512(tmp_path, small_data, size):
+@pytest.mark.parametrize("size", ["4", "1025"])
+def test_image_size_outside_8_to_1024(tmp_path, small_data, size):
     _fails_cleanly(tmp_path, ["--data-dir", str(small_data), "--image-size", size],
-                   f"--image-size must be between 8 and 512 pixels (got {size}).")
+                   f"--image-size must be between 8 and 1024 pixels (got {size}).")
 
 
 @pytest.mark.parametrize(("extra", "message"), [

@@ -17,6 +17,7 @@ from utils import UserError
 from utils.cli import check_ranges, opt
 
 REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")  # a Hub repo id: owner/name
+MAX_IMAGE_SIZE = 1024  # --image-size's bound against a typo: the largest input of timm's pretrained models
 BUILT_IN = ("loss", "top1", "top5", "examples", "class_top1", "confusion")  # evaluate()'s metrics
 
 
@@ -43,7 +44,7 @@ class DataConfig(Group):
                                 "<data-dir>/.decoded if writable, else ~/.cache/accelerate-cifar")
     decode_workers: int | None = opt(None, "processes that decode the source into the cache (the first run on a "
                                      "machine); unset: one per core")
-    image_size: int | None = opt(None, "resize every image to S x S (8-512), as decoded once; unset: the images' "
+    image_size: int | None = opt(None, "resize every image to S x S (8-1024), as decoded once; unset: the images' "
                                  "own size, which they must then all share")
     train_subset: int | None = opt(None, "train on the first N training images only")
     eval_subset: int | None = opt(None, "evaluate on the first N test (or held-out) images only")
@@ -131,8 +132,8 @@ class DataConfig(Group):
                             "holds rows out of a table, not of a stream.")
         if self.eval_crop is not None and not 0 < self.eval_crop <= 1:
             raise UserError(f"--eval-crop must be in (0, 1] (got {self.eval_crop:g}).")
-        if self.image_size is not None and not 8 <= self.image_size <= 512:
-            raise UserError(f"--image-size must be between 8 and 512 pixels (got {self.image_size}).")
+        if self.image_size is not None and not 8 <= self.image_size <= MAX_IMAGE_SIZE:
+            raise UserError(f"--image-size must be between 8 and {MAX_IMAGE_SIZE} pixels (got {self.image_size}).")
         check_source(self.data_dir, self.dataset, self.val_fraction)
         super().validate()
 
