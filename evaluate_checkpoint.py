@@ -17,6 +17,7 @@ one, class and parameters, as summary.json records them).
 from __future__ import annotations
 
 import json
+import os
 import sys
 from functools import partial
 
@@ -61,6 +62,12 @@ def main(argv: list[str] | None = None) -> dict:
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=summary.get("mixed_precision"))
     stats = {"mean": summary["image_mean"], "std": summary["image_std"]} if "image_mean" in summary else {}
     data = checked_data(run.module.load_data(cfg) | stats, f"{script.name}'s load_data", cfg)  # as it trained
+    held, before = data.get("dataset", {}).get("val_fraction"), summary.get("config", {}).get("data_dir")
+    if held and args.data_dir is not None and not (before and same_folder(args.data_dir, before)):
+        raise UserError(f"--data-dir {args.data_dir} has no evaluation split (test/ or val/ beside train/), so only "
+                        f"the {held:g} of it held out by class would be scored; every image of a folder of class "
+                        f"folders: predict.py RUN {args.data_dir} --output FILE.csv (its top-1 against the folder "
+                        f"names).")
     trained, now = (d.get("dataset", {}).get("eval_split") for d in (summary, data))
     if trained and now and trained != now:  # another --data-dir, or a held-out part drawn by another rule
         accelerator.print(f"warning: the run evaluated on {trained}; this evaluates on {now}, which may hold images "
@@ -82,6 +89,14 @@ def main(argv: list[str] | None = None) -> dict:
     result |= {"weights": str(args.weights), "script": script.name, "model": built}
     accelerator.print(json.dumps(result))
     return result
+
+
+def same_folder(a: str, b: str) -> bool:
+    """Whether two paths name one existing folder (the run's own data, spelled another way)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 if __name__ == "__main__":

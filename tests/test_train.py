@@ -26,6 +26,7 @@ from conftest import (
     write_mixed_folder,
     write_parquet,
 )
+from PIL import Image
 from safetensors.torch import load_file
 
 import train_cifar
@@ -343,7 +344,9 @@ def test_a_hub_dataset_without_a_test_split_holds_out_the_stated_part_on_two_ran
                                                                                                          capsys):
     """--dataset NAME with named columns (a local path in the Hub's layout stands in for the id: no network here);
     evaluate_checkpoint.py finds the same data and held-out part from summary.json alone, and says in one line when
-    the summary names another part than the one it evaluates on (a run whose part was drawn by another rule)."""
+    the summary names another part than the one it evaluates on (a run whose part was drawn by another rule). Given
+    --data-dir a folder of new photos in class folders (no evaluation split), it stops with one line pointing at
+    predict.py instead of scoring the 0.1 of them it would hold out."""
     import evaluate_checkpoint
 
     repo = tmp_path / "hub" / "pets"
@@ -364,7 +367,7 @@ def test_a_hub_dataset_without_a_test_split_holds_out_the_stated_part_on_two_ran
         "data: 288 training and 32 evaluation images of 3 classes (")
     s = read_summary(out)
     assert s["dataset"] == {"source": str(repo), "kind": "hub", "fingerprint": s["dataset"]["fingerprint"],
-                            "eval_split": "0.1 of train, held out by class"}
+                            "eval_split": "0.1 of train, held out by class", "val_fraction": 0.1}
     assert s["classes"] == ["cat", "dog", "fish"] and s["image_size"] == 16 and s["world_size"] == 2
     assert s["train_images_seen"] == 288 and s["global_step"] == 288 // 32 and s["eval_examples"] == 32
     capsys.readouterr()
@@ -376,6 +379,15 @@ def test_a_hub_dataset_without_a_test_split_holds_out_the_stated_part_on_two_ran
     evaluate_checkpoint.main([str(out / "model.safetensors"), "--cache-dir", str(cache)])
     assert ("warning: the run evaluated on 0.1 of train, held out; this evaluates on 0.1 of train, held out by class, "
             "which may hold images the run trained on.") in capsys.readouterr().out.splitlines()
+    photos = tmp_path / "new-photos"  # new labelled photos, a folder of class folders: not its 0.1 held out
+    for k, name in enumerate(("cat", "dog", "fish")):
+        (photos / name).mkdir(parents=True)
+        for i in range(10):
+            Image.new("RGB", (16, 16), (80 * k, 40, 10 * i)).save(photos / name / f"{i}.png")
+    with pytest.raises(UserError, match=rf"^--data-dir {photos} has no evaluation split \(test/ or val/ beside "
+                                        rf"train/\), so only the 0\.1 of it held out by class would be scored; every "
+                                        rf"image of a folder of class folders: predict\.py RUN {photos} --output "):
+        evaluate_checkpoint.main([str(out / "model.safetensors"), "--data-dir", str(photos), "--cache-dir", str(cache)])
 
 
 # Early stopping ----------------------------------------------------------------------------------------------------

@@ -98,13 +98,18 @@ class Source:
                 f"{n_train:,}")
 
     def describe(self, fingerprint: str) -> dict:
-        return {"source": self.name, "kind": self.kind, "fingerprint": fingerprint, "eval_split": self.eval_split}
+        """What summary.json records of the source; with the fraction held out, when one is."""
+        held = {"val_fraction": self.fraction} if self.fraction else {}
+        return {"source": self.name, "kind": self.kind, "fingerprint": fingerprint, "eval_split": self.eval_split,
+                **held}
 
     def rows(self, columns: tuple[str | None, str | None]) -> tuple[dict[str, Rows], tuple[str, ...]]:
         """{'train': rows, 'test': rows} of the source, read (not decoded) on the first call and kept for the next
         (--decode auto's size, then the load): 'test' is its evaluation split, or the part of train held out; an
         image folder's rows shuffled once with a fixed seed, so a prefix is class-balanced as in the Hub's files.
-        With the class names (shared_classes)."""
+        With the class names (shared_classes). An image folder's columns are its own (image, label): the column
+        flags, a parquet or Hub source's, do not apply (a run trained on one evaluates on a folder)."""
+        columns = (None, None) if self.kind == "imagefolder" else columns
         if self.read is None or self.read[0] != columns:
             wanted = {"train": "train"} if self.fraction else {"train": "train", "test": self.source_eval}
             dsd = self.hub if self.hub is not None else read_local(self.kind, {s: self.files[s] for s in
