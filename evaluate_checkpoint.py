@@ -1,6 +1,7 @@
 """Evaluate exported weights (model.safetensors / best.safetensors) on the test set they were trained for.
 
     python evaluate_checkpoint.py runs/cifar10/best.safetensors
+    python evaluate_checkpoint.py runs/photos/best.safetensors --eval-split test  # chosen on val/, scored on test/
     accelerate launch --config_file accelerate_configs/cpu.yaml evaluate_checkpoint.py runs/cifar10/model.safetensors
     python evaluate_checkpoint.py OWNER/NAME --data-dir ../shared/data/cifar10 --metric f1:average=macro  # from the Hub
 
@@ -34,7 +35,8 @@ from utils.evaluation import evaluate, load_metrics
 from utils.runs import add_run_flags, build_trained_model, open_run
 from utils.tracking import model_record
 
-OVERRIDES = ("data_dir", "dataset", "cache_dir", "decode", "eval_subset", "image_size", "model")  # replace the run's
+# the flags that replace the run's own
+OVERRIDES = ("data_dir", "dataset", "eval_split", "cache_dir", "decode", "eval_subset", "image_size", "model")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -43,6 +45,8 @@ def main(argv: list[str] | None = None) -> dict:
                         "(owner/name[@revision]) that --push-to-hub wrote")
     parser.add_argument("--data-dir", default=None, help="parquet or image folder; default: the run's")
     parser.add_argument("--dataset", default=None, help="Hub dataset; default: the run's")
+    parser.add_argument("--eval-split", default=None, help="the source's split to score (a test split the run left "
+                        "for the end: test); default: the run's")
     parser.add_argument("--cache-dir", default=None, help="decoded-tensor cache; default: the run's")
     parser.add_argument("--decode", default=None, choices=DataConfig.__dataclass_fields__["decode"].metadata["choices"],
                         help="how the images are decoded, as for train_cifar.py; default: the run's (a run decoded on "
@@ -69,7 +73,8 @@ def main(argv: list[str] | None = None) -> dict:
                         f"folders: predict.py RUN {args.data_dir} --output FILE.csv (its top-1 against the folder "
                         f"names).")
     trained, now = (d.get("dataset", {}).get("eval_split") for d in (summary, data))
-    if trained and now and trained != now:  # another --data-dir, or a held-out part drawn by another rule
+    if trained and now and trained != now and (held or args.data_dir is not None):  # a held-out part drawn by another
+        # rule, or another --data-dir: it may hold training images (another split of the same data holds none)
         accelerator.print(f"warning: the run evaluated on {trained}; this evaluates on {now}, which may hold images "
                           f"the run trained on.")
     model = build_trained_model(run, len(data["classes"]))

@@ -415,12 +415,12 @@ def test_a_val_or_dev_folder_or_valid_parquet_is_the_evaluation_split_and_an_unr
         tmp_path, accelerator, capsys):
     """ImageNet's and most image sets' layout, train/ and val/: the 30 images of val/ (or dev/) are evaluated on, each
     with its class, not 0.1 of train held out while val/ lies unread; a parquet folder's valid-*.parquet and tar
-    shards *-val-*.tar likewise. The names are datasets' split keywords (a test split's before a validation split's).
+    shards *-val-*.tar likewise. The names are datasets' split keywords (a validation split's before a test split's).
     A folder beside train/ that names no split (holdout/) is named in one warning line before 0.1 of train is held
     out."""
     from datasets.data_files import SPLIT_KEYWORDS
 
-    assert sources.EVAL_SPLITS == tuple(SPLIT_KEYWORDS["test"] + SPLIT_KEYWORDS["validation"])
+    assert sources.EVAL_SPLITS == tuple(SPLIT_KEYWORDS["validation"] + SPLIT_KEYWORDS["test"])
     train = (torch.randint(0, 256, (60, 3, 8, 8), dtype=torch.uint8), torch.arange(60) % 3)
     held = (torch.randint(0, 256, (30, 3, 8, 8), dtype=torch.uint8), torch.arange(30) % 3)
     for name in ("val", "dev", "holdout"):
@@ -444,6 +444,48 @@ def test_a_val_or_dev_folder_or_valid_parquet_is_the_evaluation_split_and_an_unr
     for name in ("cifar-train-0.tar", "cifar-val-0.tar"):
         (shards / name).write_bytes(b"")
     assert find_shards(str(shards)) == {split: [str(shards / f"cifar-{split}-0.tar")] for split in ("train", "val")}
+
+
+def test_a_validation_split_is_evaluated_before_a_test_split_and_eval_split_names_another(tmp_path, accelerator):
+    """train/, val/ and test/ (Kaggle's layout: test/ holds its photos unlabelled, loose): val/ is evaluated on, each
+    image with its class, and test/ is not read; --eval-split test then stops with the one line of a loose image, and
+    scores test/ once it has class folders. A parquet folder with train, validation and test files: validation, and
+    test by --eval-split. An --eval-split the source lacks, --eval-split train, or --eval-split beside --val-fraction:
+    one line each."""
+    images = {split: (torch.randint(0, 256, (n, 3, 8, 8), dtype=torch.uint8), torch.arange(n) % 3)
+              for split, n in (("train", 30), ("val", 12), ("test", 9))}
+    root = tmp_path / "photos"
+    export_png_folder(root, {s: images[s] for s in ("train", "val")})
+    (root / "test").mkdir()
+    Image.new("RGB", (8, 8)).save(root / "test" / "unlabelled.png")
+
+    def load(**where):
+        source = sources.locate(str(root), None, where.get("val_fraction"), where.get("eval_split"))
+        return load_source(str(root), cache_dir=str(tmp_path / "cache"), source=source)
+
+    assert digests(*load()["test"]) == digests(*images["val"])
+    with pytest.raises(UserError, match=rf"^{root / 'test' / 'unlabelled.png'} is not in a class folder"):
+        load(eval_split="test")
+    (root / "test" / "unlabelled.png").unlink()
+    export_png_folder(root, {"test": images["test"]})
+    assert digests(*load(eval_split="test")["test"]) == digests(*images["test"])
+    for where, said in ((dict(eval_split="holdout"), f"--eval-split holdout: --data-dir {root} holds no holdout/ "
+                                                     f"folder beside train/."),
+                        (dict(eval_split="train"), "--eval-split train: the training split is trained on; name the "
+                                                   "source's evaluation split (validation, test, ...), or hold a part "
+                                                   "of train out with --val-fraction."),
+                        (dict(eval_split="test", val_fraction=0.2), "pass either --eval-split (test, a split of the "
+                                                                    "source) or --val-fraction (0.2, a part of train "
+                                                                    "held out), not both.")):
+        with pytest.raises(UserError) as e:
+            load(**where)
+        assert str(e.value) == said
+    parquet = tmp_path / "parquet"
+    for split, (n, seed) in {"train": (20, 1), "validation": (7, 2), "test": (5, 3)}.items():
+        write_parquet(parquet / f"{split}-00000-of-00001.parquet", n, seed=seed)
+    for eval_split, n in ((None, 7), ("test", 5)):
+        source = sources.locate(str(parquet), None, None, eval_split)
+        assert len(load_source(str(parquet), cache_dir=str(tmp_path / "cache"), source=source)["test"][1]) == n
 
 
 def test_a_folder_of_class_folders_alone_is_the_train_split_with_a_part_held_out_by_class(tmp_path, accelerator):
@@ -993,16 +1035,17 @@ def test_the_mean_and_std_are_load_datas_else_the_models_else_the_training_image
 
 
 def test_the_start_says_the_images_and_classes_that_train_and_warns_of_classes_without_a_training_image():
-    """One line of the training and evaluation images, the classes and the fewest and most training images a class
-    has (by name); each class as many: that count. A class without a training image (a --train-subset too small, a
-    load_data whose labels miss a class) is a warning naming it, the first 5 of many."""
+    """One line of the training and evaluation images (and the split evaluated on, where the source names it), the
+    classes and the fewest and most training images a class has (by name); each class as many: that count. A class
+    without a training image (a --train-subset too small, a load_data whose labels miss a class) is a warning naming it,
+    the first 5 of many."""
     said = []
     loaders.say_counts(torch.tensor([0, 1, 1, 2, 2, 2]), torch.arange(3), ("ant", "bee", "cow"), said.append)
-    loaders.say_counts(torch.tensor([0, 1, 0, 1]), torch.arange(2), ("ant", "bee"), said.append)
+    loaders.say_counts(torch.tensor([0, 1, 0, 1]), torch.arange(2), ("ant", "bee"), said.append, "val")
     loaders.say_counts(torch.tensor([1, 1, 7]), torch.arange(5), tuple("abcdefgh"), said.append)
     assert said == [
         "data: 6 training and 3 evaluation images of 3 classes (1 training image of ant to 3 of cow)",
-        "data: 4 training and 2 evaluation images of 2 classes (2 training images each)",
+        "data: 4 training and 2 evaluation images (val) of 2 classes (2 training images each)",
         "data: 3 training and 5 evaluation images of 8 classes (0 training images of a to 2 of b)",
         "warning: 6 of the 8 classes have no training image (a, c, d, e, f and 1 more): the model cannot learn them"]
 

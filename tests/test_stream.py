@@ -469,7 +469,7 @@ def test_decode_auto_streams_a_url_and_a_folder_of_tar_shards(stream_shards, cap
     folder = {"tar": str(stream_shards["tar"]), "url": "https://example.org/shards/",
               "parquet": str(stream_shards["parquet"])}[data]
     cfg = SimpleNamespace(decode="auto", data_dir=folder, augment="standard", image_size=None, cache_dir=str(tmp_path),
-                          val_fraction=None, image_column=None, label_column=None)
+                          val_fraction=None, eval_split=None, image_column=None, label_column=None)
     assert choose_decode(cfg, None)[0] == ("stream" if why else "cache")
     out = capsys.readouterr().out
     if why:
@@ -484,7 +484,8 @@ def test_a_folder_of_tar_shards_asked_to_decode_other_than_as_a_stream_is_one_li
     """Tar shards are read as a stream only: --decode cache or workers on a folder of them is refused in one line
     that says which flag reads them."""
     cfg = SimpleNamespace(decode=decode, data_dir=str(stream_shards["tar"]), augment="standard", image_size=None,
-                          cache_dir=str(tmp_path), val_fraction=None, image_column=None, label_column=None)
+                          cache_dir=str(tmp_path), val_fraction=None, eval_split=None, image_column=None,
+                          label_column=None)
     with pytest.raises(stream.UserError) as e:
         choose_decode(cfg, None)
     assert str(e.value) == (f"--decode {decode}: --data-dir {stream_shards['tar']} holds tar shards, which are read as "
@@ -496,8 +497,8 @@ def test_decode_auto_weighs_the_images_own_size_when_no_image_size_is_given(stre
     cache filesystem: the workers path, and the line says the size it weighed."""
     with small_tmpfs(tmp_path / "cache", "1m") as disk:
         cfg = SimpleNamespace(decode="auto", data_dir=str(stream_shards["parquet"]), augment="standard",
-                              image_size=None, cache_dir=str(disk), val_fraction=None, image_column=None,
-                              label_column=None)
+                              image_size=None, cache_dir=str(disk), val_fraction=None, eval_split=None,
+                              image_column=None, label_column=None)
         assert choose_decode(cfg, None)[0] == "workers"
         assert capsys.readouterr().out == (
             f"decoding each batch in the loader's workers (--decode auto: the decoded images take 6.3 MiB at 96 x 96 "

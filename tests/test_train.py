@@ -301,6 +301,34 @@ def test_a_folder_of_mixed_sizes_grayscale_and_rgba_trains_end_to_end_at_image_s
     assert evaluated["top1"] == pytest.approx(s["eval_top1"]) and evaluated["examples"] == 9
 
 
+@pytest.mark.slow
+def test_a_run_chooses_on_val_and_evaluate_checkpoint_scores_test_by_eval_split(tmp_path, cache_dir, capsys):
+    """An image folder of train/ (48), val/ (12) and test/ (9): the run evaluates on val/, says so in its data line
+    and records it; evaluate_checkpoint.py gives the run's top-1 on the 12 val images, and with --eval-split test
+    scores the 9 test images, without the warning of a part that may hold training images."""
+    import evaluate_checkpoint
+
+    folder = tmp_path / "photos"
+    for split, n in (("train", 48), ("val", 12), ("test", 9)):
+        for i in range(n):
+            (folder / split / f"c{i % 3}").mkdir(parents=True, exist_ok=True)
+            Image.new("RGB", (8, 8), (100 * (i % 3), 50, 5 * i)).save(folder / split / f"c{i % 3}" / f"{i}.png")
+    out = tmp_path / "run"
+    result = run_train(["--data-dir", str(folder), "--cache-dir", str(cache_dir), "--output-dir", str(out),
+                        "--model", "resnet8", "--batch-size", "8", "--epochs", "1", "--tracker", "none"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "data: 48 training and 12 evaluation images (val) of 3 classes (16 training images each)" in \
+        result.stdout.splitlines()
+    s = read_summary(out)
+    assert (s["dataset"]["eval_split"], s["eval_examples"]) == ("val", 12)
+    again = evaluate_checkpoint.main([str(out / "model.safetensors")])
+    assert (again["examples"], again["top1"]) == (12, pytest.approx(s["eval_top1"]))
+    capsys.readouterr()
+    test = evaluate_checkpoint.main([str(out / "model.safetensors"), "--eval-split", "test"])
+    assert test["examples"] == 9 and torch.tensor(test["confusion"]).sum(dim=1).tolist() == [3, 3, 3]
+    assert "warning" not in capsys.readouterr().out
+
+
 # Own data on 2 ranks: an image folder, and a Hub dataset by name without a test split ------------------------------
 @pytest.mark.slow
 def test_two_ranks_train_on_a_png_folder_of_cifar_exactly_as_on_the_same_parquet_rows(cifar_dir, cache_dir, tmp_path):
@@ -364,7 +392,7 @@ def test_a_hub_dataset_without_a_test_split_holds_out_the_stated_part_on_two_ran
                       "0.1 (each class its share, by a fixed shuffle: the same on every process and run); training "
                       "on the other 288"]
     assert [line for line in result.stdout.splitlines() if line.startswith("data: ")][0].startswith(
-        "data: 288 training and 32 evaluation images of 3 classes (")
+        "data: 288 training and 32 evaluation images (0.1 of train, held out by class) of 3 classes (")
     s = read_summary(out)
     assert s["dataset"] == {"source": str(repo), "kind": "hub", "fingerprint": s["dataset"]["fingerprint"],
                             "eval_split": "0.1 of train, held out by class", "val_fraction": 0.1}

@@ -37,8 +37,10 @@ class DataConfig(Group):
                               "first process downloads it); unset: uoft-cs/cifar10")
     image_column: str | None = opt(None, "the data's image column; unset: img or image")
     label_column: str | None = opt(None, "the data's label column; unset: label, labels or fine_label")
+    eval_split: str | None = opt(None, "the source's split to evaluate on (validation, val, test, ...); unset: its "
+                                 "validation split, else its test split, else --val-fraction of train")
     val_fraction: float | None = opt(None, "evaluate on this fraction of the training images, held out (each "
-                                     "class's share, fixed); unset: the test (or validation, val/) split, else 0.1 "
+                                     "class's share, fixed); unset: the validation (val/) or test split, else 0.1 "
                                      "held out")
     cache_dir: str | None = opt(None, "decoded-tensor cache, and --decode stream's shard indices; unset: "
                                 "<data-dir>/.decoded if writable, else ~/.cache/accelerate-cifar")
@@ -134,7 +136,7 @@ class DataConfig(Group):
             raise UserError(f"--eval-crop must be in (0, 1] (got {self.eval_crop:g}).")
         if self.image_size is not None and not 8 <= self.image_size <= MAX_IMAGE_SIZE:
             raise UserError(f"--image-size must be between 8 and {MAX_IMAGE_SIZE} pixels (got {self.image_size}).")
-        check_source(self.data_dir, self.dataset, self.val_fraction)
+        check_source(self.data_dir, self.dataset, self.val_fraction, self.eval_split)
         super().validate()
 
 
@@ -253,9 +255,16 @@ def is_url(path: str | None) -> bool:
     return path is not None and "://" in path
 
 
-def check_source(data_dir: str | None, dataset: str | None, val_fraction: float | None) -> None:
+def check_source(data_dir: str | None, dataset: str | None, val_fraction: float | None,
+                 eval_split: str | None = None) -> None:
     """One line for source flags that contradict each other or are out of range (the data group's validate() and
     utils.data.decode.load_source)."""
+    if eval_split is not None and val_fraction is not None:
+        raise UserError(f"pass either --eval-split ({eval_split}, a split of the source) or --val-fraction "
+                        f"({val_fraction:g}, a part of train held out), not both.")
+    if eval_split == "train":
+        raise UserError("--eval-split train: the training split is trained on; name the source's evaluation split "
+                        "(validation, test, ...), or hold a part of train out with --val-fraction.")
     if data_dir is not None and dataset is not None:
         raise UserError(f"pass either --data-dir ({data_dir}) or --dataset ({dataset}), not both.")
     if data_dir is not None and not is_url(data_dir) and not Path(data_dir).exists():  # URLs: when listed

@@ -80,7 +80,7 @@ def load_builtin(cfg) -> dict:
     if decode == "stream":
         local = cfg.data_dir if cfg.data_dir and not is_url(cfg.data_dir) else None
         stream = StreamSettings(cfg.shuffle_buffer, cfg.shuffle_block, cfg.read_ahead,
-                                Path(cfg.cache_dir or default_cache_dir(local)) / "stream-index")
+                                Path(cfg.cache_dir or default_cache_dir(local)) / "stream-index", cfg.eval_split)
     return load_encoded(cfg.data_dir, dataset, cfg.image_size, columns, cfg.val_fraction, recipe, cfg.data_workers,
                         stream, not cfg.full_decode, source, "cuda" if decode == "gpu" else None)
 
@@ -99,7 +99,7 @@ def choose_decode(cfg, dataset: str | None) -> tuple[str, Source | None]:
     if choice is None and is_url(cfg.data_dir):
         choice, why = "stream", "--decode auto: --data-dir is a URL"
     source = None if choice == "stream" else first_on_each_machine(lambda: locate(cfg.data_dir, dataset,
-                                                                                  cfg.val_fraction))
+                                                                                  cfg.val_fraction, cfg.eval_split))
     if source and source.kind == "shards":
         if choice is not None:
             raise UserError(f"--decode {choice}: --data-dir {cfg.data_dir} holds tar shards, which are read as a "

@@ -228,7 +228,7 @@ def load_source(data_dir: str | None, dataset: str | None = None, image_size: in
     The source: data_dir (parquet files or an image folder), or the Hub dataset `dataset` (one of the two).
     image_size: resize every image to that square size; None: the images' own size, which they must all share.
     columns: the (image, label) column names; None: found by name. val_fraction: evaluate on that fraction of the
-    training images, held out (hold_out); None: the source's test (or validation) split, else VAL_FRACTION held out.
+    training images, held out (hold_out); None: the source's validation (or test) split, else VAL_FRACTION held out.
     cache_dir: where the decoded cache goes (default_cache_dir). decode_workers: processes that decode (the first
     run); None: one per core this process may run on. reduce: each JPEG decoded at the scale its resize to S x S
     needs (utils/data/pixels.py's decoded); False: --full-decode. source: data_dir's or dataset's, located already

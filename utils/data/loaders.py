@@ -35,17 +35,19 @@ def take_prefix(pair: tuple[Images | torch.Tensor, torch.Tensor], n: int | None,
     return (images, labels) if n is None else (images.prefix(n), labels[:n])
 
 
-def say_counts(train_labels: torch.Tensor, eval_labels: torch.Tensor, classes: tuple[str, ...], say) -> None:
-    """One line of what trains and what is evaluated (after --train-subset and --eval-subset): the images, the
-    classes and the fewest and most training images a class has; and a warning naming the classes without a training
-    image, which the model cannot learn."""
+def say_counts(train_labels: torch.Tensor, eval_labels: torch.Tensor, classes: tuple[str, ...], say,
+               evaluated: str | None = None) -> None:
+    """One line of what trains and what is evaluated (after --train-subset and --eval-subset): the images, the split
+    evaluated on (when the source names it), the classes and the fewest and most training images a class has; and a
+    warning naming the classes without a training image, which the model cannot learn."""
     counts = torch.bincount(train_labels.cpu(), minlength=len(classes)).tolist()
     few, many = counts.index(min(counts)), counts.index(max(counts))
     images = f"{counts[few]:,} training image{'s' * (counts[few] != 1)}"
     spread = f"{images} each" if counts[few] == counts[many] else \
         f"{images} of {classes[few]} to {counts[many]:,} of {classes[many]}"
-    say(f"data: {len(train_labels):,} training and {len(eval_labels):,} evaluation images of {len(classes)} classes "
-        f"({spread})")
+    split = f" ({evaluated})" if evaluated else ""
+    say(f"data: {len(train_labels):,} training and {len(eval_labels):,} evaluation images{split} of {len(classes)} "
+        f"classes ({spread})")
     missing = [name for name, n in zip(classes, counts) if n == 0]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5:,} more" if len(missing) > 5 else "")
@@ -105,7 +107,8 @@ def build_loaders(data: dict, cfg, accelerator, plan):
     train_split = take_prefix(data["train"], cfg.train_subset, "--train-subset")
     eval_split = take_prefix(data["test"], cfg.eval_subset, "--eval-subset")
     check_one_batch(train_split[1], plan.micro, accelerator.num_processes, plan.accumulation)
-    say_counts(train_split[1], eval_split[1], data["classes"], accelerator.print)
+    say_counts(train_split[1], eval_split[1], data["classes"], accelerator.print,
+               data.get("dataset", {}).get("eval_split"))
     if cfg.data_on_device:  # GPU-resident: Accelerate's move to the device becomes a no-op
         train_split, eval_split = ((images.to(accelerator.device), labels.to(accelerator.device))
                                    for images, labels in (train_split, eval_split))

@@ -41,9 +41,11 @@ from utils.launch import main_print
 from utils.scripts import IMPORTED, new_after_imports
 
 SPLITS = ("train", "test")  # load_data's splits: "test" is the one evaluated on
-# the source's evaluation split: the first of these names it has, a test split before a validation split (the names
-# datasets gives each split, datasets.data_files.SPLIT_KEYWORDS: a folder val/ or dev/ is a validation split)
-EVAL_SPLITS = ("test", "testing", "eval", "evaluation", "validation", "valid", "dev", "val")
+# the source's evaluation split, unless --eval-split names one: the first of these names it has, a validation split
+# before a test split, so that the best weights and an early stop are chosen on validation and a test split is left
+# for a final score (and ImageNet's unlabelled test split is not read); the names are those datasets gives each
+# split (datasets.data_files.SPLIT_KEYWORDS: a folder val/ or dev/ is a validation split)
+EVAL_SPLITS = ("validation", "valid", "dev", "val", "test", "testing", "eval", "evaluation")
 VAL_FRACTION = 0.1  # held out of train for evaluation when the source has no evaluation split
 # photo formats by file suffix (.jfif: a JPEG saved from a browser); those Pillow opens here are read (HEIC: with
 # pi-heif installed, utils/data/pixels.py; AVIF: a Pillow built with libavif, as its wheels are), the others (JPEG XL
@@ -124,14 +126,16 @@ class Source:
         return self.read[1]
 
 
-def locate(data_dir: str | None, dataset: str | None, val_fraction: float | None) -> Source:
+def locate(data_dir: str | None, dataset: str | None, val_fraction: float | None, eval_split: str | None = None
+           ) -> Source:
     """The source of --data-dir (its files, found without reading them) or of the Hub dataset `dataset` (downloaded
-    by the Hub client, whose cache makes this cheap after the first time)."""
-    check_source(data_dir, dataset, val_fraction)
+    by the Hub client, whose cache makes this cheap after the first time), evaluated on `eval_split` (None: the first
+    of EVAL_SPLITS it has)."""
+    check_source(data_dir, dataset, val_fraction, eval_split)
     if data_dir is None and dataset is None:
         raise UserError("no data: pass --data-dir (a local folder) or --dataset (a Hub dataset id).")
     if data_dir is not None:
-        kind, files, unread = find_source(data_dir)
+        kind, files, unread = find_source(data_dir, eval_split)
         if unread:
             n = sum(unread.values())
             main_print(f"warning: left out {n:,} photo{'s' * (n != 1)} under --data-dir {data_dir} in formats the data "
@@ -147,8 +151,11 @@ def locate(data_dir: str | None, dataset: str | None, val_fraction: float | None
         splits = list(hub)
         if "train" not in splits:
             raise UserError(f"the Hub dataset {dataset} has no train split (its splits: {', '.join(splits)}).")
+        if eval_split is not None and eval_split not in splits:
+            raise UserError(f"--eval-split {eval_split}: the Hub dataset {dataset} has no such split (its splits: "
+                            f"{', '.join(splits)}).")
         paths = [f["filename"] for s in hub for f in hub[s].cache_files]
-    source_eval = next((s for s in EVAL_SPLITS if s in splits), None)
+    source_eval = eval_split if eval_split in splits else next((s for s in EVAL_SPLITS if s in splits), None)
     fraction = val_fraction or (None if source_eval else VAL_FRACTION)
     return Source(str(data_dir) if data_dir is not None else dataset, kind, files, hub, paths, source_eval, fraction)
 
@@ -178,23 +185,29 @@ def fingerprint(paths: list[str | Path], settings: dict, version: int = 0) -> st
     return hashlib.sha256(json.dumps([version, stats, settings], sort_keys=True).encode()).hexdigest()[:16]
 
 
-def find_source(data_dir: str | Path) -> tuple[str, dict[str, list[Path]], Counter]:
+def find_source(data_dir: str | Path, eval_split: str | None = None) -> tuple[str, dict[str, list[Path]], Counter]:
     """What --data-dir holds: ("parquet", {split: its <split>-*.parquet files at any depth, as in a Hub snapshot}),
-    ("imagefolder", {split: the image files of <split>/<class>/}), for the splits found: train, and the first of
-    EVAL_SPLITS that is there (test/, val/, ...; none: a part of train is held out, see hold_out), or of <class>/
-    alone (the train split, split_folder); or
+    ("imagefolder", {split: the image files of <split>/<class>/}), for the splits found: train, and `eval_split`, else
+    the first of EVAL_SPLITS that is there (val/, test/, ...; none: a part of train is held out, see hold_out), or
+    of <class>/ alone (the train split, split_folder); or
     ("shards", {}) for webdataset tar shards (*-train-*.tar at any depth), which are read as a stream
     (utils/data/stream.py lists them). Then how many files of each of OTHER_PHOTOS an image folder left out."""
     root = Path(data_dir)
     if not root.is_dir():
         raise UserError(f"--data-dir {root} does not exist or is not a directory. {DATA_LAYOUTS}")
     found = sorted(root.rglob("*.parquet"))  # one walk of the folder, not one per split name
-    parquet = {split: [p for p in found if p.name.startswith(f"{split}-")] for split in ("train", *EVAL_SPLITS)}
+    names = (eval_split,) if eval_split else EVAL_SPLITS
+    parquet = {split: [p for p in found if p.name.startswith(f"{split}-")] for split in ("train", *names)}
     if parquet["train"]:
-        eval_split = next((s for s in EVAL_SPLITS if parquet[s]), None)
-        return "parquet", {s: parquet[s] for s in ("train", eval_split) if s}, Counter()
+        chosen = next((s for s in names if parquet[s]), None)
+        if eval_split and not chosen:
+            raise UserError(f"--eval-split {eval_split}: --data-dir {root} holds no {eval_split}-*.parquet file.")
+        return "parquet", {s: parquet[s] for s in ("train", chosen) if s}, Counter()
     if (root / "train").is_dir() and any(d.is_dir() for d in (root / "train").iterdir()):
-        return "imagefolder", *_image_folder_files(root)
+        if eval_split and not (root / eval_split).is_dir():
+            raise UserError(f"--eval-split {eval_split}: --data-dir {root} holds no {eval_split}/ folder beside "
+                            f"train/.")
+        return "imagefolder", *_image_folder_files(root, names)
     if any(names_split(p.name, "train") for p in root.rglob("*.tar")):
         return "shards", {}, Counter()
     folders = [d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith(".")]
@@ -210,7 +223,9 @@ def find_source(data_dir: str | Path) -> tuple[str, dict[str, list[Path]], Count
                         f"a trained run scores a folder of class folders with predict.py RUN {root / split} --output "
                         f"FILE.csv (its top-1 against the folder names).")
     if folders and any(Path(name).suffix.lower() in IMAGE_SUFFIXES for _, _, names in os.walk(root) for name in names):
-        return "imagefolder", *_image_folder_files(root)  # <class>/*.jpg alone: the train split, as datasets reads it
+        if eval_split:
+            raise UserError(f"--eval-split {eval_split}: --data-dir {root} holds class folders alone, no split.")
+        return "imagefolder", *_image_folder_files(root, ())  # <class>/*.jpg alone: the train split, as datasets has it
     raise UserError(f"--data-dir {root} holds no train-*.parquet file, no image folder (train/<class>/*.png, "
                     f"test/<class>/...) and no tar shard (*-train-*.tar); expected the parquet layout of a Hub dataset "
                     f"(data/train-*.parquet), or such a folder or shards.")
@@ -249,10 +264,10 @@ def split_folder(root: Path, split: str) -> Path:
     return root / split if split != "train" or (root / split).is_dir() else root
 
 
-def _image_folder_files(root: Path) -> tuple[dict[str, list[Path]], Counter]:
-    """{split: its image files}: each class folder's at any depth beneath it (train/cat/2024/IMG_0001.jpg is a cat;
-    visible_files), and how many photos of OTHER_PHOTOS were left out."""
-    splits = ["train"] + [s for s in EVAL_SPLITS if (root / "train").is_dir() and (root / s).is_dir()][:1]
+def _image_folder_files(root: Path, names: tuple[str, ...]) -> tuple[dict[str, list[Path]], Counter]:
+    """{split: its image files}, for train and the first of `names` there: each class folder's at any depth beneath it
+    (train/cat/2024/IMG_0001.jpg is a cat; visible_files), and how many photos of OTHER_PHOTOS were left out."""
+    splits = ["train"] + [s for s in names if (root / s).is_dir()][:1]
     files, classes, unread = {}, {}, Counter()
     for split in splits:
         folder = split_folder(root, split)

@@ -62,11 +62,13 @@ POOR_MIX = 0.8  # the start warns when micro-batches hold fewer than this share 
 @dataclass(frozen=True)
 class StreamSettings:
     """How a stream is read: --shuffle-buffer (window), --shuffle-block (block), --read-ahead (requests in flight
-    per reader; 0: each read when asked) and the folder the shards' indices are kept in (None: not kept)."""
+    per reader; 0: each read when asked), the folder the shards' indices are kept in (None: not kept) and
+    --eval-split (None: the first of EVAL_SPLITS with shards)."""
     window: int = 4096
     block: int = 64
     read_ahead: int = 4
     index_cache: Path | None = None
+    eval_split: str | None = None
 
 
 @dataclass
@@ -181,23 +183,25 @@ class RemoteFile(io.RawIOBase):
 # ----------------------------------------------------------------------------------------------------
 # Finding and indexing the shards (footers and label columns; a tar's headers and .cls members)
 # ----------------------------------------------------------------------------------------------------
-def find_shards(data_dir: str, cache: Path | None = None) -> dict[str, list[str]]:
+def find_shards(data_dir: str, cache: Path | None = None, eval_split: str | None = None) -> dict[str, list[str]]:
     """{split: its shards' URLs, sorted}: files named <split>-*.parquet / *-<split>-*.tar (any depth but in hidden
-    folders and the cache folder) for train and the first of EVAL_SPLITS (test, ..., val) that has any."""
+    folders and the cache folder) for train and `eval_split`, else the first of EVAL_SPLITS (validation, ..., test)
+    that has any."""
     fs, root = url_to_fs(data_dir)
     files = shard_files(fs, root, f"cannot list --data-dir {data_dir}", cache)
-    found = {}
-    for split in ("train", *EVAL_SPLITS):
+    found, names = {}, (eval_split,) if eval_split else EVAL_SPLITS
+    for split in ("train", *names):
         found[split] = sorted(f if is_local(fs) else fs.unstrip_protocol(f) for f in files
                               if names_split(PurePosixPath(f).name, split))
     if not found["train"]:
         raise UserError(f"--decode stream: --data-dir {data_dir} holds no training shard (train-*.parquet or "
                         f"*-train-*.tar).")
-    eval_split = next((s for s in EVAL_SPLITS if found[s]), None)
-    if eval_split is None:
-        raise UserError(f"--decode stream: --data-dir {data_dir} holds no test or validation shard; a stream "
-                        f"evaluates on its own shards (--val-fraction holds rows out of a table, not of a stream).")
-    return {"train": found["train"], eval_split: found[eval_split]}
+    chosen = next((s for s in names if found[s]), None)
+    if chosen is None:
+        raise UserError(f"--decode stream: --data-dir {data_dir} holds no {eval_split or 'validation or test'} shard; "
+                        f"a stream evaluates on its own shards (--val-fraction holds rows out of a table, not of a "
+                        f"stream).")
+    return {"train": found["train"], chosen: found[chosen]}
 
 
 def shard_files(fs, root: str, failed: str, cache: Path | None = None) -> list[str]:
@@ -650,7 +654,7 @@ class StreamSampler(KeyedSampler):
 
 def open_stream(data_dir: str, columns: tuple[str | None, str | None], settings: StreamSettings):
     """({'train': StreamRows, 'test': StreamRows}, the class names, a description) of the shards in data_dir."""
-    found = find_shards(data_dir, settings.index_cache)
+    found = find_shards(data_dir, settings.index_cache, settings.eval_split)
     eval_split = [s for s in found if s != "train"][0]
     shards = {s: index_shards(urls, columns, settings.index_cache) for s, urls in found.items()}
     rows = {"train": StreamRows(shards["train"], "train", settings),
