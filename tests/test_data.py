@@ -446,12 +446,13 @@ def test_a_val_or_dev_folder_or_valid_parquet_is_the_evaluation_split_and_an_unr
     assert find_shards(str(shards)) == {split: [str(shards / f"cifar-{split}-0.tar")] for split in ("train", "val")}
 
 
-def test_a_validation_split_is_evaluated_before_a_test_split_and_eval_split_names_another(tmp_path, accelerator):
+def test_a_validation_split_is_evaluated_before_a_test_split_and_eval_split_names_another(tmp_path, accelerator,
+                                                                                         capsys):
     """train/, val/ and test/ (Kaggle's layout: test/ holds its photos unlabelled, loose): val/ is evaluated on, each
-    image with its class, and test/ is not read; --eval-split test then stops with the one line of a loose image, and
-    scores test/ once it has class folders. A parquet folder with train, validation and test files: validation, and
-    test by --eval-split. An --eval-split the source lacks, --eval-split train, or --eval-split beside --val-fraction:
-    one line each."""
+    image with its class, and test/ is not read, a line saying how to score it at the end; --eval-split test then stops
+    with the one line of a loose image, and scores test/ once it has class folders. A parquet folder with train,
+    validation and test files: validation, and test by --eval-split. An --eval-split the source lacks, --eval-split
+    train, or --eval-split beside --val-fraction: one line each."""
     images = {split: (torch.randint(0, 256, (n, 3, 8, 8), dtype=torch.uint8), torch.arange(n) % 3)
               for split, n in (("train", 30), ("val", 12), ("test", 9))}
     root = tmp_path / "photos"
@@ -463,7 +464,10 @@ def test_a_validation_split_is_evaluated_before_a_test_split_and_eval_split_name
         source = sources.locate(str(root), None, where.get("val_fraction"), where.get("eval_split"))
         return load_source(str(root), cache_dir=str(tmp_path / "cache"), source=source)
 
+    capsys.readouterr()
     assert digests(*load()["test"]) == digests(*images["val"])
+    assert ("evaluating on the val split; test left for a final score: evaluate_checkpoint.py RUN/best.safetensors "
+            "--eval-split test") in capsys.readouterr().out.splitlines()
     with pytest.raises(UserError, match=rf"^{root / 'test' / 'unlabelled.png'} is not in a class folder"):
         load(eval_split="test")
     (root / "test" / "unlabelled.png").unlink()

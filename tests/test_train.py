@@ -317,8 +317,10 @@ def test_a_run_chooses_on_val_and_evaluate_checkpoint_scores_test_by_eval_split(
     result = run_train(["--data-dir", str(folder), "--cache-dir", str(cache_dir), "--output-dir", str(out),
                         "--model", "resnet8", "--batch-size", "8", "--epochs", "1", "--tracker", "none"])
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "data: 48 training and 12 evaluation images (val) of 3 classes (16 training images each)" in \
-        result.stdout.splitlines()
+    said = result.stdout.splitlines()
+    assert "data: 48 training and 12 evaluation images (val) of 3 classes (16 training images each)" in said
+    assert ("evaluating on the val split; test left for a final score: evaluate_checkpoint.py RUN/best.safetensors "
+            "--eval-split test") in said
     s = read_summary(out)
     assert (s["dataset"]["eval_split"], s["eval_examples"]) == ("val", 12)
     again = evaluate_checkpoint.main([str(out / "model.safetensors")])

@@ -43,7 +43,7 @@ from utils.scripts import IMPORTED, new_after_imports
 SPLITS = ("train", "test")  # load_data's splits: "test" is the one evaluated on
 # the source's evaluation split, unless --eval-split names one: the first of these names it has, a validation split
 # before a test split, so that the best weights and an early stop are chosen on validation and a test split is left
-# for a final score (and ImageNet's unlabelled test split is not read); the names are those datasets gives each
+# for a final score (and a test split without labels is not read); the names are those datasets gives each
 # split (datasets.data_files.SPLIT_KEYWORDS: a folder val/ or dev/ is a validation split)
 EVAL_SPLITS = ("validation", "valid", "dev", "val", "test", "testing", "eval", "evaluation")
 VAL_FRACTION = 0.1  # held out of train for evaluation when the source has no evaluation split
@@ -141,10 +141,10 @@ def locate(data_dir: str | None, dataset: str | None, val_fraction: float | None
             main_print(f"warning: left out {n:,} photo{'s' * (n != 1)} under --data-dir {data_dir} in formats the data "
                        f"path does not read ({counted(unread)}); convert them to JPEG to use them.")
         hub, splits, paths = None, list(files), [p for ps in files.values() for p in ps]
-        beside = sorted(d.name for d in Path(data_dir).iterdir() if d.is_dir() and not d.name.startswith(".")
-                        and d.name != "train") if (Path(data_dir) / "train").is_dir() and len(files) == 1 else []
-        if beside:
-            main_print(f"warning: --data-dir {data_dir} holds {', '.join(d + '/' for d in beside)} beside train/, "
+        beside = folders_beside_train(Path(data_dir), files) if kind == "imagefolder" else []
+        present, named = [*files, *beside], [d for d in beside if d not in EVAL_SPLITS]
+        if named and len(files) == 1:
+            main_print(f"warning: --data-dir {data_dir} holds {', '.join(d + '/' for d in named)} beside train/, "
                        f"which is not read: an evaluation split's folder is named test/, validation/ or val/.")
     else:
         kind, files, hub = "hub", None, read_hub(dataset)
@@ -154,10 +154,21 @@ def locate(data_dir: str | None, dataset: str | None, val_fraction: float | None
         if eval_split is not None and eval_split not in splits:
             raise UserError(f"--eval-split {eval_split}: the Hub dataset {dataset} has no such split (its splits: "
                             f"{', '.join(splits)}).")
-        paths = [f["filename"] for s in hub for f in hub[s].cache_files]
+        paths, present = [f["filename"] for s in hub for f in hub[s].cache_files], splits
     source_eval = eval_split if eval_split in splits else next((s for s in EVAL_SPLITS if s in splits), None)
+    left = [s for s in present if s in EVAL_SPLITS and s != source_eval]
+    if left and source_eval and not val_fraction:  # a test split beside the validation split evaluated on
+        main_print(f"evaluating on the {source_eval} split; {', '.join(left)} left for a final score: "
+                   f"evaluate_checkpoint.py RUN/best.safetensors --eval-split {left[0]}")
     fraction = val_fraction or (None if source_eval else VAL_FRACTION)
     return Source(str(data_dir) if data_dir is not None else dataset, kind, files, hub, paths, source_eval, fraction)
+
+
+def folders_beside_train(root: Path, files: dict[str, list[Path]]) -> list[str]:
+    """The visible folders beside an image folder's train/ that are not read (none without a train/)."""
+    if not (root / "train").is_dir():
+        return []
+    return sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith(".") and d.name not in files)
 
 
 def first_image_size(data_dir: str, image_column: str | None = None) -> tuple[int, int] | None:
