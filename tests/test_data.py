@@ -388,11 +388,12 @@ def test_image_folder_bad_input_is_named_in_one_sentence(tmp_path, accelerator):
     (folder / "train" / "zebra").mkdir()
     assert _folder_error(tmp_path, accelerator) == f"the class folder {folder / 'train' / 'zebra'} holds no image " \
                                                    f"({', '.join(sources.IMAGE_SUFFIXES)})."
-    Image.new("RGB", (32, 32)).save(folder / "train" / "zebra" / "0.png")
-    assert _folder_error(tmp_path, accelerator) == f"--data-dir {folder}: train/ and test/ have different class " \
-                                                   f"folders (zebra only in one of them)."
-    (folder / "train" / "zebra" / "0.png").unlink()
-    (folder / "train" / "zebra").rmdir()
+    (folder / "train" / "zebra").rename(folder / "test" / "zebra")
+    Image.new("RGB", (32, 32)).save(folder / "test" / "zebra" / "0.png")
+    assert _folder_error(tmp_path, accelerator) == f"--data-dir {folder}: test/ has class folders that train/ has " \
+                                                   f"not (zebra): a model trained on train/ cannot predict them."
+    (folder / "test" / "zebra" / "0.png").unlink()
+    (folder / "test" / "zebra").rmdir()
     broken = folder / "train" / "airplane" / "1.png"
     broken.write_bytes(b"not a png")
     message = _folder_error(tmp_path, accelerator)
@@ -1042,7 +1043,7 @@ def test_the_start_says_the_images_and_classes_that_train_and_warns_of_classes_w
     """One line of the training and evaluation images (and the split evaluated on, where the source names it), the
     classes and the fewest and most training images a class has (by name); each class as many: that count. A class
     without a training image (a --train-subset too small, a load_data whose labels miss a class) is a warning naming it,
-    the first 5 of many."""
+    the first 5 of many; a class without an evaluation image, another."""
     said = []
     loaders.say_counts(torch.tensor([0, 1, 1, 2, 2, 2]), torch.arange(3), ("ant", "bee", "cow"), said.append)
     loaders.say_counts(torch.tensor([0, 1, 0, 1]), torch.arange(2), ("ant", "bee"), said.append, "val")
@@ -1051,7 +1052,8 @@ def test_the_start_says_the_images_and_classes_that_train_and_warns_of_classes_w
         "data: 6 training and 3 evaluation images of 3 classes (1 training image of ant to 3 of cow)",
         "data: 4 training and 2 evaluation images (val) of 2 classes (2 training images each)",
         "data: 3 training and 5 evaluation images of 8 classes (0 training images of a to 2 of b)",
-        "warning: 6 of the 8 classes have no training image (a, c, d, e, f and 1 more): the model cannot learn them"]
+        "warning: 6 of the 8 classes have no training image (a, c, d, e, f and 1 more): the model cannot learn them",
+        "warning: 3 of the 8 classes have no evaluation image (f, g, h): their accuracy is not measured"]
 
 
 def test_a_channel_the_same_in_every_training_pixel_is_normalised_unscaled_not_divided_by_zero():

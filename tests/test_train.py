@@ -331,6 +331,30 @@ def test_a_run_chooses_on_val_and_evaluate_checkpoint_scores_test_by_eval_split(
     assert "warning" not in capsys.readouterr().out
 
 
+@pytest.mark.slow
+def test_a_val_folder_without_one_class_trains_labelled_by_the_training_classes_and_leaves_its_accuracy_unmeasured(
+        tmp_path, cache_dir):
+    """train/ holds c0, c1 and c2 (16 images each), val/ only c0 (4) and c2 (5), as a small photo set often is: the run
+    trains (not one line refusing the folder), warns that c1 has no evaluation image, labels val/'s images by the
+    training classes (the confusion matrix's rows hold 4, 0 and 5 images: c2's are class 2, not 1), and records c1's
+    accuracy as unmeasured (null), not 0%."""
+    folder = tmp_path / "photos"
+    for split, counts in (("train", (16, 16, 16)), ("val", (4, 0, 5))):
+        for c, n in enumerate(counts):
+            for i in range(n):
+                (folder / split / f"c{c}").mkdir(parents=True, exist_ok=True)
+                Image.new("RGB", (8, 8), (100 * c, 50, 5 * i)).save(folder / split / f"c{c}" / f"{i}.png")
+    out = tmp_path / "run"
+    result = run_train(["--data-dir", str(folder), "--cache-dir", str(cache_dir), "--output-dir", str(out),
+                        "--model", "resnet8", "--batch-size", "8", "--epochs", "1", "--tracker", "none"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert ("warning: 1 of the 3 classes have no evaluation image (c1): their accuracy is not measured" in
+            result.stdout.splitlines())
+    s = read_summary(out)
+    assert [sum(row) for row in s["eval_confusion"]] == [4, 0, 5] and s["eval_examples"] == 9
+    assert s["eval_class_top1"]["c1"] is None and all(s["eval_class_top1"][c] is not None for c in ("c0", "c2"))
+
+
 # Own data on 2 ranks: an image folder, and a Hub dataset by name without a test split ------------------------------
 @pytest.mark.slow
 def test_two_ranks_train_on_a_png_folder_of_cifar_exactly_as_on_the_same_parquet_rows(cifar_dir, cache_dir, tmp_path):

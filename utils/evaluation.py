@@ -51,7 +51,9 @@ def evaluate(model, loader, transform, accelerator, classes, compute_loss, tta_f
             references.append(labels)
     confusion = confusion.view(k, k)
     n = int(confusion.sum())
-    per_class = (100.0 * confusion.diagonal() / confusion.sum(1).clamp(min=1)).tolist()
+    counts = confusion.sum(1)  # a class without evaluation images has no accuracy (None), not 0%
+    per_class = [None if count == 0 else v for v, count in zip(
+        (100.0 * confusion.diagonal() / counts.clamp(min=1)).tolist(), counts.tolist())]
     out = {**{name: float(total) / n for name, total in sums.items()}, "top1": 100.0 * top1.item() / n,
            "top5": 100.0 * top5.item() / n, "examples": n, "class_top1": dict(zip(classes, per_class)),
            "confusion": confusion.tolist()}

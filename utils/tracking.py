@@ -129,7 +129,7 @@ class Tracker:
         scalars = {f"eval/{k}": v for k, v in metrics.items() if isinstance(v, int | float)}  # numbers only
         classes = list(metrics["class_top1"])
         few = len(classes) <= MAX_PER_CLASS_KEYS
-        per_class = {f"eval/top1_{c}": v for c, v in metrics["class_top1"].items()} if few else {}
+        per_class = {f"eval/top1_{c}": v for c, v in metrics["class_top1"].items() if v is not None} if few else {}
         plot = wandb_confusion_matrix(metrics["confusion"], classes) if self.wandb_run is not None and few else {}
         self.log({**scalars, **per_class, "epoch": epoch, **plot}, step=step)
 

@@ -39,7 +39,8 @@ def say_counts(train_labels: torch.Tensor, eval_labels: torch.Tensor, classes: t
                evaluated: str | None = None) -> None:
     """One line of what trains and what is evaluated (after --train-subset and --eval-subset): the images, the split
     evaluated on (when the source names it), the classes and the fewest and most training images a class has; and a
-    warning naming the classes without a training image, which the model cannot learn."""
+    warning naming the classes without a training image, which the model cannot learn, and one naming those without
+    an evaluation image, whose accuracy is not measured."""
     counts = torch.bincount(train_labels.cpu(), minlength=len(classes)).tolist()
     few, many = counts.index(min(counts)), counts.index(max(counts))
     images = f"{counts[few]:,} training image{'s' * (counts[few] != 1)}"
@@ -48,11 +49,13 @@ def say_counts(train_labels: torch.Tensor, eval_labels: torch.Tensor, classes: t
     split = f" ({evaluated})" if evaluated else ""
     say(f"data: {len(train_labels):,} training and {len(eval_labels):,} evaluation images{split} of {len(classes)} "
         f"classes ({spread})")
-    missing = [name for name, n in zip(classes, counts) if n == 0]
-    if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5:,} more" if len(missing) > 5 else "")
-        say(f"warning: {len(missing):,} of the {len(classes)} classes have no training image ({shown}): the model "
-            f"cannot learn them")
+    eval_counts = torch.bincount(eval_labels.cpu(), minlength=len(classes)).tolist()
+    for held, what, why in ((counts, "training", "the model cannot learn them"),
+                            (eval_counts, "evaluation", "their accuracy is not measured")):
+        missing = [name for name, n in zip(classes, held) if n == 0]
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5:,} more" if len(missing) > 5 else "")
+            say(f"warning: {len(missing):,} of the {len(classes)} classes have no {what} image ({shown}): {why}")
 
 
 def keep_batch(batch):

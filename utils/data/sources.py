@@ -298,10 +298,10 @@ def _image_folder_files(root: Path, names: tuple[str, ...]) -> tuple[dict[str, l
                        f"to JPEG") if others else ""
                 raise UserError(f"the class folder {folder / name} holds no image ({', '.join(IMAGE_SUFFIXES)}){why}.")
         unread.update(f.suffix.lower() for f in found if f.suffix.lower() in OTHER_PHOTOS)
-    if len(splits) == 2 and classes["train"] != classes[splits[1]]:
-        differ = sorted(set(classes["train"]) ^ set(classes[splits[1]]))
-        raise UserError(f"--data-dir {root}: train/ and {splits[1]}/ have different class folders ({', '.join(differ)} "
-                        f"only in one of them).")
+    extra = sorted(set(classes[splits[-1]]) - set(classes["train"]))  # an evaluation split may lack a class
+    if extra:
+        raise UserError(f"--data-dir {root}: {splits[-1]}/ has class folders that train/ has not ({', '.join(extra)}): "
+                        f"a model trained on train/ cannot predict them.")
     return files, unread
 
 
@@ -322,7 +322,9 @@ def read_local(kind: str, files: dict[str, list[Path]], root: Path):
         if kind == "parquet":  # a builder per split: one for both would cast the test file to the train file's features
             return {s: datasets.load_dataset(kind, data_files={s: [str(p) for p in ps]}, split=s)  # (class names too)
                     for s, ps in files.items()}
-        return {s: image_folder_table(ps, len(split_folder(root, s).parts)) for s, ps in files.items()}
+        depth = {s: len(split_folder(root, s).parts) for s in files}  # the labels: the training split's classes
+        classes = sorted({f.parts[depth["train"]] for f in files["train"]})
+        return {s: image_folder_table(ps, depth[s], classes) for s, ps in files.items()}
     except Exception as e:
         cause = root_cause(e)  # load_dataset wraps the real reason (a full disk, say) in DatasetGenerationError
         if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
@@ -338,15 +340,15 @@ def read_local(kind: str, files: dict[str, list[Path]], root: Path):
             datasets.enable_progress_bars()
 
 
-def image_folder_table(files: list[Path], depth: int):
+def image_folder_table(files: list[Path], depth: int, classes: list[str]):
     """An image folder's split as a datasets table: each file's path (an image column) and its class, the file's
-    part at `depth`, the top folder under the split (train/cat/2024/IMG_0001.jpg is a cat), as a ClassLabel of the
-    class names sorted. Written by hand: datasets' image folder names a file's class by the folder it is in (2024),
-    and leaves out the suffixes it does not list (.heic, .avif)."""
+    part at `depth`, the top folder under the split (train/cat/2024/IMG_0001.jpg is a cat), as a ClassLabel of
+    `classes` (the training split's, sorted: an evaluation split lacking one is labelled alike). Written by hand:
+    datasets' image folder names a file's class by the folder it is in (2024), and leaves out the suffixes it does
+    not list (.heic, .avif)."""
     from datasets import ClassLabel, Dataset, Features
     from datasets import Image as ImageFeature
 
-    classes = sorted({f.parts[depth] for f in files})
     index = {name: k for k, name in enumerate(classes)}
     features = Features({"image": ImageFeature(), "label": ClassLabel(names=classes)})
     return Dataset.from_generator(_image_folder_rows, features=features, gen_kwargs={
