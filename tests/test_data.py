@@ -452,8 +452,8 @@ def test_a_validation_split_is_evaluated_before_a_test_split_and_eval_split_name
     """train/, val/ and test/ (Kaggle's layout: test/ holds its photos unlabelled, loose): val/ is evaluated on, each
     image with its class, and test/ is not read, a line saying how to score it at the end; --eval-split test then stops
     with the one line of a loose image, and scores test/ once it has class folders. A parquet folder with train,
-    validation and test files: validation, and test by --eval-split. An --eval-split the source lacks, --eval-split
-    train, or --eval-split beside --val-fraction: one line each."""
+    validation and test files: validation, and test by --eval-split; tar shards alike. An --eval-split the source
+    lacks, --eval-split train, or --eval-split beside --val-fraction: one line each."""
     images = {split: (torch.randint(0, 256, (n, 3, 8, 8), dtype=torch.uint8), torch.arange(n) % 3)
               for split, n in (("train", 30), ("val", 12), ("test", 9))}
     root = tmp_path / "photos"
@@ -491,6 +491,13 @@ def test_a_validation_split_is_evaluated_before_a_test_split_and_eval_split_name
     for eval_split, n in ((None, 7), ("test", 5)):
         source = sources.locate(str(parquet), None, None, eval_split)
         assert len(load_source(str(parquet), cache_dir=str(tmp_path / "cache"), source=source)["test"][1]) == n
+    shards = tmp_path / "shards"  # --decode stream's shards, listed: the validation shard, or the one named
+    shards.mkdir()
+    for split in ("train", "val", "test"):
+        (shards / f"cifar-{split}-0.tar").write_bytes(b"")
+    for eval_split, chosen in ((None, "val"), ("test", "test")):
+        assert find_shards(str(shards), eval_split=eval_split) == {s: [str(shards / f"cifar-{s}-0.tar")]
+                                                                   for s in ("train", chosen)}
 
 
 def test_a_folder_of_class_folders_alone_is_the_train_split_with_a_part_held_out_by_class(tmp_path, accelerator):
