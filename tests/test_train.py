@@ -305,7 +305,8 @@ def test_a_folder_of_mixed_sizes_grayscale_and_rgba_trains_end_to_end_at_image_s
 def test_a_run_chooses_on_val_and_evaluate_checkpoint_scores_test_by_eval_split(tmp_path, cache_dir, capsys):
     """An image folder of train/ (48), val/ (12) and test/ (9): the run evaluates on val/, says so in its data line
     and records it; evaluate_checkpoint.py gives the run's top-1 on the 12 val images, and with --eval-split test
-    scores the 9 test images, without the warning of a part that may hold training images."""
+    scores the 9 test images, without the warning of a part that may hold training images; so it does for a run that
+    held 0.25 of train out instead."""
     import evaluate_checkpoint
 
     folder = tmp_path / "photos"
@@ -329,6 +330,12 @@ def test_a_run_chooses_on_val_and_evaluate_checkpoint_scores_test_by_eval_split(
     test = evaluate_checkpoint.main([str(out / "model.safetensors"), "--eval-split", "test"])
     assert test["examples"] == 9 and torch.tensor(test["confusion"]).sum(dim=1).tolist() == [3, 3, 3]
     assert "warning" not in capsys.readouterr().out
+    held = tmp_path / "held"  # a run that held a part of train out: --eval-split replaces it, not contradicts it
+    result = run_train(["--data-dir", str(folder), "--cache-dir", str(cache_dir), "--output-dir", str(held),
+                        "--model", "resnet8", "--batch-size", "8", "--epochs", "1", "--val-fraction", "0.25",
+                        "--tracker", "none"])
+    assert result.returncode == 0 and read_summary(held)["eval_examples"] == 12, result.stderr[-3000:]
+    assert evaluate_checkpoint.main([str(held / "model.safetensors"), "--eval-split", "test"])["examples"] == 9
 
 
 @pytest.mark.slow

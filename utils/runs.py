@@ -76,6 +76,8 @@ def open_run(source: str, weights: str = "final", script: str | None = None, tru
     given = {k: v for k, v in overrides.items() if k in names}
     if {"data_dir", "dataset"} & given.keys():  # a new source replaces the run's, whichever kind it was, and its
         trained.pop("data_dir", None), trained.pop("dataset", None), trained.pop("eval_split", None)  # split names
+    if "eval_split" in given:  # a split named to score replaces a part of train the run held out
+        trained.pop("val_fraction", None)
     if "model" in names and "model" not in given and library_of(folder):  # the run folder is that library's
         trained["model"] = str(folder)  # model folder (its config.json, its weights): rebuilt from there
     return TrainedRun(source, path, summary, folder, script_path, module, module.Config(**(trained | given)))
