@@ -813,6 +813,12 @@ def test_a_hub_dataset_named_by_dataset_loads_its_splits_columns_and_class_names
                                "eval_split": "validation"}
     expected = decoded(datasets_parquet(repo / "data" / "validation-00000-of-00001.parquet"), "validation")
     assert torch.equal(data["test"][0], expected[0]) and torch.equal(data["test"][1], expected[1])
+    write_parquet(repo / "data" / "test-00000-of-00001.parquet", 5, seed=7, class_names=names,
+                  columns=("image", "labels"), size=(16, 16))  # the same files, and either split evaluated on:
+    for eval_split, n in ((None, 9), ("test", 5), (None, 9)):  # each its own cache
+        source = sources.locate(None, str(repo), None, eval_split)
+        data = load_source(None, cache_dir=str(tmp_path / "cache"), dataset=str(repo), source=source)
+        assert (len(data["test"][1]), data["dataset"]["eval_split"]) == (n, eval_split or "validation")
     with pytest.raises(UserError, match=r"^pass either --data-dir \(d\) or --dataset \(uoft-cs/cifar100\), "
                                         r"not both\.$"):
         load_source("d", cache_dir=None, dataset="uoft-cs/cifar100")

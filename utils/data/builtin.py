@@ -38,7 +38,8 @@ def load_encoded(data_dir: str | None, dataset: str | None = None, image_size: i
         source = source or locate(data_dir, dataset, val_fraction)
         rows, classes = source.rows(columns)
         source.announce_held_out(main_print, len(rows["train"]), len(rows["test"]))
-        key = fingerprint(source.paths, {"columns": list(columns), "val_fraction": source.fraction})
+        key = fingerprint(source.paths, {"columns": list(columns), "val_fraction": source.fraction,
+                                         "eval_split": source.source_eval})
         description = {**source.describe(key), "decode": "gpu" if device else "workers"}
     size = image_size or first_size(rows)[0]
     workers = 0 if device else workers or worker_share()

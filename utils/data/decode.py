@@ -248,7 +248,8 @@ def load_source(data_dir: str | None, dataset: str | None = None, image_size: in
 
 
 def _load(source: Source, data_dir, cache_dir, log, settings: dict, workers: int):
-    key = fingerprint(source.paths, {**settings, "val_fraction": source.fraction}, CACHE_FORMAT)
+    key = fingerprint(source.paths, {**settings, "val_fraction": source.fraction, "eval_split": source.source_eval},
+                      CACHE_FORMAT)  # a Hub dataset's files are all of its splits, whichever is evaluated on
     path = (Path(cache_dir) if cache_dir else default_cache_dir(data_dir)) / f"images-{key}.safetensors"
     data = _read_cache(path) if path.exists() else None
     if data is None:
