@@ -1,4 +1,4 @@
-"""Evaluate exported weights (model.safetensors / best.safetensors) on the test set they were trained for.
+"""Evaluate exported weights (model.safetensors / best.safetensors) on the split their run evaluated on, or another.
 
     python evaluate_checkpoint.py runs/cifar10/best.safetensors
     python evaluate_checkpoint.py runs/photos/best.safetensors --eval-split test  # chosen on val/, scored on test/
