@@ -7,7 +7,8 @@
 Every process prints what it sees (versions, rank, world size, device, backend); the main process checks
 that all agree, times an all-reduce (bus bandwidth) and a barrier, and prints OK or, for each problem, what
 is wrong and the fix. Everything waits at most --timeout seconds, so a missing process, an unreachable or
-busy port or a world-size mismatch is reported instead of hanging. Exit status 0 when healthy, 1 otherwise.
+busy port or a world-size mismatch is reported instead of hanging; a torchvision that does not import beside this
+torch (a build for another torch or CUDA) is named with its fix. Exit status 0 when healthy, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from utils import process_count_problem
+from utils import first_line, process_count_problem
 from utils.launch import cpu_bf16_native
 
 FIXES = {  # a phrase of the error (lower case) -> the fix
@@ -39,16 +40,29 @@ FIXES = {  # a phrase of the error (lower case) -> the fix
 }
 
 
+def torchvision_check() -> tuple[str | None, str | None]:
+    """(torchvision's version, None) when it imports beside this torch, else (None, why): a torchvision built for
+    another torch or CUDA (a CPU torch beside PyPI's CUDA torchvision) fails at import with words that do not say so
+    ("operator torchvision::nms does not exist"), in every script."""
+    try:
+        import torchvision
+    except Exception as e:  # noqa: BLE001 - any failure to import is the problem reported
+        return None, first_line(e)
+    return torchvision.__version__, None
+
+
 def facts(accelerator) -> dict:
     import accelerate
 
     cuda = torch.cuda.is_available()
+    torchvision, torchvision_problem = torchvision_check()
     return {"rank": accelerator.process_index, "local_rank": accelerator.local_process_index,
             "host": socket.gethostname(),
             "world_size": accelerator.num_processes, "count_problem": process_count_problem(accelerator.num_processes),
             "distributed_type": accelerator.distributed_type.value, "mixed_precision": accelerator.mixed_precision,
             "device": str(accelerator.device), "backend": dist.get_backend() if dist.is_initialized() else "none",
-            "torch": torch.__version__, "accelerate": accelerate.__version__,
+            "torch": torch.__version__, "torchvision": torchvision, "torchvision_problem": torchvision_problem,
+            "accelerate": accelerate.__version__,
             "cuda": torch.version.cuda if cuda else None, "cpu_bf16_native": cpu_bf16_native(),
             "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None}
 
@@ -87,13 +101,21 @@ def main() -> int:
     bf16_words = {True: "native", False: "emulated (use fp32)", None: "unknown"}
     for f in everyone:
         say(f"  rank {f['rank']} (local {f['local_rank']}) on {f['host']}: {f['device']}, {f['backend']}, "
-            f"{f['distributed_type']}, mixed precision {f['mixed_precision']}, torch {f['torch']}, accelerate "
-            f"{f['accelerate']}, CUDA {f['cuda']}, NCCL {f['nccl']}, CPU bf16 {bf16_words[f['cpu_bf16_native']]}")
+            f"{f['distributed_type']}, mixed precision {f['mixed_precision']}, torch {f['torch']}, torchvision "
+            f"{f['torchvision'] or 'broken'}, accelerate {f['accelerate']}, CUDA {f['cuda']}, NCCL {f['nccl']}, "
+            f"CPU bf16 {bf16_words[f['cpu_bf16_native']]}")
     # each problem once, in rank order
     for problem in dict.fromkeys(f["count_problem"] for f in everyone if f["count_problem"]):
         ranks = [f["rank"] for f in everyone if f["count_problem"] == problem]
         problems.append(f"world-size mismatch on rank(s) {', '.join(map(str, ranks))}: {problem}")
-    for key in ("world_size", "distributed_type", "mixed_precision", "torch", "accelerate", "cuda", "nccl"):
+    for problem in dict.fromkeys(f["torchvision_problem"] for f in everyone if f["torchvision_problem"]):
+        ranks = [f["rank"] for f in everyone if f["torchvision_problem"] == problem]
+        problems.append(f"torchvision does not import beside torch {torch.__version__} on rank(s) "
+                        f"{', '.join(map(str, ranks))} ({problem}): a build for another torch or CUDA\n  fix: install "
+                        f"the two as a pair from one index: pip install --force-reinstall torch torchvision (for the "
+                        f"CPU build, with --index-url https://download.pytorch.org/whl/cpu)")
+    for key in ("world_size", "distributed_type", "mixed_precision", "torch", "torchvision", "accelerate", "cuda",
+                "nccl"):
         values = {str(f[key]) for f in everyone}
         if len(values) > 1:
             problems.append(f"ranks disagree on {key}: {sorted(values)}\n  fix: same environment and config everywhere")

@@ -132,6 +132,31 @@ def test_doctor_reports_a_healthy_two_rank_cpu_setup():
     assert lines[-1] == "doctor: OK (2 processes, MULTI_CPU)"
 
 
+def test_doctor_names_a_torchvision_that_does_not_import_beside_torch_and_the_fix(tmp_path):
+    """A torchvision built for another torch or CUDA fails at import with "operator torchvision::nms does not exist"
+    (the words of a CPU torch 2.13 beside a CUDA torchvision 0.28): one process of doctor.py in a fresh interpreter,
+    with such a torchvision first on its path, prints it as broken, one problem line naming it with the fix, and
+    exits 1."""
+    import subprocess
+    import sys
+
+    import torch
+
+    (tmp_path / "torchvision").mkdir()
+    (tmp_path / "torchvision" / "__init__.py").write_text(
+        'raise RuntimeError("operator torchvision::nms does not exist")\n')
+    result = subprocess.run([sys.executable, str(REPO / "doctor.py"), "--timeout", "30"], cwd=REPO,
+                            env=script_env(PYTHONPATH=str(tmp_path)), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    assert ", torchvision broken, " in lines[1]
+    assert lines[2:4] == [
+        f"doctor: PROBLEM: torchvision does not import beside torch {torch.__version__} on rank(s) 0 (RuntimeError: "
+        f"operator torchvision::nms does not exist): a build for another torch or CUDA",
+        "  fix: install the two as a pair from one index: pip install --force-reinstall torch torchvision (for the CPU "
+        "build, with --index-url https://download.pytorch.org/whl/cpu)"]
+
+
 @pytest.mark.slow
 def test_doctor_diagnoses_machines_launched_with_different_process_counts():
     results = launch_two_machines(REPO / "doctor.py", ["--timeout", "30", "--size-mb", "1"], num_processes=(2, 4))
