@@ -474,6 +474,7 @@ def test_a_validation_split_is_evaluated_before_a_test_split_and_eval_split_name
     (root / "test" / "unlabelled.png").unlink()
     export_png_folder(root, {"test": images["test"]})
     assert digests(*load(eval_split="test")["test"]) == digests(*images["test"])
+    assert "left for a final score" not in capsys.readouterr().out  # the split named: no advice on the others
     for where, said in ((dict(eval_split="holdout"), f"--eval-split holdout: --data-dir {root} holds no holdout/ "
                                                      f"folder beside train/."),
                         (dict(eval_split="train"), "--eval-split train: the training split is trained on; name the "

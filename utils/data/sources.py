@@ -157,7 +157,7 @@ def locate(data_dir: str | None, dataset: str | None, val_fraction: float | None
         paths, present = [f["filename"] for s in hub for f in hub[s].cache_files], splits
     source_eval = eval_split if eval_split in splits else next((s for s in EVAL_SPLITS if s in splits), None)
     left = [s for s in present if s in EVAL_SPLITS and s != source_eval]
-    if left and source_eval and not val_fraction:  # a test split beside the validation split evaluated on
+    if left and source_eval and not (val_fraction or eval_split):  # a test split beside the validation split chosen
         main_print(f"evaluating on the {source_eval} split; {', '.join(left)} left for a final score: "
                    f"evaluate_checkpoint.py RUN/best.safetensors --eval-split {left[0]}")
     fraction = val_fraction or (None if source_eval else VAL_FRACTION)
