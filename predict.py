@@ -1,20 +1,22 @@
 """Predict the classes of new images with a trained run: one row per image, in a CSV or JSON Lines file.
 
+    python predict.py runs/cifar10 photo.jpg
     python predict.py runs/cifar10 photos/ --output predictions.csv
     python predict.py runs/cifar10 list.txt --output predictions.jsonl --top-k 3 --weights best
     accelerate launch --config_file accelerate_configs/cpu.yaml predict.py runs/cifar10 photos/ --output p.csv
 
-RUN is a run folder, one of its .safetensors files, or a Hub model repo a run pushed (OWNER/NAME); IMAGES a folder,
-searched recursively for image files (in sorted order), or a text file of image paths, one a line (relative ones
-from the file's folder). Each row: `path` (as found under IMAGES, or as listed), `prediction` (the class name) and
-its softmax `probability`, with --top-k K the next K-1 as `prediction_2`, `probability_2`, ..., and `error`: empty,
-or why the image could not be read (the job goes on; a last line counts them). The model is rebuilt through the
-script that trained it (utils/runs.py, as evaluate_checkpoint.py does) and sees each image as the run's evaluation
-did: the same decode (upright, by its EXIF orientation), resize and crop (utils/data/pixels.py's evaluation_view,
-which `--decode workers` evaluates through: the cache's resize, or an --augment resized-crop run's resize and centre
-crop), mean, std, memory format, precision, micro-batch and --tta-flip. When IMAGES is a tree of class folders
-named as the run's classes, it also prints the top-1 against the folder names (over the images in folders that name a
-class; the others' folders are named).
+RUN is a run folder, one of its .safetensors files, or a Hub model repo a run pushed (OWNER/NAME); IMAGES an image
+file, a folder searched recursively for image files (in sorted order), or a text file of image paths, one a line
+(relative ones from the file's folder). Each row: `path` (as found under IMAGES, or as listed), `prediction` (the
+class name) and its softmax `probability`, with --top-k K the next K-1 as `prediction_2`, `probability_2`, ..., and
+`error`: empty, or why the image could not be read (the job goes on; a last line counts them). Without --output the
+rows are printed as CSV, and the last line goes to stderr. The model is rebuilt through the script that trained it
+(utils/runs.py, as evaluate_checkpoint.py does) and sees each image as the run's evaluation did: the same decode
+(upright, by its EXIF orientation), resize and crop (utils/data/pixels.py's evaluation_view, which `--decode
+workers` evaluates through: the cache's resize, or an --augment resized-crop run's resize and centre crop), mean,
+std, memory format, precision, micro-batch and --tta-flip. When IMAGES is a tree of class folders named as the run's
+classes, it also prints the top-1 against the folder names (over the images in folders that name a class; the
+others' folders are named).
 
 Under `accelerate launch` each process predicts its share (Accelerate's sharding; images decoded in each process's
 loader workers) and the main process writes every image's row once, in the input's order. The rows go to
@@ -52,8 +54,10 @@ from utils.runs import WEIGHTS, add_run_flags, build_trained_model, open_run
 def parse_args(argv: list[str] | None = None):
     parser = FlagParser(config_file=False, description=__doc__.splitlines()[0])
     parser.add_argument("run", help="a run folder, one of its .safetensors files, or a Hub model repo a run pushed")
-    parser.add_argument("images", help="a folder of images (searched recursively) or a text file of image paths")
-    parser.add_argument("--output", required=True, help="the predictions: FILE.csv, or FILE.jsonl for JSON Lines")
+    parser.add_argument("images", help="an image, a folder of images (searched recursively) or a text file of image "
+                        "paths")
+    parser.add_argument("--output", help="the predictions: FILE.csv, or FILE.jsonl for JSON Lines; default: printed, "
+                        "as CSV")
     parser.add_argument("--top-k", type=int, default=1, help="the K most probable classes of each image")
     parser.add_argument("--weights", choices=list(WEIGHTS), default="final", help="a run folder's final weights "
                         "(model.safetensors), its best (best.safetensors) or its EMA (model_ema.safetensors)")
@@ -61,7 +65,7 @@ def parse_args(argv: list[str] | None = None):
                         "the images; default: this process's share of the cores")
     add_run_flags(parser, "the model")
     args = parser.parse_args(argv)
-    if Path(args.output).suffix not in (".csv", ".jsonl"):
+    if args.output is not None and Path(args.output).suffix not in (".csv", ".jsonl"):
         raise UserError(f"--output {args.output}: name a .csv or a .jsonl file.")
     for name in ("top_k", "batch_size", "workers"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -70,11 +74,13 @@ def parse_args(argv: list[str] | None = None):
 
 
 def find_images(images: str) -> tuple[list[Path], list[str]]:
-    """(the files, each one's path as the output names it): a folder's image files, recursively, sorted
-    (visible_files: hidden ones, such as a cache's .decoded, left out; photos Pillow does not read here, a camera's raw
-    files, kept: their rows say so); or a list file's lines."""
+    """(the files, each one's path as the output names it): one image file (named as given); a folder's image files,
+    recursively, sorted (visible_files: hidden ones, such as a cache's .decoded, left out; photos Pillow does not read
+    here, a camera's raw files, kept: their rows say so); or a list file's lines."""
     source = Path(images)
-    if source.is_dir():
+    if source.is_file() and source.suffix.lower() in PHOTO_SUFFIXES:
+        files, names = [source], [images]
+    elif source.is_dir():
         files = [p for p in visible_files(source) if p.suffix.lower() in PHOTO_SUFFIXES]
         names = [p.relative_to(source).as_posix() for p in files]
     elif source.is_file():
@@ -185,9 +191,33 @@ class Output:
     def _save_record(self) -> None:
         write_atomically(self.record, json.dumps({"identity": self.identity, "ends": self.ends}))
 
-    def finish(self) -> None:
+    def finish(self) -> list[dict]:
+        """Renames the partial file to FILE; its rows, read back (a resumed job's earlier rows too)."""
         os.replace(self.partial, self.path)
         self.record.unlink(missing_ok=True)
+        with open(self.path, newline="") as f:
+            return list(csv.DictReader(f)) if self.csv else [json.loads(line) for line in f]
+
+
+class Printed:
+    """Without --output: the rows printed as CSV as each global batch ends, nothing kept to resume from."""
+
+    def __init__(self, columns: list[str]):
+        self.columns, self.rows = columns, []
+        self.writer = csv.DictWriter(sys.stdout, columns, extrasaction="ignore", lineterminator="\n")
+
+    def resume_point(self, global_batch: int) -> int:
+        self.writer.writeheader()
+        return 0
+
+    def write(self, rows: list[dict]) -> None:
+        rows = [{c: "" if row[c] is None else row[c] for c in self.columns} for row in rows]
+        self.writer.writerows(rows)
+        sys.stdout.flush()
+        self.rows += rows
+
+    def finish(self) -> list[dict]:
+        return self.rows
 
 
 def columns(k: int) -> list[str]:
@@ -212,14 +242,15 @@ def main(args) -> dict:
     if args.top_k > len(classes):
         raise UserError(f"--top-k {args.top_k}: the run has {len(classes)} classes.")
     files, names = find_images(args.images)
-    out = Path(args.output)
-    if not out.parent.is_dir():
+    out = Path(args.output) if args.output else None
+    if out is not None and not out.parent.is_dir():
         raise UserError(f"--output {args.output}: its folder {out.parent} does not exist.")
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=summary.get("mixed_precision"))
     model = build_trained_model(run, len(classes))  # its one line, if the weights do not fit, before any output
     view = run_view(summary)
     batch = args.batch_size or summary.get("batch_size_per_process", 500)
-    output = Output(out, identity(run, names, args.top_k, batch), columns(args.top_k))
+    output = Output(out, identity(run, names, args.top_k, batch), columns(args.top_k)) if out else \
+        Printed(columns(args.top_k))
     first = [output.resume_point(batch * accelerator.num_processes) if accelerator.is_main_process else 0]
     broadcast_object_list(first)  # every process starts at the main's resume point
     first = first[0]
@@ -254,9 +285,8 @@ def main(args) -> dict:
     accelerator.wait_for_everyone()
     result = {}
     if accelerator.is_main_process:
-        output.finish()
-        result = report(out, names, classes, Path(args.images).is_dir())
-        print(result["line"], flush=True)
+        result = report(output.finish(), out, names, classes, Path(args.images).is_dir())
+        print(result["line"], file=sys.stdout if out else sys.stderr, flush=True)
     accelerator.end_training()
     return result
 
@@ -271,15 +301,15 @@ def row(i: int, good: int, values: list[float], picks: list[int], names, files, 
     return out
 
 
-def report(out: Path, names: list[str], classes: list[str], folder: bool) -> dict:
-    """The last line: rows written, images that could not be read and, for a tree of class folders named as the
+def report(rows: list[dict], out: Path | None, names: list[str], classes: list[str], folder: bool) -> dict:
+    """The last line: rows written to `out` (None: printed), images that could not be read and, for a tree of class
+    folders named as the
     run's classes, the top-1 against the folder names: each image's top folder, as training reads an image folder
     (cat/2024/IMG_0001.jpg is a cat), else the folder it is in (whichever names a class for more images). Images in
     folders that name no class are left out of it, the folders named."""
-    with open(out, newline="") as f:
-        rows = list(csv.DictReader(f)) if out.suffix == ".csv" else [json.loads(line) for line in f]
     bad = sum(1 for r in rows if r["error"])
-    line = f"wrote {len(rows)} predictions to {out}" + (
+    line = (f"wrote {len(rows)} prediction{'s' * (len(rows) != 1)} to {out}" if out else
+            f"predicted {len(rows)} image{'s' * (len(rows) != 1)}") + (
         f"; {bad} image{'s' * (bad != 1)} could not be read (their error column)" if bad else "")
     result = {"rows": len(rows), "unreadable": bad}
     parts = [Path(name).parts for name in names]  # an image directly in IMAGES is in no class folder: ""

@@ -100,6 +100,25 @@ def test_two_ranks_predict_each_image_once_in_order_as_torchvision_would_and_the
 
 
 @pytest.mark.slow
+def test_one_image_without_output_prints_its_top_classes_as_csv_and_writes_no_file(trained, jpeg_folder, tmp_path):
+    """IMAGES one JPEG (not a folder, not a list) and no --output: the header and the image's one row are printed
+    as CSV, its 2 classes and probabilities those of torchvision's transforms and the exported weights (to 1e-5); the
+    last line, on stderr, counts 1 image; no file is written beside it."""
+    image = shutil.copy(sorted((jpeg_folder / "test").rglob("*.jpg"))[5], tmp_path / "photo.jpg")
+    result = predict(trained, image, "--top-k", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = list(csv.DictReader(result.stdout.splitlines()))
+    assert len(rows) == 1 and rows[0]["path"] == str(image) and rows[0]["error"] == ""
+    classes = read_summary(trained)["classes"]
+    top = torchvision_probabilities(trained, [Path(image)]).topk(2, dim=1)
+    assert [rows[0]["prediction"], rows[0]["prediction_2"]] == [classes[c] for c in top.indices[0].tolist()]
+    got = [float(rows[0]["probability"]), float(rows[0]["probability_2"])]
+    assert got == pytest.approx(top.values[0].tolist(), abs=1e-5)
+    assert result.stderr.strip().splitlines()[-1] == "predicted 1 image"
+    assert [p.name for p in tmp_path.iterdir()] == ["photo.jpg"]
+
+
+@pytest.mark.slow
 def test_a_prediction_job_killed_midway_and_started_again_ends_with_the_uninterrupted_file(trained, jpeg_folder,
                                                                                            tmp_path):
     """2 ranks, micro-batch 2, the 240 JPEGs of both splits listed in a text file (paths relative to its folder),
@@ -192,8 +211,6 @@ def test_the_folder_top1_reads_each_images_class_as_training_does_and_counts_in_
     the run's classes (photos/cat/a.jpg), the folder each image is in; one unreadable image is said in the singular.
     Images in folders that name no class of the run (unsorted/, or IMAGES itself) are left out of it and counted, their
     folders named (1 of 2 right: 50%, not 25% of 4)."""
-    import tempfile
-
     import predict
 
     classes = ["cat", "dog"]
@@ -203,13 +220,9 @@ def test_the_folder_top1_reads_each_images_class_as_training_does_and_counts_in_
             (["photos/cat/a.jpg", "photos/dog/b.jpg"], ["cat", "cat"], ["", ""], "50.00% of 2 images"),
             (["cat/a.jpg", "dog/b.jpg", "unsorted/c.jpg", "d.jpg"], ["cat", "cat", "dog", "dog"], [""] * 4,
              "50.00% of 2 images (2 in ./, unsorted/ left out: not a class of the run)")):
-        with tempfile.TemporaryDirectory() as folder:
-            out = Path(folder) / "p.csv"
-            with open(out, "w", newline="") as f:
-                writer = csv.DictWriter(f, ["path", "prediction", "probability", "error"])
-                writer.writeheader()
-                writer.writerows({"path": n, "prediction": p, "probability": "0.5", "error": e}
-                                 for n, p, e in zip(names, predictions, errors))
-            line = predict.report(out, names, classes, folder=True)["line"]
+        rows = [{"path": n, "prediction": p, "probability": "0.5", "error": e}
+                for n, p, e in zip(names, predictions, errors)]
+        out = Path("p.csv")
+        line = predict.report(rows, out, names, classes, folder=True)["line"]
         unreadable = "; 1 image could not be read (their error column)" if any(errors) else ""
         assert line == f"wrote {len(names)} predictions to {out}{unreadable}; top-1 against the folder names: {want}"
