@@ -390,7 +390,7 @@ def test_image_folder_bad_input_is_named_in_one_sentence(tmp_path, accelerator):
                                                    f"({', '.join(sources.IMAGE_SUFFIXES)})."
     (folder / "train" / "zebra").rename(folder / "test" / "zebra")
     Image.new("RGB", (32, 32)).save(folder / "test" / "zebra" / "0.png")
-    assert _folder_error(tmp_path, accelerator) == f"--data-dir {folder}: test/ has class folders that train/ has " \
+    assert _folder_error(tmp_path, accelerator) == f"--data-dir {folder}: test/ has classes that train/ has " \
                                                    f"not (zebra): a model trained on train/ cannot predict them."
     (folder / "test" / "zebra" / "0.png").unlink()
     (folder / "test" / "zebra").rmdir()
@@ -520,6 +520,57 @@ def test_a_folder_of_class_folders_alone_is_the_train_split_with_a_part_held_out
     (tmp_path / "photos" / "test").rename(tmp_path / "photos" / "train")
     with pytest.raises(UserError, match=rf"^{tmp_path / 'photos' / 'train'} holds no class folder: "):
         load_source(str(tmp_path / "photos"), cache_dir=str(tmp_path / "cache"))
+
+
+def test_an_image_folder_labelled_by_a_metadata_file_reads_each_listed_image_with_its_listed_class(tmp_path,
+                                                                                                      accelerator,
+                                                                                                      capsys):
+    """datasets' image folder with metadata: train/metadata.csv (file_name in a subfolder, a column `species`, the
+    rows in shuffled order) and test/metadata.jsonl (file_name, label) name 60 and 15 PNGs of 3 classes: every image
+    is read once with its listed class, the same (image, label) pairs as those PNGs in class folders give; an image
+    beside them that no row names is left out with a one-line warning. A missing file, a name listed twice, a row
+    without a label and a file without a label column are each one line."""
+    import csv
+    import json
+
+    pairs = {split: (torch.randint(0, 256, (n, 3, 8, 8), dtype=torch.uint8), torch.arange(n) % 3)
+             for split, n in (("train", 60), ("test", 15))}
+    export_png_folder(tmp_path / "folders", pairs)
+    reference = load_source(str(tmp_path / "folders"), cache_dir=str(tmp_path / "cache"))
+    flat = tmp_path / "flat"
+    for split, (images, labels) in pairs.items():
+        rows = []
+        for k in torch.randperm(len(labels), generator=torch.Generator().manual_seed(0)).tolist():
+            name = f"pics/{k:03d}.png" if split == "train" else f"{k:03d}.png"
+            (flat / split / name).parent.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(images[k].permute(1, 2, 0).numpy()).save(flat / split / name)
+            rows.append((name, CIFAR_CLASSES[int(labels[k])]))
+        if split == "train":
+            with open(flat / split / "metadata.csv", "w", newline="") as f:
+                csv.writer(f).writerows([("file_name", "species"), *rows])
+        else:
+            (flat / split / "metadata.jsonl").write_text("".join(json.dumps({"file_name": n, "label": c}) + "\n"
+                                                                 for n, c in rows))
+    Image.new("RGB", (8, 8)).save(flat / "train" / "pics" / "unlisted.png")
+    data = load_source(str(flat), cache_dir=str(tmp_path / "cache"))
+    assert data["classes"] == reference["classes"] == tuple(CIFAR_CLASSES[:3])
+    for split, (images, labels) in pairs.items():
+        assert digests(*data[split]) == digests(*reference[split]) == digests(images, labels)
+    assert f"warning: 1 image in {flat / 'train'} is not named in metadata.csv: left out." in capsys.readouterr().out
+    listing = flat / "train" / "metadata.csv"
+    text = listing.read_text()
+    first = text.splitlines()[1].split(",")[0]
+    for broken, line in ((text.replace(first, "pics/gone.png"), f"{listing} names 1 file not in {flat / 'train'} "
+                                                                f"(the first: pics/gone.png)."),
+                         (text + f"{first},bird\n", f"{listing} names {first} more than once."),
+                         (text + "pics/unlisted.png,\n", f"{listing} names pics/unlisted.png without a species."),
+                         (text.replace("species", "kind").replace("file_name", "file_name,other", 1),
+                          f"{listing} has columns ['file_name', 'other', 'kind']; expected file_name and a label "
+                          f"column named 'label' or 'labels' or 'fine_label'.")):
+        listing.write_text(broken)
+        with pytest.raises(UserError) as e:
+            load_source(str(flat), cache_dir=str(tmp_path / "cache"))
+        assert str(e.value) == line
 
 
 def test_an_image_folder_names_its_classes_from_its_folders(tmp_path, accelerator):

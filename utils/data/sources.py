@@ -19,6 +19,7 @@ processes, as the built-in image folders are. A Dataset must give the same item 
 from __future__ import annotations
 
 import abc
+import csv
 import errno
 import hashlib
 import io
@@ -56,6 +57,7 @@ PHOTO_SUFFIXES = (".png", ".jpg", ".jpeg", ".jfif", ".jpe", ".bmp", ".gif", ".ti
 IMAGE_SUFFIXES = tuple(s for s in PHOTO_SUFFIXES if s in Image.registered_extensions())
 OTHER_PHOTOS = tuple(s for s in PHOTO_SUFFIXES if s not in IMAGE_SUFFIXES)
 IMAGE_COLUMNS, LABEL_COLUMNS = ("img", "image"), ("label", "labels", "fine_label")
+METADATA_FILES = ("metadata.csv", "metadata.jsonl")  # an image folder's labels by file name, as datasets reads them
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -64,8 +66,9 @@ IMAGE_COLUMNS, LABEL_COLUMNS = ("img", "image"), ("label", "labels", "fine_label
 @dataclass
 class Source:
     """What `locate` found: kind ('parquet', 'imagefolder' or 'hub'), the local files by split (None for the Hub)
-    or the Hub's DatasetDict, the files that fingerprint it, the source's own evaluation split (None: none) and the
-    fraction of train held out for evaluation (None: the source's split is used)."""
+    or the Hub's DatasetDict, the files that fingerprint it, the source's own evaluation split (None: none), the
+    fraction of train held out for evaluation (None: the source's split is used) and an image folder's class of each
+    file, by split."""
     name: str
     kind: str
     files: dict[str, list[Path]] | None
@@ -73,6 +76,7 @@ class Source:
     paths: list
     source_eval: str | None
     fraction: float | None
+    labels: dict[str, list[str]] | None = None
     read: tuple | None = None  # (columns, what rows() read with them)
 
     @property
@@ -89,7 +93,7 @@ class Source:
             import pyarrow.parquet as pq
 
             return sum(pq.read_metadata(p).num_rows for p in self.paths)
-        return len(self.paths)
+        return sum(map(len, self.files.values()))
 
     def announce_held_out(self, log, n_train: int, n_held: int) -> None:
         """Says what is evaluated on when a part of train is held out."""
@@ -115,7 +119,7 @@ class Source:
         if self.read is None or self.read[0] != columns:
             wanted = {"train": "train"} if self.fraction else {"train": "train", "test": self.source_eval}
             dsd = self.hub if self.hub is not None else read_local(self.kind, {s: self.files[s] for s in
-                                                                              wanted.values()}, Path(self.name))
+                                                                              wanted.values()}, self.labels)
             rows = {role: read_rows(dsd[s], s, columns) for role, s in wanted.items()}
             if self.kind == "imagefolder":
                 rows = {role: r.take(_permutation(len(r))) for role, r in rows.items()}
@@ -135,19 +139,20 @@ def locate(data_dir: str | None, dataset: str | None, val_fraction: float | None
     if data_dir is None and dataset is None:
         raise UserError("no data: pass --data-dir (a local folder) or --dataset (a Hub dataset id).")
     if data_dir is not None:
-        kind, files, unread = find_source(data_dir, eval_split)
+        kind, files, unread, labels = find_source(data_dir, eval_split)
         if unread:
             n = sum(unread.values())
             main_print(f"warning: left out {n:,} photo{'s' * (n != 1)} under --data-dir {data_dir} in formats the data "
                        f"path does not read ({counted(unread)}); convert them to JPEG to use them.")
         hub, splits, paths = None, list(files), [p for ps in files.values() for p in ps]
+        paths += [m for s in files if kind == "imagefolder" and (m := metadata_file(split_folder(Path(data_dir), s)))]
         beside = folders_beside_train(Path(data_dir), files) if kind == "imagefolder" else []
         present, named = [*files, *beside], [d for d in beside if d not in EVAL_SPLITS]
         if named and len(files) == 1:
             main_print(f"warning: --data-dir {data_dir} holds {', '.join(d + '/' for d in named)} beside train/, "
                        f"which is not read: an evaluation split's folder is named test/, validation/ or val/.")
     else:
-        kind, files, hub = "hub", None, read_hub(dataset)
+        kind, files, hub, labels = "hub", None, read_hub(dataset), None
         splits = list(hub)
         if "train" not in splits:
             raise UserError(f"the Hub dataset {dataset} has no train split (its splits: {', '.join(splits)}).")
@@ -161,7 +166,8 @@ def locate(data_dir: str | None, dataset: str | None, val_fraction: float | None
         main_print(f"evaluating on the {source_eval} split; {', '.join(left)} left for a final score: "
                    f"evaluate_checkpoint.py RUN/best.safetensors --eval-split {left[0]}")
     fraction = val_fraction or (None if source_eval else VAL_FRACTION)
-    return Source(str(data_dir) if data_dir is not None else dataset, kind, files, hub, paths, source_eval, fraction)
+    return Source(str(data_dir) if data_dir is not None else dataset, kind, files, hub, paths, source_eval, fraction,
+                  labels)
 
 
 def folders_beside_train(root: Path, files: dict[str, list[Path]]) -> list[str]:
@@ -175,7 +181,7 @@ def first_image_size(data_dir: str, image_column: str | None = None) -> tuple[in
     """(width, height) of a local --data-dir's first training image, from its header alone (an image folder's first
     file, a parquet folder's first row); None when it cannot be told cheaply (the load says what is wrong)."""
     try:
-        kind, files, _ = find_source(data_dir)
+        kind, files, *_ = find_source(data_dir)
         first = files["train"][0]
         if kind == "parquet":
             import pyarrow.parquet as pq
@@ -196,13 +202,15 @@ def fingerprint(paths: list[str | Path], settings: dict, version: int = 0) -> st
     return hashlib.sha256(json.dumps([version, stats, settings], sort_keys=True).encode()).hexdigest()[:16]
 
 
-def find_source(data_dir: str | Path, eval_split: str | None = None) -> tuple[str, dict[str, list[Path]], Counter]:
+def find_source(data_dir: str | Path, eval_split: str | None = None
+                ) -> tuple[str, dict[str, list[Path]], Counter, dict[str, list[str]] | None]:
     """What --data-dir holds: ("parquet", {split: its <split>-*.parquet files at any depth, as in a Hub snapshot}),
-    ("imagefolder", {split: the image files of <split>/<class>/}), for the splits found: train, and `eval_split`, else
-    the first of EVAL_SPLITS that is there (val/, test/, ...; none: a part of train is held out, see hold_out), or
-    of <class>/ alone (the train split, split_folder); or
+    ("imagefolder", {split: the image files of <split>/<class>/, or those its metadata.csv names}), for the splits
+    found: train, and `eval_split`, else the first of EVAL_SPLITS that is there (val/, test/, ...; none: a part of
+    train is held out, see hold_out), or of <class>/ (or a metadata.csv) alone (the train split, split_folder); or
     ("shards", {}) for webdataset tar shards (*-train-*.tar at any depth), which are read as a stream
-    (utils/data/stream.py lists them). Then how many files of each of OTHER_PHOTOS an image folder left out."""
+    (utils/data/stream.py lists them). Then how many files of each of OTHER_PHOTOS an image folder left out, and an
+    image folder's class of each file (None for the others)."""
     root = Path(data_dir)
     if not root.is_dir():
         raise UserError(f"--data-dir {root} does not exist or is not a directory. {DATA_LAYOUTS}")
@@ -213,18 +221,20 @@ def find_source(data_dir: str | Path, eval_split: str | None = None) -> tuple[st
         chosen = next((s for s in names if parquet[s]), None)
         if eval_split and not chosen:
             raise UserError(f"--eval-split {eval_split}: --data-dir {root} holds no {eval_split}-*.parquet file.")
-        return "parquet", {s: parquet[s] for s in ("train", chosen) if s}, Counter()
-    if (root / "train").is_dir() and any(d.is_dir() for d in (root / "train").iterdir()):
+        return "parquet", {s: parquet[s] for s in ("train", chosen) if s}, Counter(), None
+    train = root / "train"
+    if train.is_dir() and (metadata_file(train) or any(d.is_dir() for d in train.iterdir())):
         if eval_split and not (root / eval_split).is_dir():
             raise UserError(f"--eval-split {eval_split}: --data-dir {root} holds no {eval_split}/ folder beside "
                             f"train/.")
         return "imagefolder", *_image_folder_files(root, names)
     if any(names_split(p.name, "train") for p in root.rglob("*.tar")):
-        return "shards", {}, Counter()
+        return "shards", {}, Counter(), None
     folders = [d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith(".")]
     if "train" in folders:
         raise UserError(f"{root / 'train'} holds no class folder: an image folder's images go in "
-                        f"{root / 'train'}/<class>/, at any depth beneath it.")
+                        f"{root / 'train'}/<class>/, at any depth beneath it (or name their classes in a "
+                        f"{root / 'train'}/metadata.csv of file_name and label).")
     if root.name in ("train", *EVAL_SPLITS):  # likely the split of an image folder, given for the folder
         raise UserError(f"--data-dir {root} holds no train/ folder: it is named as a split of an image folder; pass "
                         f"the folder that holds train/ and test/ (here {root.parent}), or give the class folders a "
@@ -233,7 +243,8 @@ def find_source(data_dir: str | Path, eval_split: str | None = None) -> tuple[st
         raise UserError(f"--data-dir {root} holds {split}/ but no train/ beside it: training reads train/<class>/...; "
                         f"a trained run scores a folder of class folders with predict.py RUN {root / split} --output "
                         f"FILE.csv (its top-1 against the folder names).")
-    if folders and any(Path(name).suffix.lower() in IMAGE_SUFFIXES for _, _, names in os.walk(root) for name in names):
+    if metadata_file(root) or folders and any(Path(name).suffix.lower() in IMAGE_SUFFIXES
+                                              for _, _, names in os.walk(root) for name in names):
         if eval_split:
             raise UserError(f"--eval-split {eval_split}: --data-dir {root} holds class folders alone, no split.")
         return "imagefolder", *_image_folder_files(root, ())  # <class>/*.jpg alone: the train split, as datasets has it
@@ -275,22 +286,28 @@ def split_folder(root: Path, split: str) -> Path:
     return root / split if split != "train" or (root / split).is_dir() else root
 
 
-def _image_folder_files(root: Path, names: tuple[str, ...]) -> tuple[dict[str, list[Path]], Counter]:
+def _image_folder_files(root: Path, names: tuple[str, ...]
+                        ) -> tuple[dict[str, list[Path]], Counter, dict[str, list[str]]]:
     """{split: its image files}, for train and the first of `names` there: each class folder's at any depth beneath it
-    (train/cat/2024/IMG_0001.jpg is a cat; visible_files), and how many photos of OTHER_PHOTOS were left out."""
+    (train/cat/2024/IMG_0001.jpg is a cat; visible_files), or those the split's metadata file names; how many photos
+    of OTHER_PHOTOS were left out; {split: each file's class}."""
     splits = ["train"] + [s for s in names if (root / s).is_dir()][:1]
-    files, classes, unread = {}, {}, Counter()
+    files, labels, unread = {}, {}, Counter()
     for split in splits:
         folder = split_folder(root, split)
-        classes[split] = sorted(d.name for d in folder.iterdir() if d.is_dir() and not d.name.startswith("."))
+        if metadata := metadata_file(folder):
+            files[split], labels[split] = listed_files(metadata)
+            continue
+        classes = sorted(d.name for d in folder.iterdir() if d.is_dir() and not d.name.startswith("."))
         found, depth = visible_files(folder), len(folder.parts)  # a file's class: its part at `depth`
         files[split] = [f for f in found if f.suffix.lower() in IMAGE_SUFFIXES]
+        labels[split] = [f.parts[depth] for f in files[split]]
         loose = [f for f in files[split] if len(f.parts) == depth + 1]
         if loose:
             raise UserError(f"{loose[0]} is not in a class folder: an image folder's images go in {folder}/<class>/, "
                             f"at any depth beneath it.")
-        held = Counter(f.parts[depth] for f in files[split])
-        for name in classes[split]:
+        held = Counter(labels[split])
+        for name in classes:
             if not held[name]:
                 others = Counter(f.suffix.lower() for f in found if f.parts[depth] == name and
                                  f.suffix.lower() in OTHER_PHOTOS)
@@ -298,14 +315,55 @@ def _image_folder_files(root: Path, names: tuple[str, ...]) -> tuple[dict[str, l
                        f"to JPEG") if others else ""
                 raise UserError(f"the class folder {folder / name} holds no image ({', '.join(IMAGE_SUFFIXES)}){why}.")
         unread.update(f.suffix.lower() for f in found if f.suffix.lower() in OTHER_PHOTOS)
-    extra = sorted(set(classes[splits[-1]]) - set(classes["train"]))  # an evaluation split may lack a class
+    extra = sorted(set(labels[splits[-1]]) - set(labels["train"]))  # an evaluation split may lack a class
     if extra:
-        raise UserError(f"--data-dir {root}: {splits[-1]}/ has class folders that train/ has not ({', '.join(extra)}): "
+        raise UserError(f"--data-dir {root}: {splits[-1]}/ has classes that train/ has not ({', '.join(extra)}): "
                         f"a model trained on train/ cannot predict them.")
-    return files, unread
+    return files, unread, labels
 
 
-def read_local(kind: str, files: dict[str, list[Path]], root: Path):
+def metadata_file(folder: Path) -> Path | None:
+    """A split folder's metadata.csv or metadata.jsonl (METADATA_FILES), if it has one."""
+    return next((folder / name for name in METADATA_FILES if (folder / name).is_file()), None)
+
+
+def listed_files(metadata: Path) -> tuple[list[Path], list[str]]:
+    """(the image files, their classes) that a metadata file names, as datasets' image folder reads one: a file_name
+    column (paths relative to its folder) and a label column (the first of LABEL_COLUMNS, or the one other column).
+    Images beside it that it does not name are left out, with a warning."""
+    try:
+        with open(metadata, newline="", encoding="utf-8") as f:
+            rows = list(csv.DictReader(f)) if metadata.suffix == ".csv" else [json.loads(x) for x in f if x.strip()]
+    except (OSError, ValueError) as e:
+        raise UserError(f"{metadata} cannot be read ({first_line(e)}).") from None
+    columns = list(rows[0]) if rows else []
+    others = [c for c in columns if c != "file_name"]
+    label = next((c for c in LABEL_COLUMNS if c in columns), others[0] if len(others) == 1 else None)
+    if "file_name" not in columns or label is None:
+        raise UserError(f"{metadata} has columns {columns}; expected file_name and a label column named "
+                        f"{' or '.join(repr(n) for n in LABEL_COLUMNS)}.")
+    names = [str(row.get("file_name") or "") for row in rows]
+    classes = [str(row.get(label) if row.get(label) is not None else "") for row in rows]
+    twice = [n for n, k in Counter(names).items() if k > 1]
+    blank = next((f"names {n} without a {label}" if n else "has a row without a file_name"
+                  for n, c in zip(names, classes) if not (n and c)), None)
+    if twice or blank:
+        raise UserError(f"{metadata} {blank or f'names {twice[0]} more than once'}.")
+    folder = metadata.parent
+    files = [folder / n for n in names]
+    missing = [n for n, f in zip(names, files) if not f.is_file()]
+    if missing:
+        raise UserError(f"{metadata} names {len(missing):,} file{'s' * (len(missing) != 1)} not in {folder} (the "
+                        f"first: {missing[0]}).")
+    named = {os.path.normpath(f) for f in files}
+    left = sum(f.suffix.lower() in IMAGE_SUFFIXES and os.path.normpath(f) not in named for f in visible_files(folder))
+    if left:
+        main_print(f"warning: {left:,} image{'s' * (left != 1)} in {folder} {'are' if left != 1 else 'is'} not named "
+                   f"in {metadata.name}: left out.")
+    return files, classes
+
+
+def read_local(kind: str, files: dict[str, list[Path]], labels: dict[str, list[str]] | None):
     """The splits of local files, through `datasets` (offline): parquet files by its packaged builder, an image folder
     as a table of its files' paths and classes (`image_folder_table`); both memory-mapped from datasets' cache."""
     import datasets
@@ -322,9 +380,8 @@ def read_local(kind: str, files: dict[str, list[Path]], root: Path):
         if kind == "parquet":  # a builder per split: one for both would cast the test file to the train file's features
             return {s: datasets.load_dataset(kind, data_files={s: [str(p) for p in ps]}, split=s)  # (class names too)
                     for s, ps in files.items()}
-        depth = {s: len(split_folder(root, s).parts) for s in files}  # the labels: the training split's classes
-        classes = sorted({f.parts[depth["train"]] for f in files["train"]})
-        return {s: image_folder_table(ps, depth[s], classes) for s, ps in files.items()}
+        classes = sorted(set(labels["train"]))  # the labels: the training split's classes
+        return {s: image_folder_table(ps, labels[s], classes) for s, ps in files.items()}
     except Exception as e:
         cause = root_cause(e)  # load_dataset wraps the real reason (a full disk, say) in DatasetGenerationError
         if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
@@ -340,10 +397,10 @@ def read_local(kind: str, files: dict[str, list[Path]], root: Path):
             datasets.enable_progress_bars()
 
 
-def image_folder_table(files: list[Path], depth: int, classes: list[str]):
-    """An image folder's split as a datasets table: each file's path (an image column) and its class, the file's
-    part at `depth`, the top folder under the split (train/cat/2024/IMG_0001.jpg is a cat), as a ClassLabel of
-    `classes` (the training split's, sorted: an evaluation split lacking one is labelled alike). Written by hand:
+def image_folder_table(files: list[Path], names: list[str], classes: list[str]):
+    """An image folder's split as a datasets table: each file's path (an image column) and its class, `names` (its
+    top folder under the split: train/cat/2024/IMG_0001.jpg is a cat; or its metadata file's label), as a ClassLabel
+    of `classes` (the training split's: an evaluation split lacking one is labelled alike). Written by hand:
     datasets' image folder names a file's class by the folder it is in (2024), and leaves out the suffixes it does
     not list (.heic, .avif)."""
     from datasets import ClassLabel, Dataset, Features
@@ -352,7 +409,7 @@ def image_folder_table(files: list[Path], depth: int, classes: list[str]):
     index = {name: k for k, name in enumerate(classes)}
     features = Features({"image": ImageFeature(), "label": ClassLabel(names=classes)})
     return Dataset.from_generator(_image_folder_rows, features=features, gen_kwargs={
-        "paths": [str(f) for f in files], "labels": [index[f.parts[depth]] for f in files]})
+        "paths": [str(f) for f in files], "labels": [index[name] for name in names]})
 
 
 def _image_folder_rows(paths: list[str], labels: list[int]):
