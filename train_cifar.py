@@ -71,7 +71,7 @@ from utils.models import MODELS, check_logits, model_layers, named_model
 from utils.optim import parameter_groups
 from utils.output_dir import check_output_dir, lock_output_dir
 from utils.plan import plan_batches, use_plan
-from utils.pretrained import apply_preprocessing, is_pretrained
+from utils.pretrained import apply_preprocessing, freeze_backbone, is_pretrained
 from utils.schedule import warmup_cosine
 from utils.tracking import StepProfiler, Tracker, TrainMeter, peak_memory_gb, run_facts
 
@@ -107,7 +107,7 @@ class Config(HubConfig, LoggingConfig, CheckpointConfig, EvaluationConfig, DataC
                                         "from grad_accum")
     lr: float = opt(0.1, "peak learning rate, reached after warmup")
     backbone_lr_factor: float = opt(1.0, "a pretrained --model's pretrained tensors train at lr x this, its new "
-                                    "head at lr")
+                                    "head at lr; 0: frozen, with their batch-norm statistics (a linear probe)")
     layer_decay: float | None = opt(None, "layer-wise lr decay: each tensor's lr x this^(its layers below the "
                                     "head's; utils/optim.py), e.g. 0.75 for fine-tuning; unset: off")
     drop_path: float = opt(0.0, "stochastic depth: the chance that a residual block's branch is dropped for an "
@@ -134,9 +134,8 @@ class Config(HubConfig, LoggingConfig, CheckpointConfig, EvaluationConfig, DataC
                               "processes bitwise")
 
     def validate(self) -> None:  # this script's fields; then each inherited group checks its own
-        check_ranges(self, non_negative=["weight_decay", "warmup_epochs", "grad_clip"],
-                     positive=["epochs", "batch_size", "global_batch_size", "lr", "grad_accum", "max_steps",
-                               "backbone_lr_factor"])
+        check_ranges(self, non_negative=["weight_decay", "warmup_epochs", "grad_clip", "backbone_lr_factor"],
+                     positive=["epochs", "batch_size", "global_batch_size", "lr", "grad_accum", "max_steps"])
         if self.model not in MODELS and not is_pretrained(self.model):
             raise UserError(f"--model {self.model}: not one of {', '.join(MODELS)}, a model folder, a Hub model id "
                             f"(OWNER/NAME) or timm:NAME.")
@@ -146,6 +145,9 @@ class Config(HubConfig, LoggingConfig, CheckpointConfig, EvaluationConfig, DataC
             raise UserError(f"--drop-path is a chance per block, in [0, 1) (got {self.drop_path:g}).")
         if self.layer_decay is not None and not 0 < self.layer_decay <= 1:
             raise UserError(f"--layer-decay is a factor per layer, in (0, 1] (got {self.layer_decay:g}).")
+        if self.backbone_lr_factor == 0 and (self.model in MODELS or self.model.startswith("timm:")):
+            raise UserError(f"--backbone-lr-factor 0 trains a pretrained model's new head alone; --model {self.model} "
+                            f"holds no pretrained tensors.")
         super().validate()
 
 
@@ -199,10 +201,12 @@ def load_data(cfg: Config) -> dict:
 
 def build_optimizer(cfg: Config, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
     """Built before prepare(), which shards it under FSDP. parameter_groups: a pretrained --model's new head at lr
-    (the first group, the lr logged), its pretrained tensors at lr x --backbone-lr-factor, each x --layer-decay per
-    layer below the head's; weight decay on weight matrices and kernels only (--decay-exemptions).
-    optimizer_kernel(): fused SGD / AdamW (one kernel for the whole update), foreach under FSDP2 (utils/launch.py
-    says why)."""
+    (the first group, the lr logged), its pretrained tensors at lr x --backbone-lr-factor (0: frozen, batch-norm
+    statistics too: freeze_backbone), each x --layer-decay per layer below the head's; weight decay on weight
+    matrices and kernels only (--decay-exemptions). optimizer_kernel(): fused SGD / AdamW (one kernel for the whole
+    update), foreach under FSDP2 (utils/launch.py says why)."""
+    if cfg.backbone_lr_factor == 0:  # a linear probe; here, not in build_model: the tools rebuild the model unfrozen
+        freeze_backbone(model)
     params = parameter_groups(model, lr, cfg.weight_decay, backbone_lr_factor=cfg.backbone_lr_factor,
                               exemptions=cfg.decay_exemptions, layer_decay=cfg.layer_decay,
                               layers=model_layers(cfg.model))  # a copy's own model: its layers, for --layer-decay

@@ -163,6 +163,9 @@ def test_non_positive_lr_batch_epochs(tmp_path, small_data, flag, value):
     (["--layer-decay", "0"], "--layer-decay is a factor per layer, in (0, 1] (got 0)."),
     (["--layer-decay", "1.5"], "--layer-decay is a factor per layer, in (0, 1] (got 1.5)."),
     (["--drop-path", "1"], "--drop-path is a chance per block, in [0, 1) (got 1)."),
+    (["--backbone-lr-factor", "-1"], "--backbone-lr-factor must not be negative (got -1)."),
+    (["--backbone-lr-factor", "0", "--model", "resnet8"], "--backbone-lr-factor 0 trains a pretrained model's new "
+                                                          "head alone; --model resnet8 holds no pretrained tensors."),
 ])
 def test_a_decay_chance_or_interval_outside_its_range_is_one_line(tmp_path, small_data, flags, message):
     _fails_cleanly(tmp_path, ["--data-dir", str(small_data), *flags], message)

@@ -147,6 +147,36 @@ def test_a_fine_tuning_job_killed_at_a_checkpoint_resumes_to_the_uninterrupted_w
     assert_same_state(out / "model.safetensors", timm_runs["fine"] / "model.safetensors")
 
 
+def test_a_frozen_backbone_trains_the_new_head_alone_and_keeps_every_pretrained_tensor_and_statistic(sources,
+                                                                                                       timm_runs):
+    """--backbone-lr-factor 0 (a linear probe) with the fine-tuning job's flags on 2 gloo ranks: every tensor of the
+    run's model.safetensors but the new head (fc.weight, fc.bias), batch-norm running means and variances included,
+    equals the pretrained folder's bitwise; the optimizer holds the head's 2 tensors alone; the head learns: top-1 on
+    the 2,000 test images at least 10 points above chance (50%); the folder loads in timm (plain BatchNorm2d layers)
+    and timm's own transforms give the run's reported top-1 to 0.1 points."""
+    import timm
+    from timm.data import create_transform, resolve_data_config
+
+    out = sources["root"] / "probe"
+    result = run_train(job(sources, out, sources["timm"], *FINETUNE, "--backbone-lr-factor", "0"), launch=TWO_RANKS)
+    assert result.returncode == 0, result.stderr[-4000:]
+    pretrained, probe = load_file(sources["timm"] / "model.safetensors"), load_file(out / "model.safetensors")
+    counters = {name for name in [*pretrained, *probe] if name.endswith("num_batches_tracked")}  # steps, not state
+    kept = [name for name in pretrained if not name.startswith("fc.") and name not in counters]
+    assert any(name.endswith("running_var") for name in kept)
+    assert {*kept, "fc.weight", "fc.bias"} == set(probe) - counters
+    assert all(torch.equal(probe[name], pretrained[name]) for name in kept)
+    summary = read_summary(out)
+    assert [(g["name"], g["tensors"]) for g in summary["optimizer"]["groups"]] == [("head/depth_0", 1),
+                                                                                 ("head/depth_0/no_decay", 1)]
+    assert summary["eval_top1"] >= 60, summary["eval_top1"]
+    model = timm.create_model(f"local-dir:{out}", pretrained=True).eval()
+    assert type(model.bn1) is torch.nn.BatchNorm2d
+    transform = create_transform(**resolve_data_config({}, model=model))
+    top1 = top1_in_batches(lambda ims: model(torch.stack([transform(im) for im in ims])), *images_of(sources["data"]))
+    assert abs(top1 - summary["eval_top1"]) <= 0.1, (top1, summary["eval_top1"])
+
+
 def test_the_exported_timm_run_loads_in_timm_and_its_own_transforms_reproduce_the_reported_top1(sources, timm_runs):
     """A fine-tuned timm run's folder loads with timm.create_model("local-dir:RUN", pretrained=True) (2 classes,
     named), and timm's resolve_data_config + create_transform on the 2,000 test images give the run's reported top-1

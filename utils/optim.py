@@ -48,7 +48,7 @@ def parameter_groups(model: torch.nn.Module, lr: float, weight_decay: float, *, 
     new = set(built.new_tensors) if built else None  # None: all new, as a model trained from scratch
     depth = depths(model, layers, built) if layer_decay is not None else {}
     groups: dict[tuple[bool, int, bool], list[torch.Tensor]] = {}
-    for name, tensor in model.named_parameters():
+    for name, tensor in (named for named in model.named_parameters() if named[1].requires_grad):  # not the frozen
         key = (new is not None and name not in new, depth.get(name, 0), exemptions and not decays(name, tensor))
         groups.setdefault(key, []).append(tensor)
     return [{"params": groups[key], "weight_decay": 0.0 if exempt else weight_decay,

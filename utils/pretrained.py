@@ -312,6 +312,28 @@ def built_from(model: torch.nn.Module) -> BuiltFrom | None:
     return BUILT.get(model)
 
 
+def freeze_backbone(model: torch.nn.Module) -> torch.nn.Module:
+    """--backbone-lr-factor 0, a linear probe: of a model pretrained_model built, only the new head trains. Its
+    pretrained parameters stop training (requires_grad False: no gradients, and utils/optim.py leaves them out of the
+    optimizer) and its batch norms keep their pretrained statistics in training too (timm's FrozenBatchNorm2d, as
+    timm's own freeze makes them). The same model, changed in place."""
+    from timm.layers import freeze_batch_norm_2d
+
+    built = built_from(model)
+    new = set(built.new_tensors) if built else set()
+    if not new or new.issuperset(model.state_dict()):
+        why = "it holds no new head (the data's classes are its own)" if built and not new else \
+            "it holds no pretrained tensors"
+        raise UserError(f"--backbone-lr-factor 0 trains a pretrained model's new head alone; {why}.")
+    for name, tensor in model.named_parameters():
+        tensor.requires_grad_(name in new)
+    for name, module in list(model.named_modules()):
+        if isinstance(module, torch.nn.BatchNorm2d) and not any(f"{name}.{k}" in new for k in module.state_dict()):
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, freeze_batch_norm_2d(module))
+    return model
+
+
 # Handing the result back -------------------------------------------------------------------------------------------
 def library_config(model: torch.nn.Module, facts: dict) -> dict | None:
     """The config.json that makes a run's folder (its model.safetensors beside it) a model folder of the library
