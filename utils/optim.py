@@ -42,8 +42,9 @@ def parameter_groups(model: torch.nn.Module, lr: float, weight_decay: float, *, 
     """torch.optim parameter groups for `model` (before prepare(): its own parameter names), in this order, empty
     ones left out: the head's, then the backbone's; within each, from the head's layer down (with `layer_decay`);
     within each, the decayed tensors, then the exempt ones. The first group trains at `lr` (the lr that is logged).
-    `exemptions` False: every tensor decays. `layers`: a model's layers from the input to the head, each the name
-    prefixes of its parameters, for `layer_decay` on a model that is not timm's or transformers'."""
+    Frozen tensors (requires_grad False) are left out. `exemptions` False: every tensor decays. `layers`: a model's
+    layers from the input to the head, each the name prefixes of its parameters, for `layer_decay` on a model that is
+    not timm's or transformers'."""
     built = built_from(model)
     new = set(built.new_tensors) if built else None  # None: all new, as a model trained from scratch
     depth = depths(model, layers, built) if layer_decay is not None else {}
