@@ -10,6 +10,7 @@ test images.
 tests/test_pretrained.py builds its task with the functions here.
 
     python bench/finetune_recipe.py --data-dir ../shared/data/cifar10 --seeds 3     # about 3 minutes on 2 cores
+    python bench/finetune_recipe.py --data-dir ../shared/data/cifar10 --seeds 3 --factors 0 1   # a linear probe
     python bench/finetune_recipe.py --data-dir ../shared/data/cifar10 --seeds 3 --factors 1 --layer-decays 0.75 0.5 \
         --drop-paths 0.1 --random-erases 0.25 --no-exemptions
     python bench/finetune_recipe.py --data-dir ../shared/data/cifar10 --seeds 3 --factors 1 \
