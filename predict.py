@@ -204,15 +204,14 @@ class Printed:
 
     def __init__(self, columns: list[str]):
         self.columns, self.rows = columns, []
-        self.writer = csv.DictWriter(sys.stdout, columns, extrasaction="ignore", lineterminator="\n")
+        self.writer = csv.DictWriter(sys.stdout, columns, extrasaction="ignore", lineterminator="\n")  # not index
 
     def resume_point(self, global_batch: int) -> int:
         self.writer.writeheader()
         return 0
 
     def write(self, rows: list[dict]) -> None:
-        rows = [{c: "" if row[c] is None else row[c] for c in self.columns} for row in rows]
-        self.writer.writerows(rows)
+        self.writer.writerows(rows)  # None as an empty cell, as csv writes it
         sys.stdout.flush()
         self.rows += rows
 
@@ -303,10 +302,9 @@ def row(i: int, good: int, values: list[float], picks: list[int], names, files, 
 
 def report(rows: list[dict], out: Path | None, names: list[str], classes: list[str], folder: bool) -> dict:
     """The last line: rows written to `out` (None: printed), images that could not be read and, for a tree of class
-    folders named as the
-    run's classes, the top-1 against the folder names: each image's top folder, as training reads an image folder
-    (cat/2024/IMG_0001.jpg is a cat), else the folder it is in (whichever names a class for more images). Images in
-    folders that name no class are left out of it, the folders named."""
+    folders named as the run's classes, the top-1 against the folder names: each image's top folder, as training
+    reads an image folder (cat/2024/IMG_0001.jpg is a cat), else the folder it is in (whichever names a class for more
+    images). Images in folders that name no class are left out of it, the folders named."""
     bad = sum(1 for r in rows if r["error"])
     line = (f"wrote {len(rows)} prediction{'s' * (len(rows) != 1)} to {out}" if out else
             f"predicted {len(rows)} image{'s' * (len(rows) != 1)}") + (

@@ -342,13 +342,14 @@ def listed_files(metadata: Path) -> tuple[list[Path], list[str]]:
     if "file_name" not in columns or label is None:
         raise UserError(f"{metadata} has columns {columns}; expected file_name and a label column named "
                         f"{' or '.join(repr(n) for n in LABEL_COLUMNS)}.")
-    names = [str(row.get("file_name") or "") for row in rows]
-    classes = [str(row.get(label) if row.get(label) is not None else "") for row in rows]
-    twice = [n for n, k in Counter(names).items() if k > 1]
-    blank = next((f"names {n} without a {label}" if n else "has a row without a file_name"
-                  for n, c in zip(names, classes) if not (n and c)), None)
-    if twice or blank:
-        raise UserError(f"{metadata} {blank or f'names {twice[0]} more than once'}.")
+    names = ["" if row.get("file_name") is None else str(row["file_name"]) for row in rows]
+    classes = ["" if row.get(label) is None else str(row[label]) for row in rows]
+    if not all(names):
+        raise UserError(f"{metadata} has a row without a file_name.")
+    if unlabelled := next((n for n, c in zip(names, classes) if not c), None):
+        raise UserError(f"{metadata} names {unlabelled} without a {label}.")
+    if twice := next((n for n, k in Counter(names).items() if k > 1), None):
+        raise UserError(f"{metadata} names {twice} more than once.")
     folder = metadata.parent
     files = [folder / n for n in names]
     missing = [n for n, f in zip(names, files) if not f.is_file()]
