@@ -14,9 +14,9 @@ rows are printed as CSV, and the last line goes to stderr. The model is rebuilt 
 (utils/runs.py, as evaluate_checkpoint.py does) and sees each image as the run's evaluation did: the same decode
 (upright, by its EXIF orientation), resize and crop (utils/data/pixels.py's evaluation_view, which `--decode
 workers` evaluates through: the cache's resize, or an --augment resized-crop run's resize and centre crop), mean,
-std, memory format, precision, micro-batch and --tta-flip. When IMAGES is a tree of class folders named as the run's
-classes, it also prints the top-1 against the folder names (over the images in folders that name a class; the
-others' folders are named).
+std, memory format, precision, micro-batch and --tta-flip. When IMAGES is labelled as training reads a folder (class
+folders named as the run's classes, or a metadata.csv / metadata.jsonl naming each file's class), it also prints the
+top-1 against those labels (over the images labelled with a class of the run; the others are counted).
 
 Under `accelerate launch` each process predicts its share (Accelerate's sharding; images decoded in each process's
 loader workers) and the main process writes every image's row once, in the input's order. The rows go to
@@ -27,6 +27,7 @@ an uninterrupted job writes. FILE appears, whole, when the last row is written.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import hashlib
 import io
@@ -45,7 +46,7 @@ from utils import UserError, first_line, write_atomically
 from utils.cli import FlagParser
 from utils.data.images import worker_share
 from utils.data.pixels import CropRecipe, check_pixels, evaluation_view
-from utils.data.sources import IMAGE_SUFFIXES, PHOTO_SUFFIXES, visible_files
+from utils.data.sources import IMAGE_SUFFIXES, PHOTO_SUFFIXES, listed_files, metadata_file, visible_files
 from utils.data.transform import BatchTransform
 from utils.launch import run as run_job
 from utils.runs import WEIGHTS, add_run_flags, build_trained_model, open_run
@@ -284,7 +285,7 @@ def main(args) -> dict:
     accelerator.wait_for_everyone()
     result = {}
     if accelerator.is_main_process:
-        result = report(output.finish(), out, names, classes, Path(args.images).is_dir())
+        result = report(output.finish(), out, classes, *known_labels(args.images, names, classes))
         print(result["line"], file=sys.stdout if out else sys.stderr, flush=True)
     accelerator.end_training()
     return result
@@ -300,28 +301,48 @@ def row(i: int, good: int, values: list[float], picks: list[int], names, files, 
     return out
 
 
-def report(rows: list[dict], out: Path | None, names: list[str], classes: list[str], folder: bool) -> dict:
-    """The last line: rows written to `out` (None: printed), images that could not be read and, for a tree of class
-    folders named as the run's classes, the top-1 against the folder names: each image's top folder, as training
-    reads an image folder (cat/2024/IMG_0001.jpg is a cat), else the folder it is in (whichever names a class for more
-    images). Images in folders that name no class are left out of it, the folders named."""
+def known_labels(images: str, names: list[str], classes: list[str]) -> tuple[list[str], str]:
+    """(each image's class as IMAGES labels it, "" for none; what labels them), as training reads a folder: its
+    metadata file's label for each file it names (utils/data/sources.py's reading; a file it cannot read labels nothing,
+    said in a warning), else each image's top folder (cat/2024/IMG_0001.jpg is a cat) or else the folder it is in,
+    whichever names a class of the run for more images; an image directly in IMAGES is in no class folder."""
+    source = Path(images)
+    if not source.is_dir():
+        return [""] * len(names), ""
+    if metadata := metadata_file(source):
+        try:
+            with contextlib.redirect_stdout(sys.stderr):  # its warning of unnamed images: stdout may carry the rows
+                files, labels = listed_files(metadata)
+        except UserError as e:
+            print(f"warning: {e} No top-1 is reported.", file=sys.stderr, flush=True)
+            return [""] * len(names), ""
+        listed = {os.path.normpath(f): label for f, label in zip(files, labels)}
+        return [listed.get(os.path.normpath(source / name), "") for name in names], metadata.name
+    parts = [Path(name).parts for name in names]
+    named = ([p[0] if len(p) > 1 else "" for p in parts], [p[-2] if len(p) > 1 else "" for p in parts])
+    return max(named, key=lambda labels: sum(label in classes for label in labels)), "the folder names"
+
+
+def report(rows: list[dict], out: Path | None, classes: list[str], labels: list[str], by: str) -> dict:
+    """The last line: rows written to `out` (None: printed), images that could not be read and, where `by` labels
+    images with classes of the run (known_labels), the top-1 against those labels. Images labelled with no class of
+    the run are left out of it and counted (their folders named)."""
     bad = sum(1 for r in rows if r["error"])
     line = (f"wrote {len(rows)} prediction{'s' * (len(rows) != 1)} to {out}" if out else
             f"predicted {len(rows)} image{'s' * (len(rows) != 1)}") + (
         f"; {bad} image{'s' * (bad != 1)} could not be read (their error column)" if bad else "")
     result = {"rows": len(rows), "unreadable": bad}
-    parts = [Path(name).parts for name in names]  # an image directly in IMAGES is in no class folder: ""
-    named = ([p[0] if len(p) > 1 else "" for p in parts], [p[-2] if len(p) > 1 else "" for p in parts])
-    labels = max(named, key=lambda labels: sum(label in classes for label in labels))
-    if folder and any(label in classes for label in labels):
+    if any(label in classes for label in labels):
         good = [(r["prediction"], label) for r, label in zip(rows, labels) if not r["error"] and label in classes]
         top1 = 100.0 * sum(p == label for p, label in good) / max(len(good), 1)
-        line += f"; top-1 against the folder names: {top1:.2f}% of {len(good)} images"
-        others = sorted({label for label in labels if label not in classes})
-        if others:
-            left = sum(label not in classes for label in labels)
+        line += f"; top-1 against {by}: {top1:.2f}% of {len(good)} images"
+        left = [label for label in labels if label not in classes]
+        if left and by == "the folder names":
+            others = sorted(set(left))
             shown = ", ".join(f"{name or '.'}/" for name in others[:3]) + (" ..." if len(others) > 3 else "")
-            line += f" ({left} in {shown} left out: not a class of the run)"
+            line += f" ({len(left)} in {shown} left out: not a class of the run)"
+        elif left:
+            line += f" ({len(left)} left out: not named in {by}, or labelled with no class of the run)"
         result["top1"] = top1
     return result | {"line": line}
 

@@ -119,6 +119,41 @@ def test_one_image_without_output_prints_its_top_classes_as_csv_and_writes_no_fi
 
 
 @pytest.mark.slow
+def test_a_folder_labelled_by_a_metadata_file_gets_its_top1_against_the_listed_classes(trained, jpeg_folder, tmp_path):
+    """The 48 test JPEGs renamed IMG_0000.jpg ... in one flat folder, in shuffled order, with a metadata.csv naming
+    each one's class (as training reads such a folder), and beside them 2 more: one the file does not name, one it
+    labels with a class the run lacks. The printed top-1 is the run's reported top-1 (the same images, classes and
+    view) and equals the rows' against the listed classes; the 2 are predicted but left out of it and counted; the
+    warning of the unnamed image goes to stderr, so stdout holds only CSV. Each image's label read is the one listed."""
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    files = sorted((jpeg_folder / "test").rglob("*.jpg"))
+    order = torch.randperm(len(files), generator=torch.Generator().manual_seed(0)).tolist()
+    listed = {f"IMG_{k:04d}.jpg": files[i].parent.name for k, i in enumerate(order)}
+    for k, i in enumerate(order):
+        shutil.copy(files[i], photos / f"IMG_{k:04d}.jpg")
+    shutil.copy(files[0], photos / "unnamed.jpg")
+    shutil.copy(files[1], photos / "zebra.jpg")
+    lines = ["file_name,label", *(f"{name},{label}" for name, label in listed.items()), "zebra.jpg,zebra"]
+    (photos / "metadata.csv").write_text("\n".join(lines) + "\n")
+    result = predict(trained, photos)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = list(csv.DictReader(result.stdout.splitlines()))
+    assert len(rows) == 50 and {r["path"] for r in rows} == {*listed, "unnamed.jpg", "zebra.jpg"}
+    top1 = 100.0 * sum(r["prediction"] == listed[r["path"]] for r in rows if r["path"] in listed) / len(listed)
+    assert top1 == read_summary(trained)["eval_top1"]
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"predicted 50 images; top-1 against metadata.csv: {top1:.2f}% of 48 images (2 left out: not named in "
+        f"metadata.csv, or labelled with no class of the run)")
+    assert "1 image in" in result.stderr and "is not named in metadata.csv" in result.stderr
+    import predict as tool
+
+    names = [r["path"] for r in rows]
+    assert tool.known_labels(str(photos), names, []) == ([listed.get(n, "zebra" * (n == "zebra.jpg")) for n in names],
+                                                         "metadata.csv")
+
+
+@pytest.mark.slow
 def test_a_prediction_job_killed_midway_and_started_again_ends_with_the_uninterrupted_file(trained, jpeg_folder,
                                                                                            tmp_path):
     """2 ranks, micro-batch 2, the 240 JPEGs of both splits listed in a text file (paths relative to its folder),
@@ -205,7 +240,7 @@ def test_a_copys_own_build_model_predicts_through_its_script(jpeg_folder, tmp_pa
     assert top1 == read_summary(out)["eval_top1"] and len(rows) == 48
 
 
-def test_the_folder_top1_reads_each_images_class_as_training_does_and_counts_in_the_singular():
+def test_the_folder_top1_reads_each_images_class_as_training_does_and_counts_in_the_singular(tmp_path):
     """The last line's top-1 against the folder names takes each image's top folder, as training reads an image
     folder (cat/2024/a.jpg is a cat: 2 of 3 right, the unreadable one left out), else, where the top folders are not
     the run's classes (photos/cat/a.jpg), the folder each image is in; one unreadable image is said in the singular.
@@ -223,6 +258,6 @@ def test_the_folder_top1_reads_each_images_class_as_training_does_and_counts_in_
         rows = [{"path": n, "prediction": p, "probability": "0.5", "error": e}
                 for n, p, e in zip(names, predictions, errors)]
         out = Path("p.csv")
-        line = predict.report(rows, out, names, classes, folder=True)["line"]
+        line = predict.report(rows, out, classes, *predict.known_labels(str(tmp_path), names, classes))["line"]
         unreadable = "; 1 image could not be read (their error column)" if any(errors) else ""
         assert line == f"wrote {len(names)} predictions to {out}{unreadable}; top-1 against the folder names: {want}"
