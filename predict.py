@@ -14,9 +14,10 @@ rows are printed as CSV, and the last line goes to stderr. The model is rebuilt 
 (utils/runs.py, as evaluate_checkpoint.py does) and sees each image as the run's evaluation did: the same decode
 (upright, by its EXIF orientation), resize and crop (utils/data/pixels.py's evaluation_view, which `--decode
 workers` evaluates through: the cache's resize, or an --augment resized-crop run's resize and centre crop), mean,
-std, memory format, precision, micro-batch and --tta-flip. When IMAGES is labelled as training reads a folder (class
-folders named as the run's classes, or a metadata.csv / metadata.jsonl naming each file's class), it also prints the
-top-1 against those labels (over the images labelled with a class of the run; the others are counted).
+std, memory format, precision, micro-batch and --tta-flip. When IMAGES labels its images as training reads a folder
+(class folders, or a metadata.csv / metadata.jsonl naming each file's class), each row also has its `label` after
+`path` ("" for none), and the last line gives the top-1 against them (over the images labelled with a class of the
+run; the others are counted).
 
 Under `accelerate launch` each process predicts its share (Accelerate's sharding; images decoded in each process's
 loader workers) and the main process writes every image's row once, in the input's order. The rows go to
@@ -220,15 +221,15 @@ class Printed:
         return self.rows
 
 
-def columns(k: int) -> list[str]:
+def columns(k: int, labelled: bool) -> list[str]:
     extra = [name for j in range(2, k + 1) for name in (f"prediction_{j}", f"probability_{j}")]
-    return ["path", "prediction", "probability", *extra, "error"]
+    return ["path", *["label"] * labelled, "prediction", "probability", *extra, "error"]
 
 
-def identity(run, names: list[str], top_k: int, batch: int) -> dict:
+def identity(run, names: list[str], labels: list[str], top_k: int, batch: int) -> dict:
     """What the rows depend on: a partial file of another identity is started over."""
     stat = run.weights.stat()
-    listed = hashlib.sha256("\n".join(names).encode()).hexdigest()
+    listed = hashlib.sha256("\n".join(names + labels).encode()).hexdigest()
     return {"weights": str(run.weights.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
             "images": listed, "top_k": top_k, "batch_size": batch}
 
@@ -247,10 +248,11 @@ def main(args) -> dict:
         raise UserError(f"--output {args.output}: its folder {out.parent} does not exist.")
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=summary.get("mixed_precision"))
     model = build_trained_model(run, len(classes))  # its one line, if the weights do not fit, before any output
+    labels, by = known_labels(args.images, names, classes) if accelerator.is_main_process else ([], "")  # it writes
     view = run_view(summary)
     batch = args.batch_size or summary.get("batch_size_per_process", 500)
-    output = Output(out, identity(run, names, args.top_k, batch), columns(args.top_k)) if out else \
-        Printed(columns(args.top_k))
+    kept = columns(args.top_k, labelled=any(label in classes for label in labels))
+    output = Output(out, identity(run, names, labels, args.top_k, batch), kept) if out else Printed(kept)
     first = [output.resume_point(batch * accelerator.num_processes) if accelerator.is_main_process else 0]
     broadcast_object_list(first)  # every process starts at the main's resume point
     first = first[0]
@@ -277,7 +279,7 @@ def main(args) -> dict:
                                                                         ok.to(accelerator.device), best.values,
                                                                         best.indices))
             if accelerator.is_main_process:
-                rows = [row(i, good, v, c, names, files, classes, view) for i, good, v, c in
+                rows = [row(i, good, v, c, names, labels, files, classes, view) for i, good, v, c in
                         zip(index.tolist(), ok.tolist(), values.tolist(), picks.tolist())]
                 output.write(sorted(rows, key=lambda r: r["index"]))
                 bar.update(len(rows))
@@ -285,14 +287,14 @@ def main(args) -> dict:
     accelerator.wait_for_everyone()
     result = {}
     if accelerator.is_main_process:
-        result = report(output.finish(), out, classes, *known_labels(args.images, names, classes))
+        result = report(output.finish(), out, classes, labels, by)
         print(result["line"], file=sys.stdout if out else sys.stderr, flush=True)
     accelerator.end_training()
     return result
 
 
-def row(i: int, good: int, values: list[float], picks: list[int], names, files, classes, view) -> dict:
-    out = {"index": i, "path": names[i], "error": None}
+def row(i: int, good: int, values: list[float], picks: list[int], names, labels, files, classes, view) -> dict:
+    out = {"index": i, "path": names[i], "label": labels[i], "error": None}
     for j, (p, c) in enumerate(zip(values, picks), start=1):
         suffix = "" if j == 1 else f"_{j}"
         out[f"prediction{suffix}"], out[f"probability{suffix}"] = (classes[c], round(p, 6)) if good else (None, None)
