@@ -269,7 +269,7 @@ def main(cfg: Config) -> dict:
         model = build_model(cfg, len(data["classes"]))
         check_logits(model, len(data["classes"]), data["image_size"])  # logits (N, classes) for the data's images
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) if cfg.sync_bn else model  # before prepare()
-        init = init_weights(model, cfg.init_from, cfg.model, accelerator, resume_from)  # --init-from, unless resumed
+        init = init_weights(model, cfg.init_from, cfg.model, accelerator, resume_from, data["classes"])  # --init-from
         channels_last = cfg.channels_last and fsdp is None  # FSDP2 shards contiguous parameters only: NCHW under FSDP
         model = model.to(memory_format=torch.channels_last) if channels_last else model
         optimizer = build_optimizer(cfg, model, lr)

@@ -205,7 +205,7 @@ def main(cfg: Config) -> dict:
         set_seed(cfg.seed)
         model = build_model(cfg, len(data["classes"]))
         check_logits(model, len(data["classes"]), data["image_size"])  # logits (N, classes) for the data's images
-        init = init_weights(model, cfg.init_from, cfg.model, accelerator, resume_from)  # --init-from, unless resumed
+        init = init_weights(model, cfg.init_from, cfg.model, accelerator, resume_from, data["classes"])  # --init-from
         if cfg.activation_checkpointing:
             checkpoint_blocks(model)
         optimizer = build_optimizer(cfg, model, lr)

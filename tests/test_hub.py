@@ -142,7 +142,7 @@ def test_fine_tuning_from_a_hub_repo_replaces_the_head_and_starts_every_rank_fro
     s = fine_tuned["summary"]
     assert s["config"]["init_from"] == "tester/cifar-ref" and s["init_new_keys"] == ["fc.bias", "fc.weight"]
     assert "models--tester--cifar-ref" in s["init_weights"]
-    said = "new, freshly initialised: fc.bias, fc.weight (a 3-class head for the source's 10)"
+    said = "new, freshly initialised: fc.bias, fc.weight (a 3-class head for the source's 10 other classes)"
     assert said in fine_tuned["first"].stdout
     assert s["classes"] == list(THREE) and s["global_step"] == 6
 
@@ -208,6 +208,34 @@ def test_a_class_count_change_loads_every_tensor_but_the_head(tmp_path, accelera
     assert info["init_new_keys"] == ["fc.bias", "fc.weight"]
     assert all(torch.equal(loaded[k], ten[k]) for k in ten if not k.startswith("fc."))
     assert torch.equal(loaded["fc.weight"], own_head)
+
+
+def test_a_head_is_matched_to_the_sources_classes_by_name_and_never_swapped_by_shape(tmp_path, accelerator):
+    """A run's weights whose summary.json names its classes (airplane, automobile, bird), loaded for data of other
+    classes: for (airplane, bird, cat) the head's rows of airplane and bird are the source's rows 0 and 2, cat's the
+    model's fresh row, bias alike; for a 2-class subset (airplane, bird) rows 0 and 2; for 3 other names (ant, bee,
+    cow) the whole head is the model's fresh one (loaded by shape it would give ant airplane's row), listed as new;
+    for the same classes, the source's head. Every other tensor is the source's in each case."""
+    torch.manual_seed(1)
+    source = named_model("resnet8", 3).state_dict()
+    save_file(source, tmp_path / "model.safetensors")
+    (tmp_path / "summary.json").write_text(json.dumps({"model": "resnet8", "classes": ["airplane", "automobile",
+                                                                                        "bird"]}))
+    for seed, classes, rows, kept in ((2, ["airplane", "bird", "cat"], [0, 2, None], ["airplane", "bird"]),
+                                      (3, ["airplane", "bird"], [0, 2], ["airplane", "bird"]),
+                                      (4, ["ant", "bee", "cow"], [None] * 3, None),
+                                      (5, ["airplane", "automobile", "bird"], [0, 1, 2], None)):
+        torch.manual_seed(seed)
+        model = named_model("resnet8", len(classes))
+        fresh = {k: v.clone() for k, v in model.state_dict().items() if k.startswith("fc.")}
+        info = init_weights(model, str(tmp_path), "resnet8", accelerator, classes=classes)
+        loaded = model.state_dict()
+        assert all(torch.equal(loaded[k], source[k]) for k in source if not k.startswith("fc.")), classes
+        for k in ("fc.weight", "fc.bias"):
+            for j, i in enumerate(rows):
+                assert torch.equal(loaded[k][j], fresh[k][j] if i is None else source[k][i]), (classes, k, j)
+        assert info.get("init_head_classes") == kept
+        assert info["init_new_keys"] == (["fc.bias", "fc.weight"] if rows == [None] * 3 else [])
 
 
 def test_torchvision_weights_without_network_stop_with_one_line(tmp_path, monkeypatch, accelerator):

@@ -227,8 +227,9 @@ class LoggingConfig(Group):
 class HubConfig(Group):
     # --- hub: start from trained weights, metrics by name, share the result ---
     init_from: str | None = opt(None, "start from trained weights: a .safetensors file or run folder, a Hub model repo "
-                                "(owner/name[@revision]) or torchvision:IMAGENET1K_V1 (the ResNet-18s); a new head "
-                                "when the class count differs; a resumed run keeps its checkpoint's weights")
+                                "(owner/name[@revision]) or torchvision:IMAGENET1K_V1 (the ResNet-18s); the head's "
+                                "rows matched by class name (a run's), else new when the class count differs; a "
+                                "resumed run keeps its checkpoint's weights")
     metric: list[str] | None = opt(None, "also compute this `evaluate` metric at each evaluation, on the gathered "
                                    "top-1 predictions: NAME[:key=value,...] (e.g. f1:average=macro) or a local "
                                    "metric script; logged as eval/NAME; give the flag once per metric")

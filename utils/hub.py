@@ -27,12 +27,14 @@ HUB_FOLDER = "hub"  # <output-dir>/hub: what --push-to-hub uploads
 
 
 # --init-from SOURCE ------------------------------------------------------------------------------------------------
-def init_weights(model: torch.nn.Module, source: str | None, model_name: str, accelerator, resume_from=None) -> dict:
+def init_weights(model: torch.nn.Module, source: str | None, model_name: str, accelerator, resume_from=None,
+                 classes: list[str] | None = None) -> dict:
     """Loads SOURCE's weights into `model` (before prepare(), the same file on every rank), keeping the model's own
     freshly initialised head (its last Linear layer) when the class counts differ, and, from torchvision's ImageNet
-    weights into the CIFAR-stem resnet18, its own 3x3 first convolution. Any other missing, unexpected or
-    differently shaped key stops the run with one line. Returns what was loaded, for summary.json and the tracker.
-    Nothing when a checkpoint is resumed (`resume_from`): it holds the run's weights."""
+    weights into the CIFAR-stem resnet18, its own 3x3 first convolution. Where the source's summary.json names its
+    classes and they are not the data's `classes`, the head is matched by name instead (head_by_name). Any other
+    missing, unexpected or differently shaped key stops the run with one line. Returns what was loaded, for
+    summary.json and the tracker. Nothing when a checkpoint is resumed (`resume_from`): it holds the run's weights."""
     if source is None or resume_from is not None:
         if source is not None:
             accelerator.print(f"--init-from {source}: not loaded, the run continues from {resume_from}")
@@ -51,8 +53,14 @@ def init_weights(model: torch.nn.Module, source: str | None, model_name: str, ac
     own = model.state_dict()
     head = ([name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)] or [None])[-1]
     allowed_new |= {k for k in own if head is not None and k.startswith(head + ".")}
+    named = recorded(summary).get("classes")
+    others = head is not None and isinstance(named, list) and classes is not None and named != list(classes)
+    by_name = head_by_name(own, state, head, named, classes) if others else {}
+    source_rows = len(state[f"{head}.weight"]) if f"{head}.weight" in state else None  # the source's class count
+    state |= by_name.get("tensors", {})  # the data's shape
     reshaped = sorted(k for k in own.keys() & state.keys() if own[k].shape != state[k].shape)
-    new = [k for k in reshaped if k in allowed_new]
+    new = sorted(k for k in own.keys() & state.keys() if k in allowed_new and  # a head of other classes is new too
+                 (k in reshaped or others and not by_name and k.startswith(f"{head}.")))
     problems = {"missing": sorted(own.keys() - state.keys()), "unexpected": sorted(state.keys() - own.keys()),
                 "shaped differently": [f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}"
                                        for k in reshaped if k not in allowed_new]}
@@ -65,9 +73,36 @@ def init_weights(model: torch.nn.Module, source: str | None, model_name: str, ac
     model.load_state_dict({k: v for k, v in state.items() if k not in new}, strict=False)
     note = f"; new, freshly initialised: {', '.join(new)}" if new else ""
     if head is not None and head + ".weight" in new:
-        note += f" (a {own[head + '.weight'].shape[0]}-class head for the source's {state[head + '.weight'].shape[0]})"
+        note += (f" (a {own[head + '.weight'].shape[0]}-class head for the source's {source_rows}"
+                 f"{' other classes' if others else ''})")
+    if by_name:
+        kept, fresh = by_name["kept"], [c for c in classes if c not in by_name["kept"]]
+        note += (f"; {head} by class name: {len(kept)} of the data's {len(classes)} classes' rows from the source"
+                 f"{shown(kept)}" + (f", {len(fresh)} fresh{shown(fresh)}" if fresh else ""))
     accelerator.print(f"--init-from {source}: {len(state) - len(new)} tensors loaded from {origin}{note}")
-    return {"init_weights": origin, "init_new_keys": new}
+    return {"init_weights": origin, "init_new_keys": new} | ({"init_head_classes": by_name["kept"]} if by_name else {})
+
+
+def head_by_name(own: dict, state: dict, head: str, named: list[str], classes: list[str]) -> dict:
+    """For a source whose classes (`named`, its summary.json's) are not the data's `classes` (another set, or the same
+    count of other names, which a head loaded by shape would silently swap): the head's tensors of the data's shape,
+    each class the source also has taking the source's row (weight and bias), the others the model's fresh rows, and
+    the classes kept. {} where no class is kept, or the source's head is of another width or count."""
+    keys = [k for k in (f"{head}.weight", f"{head}.bias") if k in own]
+    if not all(k in state and state[k].shape[1:] == own[k].shape[1:] and len(state[k]) == len(named) for k in keys):
+        return {}
+    row = {name: i for i, name in enumerate(named)}
+    tensors = {k: own[k].clone() for k in keys}
+    for j, name in (pair for pair in enumerate(classes) if pair[1] in row):
+        for k in keys:
+            tensors[k][j] = state[k][row[name]]
+    kept = [name for name in classes if name in row]
+    return {"tensors": tensors, "kept": kept} if kept else {}
+
+
+def shown(names: list[str], most: int = 5) -> str:
+    """The names for a line, " (a, b, c)", at most `most` of them; "" for none."""
+    return f" ({', '.join(names[:most])}{' ...' if len(names) > most else ''})" if names else ""
 
 
 def locate_weights(source: str, filename: str = "model.safetensors") -> tuple[Path, Path | None]:
@@ -126,18 +161,23 @@ def torchvision_weights(source: str, model_name: str) -> dict[str, torch.Tensor]
                         f"{torch.hub.get_dir()}/checkpoints/ is unreadable ({first_line(e)}); delete it") from None
 
 
+def recorded(summary: Path | None) -> dict:
+    """The summary.json beside the weights; {} for none, or an unreadable one (the weights still load)."""
+    try:
+        value = json.loads(summary.read_text()) if summary is not None else {}
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 def trained_as(summary: Path | None) -> str | None:
     """What built the weights, from the summary.json beside them: "--model M", and "by SCRIPT" when the summary
     records the training script (a copy's build_model: fine-tune with a copy of that script). None: no summary, or
     an unreadable one."""
-    if summary is None:
+    if "model" not in (record := recorded(summary)):
         return None
-    try:
-        recorded = json.loads(summary.read_text())
-        script = (recorded.get("script") or {}).get("name")
-        return f"--model {recorded['model']}" + (f" by {script}" if script else "")
-    except (OSError, ValueError, KeyError, AttributeError):  # AttributeError: JSON that is not an object
-        return None
+    script = (record.get("script") or {}).get("name") if isinstance(record.get("script"), dict) else None
+    return f"--model {record['model']}" + (f" by {script}" if script else "")
 
 
 # --push-to-hub REPO_ID -------------------------------------------------------------------------------------------
