@@ -72,6 +72,14 @@ def main(argv: list[str] | None = None) -> dict:
                         f"the {held:g} of it held out by class would be scored; every image of a folder of class "
                         f"folders: predict.py RUN {args.data_dir} --output FILE.csv (its top-1 against the folder "
                         f"names).")
+    if run.classes and run.classes != list(data["classes"]):  # scored by index, a class would count as another
+        data_only = [c for c in data["classes"] if c not in run.classes]
+        run_only = [c for c in run.classes if c not in data["classes"]]
+        why = (f"{data_only[0]} is in the data alone" if data_only else
+               f"{run_only[0]} is in the run alone" if run_only else "in another order")
+        raise UserError(f"the data's {len(data['classes'])} classes are not the run's {len(run.classes)} ({why}); a "
+                        f"folder of some of the run's classes: predict.py RUN FOLDER gives the top-1 against its "
+                        f"class names.")
     trained, now = (d.get("dataset", {}).get("eval_split") for d in (summary, data))
     if trained and now and trained != now and (held or args.data_dir is not None):  # a held-out part drawn by another
         # rule, or another --data-dir: it may hold training images (another split of the same data holds none)

@@ -407,7 +407,8 @@ def test_a_hub_dataset_without_a_test_split_holds_out_the_stated_part_on_two_ran
     evaluate_checkpoint.py finds the same data and held-out part from summary.json alone, and says in one line when
     the summary names another part than the one it evaluates on (a run whose part was drawn by another rule). Given
     --data-dir a folder of new photos in class folders (no evaluation split), it stops with one line pointing at
-    predict.py instead of scoring the 0.1 of them it would hold out."""
+    predict.py instead of scoring the 0.1 of them it would hold out; given a folder of 2 of the run's classes, or of 3
+    classes one of which the run lacks, one line naming the class, instead of scoring the model's outputs by index."""
     import evaluate_checkpoint
 
     repo = tmp_path / "hub" / "pets"
@@ -449,6 +450,16 @@ def test_a_hub_dataset_without_a_test_split_holds_out_the_stated_part_on_two_ran
                                         rf"train/\), so only the 0\.1 of it held out by class would be scored; every "
                                         rf"image of a folder of class folders: predict\.py RUN {photos} --output "):
         evaluate_checkpoint.main([str(out / "model.safetensors"), "--data-dir", str(photos), "--cache-dir", str(cache)])
+    for names, why in ((("cat", "dog"), "fish is in the run alone"),
+                       (("bird", "cat", "dog"), "bird is in the data alone")):
+        other = tmp_path / "-".join(names)  # train/ and test/ of other classes: scored by index, one would be another
+        for split, k, name in ((split, k, name) for split in ("train", "test") for k, name in enumerate(names)):
+            (other / split / name).mkdir(parents=True)
+            Image.new("RGB", (16, 16), (80 * k, 40, 10)).save(other / split / name / "0.png")
+        with pytest.raises(UserError, match=rf"^the data's {len(names)} classes are not the run's 3 \({why}\); a "
+                                            rf"folder of some of the run's classes: predict\.py RUN FOLDER gives"):
+            evaluate_checkpoint.main([str(out / "model.safetensors"), "--data-dir", str(other), "--cache-dir",
+                                      str(cache)])
 
 
 # Early stopping ----------------------------------------------------------------------------------------------------
