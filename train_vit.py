@@ -45,7 +45,7 @@ from utils.ema import WeightEMA
 from utils.evaluation import Evaluator, evaluate, load_metrics
 from utils.export import export_model
 from utils.guard import MemoryGuard, StopGuard
-from utils.hub import check_can_push, init_weights, push_to_hub
+from utils.hub import check_can_push, push_to_hub
 from utils.launch import (
     check_world,
     check_wrapper,
@@ -62,6 +62,7 @@ from utils.output_dir import check_output_dir, lock_output_dir
 from utils.plan import plan_batches, use_plan
 from utils.schedule import warmup_cosine
 from utils.tracking import StepProfiler, Tracker, TrainMeter, peak_memory_gb, run_facts
+from utils.weights import init_weights
 
 REFERENCE_BATCH = 128  # --scale-lr: lr is given for this global batch and scaled linearly from it
 HEALTH_CHECK_EVERY = 10  # optimizer steps between the (collective) checks for preemption signals and NaN loss
@@ -230,7 +231,7 @@ def main(cfg: Config) -> dict:
         # --- resume, on any process count: weights, optimizer, RNG (Accelerate), schedule, counters ---
         p = checkpointer.start(resume_from, scheduler, plan, ema)  # fresh: --overwrite clears the old run only now
         accelerator.wait_for_everyone()
-        run_info = {**run_facts(accelerator, cfg, model, optimizer, plan, total_steps, lr),
+        run_info = {**run_facts(accelerator, checkpointer.script, model, optimizer, plan, total_steps, lr),
                     "fsdp_param_dtype": _param_dtype(fsdp), **init}
         p.tracker_run_id = tracker.start(accelerator, {**asdict(cfg), **run_info}, p.tracker_run_id, bool(resume_from))
         profiler = StepProfiler(accelerator, cfg.output_dir, enabled=cfg.profile)  # --profile: a trace of a few steps

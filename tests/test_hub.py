@@ -37,8 +37,9 @@ from safetensors.torch import load_file, save_file
 
 from utils import UserError
 from utils.config_groups import metric_label, parse_metric
-from utils.hub import hub_folder, init_weights, model_card, push_to_hub
+from utils.hub import hub_folder, model_card, push_to_hub
 from utils.models import named_model
+from utils.weights import init_weights
 
 THREE = ("ant", "bee", "cow")
 PER_CLASS = {"train": 64, "test": 16}

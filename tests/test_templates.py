@@ -75,10 +75,10 @@ ALLOWED = [
      ["run_eval = partial(evaluate, model, eval_loader, transform, accelerator, tta_flip=False, "
       "classes=data['classes'], compute_loss=partial(compute_loss, cfg), metrics=extra_metrics)"],
      "flip test-time augmentation is the ResNet recipes' (the ViT has no --tta-flip)"),
-    (["run_info = {**run_facts(accelerator, cfg, model, optimizer, plan, total_steps, lr), 'channels_last': "
-      "channels_last, **init}"],
-     ["run_info = {**run_facts(accelerator, cfg, model, optimizer, plan, total_steps, lr), 'fsdp_param_dtype': "
-      "_param_dtype(fsdp), **init}"],
+    (["run_info = {**run_facts(accelerator, checkpointer.script, model, optimizer, plan, total_steps, lr), "
+      "'channels_last': channels_last, **init}"],
+     ["run_info = {**run_facts(accelerator, checkpointer.script, model, optimizer, plan, total_steps, lr), "
+      "'fsdp_param_dtype': _param_dtype(fsdp), **init}"],
      "each run records its own layout fact: channels-last for the ResNet, FSDP's parameter dtype for the ViT"),
 ]
 # train_vit.py's Config redefines these fields of the shared groups, with these reasons.

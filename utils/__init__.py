@@ -2,10 +2,11 @@
 user-error type and the process-count check (here); the command line (utils.cli) and the shared flag groups
 (utils.config_groups); how processes start and end (utils.launch); the batch plan (utils.plan); the data layer
 (utils.data: sources, decoding, the kinds of images and their protocol, the contract, the loaders and the batch
-transform); pretrained timm and transformers models (utils.pretrained) and the ready models (utils.models); the output
-folder (utils.output_dir); progress (utils.progress); checkpoints (utils.checkpoint); the EMA (utils.ema); evaluation
-(utils.evaluation); the Hub (utils.hub); the guards around the loop (utils.guard); tracking and the summary
-(utils.tracking); the training script a run came from (utils.scripts). A copier edits the script, not these."""
+transform); pretrained timm and transformers models (utils.pretrained) and the ready models (utils.models); the
+output folder (utils.output_dir); progress (utils.progress); checkpoints (utils.checkpoint); the EMA (utils.ema);
+evaluation (utils.evaluation); trained weights and --init-from (utils.weights); sharing on the Hub (utils.hub); the
+guards around the loop (utils.guard); tracking and the summary (utils.tracking); the training script a run came from
+(utils.scripts). A copier edits the script, not these."""
 
 from __future__ import annotations
 

@@ -16,10 +16,10 @@ import torch
 from safetensors.torch import load_file
 
 from utils import UserError, first_line
-from utils.hub import hub_file, locate_weights
 from utils.launch import first_on_each_machine
 from utils.pretrained import library_of
 from utils.scripts import find_script, import_script
+from utils.weights import hub_file, locate_weights
 
 WEIGHTS = {"final": "model.safetensors", "best": "best.safetensors", "ema": "model_ema.safetensors"}
 

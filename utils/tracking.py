@@ -24,7 +24,6 @@ import torch
 from accelerate.utils import ProfileKwargs
 
 from utils import UserError, write_atomically
-from utils.scripts import script_record
 
 if TYPE_CHECKING:
     from utils.config_groups import LoggingConfig
@@ -337,13 +336,13 @@ def wandb_confusion_matrix(confusion: list[list[int]], classes: list[str]) -> di
         y_true=[t for t, _ in pairs], preds=[q for _, q in pairs], class_names=list(classes))}
 
 
-def run_facts(accelerator, cfg, model, optimizer, plan, total_steps: int, lr: float) -> dict:
+def run_facts(accelerator, script: dict, model, optimizer, plan, total_steps: int, lr: float) -> dict:
     """What the run is, for the tracker's config and summary.json: what the script built (the model and the
     optimizer: `model_record`, `optimizer_record`; in the tracker's config they stand where the --model and
     --optimizer flags would, which a copy's own build_model or build_optimizer does not follow), processes,
     precision, the batch plan, the planned optimizer steps, the learning rate as scaled, the wrapper, the training
-    script (its name, path and sha256: utils.scripts), the launch command, library versions, commit. `model`,
-    `optimizer`: as prepared."""
+    script (its name, path and sha256: utils.scripts, as the checkpointer records it), the launch command, library
+    versions, commit. `model`, `optimizer`: as prepared."""
     from torch.distributed.tensor import DTensor
 
     return {"model": model_record(accelerator.unwrap_model(model, keep_torch_compile=False)),
@@ -354,7 +353,7 @@ def run_facts(accelerator, cfg, model, optimizer, plan, total_steps: int, lr: fl
             "effective_lr": lr, "wrapper": type(model).__name__,
             "parameters_on_main_process": sum((q.to_local() if isinstance(q, DTensor) else q).numel()
                                               for q in model.parameters()),  # FSDP2: this process's shards
-            "script": script_record(cfg), "command": launch_command(), **environment()}
+            "script": script, "command": launch_command(), **environment()}
 
 
 def model_record(model: torch.nn.Module) -> dict:
