@@ -166,9 +166,12 @@ def cpu_bf16_native(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
 
 
 def print_setup(accelerator, cfg, plan, lr: float) -> None:
-    """A run's first two lines, on the main process: its whole config, then what it runs on and its batch."""
+    """A run's first two lines, on the main process: the config's values that are not the script's defaults (the whole
+    config goes to config.yaml and summary.json), then what it runs on and its batch."""
     world = plan.processes
-    accelerator.print(f"config: {json.dumps(asdict(cfg))}")
+    given, defaults = (json.loads(json.dumps(asdict(c))) for c in (cfg, type(cfg)()))  # tuples as lists, as given
+    changed = {k: v for k, v in given.items() if v != defaults[k]}
+    accelerator.print(f"config: {json.dumps(changed)} (the rest at their defaults; config.yaml holds every value)")
     accelerator.print(f"{world} process(es), {accelerator.distributed_type.value}, mixed precision "
                       f"{accelerator.mixed_precision}, device {accelerator.device}; global batch {plan.global_batch} ("
                       f"{plan.micro} x {world} processes x {plan.accumulation} accumulation), lr {lr:g}")
