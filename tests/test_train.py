@@ -310,10 +310,10 @@ def test_a_run_chooses_on_val_and_evaluate_checkpoint_scores_test_by_eval_split(
     import evaluate_checkpoint
 
     folder = tmp_path / "photos"
-    for split, n in (("train", 48), ("val", 12), ("test", 9)):
+    for split, n, green in (("train", 48, 50), ("val", 12, 60), ("test", 9, 70)):  # no image in two splits
         for i in range(n):
             (folder / split / f"c{i % 3}").mkdir(parents=True, exist_ok=True)
-            Image.new("RGB", (8, 8), (100 * (i % 3), 50, 5 * i)).save(folder / split / f"c{i % 3}" / f"{i}.png")
+            Image.new("RGB", (8, 8), (100 * (i % 3), green, 5 * i)).save(folder / split / f"c{i % 3}" / f"{i}.png")
     out = tmp_path / "run"
     result = run_train(["--data-dir", str(folder), "--cache-dir", str(cache_dir), "--output-dir", str(out),
                         "--model", "resnet8", "--batch-size", "8", "--epochs", "1", "--tracker", "none"])

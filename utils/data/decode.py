@@ -12,6 +12,7 @@ read the cache. For images too large to cache decoded, utils/data/images.py deco
 
 from __future__ import annotations
 
+import hashlib
 import json
 import multiprocessing
 import os
@@ -30,10 +31,10 @@ from utils.data.pixels import open_image, row_pixels, square_pixels
 from utils.data.sources import SPLITS, Rows, Source, fingerprint, first_size, locate
 from utils.launch import first_on_each_machine, main_print
 
-CACHE_FORMAT = 9  # bump when the cache file changes (4: class names, mean and std; 5: held-out splits; 6: mean and
+CACHE_FORMAT = 10  # bump when the cache file changes (4: class names, mean and std; 5: held-out splits; 6: mean and
 # std as tensors, labels first: decoded into through a memory map; 7: EXIF orientation, JPEGs decoded reduced; 8: an
 # image folder's classes its top folders, 16-bit grayscale by its top bits, MPO decoded reduced as JPEG; 9: held-out
-# splits stratified by class)
+# splits stratified by class; 10: each image's digest)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -41,11 +42,13 @@ CACHE_FORMAT = 9  # bump when the cache file changes (4: class names, mean and s
 # ----------------------------------------------------------------------------------------------------
 
 
-def _decode_rows(rows: Rows, size: int, out: np.ndarray, start: int, stop: int, same_as: str | None = None,
-                 reduce: bool = True) -> None:
-    """Decodes rows start..stop-1 into out[start:stop] ((N, S, S, 3) uint8: a memory map of the cache file), each
-    resized to S x S (reduce: a JPEG decoded at the scale that needs); same_as (the first image's size and place, see
-    first_size): instead, each must be S x S. The encoded images are read from the table FETCH_ROWS at a time."""
+def _decode_rows(rows: Rows, size: int, out: tuple[np.ndarray, np.ndarray], start: int, stop: int,
+                 same_as: str | None = None, reduce: bool = True) -> None:
+    """Decodes rows start..stop-1 into out's images[start:stop] ((N, S, S, 3) uint8: a memory map of the cache
+    file), each resized to S x S (reduce: a JPEG decoded at the scale that needs), and each decoded image's digest
+    into its digests (N,) (64 bits of BLAKE2b: `repeated` compares them); same_as (the first image's size and place,
+    see first_size): instead, each must be S x S. The encoded images are read from the table FETCH_ROWS at a time."""
+    images, digests = out
     for first in range(start, stop, FETCH_ROWS):
         for i, source in enumerate(rows.fetch(range(first, min(first + FETCH_ROWS, stop))), first):
             im = open_image(source, rows, i)
@@ -54,7 +57,8 @@ def _decode_rows(rows: Rows, size: int, out: np.ndarray, start: int, stop: int, 
                 raise UserError(f"the images do not share one square size ({same_as}, {im.size[0]}x{im.size[1]} "
                                 f"(the {rows.split} split's {rows.where(i)})); pass --image-size S to resize every "
                                 f"image to S x S.")
-            out[i] = row_pixels(rows, i, im, partial(square_pixels, size=size, reduce=reduce))
+            images[i] = row_pixels(rows, i, im, partial(square_pixels, size=size, reduce=reduce))
+            digests[i] = np.frombuffer(hashlib.blake2b(images[i].tobytes(), digest_size=8).digest(), np.int64)[0]
 
 
 DECODE_CHUNK = 512  # rows a decode worker takes at a time
@@ -67,9 +71,9 @@ def _decode_chunk(role: str, start: int, stop: int) -> None:
     _decode_rows(rows[role], size, outputs[role], start, stop, same_as, reduce)
 
 
-def decode_all(rows: dict[str, Rows], outputs: dict[str, np.ndarray], size: int, workers: int,
+def decode_all(rows: dict[str, Rows], outputs: dict[str, tuple[np.ndarray, np.ndarray]], size: int, workers: int,
                same_as: str | None = None, reduce: bool = True) -> None:
-    """Decodes every split's rows into its output array (_decode_rows), with `workers` processes. The workers are
+    """Decodes every split's rows into its output arrays (_decode_rows), with `workers` processes. The workers are
     forked: they inherit the rows and the outputs, memory maps of the cache file that they write into, so no image
     crosses a pipe. Forked even where the loaders' workers start from a forkserver (utils.data.images.WORKER_START):
     the pool starts before training, when the process's other threads (the launcher's watch, tqdm's monitor, gloo's
@@ -138,7 +142,7 @@ def _read_cache(path: Path) -> dict | None:
             t, about = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
         return {**{s: (t[f"{s}_images"].permute(0, 3, 1, 2), t[f"{s}_labels"]) for s in SPLITS},
                 "classes": tuple(json.loads(about["classes"])), "mean": tuple(t["mean"].tolist()),
-                "std": tuple(t["std"].tolist())}
+                "std": tuple(t["std"].tolist()), "repeated": repeated(t["train_digests"], t["test_digests"])}
     except Exception as e:  # a truncated or foreign file: decode again rather than fail
         warnings.warn(f"ignoring unreadable cache {path} ({first_line(e)}); decoding the source again")
         return None
@@ -146,12 +150,12 @@ def _read_cache(path: Path) -> dict | None:
 
 def _layout(counts: dict[str, int], size: int, classes: tuple[str, ...]) -> tuple[bytes, dict, int]:
     """The cache file's safetensors header and where each tensor lies: (header bytes, {name: (numpy dtype, shape,
-    first byte in the file)}, file size). Labels, mean and std (8-byte values) first, then the images as (N, S, S, 3)
-    uint8, so every tensor is aligned. Written by hand because safetensors' writers need the tensors in memory, and
-    these are decoded straight into the file."""
-    specs = [*((f"{s}_labels", np.int64, "I64", (counts[s],)) for s in SPLITS), ("mean", np.float64, "F64", (3,)),
-             ("std", np.float64, "F64", (3,)), *((f"{s}_images", np.uint8, "U8", (counts[s], size, size, 3))
-                                                  for s in SPLITS)]
+    first byte in the file)}, file size). Labels, digests, mean and std (8-byte values) first, then the images as
+    (N, S, S, 3) uint8, so every tensor is aligned. Written by hand because safetensors' writers need the tensors in
+    memory, and these are decoded straight into the file."""
+    specs = [*((f"{s}_{kind}", np.int64, "I64", (counts[s],)) for s in SPLITS for kind in ("labels", "digests")),
+             ("mean", np.float64, "F64", (3,)), ("std", np.float64, "F64", (3,)),
+             *((f"{s}_images", np.uint8, "U8", (counts[s], size, size, 3)) for s in SPLITS)]
     header, places, offset = {"__metadata__": {"classes": json.dumps(list(classes))}}, {}, 0
     for name, dtype, code, shape in specs:
         end = offset + int(np.prod(shape)) * np.dtype(dtype).itemsize
@@ -193,7 +197,8 @@ def _decode_into_cache(path: Path, rows: dict[str, Rows], size: int, same_as: st
             views[f"{role}_labels"][:] = r.labels.numpy()
         log(f"decoding {sum(map(len, rows.values())):,} images with {workers} process{'es' * (workers > 1)} "
             f"(--decode-workers)")
-        decode_all(rows, {role: views[f"{role}_images"] for role in rows}, size, workers, same_as, reduce)
+        decode_all(rows, {role: (views[f"{role}_images"], views[f"{role}_digests"]) for role in rows}, size, workers,
+                   same_as, reduce)
         views["mean"][:], views["std"][:] = channel_stats(torch.from_numpy(views["train_images"]).permute(0, 3, 1, 2))
         mapped.flush()
         del mapped, views  # unmapped: what follows reads the file as any later run does
@@ -258,7 +263,21 @@ def _load(source: Source, data_dir, cache_dir, log, settings: dict, workers: int
         size, same_as = (settings["image_size"], None) if settings["image_size"] else first_size(rows)
         data = _decode_into_cache(path, rows, size, same_as, classes, workers, log, settings["reduce"])
     source.announce_held_out(log, len(data["train"][1]), len(data["test"][1]))
+    if found := data.pop("repeated"):  # rare: the rows are read again to name the first pair's files
+        rows, _ = source.rows(tuple(settings["columns"]))
+        j, i = found[0]
+        log(f"warning: {len(found):,} of the {len(data['test'][1]):,} evaluation images are also training images, "
+            f"pixel for pixel (the first: {rows['test'].where(j)} and {rows['train'].where(i)}); the evaluation "
+            f"counts them as unseen.")
     data["dataset"] = source.describe(key)
     return data
+
+
+def repeated(train: torch.Tensor, test: torch.Tensor) -> list[tuple[int, int]]:
+    """(evaluation index, training index) of each evaluation image whose decoded pixels a training image has too (by
+    their digests): a copy of a file in both splits, which inflates the evaluated accuracy. Pixel for pixel only: a
+    resized or re-encoded copy, or another shot of a burst, is not found."""
+    first = {d: i for i, d in reversed(list(enumerate(train.tolist())))}
+    return [(j, first[d]) for j, d in enumerate(test.tolist()) if d in first]
 
 
