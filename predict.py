@@ -248,7 +248,7 @@ def main(args) -> dict:
         raise UserError(f"--output {args.output}: its folder {out.parent} does not exist.")
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=summary.get("mixed_precision"))
     model = build_trained_model(run, len(classes))  # its one line, if the weights do not fit, before any output
-    labels, by = known_labels(args.images, names, classes) if accelerator.is_main_process else ([], "")  # it writes
+    labels, by = known_labels(args.images, names, classes) if accelerator.is_main_process else ([], "")
     view = run_view(summary)
     batch = args.batch_size or summary.get("batch_size_per_process", 500)
     kept = columns(args.top_k, labelled=any(label in classes for label in labels))
