@@ -88,10 +88,10 @@ def head_by_name(own: dict, state: dict, head: str, named: list[str], classes: l
         return {}
     row = {name: i for i, name in enumerate(named)}
     tensors = {k: own[k].clone() for k in keys}
-    for j, name in (pair for pair in enumerate(classes) if pair[1] in row):
-        for k in keys:
-            tensors[k][j] = state[k][row[name]]
     kept = [name for name in classes if name in row]
+    for k in keys:
+        for name in kept:
+            tensors[k][classes.index(name)] = state[k][row[name]]
     return {"tensors": tensors, "kept": kept} if kept else {}
 
 
