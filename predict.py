@@ -17,7 +17,8 @@ workers` evaluates through: the cache's resize, or an --augment resized-crop run
 std, memory format, precision, micro-batch and --tta-flip. When IMAGES labels its images as training reads a folder
 (class folders, or a metadata.csv / metadata.jsonl naming each file's class), each row also has its `label` after
 `path` ("" for none), and the last line gives the top-1 against them (over the images labelled with a class of the
-run; the others are counted).
+run; the others are counted), saying so where the images are in the run's own --data-dir outside its evaluation
+split: no held-out score.
 
 Under `accelerate launch` each process predicts its share (Accelerate's sharding; images decoded in each process's
 loader workers) and the main process writes every image's row once, in the input's order. The rows go to
@@ -287,7 +288,7 @@ def main(args) -> dict:
     accelerator.wait_for_everyone()
     result = {}
     if accelerator.is_main_process:
-        result = report(output.finish(), out, classes, labels, by)
+        result = report(output.finish(), out, classes, labels, by, trained_on(args.images, summary))
         print(result["line"], file=sys.stdout if out else sys.stderr, flush=True)
     accelerator.end_training()
     return result
@@ -325,10 +326,25 @@ def known_labels(images: str, names: list[str], classes: list[str]) -> tuple[lis
     return max(named, key=lambda labels: sum(label in classes for label in labels)), "the folder names"
 
 
-def report(rows: list[dict], out: Path | None, classes: list[str], labels: list[str], by: str) -> dict:
+def trained_on(images: str, summary: dict) -> str | None:
+    """The run's --data-dir where IMAGES lies in it outside its evaluation split's folder (test/, val/): there the
+    images include ones the run trained on; else None. The run's data_dir as recorded (relative to where it ran, as
+    evaluate_checkpoint.py reads it): where it is not found from here, None."""
+    data_dir, split = summary.get("config", {}).get("data_dir"), summary.get("dataset", {}).get("eval_split")
+    if not data_dir or not Path(data_dir).is_dir():
+        return None
+    where, root = Path(images).resolve(), Path(data_dir).resolve()
+    held = root / split if split else None  # a held-out part of train ("0.1 of train, ...") is no folder
+    inside = [p for p in (root, held) if p is not None and p.is_dir() and (where == p or p in where.parents)]
+    return data_dir if inside == [root] else None
+
+
+def report(rows: list[dict], out: Path | None, classes: list[str], labels: list[str], by: str,
+           trained: str | None = None) -> dict:
     """The last line: rows written to `out` (None: printed), images that could not be read and, where `by` labels
     images with classes of the run (known_labels), the top-1 against those labels. Images labelled with no class of
-    the run are left out of it and counted (their folders named)."""
+    the run are left out of it and counted (their folders named). `trained`: the run's --data-dir, where IMAGES
+    holds images it trained on (trained_on): the top-1 says it is no held-out score."""
     bad = sum(1 for r in rows if r["error"])
     line = (f"wrote {len(rows)} prediction{'s' * (len(rows) != 1)} to {out}" if out else
             f"predicted {len(rows)} image{'s' * (len(rows) != 1)}") + (
@@ -345,6 +361,8 @@ def report(rows: list[dict], out: Path | None, classes: list[str], labels: list[
             line += f" ({len(left)} in {shown} left out: not a class of the run)"
         elif left:
             line += f" ({len(left)} left out: not named in {by}, or labelled with no class of the run)"
+        if trained:
+            line += f"; not a held-out score: the run trained on its --data-dir {trained}, and these images are in it"
         result["top1"] = top1
     return result | {"line": line}
 

@@ -152,6 +152,23 @@ def test_a_folder_labelled_by_a_metadata_file_gets_its_top1_against_the_listed_c
 
 
 @pytest.mark.slow
+def test_a_top1_on_the_runs_own_training_images_says_it_is_no_held_out_score(trained, jpeg_folder, tmp_path):
+    """The run trained on jpeg_folder's train/ and evaluated on its test/: predicting train/ (192 JPEGs), or the whole
+    data folder, ends the last line saying the top-1 is not a held-out score, naming the run's --data-dir; test/ and
+    a copy of test/ elsewhere do not."""
+    said = "; not a held-out score: the run trained on its --data-dir"
+    for images, n in ((jpeg_folder / "train", 192), (jpeg_folder, 240)):
+        result = predict(trained, images)
+        assert result.returncode == 0, result.stderr[-3000:]
+        last = result.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"predicted {n} images; top-1 against the folder names: ")
+        assert last.endswith(f"{said} {jpeg_folder}, and these images are in it"), last
+    for images in (jpeg_folder / "test", shutil.copytree(jpeg_folder / "test", tmp_path / "test")):
+        result = predict(trained, images)
+        assert result.returncode == 0 and said not in result.stderr, result.stderr[-3000:]
+
+
+@pytest.mark.slow
 def test_a_prediction_job_killed_midway_and_started_again_ends_with_the_uninterrupted_file(trained, jpeg_folder,
                                                                                            tmp_path):
     """2 ranks, micro-batch 2, the 240 JPEGs of both splits listed in a text file (paths relative to its folder),
