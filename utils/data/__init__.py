@@ -11,7 +11,7 @@
              indices into uint8 pixels), its kinds (`TensorImages` in memory, `EncodedImages` decoded by batch in the
              loader's workers), the one loader dataset over any kind (`LoaderDataset`) and the training order
              (`EpochSampler`)
-  decode     decoding once into the cache file
+  decode     decoding once into the cache file, with each image's digest (evaluation images that are training images)
   stream     parquet or tar shards read as a stream (an `EncodedRows` kind), and their sampler
   builtin    the built-in sources for a template's load_data (--data-dir, --dataset, --decode)
   contract   load_data's contract (`checked_data`) and what summary.json records of the data
