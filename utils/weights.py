@@ -171,5 +171,5 @@ def trained_as(summary: Path | None) -> str | None:
     an unreadable one."""
     if "model" not in (record := recorded(summary)):
         return None
-    script = (record.get("script") or {}).get("name") if isinstance(record.get("script"), dict) else None
+    script = record["script"].get("name") if isinstance(record.get("script"), dict) else None
     return f"--model {record['model']}" + (f" by {script}" if script else "")
