@@ -11,6 +11,7 @@ same on any process count); fp32 on CPU, so "exact" means bitwise. A kill -9 res
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import shutil
 import signal
@@ -218,12 +219,13 @@ def test_the_replay_commands_run_as_printed_and_end_with_the_same_weights(cifar_
     assert_same_parameters(continued, original)
 
 
-@pytest.mark.parametrize("how", ["SIGTERM to the launcher", "SIGUSR1 to every rank"])
+@pytest.mark.parametrize("how", ["SIGTERM to the launcher", "SIGUSR1 to every rank", "SIGUSR1 to rank 1 alone"])
 def test_preemption_signal_checkpoints_at_the_next_step_and_resume_is_exact(reference, cifar_dir, cache_dir, tmp_path,
                                                                             how):
     """SIGTERM to the launcher, or SIGUSR1 to every rank, saves a checkpoint and stops the job within 30 s; resumed
     after SIGTERM, the job ends with the uninterrupted run's weights, EMA and best weights bitwise (fp32,
-    `--deterministic`)."""
+    `--deterministic`). SIGUSR1 to rank 1 alone stops the job too; the printed line names the signal and the first
+    rank that saw it (rank 1 when it alone got it)."""
     out = tmp_path / "preempted"
     proc = start(job_args(cifar_dir, cache_dir, out), TWO_RANKS)
     wait_for_checkpoint(out, proc, 3)
@@ -231,10 +233,14 @@ def test_preemption_signal_checkpoints_at_the_next_step_and_resume_is_exact(refe
     if how.startswith("SIGTERM"):
         proc.send_signal(signal.SIGTERM)  # torchrun forwards it to the workers, as SLURM's to srun's tasks
     else:
-        for worker in workers(proc).values():
-            worker.send_signal(signal.SIGUSR1)
-    _, stderr = proc.communicate(timeout=60)
+        for rank, worker in workers(proc).items():
+            if rank == 1 or how.endswith("every rank"):
+                worker.send_signal(signal.SIGUSR1)
+    printed, stderr = proc.communicate(timeout=60)
     assert time.time() - sent < 30, "the job must stop within seconds"
+    number, ranks = (signal.SIGTERM, "[01]") if how.startswith("SIGTERM") else (signal.SIGUSR1, "1" if "alone" in how
+                                                                                 else "[01]")
+    assert re.search(rf"^preempted \(signal {int(number)}, seen by rank {ranks}\): saved ", printed, re.M), printed
     if how.startswith("SIGUSR1"):  # the processes saved their state and stopped: a success (docs/checkpoints.md)
         assert proc.returncode == 0, stderr[-3000:]
     else:  # torchrun itself, signalled, exits 1 (its SignalException) after its processes saved
@@ -271,7 +277,7 @@ def test_workers_whose_launcher_is_killed_checkpoint_and_exit_and_resume_is_exac
     assert not alive, "workers outlived their launcher"
     assert time.time() - killed < 60
     printed = proc.stdout.read()  # the workers wrote to the launcher's pipe; all of them have closed it now
-    assert "preempted (the launcher is gone): saved " in printed, printed[-3000:]
+    assert re.search(r"^preempted \(the launcher is gone, seen by rank [01]\): saved ", printed, re.M), printed[-3000:]
     saved = [p for p in (out / "checkpoints").glob("step-*") if int(p.name[5:]) > 3]
     assert saved and not (out / "summary.json").exists()
     from utils import checkpoint as ckpt

@@ -72,6 +72,9 @@ class MemoryGuard:
         return acc.prepare(rebatched(self.loader, new.micro)), new
 
 
+LAUNCHER_GONE_CODE = -1  # in check()'s exchange: this rank's launcher died (a signal is its number; nothing is 0)
+
+
 class StopGuard:
     """Preemption (SLURM sends SIGTERM, or SIGUSR1 with --signal) and divergence (a nan or inf loss).
 
@@ -90,6 +93,7 @@ class StopGuard:
             signal.signal(sig, lambda signum, frame: signals.append(signum))
         self.first_bad_step = torch.full((), -1, dtype=torch.long, device=accelerator.device)
         self.preempted = False  # set by should_stop(): the loop then ends, and the script saves no outputs
+        self.cause: tuple[int, int] | None = None  # set by check(): (rank, signal number or LAUNCHER_GONE_CODE)
 
     def observe(self, loss: torch.Tensor, step: int) -> None:
         bad = (self.first_bad_step < 0) & ~torch.isfinite(loss.detach())
@@ -101,18 +105,25 @@ class StopGuard:
         return self.preempted
 
     def check(self) -> bool:
-        signalled = torch.tensor(len(self.signals) + LAUNCHER_GONE.is_set(), device=self.accelerator.device)
-        seen = self.accelerator.gather(torch.stack([self.first_bad_step, signalled]))
-        bad, signalled = seen.view(-1, 2).unbind(1)
+        """Collective: raises on any rank's non-finite loss; True when any rank got a signal or lost its launcher,
+        and then `cause` holds the first such rank's (rank, signal number, or LAUNCHER_GONE_CODE)."""
+        code = self.signals[0] if self.signals else LAUNCHER_GONE_CODE if LAUNCHER_GONE.is_set() else 0
+        code = torch.tensor(code, device=self.first_bad_step.device)
+        seen = self.accelerator.gather(torch.stack([self.first_bad_step, code]))
+        bad, codes = seen.view(-1, 2).unbind(1)
         if (bad >= 0).any():
             raise UserError(f"the loss is not finite (nan or inf) at optimizer step {bad[bad >= 0].min().item()}; "
                             f"stopped. Last good checkpoint: {self.checkpoints.last or 'none'}.")
-        return bool(signalled.any())
+        stopped = codes.nonzero().flatten().tolist()
+        if stopped:
+            self.cause = (stopped[0], int(codes[stopped[0]]))
+        return bool(stopped)
 
     def reason(self) -> str:
-        if self.signals:
-            return f"signal {self.signals[0]}"
-        return "the launcher is gone" if LAUNCHER_GONE.is_set() else "signal on another rank"
+        """Why the job stopped, the same words on every rank: what the first rank that saw a cause saw (each rank
+        watches its own signals and its own launcher, each noticing in its own time)."""
+        rank, code = self.cause
+        return f"{'the launcher is gone' if code == LAUNCHER_GONE_CODE else f'signal {code}'}, seen by rank {rank}"
 
     def stop_early(self, progress, patience: int | None) -> bool:
         """--early-stop-patience: True on every rank once `patience` evaluations in a row brought no --best-metric gain
