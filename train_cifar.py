@@ -284,7 +284,7 @@ def main(cfg: Config) -> dict:
                            classes=data["classes"], compute_loss=partial(compute_loss, cfg), metrics=extra_metrics)
         guard = StopGuard(accelerator, HEALTH_CHECK_EVERY, checkpointer)  # preemption signals and a non-finite loss
         # when to evaluate, the best weights by --best-metric (checked now: a metric it evaluates), an early stop
-        evaluator = Evaluator(cfg, run_eval, accelerator, model, tracker, guard, ema, extra_metrics)
+        evaluator = Evaluator(cfg, run_eval, checkpointer, model, tracker, guard, ema, extra_metrics)
 
         # --- schedule, in optimizer steps; not prepared: Accelerate's would step once per process per step ---
         steps_per_epoch = len(train_loader) // plan.accumulation  # whole global batches only (EpochSampler)

@@ -566,14 +566,14 @@ def test_full_disk_while_exporting_weights_keeps_the_previous_file_whole(small_d
     import torch
     from accelerate import Accelerator
 
-    from utils import UserError, export
+    from utils import UserError
+    from utils.checkpoint import write_weights
 
     previous = small_disk / "best.safetensors"
-    export.write_weights(Accelerator(cpu=True), {"w": torch.ones(10)}, previous, root=small_disk / "checkpoints")
+    write_weights(Accelerator(cpu=True), {"w": torch.ones(10)}, previous, root=small_disk / "checkpoints")
     before = previous.read_bytes()
     with pytest.raises(UserError) as raised:
-        export.write_weights(Accelerator(cpu=True), {"w": torch.ones(2**20)}, previous,
-                             root=small_disk / "checkpoints")
+        write_weights(Accelerator(cpu=True), {"w": torch.ones(2**20)}, previous, root=small_disk / "checkpoints")
     assert str(raised.value).startswith(f"no space left on device writing {previous} (")
     assert str(raised.value).endswith("; last good checkpoint: none")
     assert previous.read_bytes() == before and sorted(p.name for p in small_disk.iterdir()) == ["best.safetensors"]

@@ -13,6 +13,9 @@ A checkpoint resumes on any process count: the weights and optimizer state are w
 torch.distributed.checkpoint under FSDP2, the augmentation is keyed by the sample (utils.data.draws.augment_draws), the
 position in the epoch is converted through global samples and the global batch is kept (utils.plan.plan_batches).
 
+The exported weights (model.safetensors, best.safetensors: `export_weights`) are written here too: atomically, and
+a failed write names the last good checkpoint.
+
 Written by hand because Accelerate's save_state/load_state (which this uses for the contents) has no notion
 of completeness, and its custom-object checkpointing pickles (`weights_only=False`), which we avoid.
 """
@@ -28,13 +31,15 @@ import shutil
 import time
 import warnings
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from safetensors import SafetensorError
+from safetensors.torch import save_file
 from torch.distributed.checkpoint.api import CheckpointException
 
-from utils import UserError
+from utils import UserError, write_atomically
 from utils.cli import write_config_file
 from utils.launch import first_error, share_bn_statistics
 from utils.output_dir import free_space_warning
@@ -43,6 +48,8 @@ from utils.progress import Progress
 from utils.scripts import script_record
 
 if TYPE_CHECKING:
+    import torch
+
     from utils.config_groups import CheckpointConfig
 
 STATE_FILE = "trainer_state.json"
@@ -188,6 +195,25 @@ def _describe(error: BaseException, target: Path) -> str:
     return f"could not write {target} ({text})"
 
 
+def export_weights(accelerator, model, path: Path) -> None:
+    """Full, unwrapped weights (no 'module.' or '_orig_mod.' prefix) as safetensors, written by the main process
+    (atomically; a failed write stops every rank with one line naming the last good checkpoint). Collective."""
+    state = accelerator.get_state_dict(accelerator.unwrap_model(model, keep_torch_compile=False))
+    write_weights(accelerator, state, path, root=Path(path).parent / "checkpoints")
+
+
+def write_weights(accelerator, state: dict[str, torch.Tensor], path: Path, root: Path) -> None:
+    """Exported weights as safetensors, written by the main process to a temporary name and renamed, so a failed
+    write leaves the previous file whole; a failure raises the same UserError on every rank (collective)."""
+    path, error = Path(path), None
+    if accelerator.is_main_process:
+        try:
+            write_atomically(path, partial(save_file, {k: v.contiguous() for k, v in state.items()}))
+        except WRITE_ERRORS as e:
+            error = write_error(e)
+    raise_if_write_failed(accelerator, error, path, root)
+
+
 def load(accelerator, folder: Path) -> dict:
     """Restores what save() wrote into the prepared objects (on this run's process count; Accelerate's RNG states
     of processes the saving run did not have are left as seeded); returns the trainer state."""
@@ -215,8 +241,8 @@ class Checkpointer:
     """A training script's checkpoint policy: where (<output-dir>/checkpoints), when (`due(step)`: every N optimizer
     steps, and after each evaluation within an epoch; the script also saves at each epoch's end), what
     (`save(progress, ...)`: Accelerate's registered objects, the EMA, the counters, config, batch plan and
-    scheduler) and how many (the newest `keep_last`, plus the best). `last` is the newest checkpoint written or
-    resumed from."""
+    scheduler), how many (the newest `keep_last`, plus the best) and the best evaluation's weights (`save_best`).
+    `last` is the newest checkpoint written or resumed from."""
 
     def __init__(self, accelerator, cfg: CheckpointConfig):
         """cfg: the script's Config; its checkpoint flags set the policy, and the whole of it goes into every
@@ -228,6 +254,11 @@ class Checkpointer:
         self.last: Path | None = None
         self.ema = None  # set by start(): the weights' EMA (--ema-decay), saved with every checkpoint
         self.saved_step: int | None = None  # the step this job last saved (a second save of it is skipped)
+
+    def save_best(self, model) -> None:
+        """`model`'s full weights (as they are now: the EMA's inside ema.applied()) as <output-dir>/best.safetensors,
+        written as export_weights writes (collective): the evaluator calls it for each new best evaluation."""
+        export_weights(self.accelerator, model, self.root.parent / "best.safetensors")
 
     def resume_point(self) -> Path | None:
         """The checkpoint to continue from (--resume auto or a folder), None to start fresh; refuses to start over

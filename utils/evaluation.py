@@ -15,7 +15,6 @@ import torch
 
 from utils import UserError, first_line
 from utils.config_groups import metric_label, parse_metric
-from utils.export import export_weights
 from utils.launch import first_on_each_machine, share_bn_statistics
 
 
@@ -72,10 +71,11 @@ class Evaluator:
     --best-metric, through the guard).
     `run_eval()`: the script's evaluate(...) of its model, loader and transform."""
 
-    def __init__(self, cfg, run_eval, accelerator, model, tracker, guard, ema=None, metrics=()):
-        """`metrics`: the --metric ones run_eval computes (load_metrics), whose keys --best-metric may name."""
-        self.run_eval, self.accelerator, self.model, self.tracker, self.guard, self.ema = (
-            run_eval, accelerator, model, tracker, guard, ema)
+    def __init__(self, cfg, run_eval, checkpointer, model, tracker, guard, ema=None, metrics=()):
+        """`checkpointer` writes the best weights (Checkpointer.save_best); `metrics`: the --metric ones run_eval
+        computes (load_metrics), whose keys --best-metric may name."""
+        self.run_eval, self.checkpointer, self.model, self.tracker, self.guard, self.ema = (
+            run_eval, checkpointer, model, tracker, guard, ema)
         self.every, self.patience = cfg.eval_every_steps, cfg.early_stop_patience
         self.min_delta = cfg.early_stop_min_delta
         self.best_metric, self.best_mode = cfg.best()
@@ -83,7 +83,6 @@ class Evaluator:
         keys += [f"ema_{key}" for key in keys] if ema is not None else []
         if self.best_metric not in keys:
             raise UserError(f"--best-metric {cfg.best_metric}: not a metric this run evaluates ({', '.join(keys)}).")
-        self.best_path = Path(cfg.output_dir) / "best.safetensors"
         self.step, self.last = None, None  # the step of the last evaluation, and its metrics
 
     def metrics(self) -> dict:
@@ -104,7 +103,7 @@ class Evaluator:
         metrics = self.metrics()
         if progress.is_best(self.best_metric, self.best_mode, metrics[self.best_metric], self.min_delta):
             with self.ema.applied() if self.ema else nullcontext():
-                export_weights(self.accelerator, self.model, self.best_path)
+                self.checkpointer.save_best(self.model)
         self.tracker.log_eval(progress.global_step, progress.epoch_number(), metrics)
         progress.stopped_early = self.guard.stop_early(progress, self.patience)
         self.step, self.last = progress.global_step, metrics

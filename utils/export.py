@@ -7,19 +7,13 @@ library (utils/pretrained.py)."""
 from __future__ import annotations
 
 import json
-from functools import partial
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
-
-from utils import write_atomically
-from utils.checkpoint import WRITE_ERRORS, raise_if_write_failed, write_error
+from utils.checkpoint import export_weights
 from utils.data.contract import data_facts
+from utils.output_dir import LIBRARY_CONFIG, PREPROCESSOR_FILE
 from utils.pretrained import RESAMPLE, library_config
 
-PREPROCESSOR_FILE = "preprocessor_config.json"
-LIBRARY_CONFIG = "config.json"  # a timm or transformers model's own config (none for the ready models)
 FILTER = {name: number for number, name in RESAMPLE.items()}  # "bicubic" -> PIL's 3, as image processors take it
 
 
@@ -57,22 +51,3 @@ def preprocessing(data: dict) -> dict:
     return {**view, "do_convert_rgb": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
             "image_mean": facts["image_mean"], "image_std": facts["image_std"], "data_format": "channels_first",
             "num_classes": len(facts["classes"]), "classes": facts["classes"]}
-
-
-def export_weights(accelerator, model, path: Path) -> None:
-    """Full, unwrapped weights (no 'module.' or '_orig_mod.' prefix) as safetensors, written by the main process
-    (atomically; a failed write stops every rank with one line naming the last good checkpoint). Collective."""
-    state = accelerator.get_state_dict(accelerator.unwrap_model(model, keep_torch_compile=False))
-    write_weights(accelerator, state, path, root=Path(path).parent / "checkpoints")
-
-
-def write_weights(accelerator, state: dict[str, torch.Tensor], path: Path, root: Path) -> None:
-    """Exported weights as safetensors, written by the main process to a temporary name and renamed, so a failed
-    write leaves the previous file whole; a failure raises the same UserError on every rank (collective)."""
-    path, error = Path(path), None
-    if accelerator.is_main_process:
-        try:
-            write_atomically(path, partial(save_file, {k: v.contiguous() for k, v in state.items()}))
-        except WRITE_ERRORS as e:
-            error = write_error(e)
-    raise_if_write_failed(accelerator, error, path, root)

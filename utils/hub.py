@@ -11,8 +11,8 @@ from pathlib import Path
 
 from utils import first_line
 from utils.config_groups import BUILT_IN
-from utils.export import LIBRARY_CONFIG, PREPROCESSOR_FILE
 from utils.launch import raise_if_any
+from utils.output_dir import LIBRARY_CONFIG, PREPROCESSOR_FILE
 from utils.scripts import sha256
 
 HUB_FOLDER = "hub"  # <output-dir>/hub: what --push-to-hub uploads

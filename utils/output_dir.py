@@ -19,6 +19,8 @@ from utils import UserError
 from utils.launch import raise_if_any
 
 LOCK_FILE = ".lock"
+PREPROCESSOR_FILE = "preprocessor_config.json"  # how to feed the weights (utils/export.py)
+LIBRARY_CONFIG = "config.json"  # a timm or transformers model's own config (none for the ready models)
 
 
 def check_output_dir(path: str) -> None:
