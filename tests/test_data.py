@@ -551,6 +551,47 @@ def test_evaluation_images_that_are_training_images_pixel_for_pixel_are_counted_
     assert "pixel for pixel" not in capsys.readouterr().out
 
 
+def test_evaluation_files_that_are_training_files_byte_for_byte_are_counted_without_the_cache(tmp_path, cifar_dir,
+                                                                                                 capsys):
+    """Without the cache (--decode workers: no pixel digests), an image folder whose test/ holds, beside 12 new PNGs,
+    byte copies of two training PNGs and of a 64 x 64 BMP: one warning line counts 3 of the 17 evaluation images and
+    names the first pair of files. The same pixels saved as BMP, and a BMP of the same size whose first 4 KB equal a
+    training BMP's but whose pixels differ after them, are not counted. A table's cells of bytes are compared alike:
+    an evaluation row equal to two training rows is paired with the first. The folder without copies, and the real
+    CIFAR-10 copy (where the tests have it), get no such line."""
+    from utils.data.builtin import load_encoded
+
+    rng = torch.Generator().manual_seed(0)
+    pairs = {split: (torch.randint(0, 256, (n, 3, 8, 8), dtype=torch.uint8, generator=rng), torch.arange(n) % 2)
+             for split, n in (("train", 40), ("test", 12))}
+    export_png_folder(tmp_path / "photos", pairs)
+    assert len(load_encoded(str(tmp_path / "photos"), image_size=8)["test"][1]) == 12
+    assert "byte for byte" not in capsys.readouterr().out
+    train, test = tmp_path / "photos" / "train", tmp_path / "photos" / "test"
+    big = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    Image.fromarray(big).save(train / "airplane" / "big.bmp")
+    big[0, 0] ^= 255  # a BMP stores its rows bottom-up: the top row is at its end
+    Image.fromarray(big).save(test / "airplane" / "other.bmp")
+    original, other = (train / "airplane" / "big.bmp").read_bytes(), (test / "airplane" / "other.bmp").read_bytes()
+    assert len(original) == len(other) > 4096 and original[:4096] == other[:4096] and original != other
+    copies = [(test / "airplane" / "copy.png", train / "airplane" / "00004.png"),
+              (test / "automobile" / "copy.png", train / "automobile" / "00007.png"),
+              (test / "airplane" / "big.bmp", train / "airplane" / "big.bmp")]
+    for copy, source in copies:
+        copy.write_bytes(source.read_bytes())
+    Image.open(train / "automobile" / "00009.png").save(test / "automobile" / "same.bmp")
+    data = load_encoded(str(tmp_path / "photos"), image_size=8)
+    said = [line for line in capsys.readouterr().out.splitlines() if "byte for byte" in line]
+    assert said in ([f"warning: 3 of the 17 evaluation images are also training images, byte for byte (the first: "
+                     f"{copy} and {source}); the evaluation counts them as unseen."] for copy, source in copies)
+    assert len(data["test"][1]) == 17
+    cells = [bytes([k]) * 300 for k in range(4)]
+    assert sources.byte_copies(encoded_rows([cells[0], cells[1], cells[2], cells[1]]),
+                               encoded_rows([cells[3], cells[1], bytes([1]) * 299], "test")) == [(1, 1)]
+    load_encoded(str(cifar_dir))
+    assert "byte for byte" not in capsys.readouterr().out
+
+
 def test_an_image_folder_labelled_by_a_metadata_file_reads_each_listed_image_with_its_listed_class(tmp_path,
                                                                                                       accelerator,
                                                                                                       capsys):

@@ -260,9 +260,14 @@ def raise_if_any(error: str | None, long_wait: bool = False) -> None:
         raise UserError(found)
 
 
+def is_main_process() -> bool:
+    """Whether this is the global main process, before (or without) Accelerate's state: from torchrun's RANK."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def main_print(*args) -> None:
-    """print() on the global main process only, before (or without) Accelerate's state: from torchrun's RANK."""
-    if int(os.environ.get("RANK", "0")) == 0:
+    """print() on the global main process only (is_main_process)."""
+    if is_main_process():
         print(*args)
 
 

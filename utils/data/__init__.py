@@ -6,7 +6,7 @@
   transform  the batch's transforms on its pixels: --auto-augment's per-image policies, and `BatchTransform` (crop,
              flip, erasing, mixing and normalisation on the device)
   sources    where encoded rows come from (`EncodedRows`): parquet files, an image folder, a Hub dataset, a copy's
-             own torch Dataset (any image size)
+             own torch Dataset (any image size); evaluation files that are training files byte for byte
   images     `Images`, the protocol every kind of a split's images implements for the loaders (its `read`: a batch of
              indices into uint8 pixels), its kinds (`TensorImages` in memory, `EncodedImages` decoded by batch in the
              loader's workers), the one loader dataset over any kind (`LoaderDataset`) and the training order

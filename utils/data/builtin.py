@@ -10,12 +10,12 @@ from pathlib import Path
 
 from utils import UserError, first_line
 from utils.config_groups import is_url
-from utils.data.decode import default_cache_dir, load_source
+from utils.data.decode import default_cache_dir, load_source, say_repeated
 from utils.data.images import EncodedImages, TensorImages, worker_share
 from utils.data.pixels import CropRecipe, crop_recipe
-from utils.data.sources import SPLITS, Source, fingerprint, first_size, locate
+from utils.data.sources import SPLITS, Source, byte_copies, fingerprint, first_size, locate
 from utils.data.stream import StreamSettings, open_stream
-from utils.launch import first_on_each_machine, main_print
+from utils.launch import first_on_each_machine, is_main_process, main_print
 
 
 def load_encoded(data_dir: str | None, dataset: str | None = None, image_size: int | None = None,
@@ -38,6 +38,8 @@ def load_encoded(data_dir: str | None, dataset: str | None = None, image_size: i
         source = source or locate(data_dir, dataset, val_fraction)
         rows, classes = source.rows(columns)
         source.announce_held_out(main_print, len(rows["train"]), len(rows["test"]))
+        if is_main_process() and (found := byte_copies(rows["train"], rows["test"])):  # no cache: no pixel digests
+            say_repeated(main_print, found, rows, "byte for byte")
         key = fingerprint(source.paths, {"columns": list(columns), "val_fraction": source.fraction,
                                          "eval_split": source.source_eval})
         description = {**source.describe(key), "decode": "gpu" if device else "workers"}

@@ -264,13 +264,17 @@ def _load(source: Source, data_dir, cache_dir, log, settings: dict, workers: int
         data = _decode_into_cache(path, rows, size, same_as, classes, workers, log, settings["reduce"])
     source.announce_held_out(log, len(data["train"][1]), len(data["test"][1]))
     if found := data.pop("repeated"):  # rare: the rows are read again to name the first pair's files
-        rows, _ = source.rows(tuple(settings["columns"]))
-        j, i = found[0]
-        log(f"warning: {len(found):,} of the {len(data['test'][1]):,} evaluation images are also training images, "
-            f"pixel for pixel (the first: {rows['test'].where(j)} and {rows['train'].where(i)}); the evaluation "
-            f"counts them as unseen.")
+        say_repeated(log, found, source.rows(tuple(settings["columns"]))[0], "pixel for pixel")
     data["dataset"] = source.describe(key)
     return data
+
+
+def say_repeated(log, found: list[tuple[int, int]], rows: dict[str, Rows], how: str) -> None:
+    """One warning line: how many evaluation images are training images too (`found`: repeated's or
+    sources.byte_copies' pairs of rows), and the first pair's files."""
+    j, i = found[0]
+    log(f"warning: {len(found):,} of the {len(rows['test']):,} evaluation images are also training images, {how} "
+        f"(the first: {rows['test'].where(j)} and {rows['train'].where(i)}); the evaluation counts them as unseen.")
 
 
 def repeated(train: torch.Tensor, test: torch.Tensor) -> list[tuple[int, int]]:

@@ -511,6 +511,59 @@ class Rows(EncodedRows):
         cells = self.ds[self.order[np.asarray(indices, dtype=np.int64)].tolist()][self.column]
         return [cell["bytes"] if cell["bytes"] is not None else cell["path"] for cell in cells]
 
+    def sizes(self) -> np.ndarray:
+        """Each row's encoded image size in bytes, from the table's offsets or the file system: nothing is read."""
+        import pyarrow.compute as pc
+
+        cells = self.ds.with_format("arrow")[self.column]
+        sizes = []
+        for chunk in cells.chunks:  # a ChunkedArray: the table's record batches
+            found = pc.binary_length(chunk.field("bytes")).to_numpy(zero_copy_only=False)
+            paths = chunk.field("path").to_pylist()
+            sizes += [_file_size(paths[k], -1 - len(sizes) - k) if np.isnan(n) else n for k, n in enumerate(found)]
+        return np.asarray(sizes, dtype=np.int64)[self.order]
+
+
+def _file_size(path: str | None, missing: int) -> int:
+    """A file's size in bytes; `missing` (a size no other row has) for a row without an image or a file that cannot
+    be read, which its decode reports in its own words."""
+    try:
+        return os.path.getsize(path)
+    except (OSError, TypeError):
+        return missing
+
+
+def byte_copies(train: Rows, test: Rows) -> list[tuple[int, int]]:
+    """(evaluation row, training row) of each evaluation image whose encoded bytes a training image has too (a file
+    copied into both splits), the training row the first such; without decoding, narrowing down: the rows' sizes in
+    bytes (nothing read), then the digests of their first 4 KB (headers, EXIF: they differ between photos) where
+    both splits share a size, then of the whole image where both share those."""
+    rows, keys = (train, test), [[(n,) for n in train.sizes().tolist()], [(n,) for n in test.sizes().tolist()]]
+    picked = [np.arange(len(train)), np.arange(len(test))]
+    for prefix in (4096, None):
+        shared = set(keys[0]) & set(keys[1])
+        kept = [[k for k, key in enumerate(split) if key in shared] for split in keys]
+        picked = [p[k] for p, k in zip(picked, kept)]
+        keys = [[split[k] + (digest,) for k, digest in zip(ks, _digests(r, p, prefix))]
+                for split, ks, r, p in zip(keys, kept, rows, picked)]
+    first = {}
+    for i, key in zip(picked[0].tolist(), keys[0]):
+        first.setdefault(key, i)
+    return [(j, first[key]) for j, key in zip(picked[1].tolist(), keys[1]) if key in first]
+
+
+def _digests(rows: Rows, picked: np.ndarray, prefix: int | None, batch: int = 256):
+    """The 128-bit BLAKE2b of each picked row's encoded bytes (its first `prefix` bytes; None: all), in order, read a
+    batch of rows at a time."""
+    for start in range(0, len(picked), batch):
+        for cell in rows.fetch(picked[start:start + batch]):
+            if isinstance(cell, bytes):
+                data = cell[:prefix]
+            else:
+                with open(cell, "rb") as f:
+                    data = f.read(-1 if prefix is None else prefix)
+            yield hashlib.blake2b(data, digest_size=16).digest()
+
 
 def read_rows(ds, split: str, columns: tuple[str | None, str | None]) -> Rows:
     """A split's Rows: its image and label columns found and checked, the images left encoded in the table (they are
