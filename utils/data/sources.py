@@ -538,14 +538,15 @@ def byte_copies(train: Rows, test: Rows) -> list[tuple[int, int]]:
     copied into both splits), the training row the first such; without decoding, narrowing down: the rows' sizes in
     bytes (nothing read), then the digests of their first 4 KB (headers, EXIF: they differ between photos) where
     both splits share a size, then of the whole image where both share those."""
-    rows, keys = (train, test), [[(n,) for n in train.sizes().tolist()], [(n,) for n in test.sizes().tolist()]]
-    picked = [np.arange(len(train)), np.arange(len(test))]
-    for prefix in (4096, None):
+    splits = (train, test)
+    picked = [np.arange(len(rows)) for rows in splits]
+    keys = [[(n,) for n in rows.sizes().tolist()] for rows in splits]
+    for prefix in (4096, None):  # each round keeps the rows whose key the other split has, and lengthens their keys
         shared = set(keys[0]) & set(keys[1])
-        kept = [[k for k, key in enumerate(split) if key in shared] for split in keys]
-        picked = [p[k] for p, k in zip(picked, kept)]
-        keys = [[split[k] + (digest,) for k, digest in zip(ks, _digests(r, p, prefix))]
-                for split, ks, r, p in zip(keys, kept, rows, picked)]
+        for s, rows in enumerate(splits):
+            kept = [k for k, key in enumerate(keys[s]) if key in shared]
+            picked[s] = picked[s][kept]
+            keys[s] = [keys[s][k] + (digest,) for k, digest in zip(kept, _digests(rows, picked[s], prefix))]
     first = {}
     for i, key in zip(picked[0].tolist(), keys[0]):
         first.setdefault(key, i)
