@@ -555,10 +555,11 @@ def test_evaluation_files_that_are_training_files_byte_for_byte_are_counted_with
                                                                                                  capsys):
     """Without the cache (--decode workers: no pixel digests), an image folder whose test/ holds, beside 12 new PNGs,
     byte copies of two training PNGs and of a 64 x 64 BMP: one warning line counts 3 of the 17 evaluation images and
-    names the first pair of files. The same pixels saved as BMP, and a BMP of the same size whose first 4 KB equal a
-    training BMP's but whose pixels differ after them, are not counted. A table's cells of bytes are compared alike:
-    an evaluation row equal to two training rows is paired with the first. The folder without copies, and the real
-    CIFAR-10 copy (where the tests have it), get no such line."""
+    names the first pair of files (one copy left: "1 of the 15 ... is also a training image"). The same pixels saved
+    as BMP, and a BMP of the same size whose first 4 KB equal a training BMP's but whose pixels differ after them, are
+    not counted. A table's cells of bytes are compared alike: an evaluation row equal to two training rows is paired
+    with the first. The folder without copies, and the real CIFAR-10 copy (where the tests have it), get no such
+    line."""
     from utils.data.builtin import load_encoded
 
     rng = torch.Generator().manual_seed(0)
@@ -585,6 +586,12 @@ def test_evaluation_files_that_are_training_files_byte_for_byte_are_counted_with
     assert said in ([f"warning: 3 of the 17 evaluation images are also training images, byte for byte (the first: "
                      f"{copy} and {source}); the evaluation counts them as unseen."] for copy, source in copies)
     assert len(data["test"][1]) == 17
+    (test / "airplane" / "big.bmp").unlink()
+    (test / "automobile" / "copy.png").unlink()
+    load_encoded(str(tmp_path / "photos"), image_size=8)
+    assert [line for line in capsys.readouterr().out.splitlines() if "byte for byte" in line] == [
+        f"warning: 1 of the 15 evaluation images is also a training image, byte for byte (the first: "
+        f"{copies[0][0]} and {copies[0][1]}); the evaluation counts them as unseen."]
     cells = [bytes([k]) * 300 for k in range(4)]
     assert sources.byte_copies(encoded_rows([cells[0], cells[1], cells[2], cells[1]]),
                                encoded_rows([cells[3], cells[1], bytes([1]) * 299], "test")) == [(1, 1)]

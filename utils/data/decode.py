@@ -273,8 +273,9 @@ def say_repeated(log, found: list[tuple[int, int]], rows: dict[str, Rows], how: 
     """One warning line: how many evaluation images are training images too (`found`: repeated's or
     sources.byte_copies' pairs of rows), and the first pair's files."""
     j, i = found[0]
-    log(f"warning: {len(found):,} of the {len(rows['test']):,} evaluation images are also training images, {how} "
-        f"(the first: {rows['test'].where(j)} and {rows['train'].where(i)}); the evaluation counts them as unseen.")
+    are = "is also a training image" if len(found) == 1 else "are also training images"
+    log(f"warning: {len(found):,} of the {len(rows['test']):,} evaluation images {are}, {how} (the first: "
+        f"{rows['test'].where(j)} and {rows['train'].where(i)}); the evaluation counts them as unseen.")
 
 
 def repeated(train: torch.Tensor, test: torch.Tensor) -> list[tuple[int, int]]:
