@@ -56,7 +56,7 @@ from utils.launch import (
     run,
     shard_on_cpu_too,
 )
-from utils.models import VITS, check_logits, checkpoint_blocks, model_layers, named_model
+from utils.models import VITS, check_logits, checkpoint_blocks, model_layers, named_model, vit_patch
 from utils.optim import parameter_groups
 from utils.output_dir import check_output_dir, lock_output_dir
 from utils.plan import plan_batches, use_plan
@@ -76,8 +76,10 @@ class Config(HubConfig, LoggingConfig, CheckpointConfig, EvaluationConfig, DataC
     output_dir: str = opt("runs/cifar10-vit", "summary.json, model.safetensors, checkpoints and tracker files go "
                           "here")  # the checkpoints group's field, with this script's default
     # --- model: the network and how it runs ---
-    model: str = opt("vit_s", "ViT size, patch 4 at 32 px: vit_micro (75K parameters, tests), vit_tiny (5.4M), vit_s "
-                     "(21M), vit_b (85M), vit_l (302M)", tuple(VITS))
+    model: str = opt("vit_s", "ViT size: vit_micro (75K parameters at 32 px, tests), vit_tiny (5.4M), vit_s (21M), "
+                     "vit_b (85M), vit_l (302M)", tuple(VITS))
+    patch_size: int | None = opt(None, "the ViT's patch side in px, a divisor of --image-size; unset: the smallest "
+                                 "power of two from 4 giving at most 14 x 14 patches (4 at 32 px, 8 at 64, 16 at 224)")
     activation_checkpointing: bool = opt(False, "recompute each block's activations in backward instead of keeping "
                                          "them: less memory, about a third more compute")
     compile: bool = opt(False, "torch.compile the model (through Accelerate's dynamo backend 'inductor')")
@@ -122,9 +124,13 @@ class Config(HubConfig, LoggingConfig, CheckpointConfig, EvaluationConfig, DataC
         if self.layer_decay is not None and not 0 < self.layer_decay <= 1:
             raise UserError(f"--layer-decay is a factor per layer, in (0, 1] (got {self.layer_decay:g}).")
         super().validate()
-        if self.image_size is not None and self.image_size % 4:
-            raise UserError(f"--image-size must be a multiple of the ViT's patch size 4 (got "
-                            f"{self.image_size}).")
+        size = self.image_size or 32
+        if self.patch_size is not None and not 0 < self.patch_size <= size:
+            raise UserError(f"--patch-size must be in 1 .. {size} (the image size; got {self.patch_size}).")
+        if size % (patch := self.patch_size or vit_patch(size)):
+            given = "--patch-size" if self.patch_size else "the default for this size"
+            raise UserError(f"--image-size {size} is not a multiple of the ViT's patch size {patch} ({given}); give "
+                            f"--patch-size P for a P that divides it.")
 
 
 def parse_config(argv: list[str] | None = None) -> Config:
@@ -138,7 +144,8 @@ def build_model(cfg: Config, num_classes: int) -> torch.nn.Module:
     """The network: a normalised float batch (N, 3, S, S) in, logits (N, num_classes) out (checked before
     training). torchvision's ViT is built for one image size: --image-size (32 when unset). Its block,
     EncoderBlock, is in `_no_split_modules`: FSDP shards it one by one. evaluate_checkpoint.py rebuilds it here."""
-    return named_model(cfg.model, num_classes, image_size=cfg.image_size or 32, drop_path=cfg.drop_path)
+    return named_model(cfg.model, num_classes, image_size=cfg.image_size or 32, drop_path=cfg.drop_path,
+                       patch_size=cfg.patch_size)  # unset: 4 at 32 px, growing with the size (utils/models.vit_patch)
 
 
 def load_data(cfg: Config) -> dict:

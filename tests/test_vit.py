@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 from dataclasses import asdict
 
@@ -97,6 +98,31 @@ def test_vit_micro_has_the_parameters_its_shapes_give():
     block = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * mlp + mlp) + (mlp * d + d)  # 2 norms, attention, MLP
     expected = (3 * 4 * 4 * d + d) + d + (patches + 1) * d + layers * block + 2 * d + (d * 10 + 10)
     assert expected == MICRO_PARAMETERS == sum(p.numel() for p in named_model("vit_micro").parameters())
+
+
+def test_the_vits_patches_grow_with_the_image_size_and_a_size_they_do_not_divide_is_one_line():
+    """The default patch side grows with --image-size, so the tokens per image stay a standard ViT's: 4 px at 32 px
+    (unset too: 8 x 8 patches), 8 at 64 (8 x 8), 8 at 96 (12 x 12), 16 at 224 (ViT/16's 14 x 14), 32 at 256
+    (8 x 8); --patch-size 4 at 64 px gives 16 x 16. A size its patch does not divide (100 px: 8 by default; 64 px
+    with --patch-size 6) and a patch outside 1 .. S are one line each."""
+    import train_vit
+    from utils import UserError
+
+    for argv, side, patch, grid in (([], 32, 4, 8), (["--image-size", "32"], 32, 4, 8),
+                                    (["--image-size", "64"], 64, 8, 8), (["--image-size", "96"], 96, 8, 12),
+                                    (["--image-size", "224"], 224, 16, 14), (["--image-size", "256"], 256, 32, 8),
+                                    (["--image-size", "64", "--patch-size", "4"], 64, 4, 16)):
+        model = train_vit.build_model(train_vit.parse_config(["--model", "vit_micro", *argv]), 10)
+        assert model.conv_proj.kernel_size == (patch, patch) and model.seq_length == grid * grid + 1, argv
+        assert model.eval()(torch.zeros(1, 3, side, side)).shape == (1, 10)
+    for argv, message in ((["--image-size", "100"], "--image-size 100 is not a multiple of the ViT's patch size 8 "
+                                                     "(the default for this size); give --patch-size P"),
+                          (["--image-size", "64", "--patch-size", "6"], "--image-size 64 is not a multiple of the "
+                                                                        "ViT's patch size 6 (--patch-size)"),
+                          (["--image-size", "64", "--patch-size", "65"], "--patch-size must be in 1 .. 64"),
+                          (["--patch-size", "0"], "--patch-size must be in 1 .. 32")):
+        with pytest.raises(UserError, match=re.escape(message)):
+            train_vit.parse_config(argv)
 
 
 # The DDP job's loss at every training forward of both ranks (16), checked in: a change that moves every run the same

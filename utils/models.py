@@ -22,10 +22,12 @@ VITS = {"vit_micro": (2, 2, 64, 128), "vit_tiny": (12, 3, 192, 768), "vit_s": (1
         "vit_b": (12, 12, 768, 3072), "vit_l": (24, 16, 1024, 4096)}
 
 
-def named_model(name: str, num_classes: int = 10, image_size: int = 32, drop_path: float = 0.0) -> nn.Module:
+def named_model(name: str, num_classes: int = 10, image_size: int = 32, drop_path: float = 0.0,
+                patch_size: int | None = None) -> nn.Module:
     """A ready model by name: torchvision's ResNet-18; 'resnet18' swaps the ImageNet stem (7x7 stride-2 conv +
     max-pool, which shrinks 32x32 inputs to 8x8 before the first block) for a 3x3 stride-1 conv; or 'resnet9' or
-    'resnet8' (below). A name in VITS: vit() below, for image_size x image_size inputs (the ResNets take any size).
+    'resnet8' (below). A name in VITS: vit() below, for image_size x image_size inputs in patches of patch_size px
+    (None: vit_patch's; the ResNets take any size).
     Any other name: a pretrained timm or transformers model (timm:NAME, a model folder or a Hub id), built by its
     library with a fresh head for num_classes (utils/pretrained.py). `drop_path`: stochastic depth, the chance that a
     residual block's branch is dropped for an image, rising linearly over the blocks from 0 to this (timm's and
@@ -34,7 +36,7 @@ def named_model(name: str, num_classes: int = 10, image_size: int = 32, drop_pat
     if name not in MODELS and name not in VITS:
         model = pretrained_model(name, num_classes, drop_path)
     else:
-        model = vit(name, num_classes, image_size) if name in VITS else _resnet(name, num_classes)
+        model = vit(name, num_classes, image_size, patch_size) if name in VITS else _resnet(name, num_classes)
         drop_paths(model, drop_path)
     model.model_name = name
     return model
@@ -164,13 +166,23 @@ class Scale(nn.Module):
         return x * self.factor
 
 
-def vit(name: str, num_classes: int = 10, image_size: int = 32, patch_size: int = 4) -> nn.Module:
-    """torchvision's VisionTransformer (pre-norm blocks, class token, learned position embeddings) at a VITS size;
-    its transformer blocks are torchvision's EncoderBlock, given this module's subclass of the same name (stochastic
-    depth), the unit FSDP shards."""
+def vit_patch(image_size: int) -> int:
+    """The default patch side of a ViT for image_size px: the smallest power of two from 4 that cuts the image into at
+    most 14 x 14 patches (4 at 32 px: 8 x 8, as CIFAR ViTs; 8 at 64 px; 16 at 224 px, ViT/16's 14 x 14), so the
+    tokens per image, and the compute, stay those of a standard ViT as the images grow."""
+    patch = 4
+    while image_size > 14 * patch:
+        patch *= 2
+    return patch
+
+
+def vit(name: str, num_classes: int = 10, image_size: int = 32, patch_size: int | None = None) -> nn.Module:
+    """torchvision's VisionTransformer (pre-norm blocks, class token, learned position embeddings) at a VITS size, in
+    patches of patch_size px (None: vit_patch's); its transformer blocks are torchvision's EncoderBlock, given this
+    module's subclass of the same name (stochastic depth), the unit FSDP shards."""
     layers, heads, hidden, mlp = VITS[name]
-    model = torchvision.models.VisionTransformer(image_size, patch_size, layers, heads, hidden, mlp,
-                                                 num_classes=num_classes)
+    model = torchvision.models.VisionTransformer(image_size, patch_size or vit_patch(image_size), layers, heads,
+                                                 hidden, mlp, num_classes=num_classes)
     for block in model.encoder.layers:  # torchvision's VisionTransformer takes no block class: the subclass set here
         block.__class__ = EncoderBlock
     model._no_split_modules = ["EncoderBlock"]
