@@ -290,11 +290,17 @@ def test_a_copys_compute_loss_is_the_loss_its_evaluation_and_evaluate_checkpoint
                                                                                          tmp_path):
     """A copy whose compute_loss is twice the template's cross-entropy, trained one epoch: from the same weights, its
     run's eval_loss and evaluate_checkpoint.py through the copy report twice the loss evaluate_checkpoint.py reports
-    through the template (within 1e-5, relative), with the same top-1."""
+    through the template (within 1e-5, relative), with the same top-1; through the template, one warning line says
+    that --script differs from the copy that trained the weights."""
     script = edited_copy(tmp_path, "compute_loss", TWICE_CE)
     run_copy(script, job_args(cifar_dir, cache_dir, tmp_path / "twice", *SMALL_JOB))
     s, weights = read_summary(tmp_path / "twice"), tmp_path / "twice" / "model.safetensors"
-    template = evaluated(weights, "--script", str(REPO / "train_cifar.py"))
+    through = evaluate_checkpoint(weights, "--script", str(REPO / "train_cifar.py"))
+    assert through.returncode == 0, through.stderr[-3000:]
+    said = [line for line in through.stderr.splitlines() if "differs" in line]
+    assert said == [f"warning: --script {REPO / 'train_cifar.py'} differs from the my_train.py that trained these "
+                    f"weights"], through.stderr[-3000:]
+    template = json.loads(through.stdout.strip().splitlines()[-1])
     copy = evaluated(weights)
     assert copy["script"] == "my_train.py" and template["script"] == "train_cifar.py"
     assert s["eval_loss"] == pytest.approx(2 * template["loss"], rel=1e-5)

@@ -14,7 +14,6 @@ import hashlib
 import importlib.util
 import os
 import sys
-import warnings
 from pathlib import Path
 
 from utils import UserError
@@ -44,8 +43,8 @@ def find_script(record: dict | None, run_dir: Path, downloaded: bool, given: str
         if not path.is_file():
             raise UserError(f"--script {given}: no such file.")
         if record is not None and sha256(path) != record["sha256"]:
-            warnings.warn(f"--script {given} differs from the {record['name']} that trained these weights",
-                          stacklevel=2)
+            print(f"warning: --script {given} differs from the {record['name']} that trained these weights",
+                  file=sys.stderr)  # stderr: predict.py may be printing its CSV on stdout
         return path
     if record is None:  # a run that recorded no script: the template its model comes from
         return TOOLS / default
