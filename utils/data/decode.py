@@ -18,7 +18,6 @@ import multiprocessing
 import os
 import shutil
 import tempfile
-import warnings
 from functools import partial
 from pathlib import Path
 
@@ -144,7 +143,7 @@ def _read_cache(path: Path) -> dict | None:
                 "classes": tuple(json.loads(about["classes"])), "mean": tuple(t["mean"].tolist()),
                 "std": tuple(t["std"].tolist()), "repeated": repeated(t["train_digests"], t["test_digests"])}
     except Exception as e:  # a truncated or foreign file: decode again rather than fail
-        warnings.warn(f"ignoring unreadable cache {path} ({first_line(e)}); decoding the source again")
+        print(f"warning: ignoring unreadable cache {path} ({first_line(e)}); decoding the source again")
         return None
 
 
@@ -178,8 +177,8 @@ def _decode_into_cache(path: Path, rows: dict[str, Rows], size: int, same_as: st
     header, places, total = _layout({role: len(r) for role, r in rows.items()}, size, classes)
     keep = _writable_dir(path.parent)
     if not keep:
-        warnings.warn(f"cache folder {path.parent} is not writable; decoding into a temporary file in "
-                      f"{tempfile.gettempdir()}, and the next run will decode again")
+        print(f"warning: cache folder {path.parent} is not writable; decoding into a temporary file in "
+              f"{tempfile.gettempdir()}, and the next run will decode again")  # said by each machine's first process
     folder = path.parent if keep else Path(tempfile.gettempdir())
     fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
     try:
