@@ -22,7 +22,6 @@ import io
 import math
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -325,9 +324,13 @@ def device_views(rows, indices, sources: list, opened: list, size: int, recipe: 
     return torch.stack(views)
 
 
-def encoded(source) -> bytes:
-    """An encoded image's bytes: a row's own, or its file's."""
-    return source if isinstance(source, bytes) else Path(source).read_bytes()
+def encoded(source, limit: int | None = None) -> bytes:
+    """An encoded image's bytes: a row's own, or its file's; its first `limit` bytes (None: all), so a file is read
+    no further."""
+    if isinstance(source, bytes):
+        return source[:limit]
+    with open(source, "rb") as f:
+        return f.read(-1 if limit is None else limit)
 
 
 def tensor_view(pixels: torch.Tensor, size: int, recipe: CropRecipe | None, box=None, mirrored: bool = False):

@@ -37,7 +37,7 @@ from PIL import Image
 
 from utils import UserError, first_line
 from utils.config_groups import DATA_LAYOUTS, check_source
-from utils.data.pixels import as_rgb, check_pixels, open_image
+from utils.data.pixels import as_rgb, check_pixels, encoded, open_image
 from utils.launch import main_print
 from utils.scripts import IMPORTED, new_after_imports
 
@@ -558,12 +558,7 @@ def _digests(rows: Rows, picked: np.ndarray, prefix: int | None, batch: int = 25
     batch of rows at a time."""
     for start in range(0, len(picked), batch):
         for cell in rows.fetch(picked[start:start + batch]):
-            if isinstance(cell, bytes):
-                data = cell[:prefix]
-            else:
-                with open(cell, "rb") as f:
-                    data = f.read(-1 if prefix is None else prefix)
-            yield hashlib.blake2b(data, digest_size=16).digest()
+            yield hashlib.blake2b(encoded(cell, prefix), digest_size=16).digest()
 
 
 def read_rows(ds, split: str, columns: tuple[str | None, str | None]) -> Rows:
