@@ -305,12 +305,12 @@ def main(cfg: Config) -> dict:
             summary = {"preempted": True, "checkpoint": str(checkpointer.last)}
         else:
             metrics = metrics or evaluator.metrics()  # None: resumed from a checkpoint of a finished run
-            export_model(accelerator, model, ema, data, cfg.output_dir)  # the weights (EMA's too), how to feed them
             summary = {**run_info, **data_facts(data), **p.summary(),
                        **{f"eval_{k}": v for k, v in metrics.items()}, "last_checkpoint": str(checkpointer.last),
                        "peak_memory_gb": peak_memory_gb(accelerator.device), "batch_plan": asdict(plan),
                        "resumed_from": resume_from and str(resume_from), "config": asdict(cfg)}
-            tracker.finish(summary)  # summary.json, and the W&B run's summary
+            tracker.finish(summary)  # the W&B run's summary; names the W&B run in `summary`
+            export_model(accelerator, model, ema, data, cfg.output_dir, summary)  # weights, preprocessing, summary
             push_to_hub(cfg.push_to_hub, accelerator, cfg.output_dir, summary)  # --push-to-hub: with a model card
         accelerator.wait_for_everyone()
         accelerator.end_training()  # trackers, process group; utils.launch.run() frees the rest once main() returns

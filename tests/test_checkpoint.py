@@ -10,7 +10,9 @@ same on any process count); fp32 on CPU, so "exact" means bitwise. A kill -9 res
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import shlex
 import shutil
@@ -562,21 +564,57 @@ def test_full_disk_stops_every_rank_with_one_line_and_the_last_good_checkpoint_r
         assert_same_state(moved / name, reference / name)
 
 
-def test_full_disk_while_exporting_weights_keeps_the_previous_file_whole(small_disk):
-    import torch
+def _fill(disk: Path) -> Path:
+    """Fills `disk` to its last byte with one file, as another job's output would; returns the file."""
+    filler = disk / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    for size in (65536, 4096, 1):
+        with contextlib.suppress(OSError):
+            while True:
+                os.write(fd, b"x" * size)
+    os.close(fd)
+    return filler
+
+
+def test_a_full_disk_at_the_end_of_a_run_keeps_its_previous_files_whole_and_is_one_line(small_disk):
+    """The end of a run on a full disk: the exported weights, preprocessor_config.json and summary.json each stop
+    with one line naming the file and the last good checkpoint, and each file a previous run left there is kept
+    whole, byte for byte (nothing truncated, no temporary file left)."""
     from accelerate import Accelerator
 
     from utils import UserError
-    from utils.checkpoint import write_weights
+    from utils.checkpoint import export_weights
+    from utils.export import export_model
 
-    previous = small_disk / "best.safetensors"
-    write_weights(Accelerator(cpu=True), {"w": torch.ones(10)}, previous, root=small_disk / "checkpoints")
-    before = previous.read_bytes()
-    with pytest.raises(UserError) as raised:
-        write_weights(Accelerator(cpu=True), {"w": torch.ones(2**20)}, previous, root=small_disk / "checkpoints")
-    assert str(raised.value).startswith(f"no space left on device writing {previous} (")
-    assert str(raised.value).endswith("; last good checkpoint: none")
-    assert previous.read_bytes() == before and sorted(p.name for p in small_disk.iterdir()) == ["best.safetensors"]
+    accelerator = Accelerator(cpu=True)
+    data = {"dataset": {"source": "test"}, "classes": ("cat", "dog"), "image_size": 8, "mean": (0.5,) * 3,
+            "std": (0.25,) * 3, "stats_from": "the training images"}
+    model = torch.nn.Linear(3, 2)
+    export_model(accelerator, model, None, data, small_disk, {"eval_top1": 50.0})  # the previous run's files
+    export_weights(accelerator, model, small_disk / "best.safetensors")
+    before = {p.name: p.read_bytes() for p in small_disk.iterdir()}
+    assert sorted(before) == ["best.safetensors", "model.safetensors", "preprocessor_config.json", "summary.json"]
+    assert json.loads(before["summary.json"]) == {"eval_top1": 50.0}
+    filler = _fill(small_disk)
+    big = {**data, "classes": tuple(f"class {k}" for k in range(1000))}  # new files longer than the old ones
+    summary = {"eval_top1": 60.0, "classes": big["classes"]}
+    # each write meets the full disk at file `name`; the files it writes before that (the same bytes as before) get
+    # the room they had
+    best = small_disk / "best.safetensors"
+    for name, write, room in (
+            ("best.safetensors", lambda: export_weights(accelerator, torch.nn.Linear(64, 64), best), []),
+            ("preprocessor_config.json", lambda: export_model(accelerator, model, None, big, small_disk, summary),
+             ["model.safetensors"]),
+            ("summary.json", lambda: export_model(accelerator, model, None, data, small_disk, summary),
+             ["model.safetensors", "preprocessor_config.json"])):
+        for taken in room:
+            (small_disk / taken).unlink()
+        with pytest.raises(UserError) as raised:
+            write()
+        assert str(raised.value).startswith(f"no space left on device writing {small_disk / name} ("), raised.value
+        assert str(raised.value).endswith("; last good checkpoint: none")
+    filler.unlink()
+    assert {p.name: p.read_bytes() for p in small_disk.iterdir()} == before  # rewritten ones: the same bytes
 
 
 @pytest.mark.slow

@@ -13,8 +13,9 @@ A checkpoint resumes on any process count: the weights and optimizer state are w
 torch.distributed.checkpoint under FSDP2, the augmentation is keyed by the sample (utils.data.draws.augment_draws), the
 position in the epoch is converted through global samples and the global batch is kept (utils.plan.plan_batches).
 
-The exported weights (model.safetensors, best.safetensors: `export_weights`) are written here too: atomically, and
-a failed write names the last good checkpoint.
+The run folder's other files (model.safetensors, best.safetensors: `export_weights`; preprocessor_config.json,
+summary.json: `write_files`, for utils/export.py) are written here too: atomically, and a failed write names the last
+good checkpoint.
 
 Written by hand because Accelerate's save_state/load_state (which this uses for the contents) has no notion
 of completeness, and its custom-object checkpointing pickles (`weights_only=False`), which we avoid.
@@ -42,14 +43,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from utils import UserError, write_atomically
 from utils.cli import write_config_file
 from utils.launch import first_error, share_bn_statistics
-from utils.output_dir import free_space_warning
+from utils.output_dir import SUMMARY_FILE, free_space_warning
 from utils.plan import BatchPlan, use_plan
 from utils.progress import Progress
 from utils.scripts import script_record
 
 if TYPE_CHECKING:
-    import torch
-
     from utils.config_groups import CheckpointConfig
 
 STATE_FILE = "trainer_state.json"
@@ -197,21 +196,27 @@ def _describe(error: BaseException, target: Path) -> str:
 
 def export_weights(accelerator, model, path: Path) -> None:
     """Full, unwrapped weights (no 'module.' or '_orig_mod.' prefix) as safetensors, written by the main process
-    (atomically; a failed write stops every rank with one line naming the last good checkpoint). Collective."""
+    (`write_files`). Collective."""
     state = accelerator.get_state_dict(accelerator.unwrap_model(model, keep_torch_compile=False))
-    write_weights(accelerator, state, path, root=Path(path).parent / "checkpoints")
+    path, tensors = Path(path), {k: v.contiguous() for k, v in state.items()}
+    write_files(accelerator, path.parent, {path.name: partial(save_file, tensors)})
 
 
-def write_weights(accelerator, state: dict[str, torch.Tensor], path: Path, root: Path) -> None:
-    """Exported weights as safetensors, written by the main process to a temporary name and renamed, so a failed
-    write leaves the previous file whole; a failure raises the same UserError on every rank (collective)."""
-    path, error = Path(path), None
+def write_files(accelerator, folder: Path, files: dict[str, object]) -> None:
+    """Files of the run folder `folder` (exported weights, its JSON files), each written by the main process as
+    write_atomically writes it (`files`: name -> text, or a function that writes the file it is given), so a failed
+    write leaves the previous file whole; a failure raises one UserError on every rank naming the last good
+    checkpoint in folder/checkpoints. Collective: every rank calls it; the main process's `files` are written."""
+    error, target = None, Path(folder)
     if accelerator.is_main_process:
-        try:
-            write_atomically(path, partial(save_file, {k: v.contiguous() for k, v in state.items()}))
-        except WRITE_ERRORS as e:
-            error = write_error(e)
-    raise_if_write_failed(accelerator, error, path, root)
+        for name, content in files.items():
+            target = Path(folder) / name
+            try:
+                write_atomically(target, content)
+            except WRITE_ERRORS as e:
+                error = write_error(e)
+                break
+    raise_if_write_failed(accelerator, error, target, Path(folder) / "checkpoints")
 
 
 def load(accelerator, folder: Path) -> dict:
@@ -293,7 +298,7 @@ class Checkpointer:
         """The summary of a finished run when `folder` (the resume point) is its last checkpoint: its epochs done (or
         --max-steps, or an early stop) and its summary.json written. Said aloud; the script then trains nothing and
         rewrites nothing (summary.json, the weights, the tracker's run stay as they are). None otherwise."""
-        summary_file = self.root.parent / "summary.json"
+        summary_file = self.root.parent / SUMMARY_FILE
         state = read_state(folder) if folder is not None and summary_file.is_file() else {}
         if state.get("format") != FORMAT:
             return None  # none, or a checkpoint of another format: refused with its reason where it is loaded

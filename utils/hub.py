@@ -12,7 +12,7 @@ from pathlib import Path
 from utils import first_line
 from utils.config_groups import BUILT_IN
 from utils.launch import raise_if_any
-from utils.output_dir import LIBRARY_CONFIG, PREPROCESSOR_FILE
+from utils.output_dir import LIBRARY_CONFIG, PREPROCESSOR_FILE, SUMMARY_FILE
 from utils.scripts import sha256
 
 HUB_FOLDER = "hub"  # <output-dir>/hub: what --push-to-hub uploads
@@ -74,7 +74,7 @@ def hub_folder(output_dir: Path, summary: dict, repo_id: str) -> Path:
     folder.mkdir()
     script = summary.get("script") or {}
     trained_by = (output_dir / script["path"]).resolve() if script else None
-    files = {name: output_dir / name for name in ("model.safetensors", "best.safetensors", "summary.json",
+    files = {name: output_dir / name for name in ("model.safetensors", "best.safetensors", SUMMARY_FILE,
                                                   PREPROCESSOR_FILE, LIBRARY_CONFIG)}
     if trained_by is not None and trained_by.is_file() and sha256(trained_by) == script["sha256"]:
         files[script["name"]] = trained_by

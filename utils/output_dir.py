@@ -21,6 +21,7 @@ from utils.launch import raise_if_any
 LOCK_FILE = ".lock"
 PREPROCESSOR_FILE = "preprocessor_config.json"  # how to feed the weights (utils/export.py)
 LIBRARY_CONFIG = "config.json"  # a timm or transformers model's own config (none for the ready models)
+SUMMARY_FILE = "summary.json"  # every number of a finished run, written last (utils/export.py)
 
 
 def check_output_dir(path: str) -> None:

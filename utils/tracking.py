@@ -145,15 +145,11 @@ class Tracker:
                   "epoch": epoch}, step=step)
 
     def finish(self, summary: dict) -> None:
-        """summary.json (written by the main process) is also the W&B run's summary; it names the W&B run."""
-        if self.accelerator.is_main_process:
-            if self.wandb_run is not None:
-                summary["wandb_run"] = {"id": self.wandb_run.id, "project": self.wandb_run.project,
-                                        "url": self.wandb_run.url if not self.wandb_run.offline else None}
-            with open(self.output_dir / "summary.json", "w") as f:
-                json.dump(summary, f, indent=2)
-            if self.wandb_run is not None:
-                self.wandb_run.summary.update(summary)
+        """The W&B run's summary is the run's `summary` (summary.json: utils/export.py), which names the W&B run."""
+        if self.accelerator.is_main_process and self.wandb_run is not None:
+            summary["wandb_run"] = {"id": self.wandb_run.id, "project": self.wandb_run.project,
+                                    "url": self.wandb_run.url if not self.wandb_run.offline else None}
+            self.wandb_run.summary.update(summary)
 
 
 class StepProfiler:
