@@ -148,7 +148,8 @@ def test_images_of_different_sizes_without_image_size(tmp_path, small_data):
     write_parquet(small_data / "test-00000-of-00001.parquet", 8, size=(28, 28))
     _fails_cleanly(tmp_path, ["--data-dir", str(small_data)], "the images do not share one square size (32x32 (the "
                    "train split's row 0), 28x28 (the test split's row 0)); pass --image-size S to resize every image "
-                   "to S x S.")
+                   "to S x S (photos of many sizes and shapes: --image-size S --augment resized-crop, the "
+                   "natural-image recipe, crops each as it is decoded).")
 
 
 @pytest.mark.parametrize(("flag", "value"), [("--lr", "0"), ("--batch-size", "0"), ("--epochs", "-1")])

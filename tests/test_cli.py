@@ -124,3 +124,26 @@ def test_a_finished_run_started_again_says_so_and_leaves_every_file_as_it_was(tr
     assert f"the run in {out} is finished (epoch 2 of 2, step 16): nothing to train" in result.stdout
     assert "freshly initialised" not in result.stdout + result.stderr
     assert _digest(out) == before
+
+
+@pytest.mark.slow
+def test_a_finished_run_without_its_summary_writes_its_outputs_again_from_its_last_checkpoint(tracked_runs, cifar_dir,
+                                                                                              cache_dir, tmp_path):
+    """A run stopped after its last checkpoint but before summary.json was written (which is written last) is not
+    finished: --resume auto says its epochs are trained, trains nothing, and writes summary.json again with the
+    same top-1 and model.safetensors again with the same bytes."""
+    out = tmp_path / "a0"
+    shutil.copytree(tracked_runs["a0"], out, symlinks=True)
+    original = read_summary(out)
+    weights = (out / "model.safetensors").read_bytes()
+    (out / "summary.json").unlink()
+    (out / "model.safetensors").unlink()
+    result = run_train([*job_args(cifar_dir, cache_dir, out, *TRACKED_JOB), "--lr", "0.05", "--group", "A",
+                        "--resume", "auto"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"resumed from {out / 'checkpoints' / 'step-00000016'}: its 2 epochs are trained (step 16); writing the " \
+           f"run's outputs" in result.stdout
+    assert "epoch 1/2" not in result.stdout and "epoch 2/2" not in result.stdout  # nothing trained
+    summary = read_summary(out)
+    assert summary["eval_top1"] == original["eval_top1"] and summary["global_step"] == 16
+    assert (out / "model.safetensors").read_bytes() == weights

@@ -791,7 +791,8 @@ def test_images_of_mixed_sizes_and_modes_are_resized_to_rgb_image_size_or_stop_a
     folder = write_mixed_folder(tmp_path / "folder")
     message = _folder_error(tmp_path, accelerator)
     assert message.startswith("the images do not share one square size (") and message.endswith(
-        "pass --image-size S to resize every image to S x S."), message
+        "pass --image-size S to resize every image to S x S (photos of many sizes and shapes: --image-size S "
+        "--augment resized-crop, the natural-image recipe, crops each as it is decoded)."), message
     data = load_source(str(folder), cache_dir=str(tmp_path / "cache"), image_size=24)
     images, labels = data["train"]
     assert images.shape == (9, 3, 24, 24) and images.is_contiguous(memory_format=torch.channels_last)
@@ -1135,10 +1136,12 @@ def test_a_dataset_item_of_the_wrong_type_label_or_size_stops_with_one_line_nami
         "load_data: the train Dataset's item 4's label must be an integer (got float 0.0).")
     assert error(good, [(Image.new("RGB", (8, 8)), 0), (Image.new("RGB", (9, 9)), 0)]) == (
         "load_data: the test Dataset's item 1's image is 9 x 9; without --image-size every image must be 8 x 8, as "
-        "item 0 of the train split is: pass --image-size S to resize (or crop) every image to S.")
+        "item 0 of the train split is: pass --image-size S to resize every image to S x S (photos of many sizes "
+        "and shapes: --image-size S --augment resized-crop, the natural-image recipe, crops each as it is decoded).")
     assert error([(torch.zeros(3, 8, 6, dtype=torch.uint8), 0)]) == (
         "load_data: the train Dataset's item 0's image is 6 x 8; without --image-size every image must be square: "
-        "pass --image-size S to resize (or crop) every image to S.")
+        "pass --image-size S to resize every image to S x S (photos of many sizes and shapes: --image-size S "
+        "--augment resized-crop, the natural-image recipe, crops each as it is decoded).")
     data = checked_data({"train": Items(good), "test": Items(pil), "classes": ["a", "b"]})
     assert data["image_size"] == 8 and data["train"][1].tolist() == [0, 1, 0, 1] and len(data["test"][0]) == 3
     assert data["mean"] == (0.0, 0.0, 0.0)

@@ -337,8 +337,10 @@ class Checkpointer:
         # Accelerate's micro-step counter comes from the saving run's rank files (none for a new rank); it counts the
         # epoch's micro-batches: the converted position.
         use_plan(self.accelerator, plan, micro_steps=batches)
-        self.accelerator.print(f"resumed from {folder}: epoch {progress['epoch'] + 1} after {samples} of its images, "
-                               f"step {progress['global_step']}")
+        epochs, step = self.config["epochs"], progress["global_step"]
+        self.accelerator.print(f"resumed from {folder}: " + (
+            f"epoch {progress['epoch'] + 1} after {samples} of its images, step {step}" if progress["epoch"] < epochs
+            else f"its {epochs} epochs are trained (step {step}); writing the run's outputs"))
         return progress
 
     def start(self, folder: Path | None, scheduler, plan: BatchPlan, ema=None) -> Progress:

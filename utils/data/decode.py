@@ -27,7 +27,7 @@ import torch
 from utils import UserError, first_line
 from utils.data.images import channel_stats
 from utils.data.pixels import open_image, row_pixels, square_pixels
-from utils.data.sources import SPLITS, Rows, Source, fingerprint, first_size, locate
+from utils.data.sources import SIZE_ADVICE, SPLITS, Rows, Source, fingerprint, first_size, locate
 from utils.launch import first_on_each_machine, main_print
 
 CACHE_FORMAT = 10  # bump when the cache file changes (4: class names, mean and std; 5: held-out splits; 6: mean and
@@ -54,8 +54,7 @@ def _decode_rows(rows: Rows, size: int, out: tuple[np.ndarray, np.ndarray], star
             if im.size != (size, size) and same_as:
                 im.close()
                 raise UserError(f"the images do not share one square size ({same_as}, {im.size[0]}x{im.size[1]} "
-                                f"(the {rows.split} split's {rows.where(i)})); pass --image-size S to resize every "
-                                f"image to S x S.")
+                                f"(the {rows.split} split's {rows.where(i)})); {SIZE_ADVICE}.")
             images[i] = row_pixels(rows, i, im, partial(square_pixels, size=size, reduce=reduce))
             digests[i] = np.frombuffer(hashlib.blake2b(images[i].tobytes(), digest_size=8).digest(), np.int64)[0]
 

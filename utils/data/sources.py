@@ -58,6 +58,9 @@ IMAGE_SUFFIXES = tuple(s for s in PHOTO_SUFFIXES if s in Image.registered_extens
 OTHER_PHOTOS = tuple(s for s in PHOTO_SUFFIXES if s not in IMAGE_SUFFIXES)
 IMAGE_COLUMNS, LABEL_COLUMNS = ("img", "image"), ("label", "labels", "fine_label")
 METADATA_FILES = ("metadata.csv", "metadata.jsonl")  # an image folder's labels by file name, as datasets reads them
+# what to do when images of other sizes or shapes meet without --image-size
+SIZE_ADVICE = ("pass --image-size S to resize every image to S x S (photos of many sizes and shapes: --image-size S "
+               "--augment resized-crop, the natural-image recipe, crops each as it is decoded)")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -598,8 +601,7 @@ def first_size(splits: dict[str, Rows]) -> tuple[int, str]:
     with open_image(rows.fetch([0])[0], rows, 0) as im:
         (w, h), where = im.size, f"{im.size[0]}x{im.size[1]} (the {rows.split} split's {rows.where(0)})"
     if w != h:
-        raise UserError(f"the images do not share one square size ({where}); pass --image-size S to resize every "
-                        f"image to S x S.")
+        raise UserError(f"the images do not share one square size ({where}); {SIZE_ADVICE}.")
     return w, where
 
 
@@ -689,7 +691,7 @@ def item_image(item, what: str, size: int | None = None):
     w, h = check_pixels(image, f"{what}'s image").size
     if size and (w, h) != (size, size):
         raise UserError(f"{what}'s image is {w} x {h}; without --image-size every image must be {size} x {size}, as "
-                        f"item 0 of the train split is: pass --image-size S to resize (or crop) every image to S.")
+                        f"item 0 of the train split is: {SIZE_ADVICE}.")
     if isinstance(label, torch.Tensor) and label.numel() == 1 and not label.is_floating_point():
         label = label.item()
     if isinstance(label, bool) or not isinstance(label, int | np.integer):
@@ -724,8 +726,7 @@ class DatasetRows(EncodedRows):
                 side = image.size[0]
                 if image.size[0] != image.size[1]:
                     raise UserError(f"{what}'s item {i}'s image is {image.size[0]} x {image.size[1]}; without "
-                                    f"--image-size every image must be square: pass --image-size S to resize (or "
-                                    f"crop) every image to S.")
+                                    f"--image-size every image must be square: {SIZE_ADVICE}.")
             labels.append(label)
         return cls(dataset, split, what, torch.tensor(labels, dtype=torch.int64), np.arange(n)), side
 
