@@ -1147,6 +1147,41 @@ def test_a_dataset_item_of_the_wrong_type_label_or_size_stops_with_one_line_nami
     assert data["mean"] == (0.0, 0.0, 0.0)
 
 
+def test_a_copys_dataset_whose_evaluation_items_are_training_items_gets_one_warning_naming_the_first_pair(tmp_path):
+    """A copy's Datasets of 8 x 8 images: evaluation items that are training items, a file byte for byte (opened
+    lazily from its path), a training file's bytes opened lazily from memory, and a tensor pixel for pixel, are
+    counted in one warning line naming the first pair. Not counted: the same pixels saved again as BMP (other bytes),
+    a tensor that differs from a training tensor in one pixel below its middle row, and new images. Splits without
+    such items get no line."""
+    from utils.data.contract import checked_data
+
+    rng = torch.Generator().manual_seed(0)
+    pixels = torch.randint(0, 256, (16, 8, 8, 3), dtype=torch.uint8, generator=rng)
+    for k in range(16):
+        Image.fromarray(pixels[k].numpy()).save(tmp_path / f"{k:02d}.png")
+    train = [(Image.open(tmp_path / f"{k:02d}.png"), k % 2) for k in range(8)]  # opened lazily: nothing decoded
+    train += [(Image.open(io.BytesIO((tmp_path / "08.png").read_bytes())), 0)]
+    train += [(pixels[k].permute(2, 0, 1).clone(), k % 2) for k in (9, 10)]  # decoded: uint8 tensors
+    (tmp_path / "copy.png").write_bytes((tmp_path / "03.png").read_bytes())
+    Image.open(tmp_path / "05.png").save(tmp_path / "05.bmp")
+    changed = pixels[10].permute(2, 0, 1).clone()
+    changed[0, 6, 2] ^= 1  # row 6: below the middle row (4) that the first round compares
+    new = [(Image.open(tmp_path / f"{k:02d}.png"), k % 2) for k in range(11, 16)]
+    test = [(Image.open(tmp_path / "copy.png"), 1), (Image.open(io.BytesIO((tmp_path / "02.png").read_bytes())), 0),
+            (pixels[9].permute(2, 0, 1).clone(), 1), (Image.open(tmp_path / "05.bmp"), 1), (changed, 0), *new]
+    said = []
+    checked_data({"train": Items(train), "test": Items(test), "classes": ["a", "b"]}, say=said.append)
+    assert [line for line in said if line.startswith("warning:")] == [
+        "warning: 3 of the 10 evaluation images are also training images, byte for byte or pixel for pixel (the "
+        "first: item 0 of load_data: the test Dataset and item 3 of load_data: the train Dataset); the evaluation "
+        "counts them as unseen."]
+    fresh = [(Image.open(tmp_path / f"{k:02d}.png"), k % 2) for k in range(8)] + train[8:]  # none decoded yet
+    said.clear()
+    checked_data({"train": Items(fresh), "test": Items([(Image.open(tmp_path / "05.bmp"), 1), (changed, 0), *new]),
+                  "classes": ["a", "b"]}, say=said.append)
+    assert not [line for line in said if line.startswith("warning:")]
+
+
 @pytest.mark.skipif(WORKER_START is None, reason="this Python forks the loader's workers: nothing is pickled")
 def test_a_dataset_that_does_not_pickle_stops_with_one_line_where_workers_start_from_a_forkserver():
     """On Python before 3.11.10 the loader's workers start from a forkserver and receive the Dataset pickled: one

@@ -11,9 +11,11 @@ import numpy as np
 import torch
 
 from utils import UserError, first_line
+from utils.data.decode import say_repeated
 from utils.data.images import WORKER_START, EncodedImages, Images, TensorImages, worker_share
 from utils.data.pixels import crop_recipe
-from utils.data.sources import SPLITS, DatasetRows
+from utils.data.sources import SPLITS, DatasetRows, byte_copies
+from utils.launch import is_main_process
 
 CHANNELS = ("red", "green", "blue")
 
@@ -47,14 +49,14 @@ def checked_data(data: dict, where: str = "load_data", cfg=None, model_stats: di
     recipe = crop_recipe(cfg) if cfg is not None else None
     if recipe and any(isinstance(data[s], torch.utils.data.Dataset) for s in SPLITS):  # how it evaluates, for export
         data = {"eval_crop": recipe.eval_crop, "interpolation": recipe.interpolation} | data
+    items = {}  # each Dataset split's rows
     for split in SPLITS:
         if isinstance(data[split], torch.utils.data.Dataset):  # a copy's own: read once here, in the workers later
             fixed = out["train"][0].image_size if split == "test" else None  # the test items: the train items' size
-            rows, side = DatasetRows.read(data[split], split, f"{where}: the {split} Dataset",
-                                          cfg and cfg.image_size, fixed)
-            check_pickles(data[split], f"{where}: the {split} Dataset")
-            images = EncodedImages(rows, side, recipe, worker_share(), not (cfg and cfg.full_decode))
-            labels = rows.labels
+            items[split], side = DatasetRows.read(data[split], split, f"{where}: the {split} Dataset",
+                                                  cfg and cfg.image_size, fixed)
+            images = EncodedImages(items[split], side, recipe, worker_share(), not (cfg and cfg.full_decode))
+            labels = items[split].labels
         else:
             try:
                 images, labels = data[split]
@@ -67,6 +69,10 @@ def checked_data(data: dict, where: str = "load_data", cfg=None, model_stats: di
         if len(out[split][0]) != len(out[split][1]):
             raise UserError(f"{where}: the {split} split has {len(out[split][0])} images but {len(out[split][1])} "
                             f"labels.")
+    if len(items) == 2 and is_main_process() and (found := byte_copies(items["train"], items["test"])):
+        say_repeated(say or print, found, items, "byte for byte or pixel for pixel")
+    for split in items:  # after byte_copies: pickling a PIL image decodes it
+        check_pickles(data[split], f"{where}: the {split} Dataset")
     size, test_size = (out[split][0].image_size for split in SPLITS)
     if size != test_size:
         raise UserError(f"{where}: the train images are {size} px and the test images {test_size} px; give both "

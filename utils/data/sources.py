@@ -38,7 +38,7 @@ from PIL import Image
 from utils import UserError, first_line
 from utils.config_groups import DATA_LAYOUTS, check_source
 from utils.data.pixels import as_rgb, check_pixels, encoded, open_image
-from utils.launch import main_print
+from utils.launch import is_main_process, main_print
 from utils.scripts import IMPORTED, new_after_imports
 
 SPLITS = ("train", "test")  # load_data's splits: "test" is the one evaluated on
@@ -480,6 +480,10 @@ class EncodedRows(abc.ABC):
     @abc.abstractmethod
     def fetch(self, indices) -> list: ...
 
+    def encoded(self, indices, limit: int | None = None) -> list[bytes]:
+        """The rows' images as bytes, the first `limit` of each (None: all), for comparing them (byte_copies)."""
+        return [encoded(cell, limit) for cell in self.fetch(indices)]
+
     def sampler(self, dataset, train: bool, seed: int, step_images: int, layout: tuple[int, int, int]):
         """A training order of the rows' own (layout: processes, loader workers, micro-batch), or None: the
         EpochSampler every kind of images has (utils.data.images.Images.sampler)."""
@@ -523,29 +527,30 @@ class Rows(EncodedRows):
         for chunk in cells.chunks:  # a ChunkedArray: the table's record batches
             found = pc.binary_length(chunk.field("bytes")).to_numpy(zero_copy_only=False)
             paths = chunk.field("path").to_pylist()
-            sizes += [_file_size(paths[k], -1 - len(sizes) - k) if np.isnan(n) else n for k, n in enumerate(found)]
+            sizes += [_file_size(paths[k]) if np.isnan(n) else n for k, n in enumerate(found)]
         return np.asarray(sizes, dtype=np.int64)[self.order]
 
 
-def _file_size(path: str | None, missing: int) -> int:
-    """A file's size in bytes; `missing` (a size no other row has) for a row without an image or a file that cannot
-    be read, which its decode reports in its own words."""
+def _file_size(path: str | None) -> int:
+    """A file's size in bytes; -1 (which byte_copies matches with nothing) for a row without an image or a file that
+    cannot be read, which its decode reports in its own words."""
     try:
         return os.path.getsize(path)
     except (OSError, TypeError):
-        return missing
+        return -1
 
 
-def byte_copies(train: Rows, test: Rows) -> list[tuple[int, int]]:
+def byte_copies(train: Rows | DatasetRows, test: Rows | DatasetRows) -> list[tuple[int, int]]:
     """(evaluation row, training row) of each evaluation image whose encoded bytes a training image has too (a file
-    copied into both splits), the training row the first such; without decoding, narrowing down: the rows' sizes in
-    bytes (nothing read), then the digests of their first 4 KB (headers, EXIF: they differ between photos) where
-    both splits share a size, then of the whole image where both share those."""
+    copied into both splits; a copy's Dataset: its items' files or bytes, or decoded pixels), the training row the
+    first such; without decoding, narrowing down: the rows' sizes in bytes (nothing read; a Dataset's size keys),
+    then the digests of their first 4 KB (headers, EXIF: they differ between photos) where both splits share a size,
+    then of the whole image where both share those. A size below 0 (a file that cannot be read) matches none."""
     splits = (train, test)
     picked = [np.arange(len(rows)) for rows in splits]
     keys = [[(n,) for n in rows.sizes().tolist()] for rows in splits]
     for prefix in (4096, None):  # each round keeps the rows whose key the other split has, and lengthens their keys
-        shared = set(keys[0]) & set(keys[1])
+        shared = {key for key in set(keys[0]) & set(keys[1]) if key[0] >= 0}
         for s, rows in enumerate(splits):
             kept = [k for k, key in enumerate(keys[s]) if key in shared]
             picked[s] = picked[s][kept]
@@ -556,12 +561,12 @@ def byte_copies(train: Rows, test: Rows) -> list[tuple[int, int]]:
     return [(j, first[key]) for j, key in zip(picked[1].tolist(), keys[1]) if key in first]
 
 
-def _digests(rows: Rows, picked: np.ndarray, prefix: int | None, batch: int = 256):
-    """The 128-bit BLAKE2b of each picked row's encoded bytes (its first `prefix` bytes; None: all), in order, read a
-    batch of rows at a time."""
+def _digests(rows: Rows | DatasetRows, picked: np.ndarray, prefix: int | None, batch: int = 256):
+    """The 128-bit BLAKE2b of each picked row's bytes (its first `prefix` bytes; None: all), in order, read a batch of
+    rows at a time."""
     for start in range(0, len(picked), batch):
-        for cell in rows.fetch(picked[start:start + batch]):
-            yield hashlib.blake2b(encoded(cell, prefix), digest_size=16).digest()
+        for data in rows.encoded(picked[start:start + batch], prefix):
+            yield hashlib.blake2b(data, digest_size=16).digest()
 
 
 def read_rows(ds, split: str, columns: tuple[str | None, str | None]) -> Rows:
@@ -700,18 +705,20 @@ def item_image(item, what: str, size: int | None = None):
 
 
 class DatasetRows(EncodedRows):
-    """A Dataset's items as a split's rows, the items `order` of it (a prefix: --train-subset, --eval-subset)."""
+    """A Dataset's items as a split's rows, the items `order` of it (a prefix: --train-subset, --eval-subset).
+    `keys` (the main process's only; None elsewhere): each item's size key, for byte_copies (`sizes`)."""
 
     def __init__(self, dataset: torch.utils.data.Dataset, split: str, what: str, labels: torch.Tensor,
-                 order: np.ndarray):
+                 order: np.ndarray, keys: np.ndarray | None = None):
         self.dataset, self.split, self.what, self.labels, self.order = dataset, split, what, labels, order
-        self.names = None
+        self.names, self.keys = None, keys
 
     @classmethod
     def read(cls, dataset: torch.utils.data.Dataset, split: str, what: str, size: int | None,
              fixed: int | None = None) -> tuple[DatasetRows, int]:
-        """Every item read once and checked, its label kept: (the rows, S). `size`: --image-size (None: the items
-        must be square, all of `fixed`'s side, else the first item's)."""
+        """Every item read once and checked, its label kept (and on the main process its size key, `size_key`):
+        (the rows, S). `size`: --image-size (None: the items must be square, all of `fixed`'s side, else the first
+        item's)."""
         try:
             n = len(dataset)
         except TypeError:
@@ -719,7 +726,7 @@ class DatasetRows(EncodedRows):
                 from None
         if n == 0:
             raise UserError(f"{what} holds no items.")
-        labels, side = [], size or fixed
+        labels, side, keys = [], size or fixed, np.zeros(n, dtype=np.int64) if is_main_process() else None
         for i in range(n):
             image, label = item_image(dataset[i], f"{what}'s item {i}", None if size else side)
             if side is None:
@@ -728,16 +735,19 @@ class DatasetRows(EncodedRows):
                     raise UserError(f"{what}'s item {i}'s image is {image.size[0]} x {image.size[1]}; without "
                                     f"--image-size every image must be square: {SIZE_ADVICE}.")
             labels.append(label)
-        return cls(dataset, split, what, torch.tensor(labels, dtype=torch.int64), np.arange(n)), side
+            if keys is not None:
+                keys[i] = size_key(image)
+        return cls(dataset, split, what, torch.tensor(labels, dtype=torch.int64), np.arange(n), keys), side
 
     def __reduce__(self):  # the Dataset's class may be a script's that a tool imported (utils/scripts.py)
-        return new_after_imports, (DatasetRows, dict(IMPORTED)), self.__dict__
+        return new_after_imports, (DatasetRows, dict(IMPORTED)), {**self.__dict__, "keys": None}
 
     def __len__(self) -> int:
         return len(self.order)
 
     def take(self, order: torch.Tensor) -> DatasetRows:
-        return DatasetRows(self.dataset, self.split, self.what, self.labels[order], self.order[order.numpy()])
+        return DatasetRows(self.dataset, self.split, self.what, self.labels[order], self.order[order.numpy()],
+                           self.keys)
 
     def where(self, i: int) -> str:
         return f"item {int(self.order[i])} of {self.what}"
@@ -746,17 +756,55 @@ class DatasetRows(EncodedRows):
         """The items' images, each opened anew (`opened`)."""
         return [self.opened(int(self.order[i])) for i in np.asarray(indices, dtype=np.int64)]
 
+    def sizes(self) -> np.ndarray:
+        """Each row's size key (`size_key`): equal for items whose bytes may be equal (main process)."""
+        return self.keys[self.order]
+
+    def encoded(self, indices, limit: int | None = None) -> list[bytes]:
+        """Each item's bytes as byte_copies compares them: the file or bytes an image was opened from, else its
+        decoded pixels as RGB."""
+        out = []
+        for i in np.asarray(indices, dtype=np.int64):
+            image, _ = item_image((self.dataset[int(self.order[i])][0], 0), f"{self.what}'s item {int(self.order[i])}")
+            source = encoded_source(image)
+            out.append(encoded(source, limit) if source is not None else as_rgb(image).tobytes()[:limit])
+        return out
+
     def opened(self, item: int):
         """The Dataset's item's image as a new PIL image, so that the Dataset's own object is never closed or changed:
         an image the Dataset opened lazily (`Image.open(path)` or of bytes; nothing decoded yet) opened again from its
         file or bytes, so that a JPEG decodes at the scale its view needs as the built-in folders' do
         (utils/data/pixels.py); a tensor's pixels wrapped; any other PIL image converted to RGB (`as_rgb`)."""
-        from PIL import ImageFile
-
         image, _ = item_image((self.dataset[item][0], 0), f"{self.what}'s item {item}")
-        if isinstance(image, ImageFile.ImageFile) and image.tile:  # (tile: what load() has still to decode)
-            if image.filename:
-                return Image.open(image.filename)
-            if isinstance(image.fp, io.BytesIO):
-                return Image.open(io.BytesIO(image.fp.getvalue()))
+        source = encoded_source(image)
+        if source is not None:
+            return Image.open(io.BytesIO(source) if isinstance(source, bytes) else source)
         return as_rgb(image)
+
+
+def encoded_source(image) -> str | bytes | None:
+    """What a Dataset's PIL image was opened lazily from (`Image.open(path)` or of bytes; nothing decoded yet): the
+    file's name or the bytes; None for an image whose pixels are decoded (or a file object of another kind)."""
+    from PIL import ImageFile
+
+    if isinstance(image, ImageFile.ImageFile) and image.tile:  # (tile: what load() has still to decode)
+        if image.filename:
+            return image.filename
+        if isinstance(image.fp, io.BytesIO):
+            return image.fp.getvalue()
+    return None
+
+
+def size_key(image) -> int:
+    """A Dataset item's key for byte_copies' first round, read without decoding anything: an image opened lazily,
+    its encoded size in bytes (a file's from the file system); decoded pixels, a digest of their size, mode and top
+    and middle rows (the whole is compared only where these agree)."""
+    source = encoded_source(image)
+    if isinstance(source, bytes):
+        return len(source)
+    if source is not None:
+        return _file_size(source)
+    w, h = image.size
+    sample = image.crop((0, 0, w, 1)).tobytes() + image.crop((0, h // 2, w, h // 2 + 1)).tobytes()
+    digest = hashlib.blake2b(f"{w} {h} {image.mode}".encode() + sample, digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # 63 bits: at or above 0, as sizes are
