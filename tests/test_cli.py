@@ -127,20 +127,28 @@ def test_a_finished_run_started_again_says_so_and_leaves_every_file_as_it_was(tr
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("summary", ["missing", "damaged"])
 def test_a_finished_run_without_its_summary_writes_its_outputs_again_from_its_last_checkpoint(tracked_runs, cifar_dir,
-                                                                                              cache_dir, tmp_path):
-    """A run stopped after its last checkpoint but before summary.json was written (which is written last) is not
-    finished: --resume auto says its epochs are trained, trains nothing, and writes summary.json again with the
-    same top-1 and model.safetensors again with the same bytes."""
+                                                                                              cache_dir, tmp_path,
+                                                                                              summary):
+    """A run stopped after its last checkpoint but before summary.json was written (which is written last), or whose
+    summary.json was damaged since (with a warning line), is not finished: --resume auto says its epochs are trained,
+    trains nothing, and writes summary.json again with the same top-1 and model.safetensors again with the same
+    bytes."""
     out = tmp_path / "a0"
     shutil.copytree(tracked_runs["a0"], out, symlinks=True)
     original = read_summary(out)
     weights = (out / "model.safetensors").read_bytes()
-    (out / "summary.json").unlink()
+    if summary == "missing":
+        (out / "summary.json").unlink()
+    else:
+        (out / "summary.json").write_text('{"eval_top1": ')
     (out / "model.safetensors").unlink()
     result = run_train([*job_args(cifar_dir, cache_dir, out, *TRACKED_JOB), "--lr", "0.05", "--group", "A",
                         "--resume", "auto"])
     assert result.returncode == 0, result.stderr[-3000:]
+    damaged = f"warning: {out / 'summary.json'} does not read (JSONDecodeError); the run's outputs are written again"
+    assert (damaged in result.stdout) == (summary == "damaged")
     assert f"resumed from {out / 'checkpoints' / 'step-00000016'}: its 2 epochs are trained (step 16); writing the " \
            f"run's outputs" in result.stdout
     assert "epoch 1/2" not in result.stdout and "epoch 2/2" not in result.stdout  # nothing trained

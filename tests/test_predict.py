@@ -220,6 +220,15 @@ def test_an_unreadable_image_gets_a_row_saying_why_and_the_job_goes_on(trained, 
     assert "; 3 images could not be read (their error column)" in result.stdout
 
 
+def _damaged(run: Path, copy: Path) -> Path:
+    """A copy of a run folder (weights, summary.json) whose summary.json is cut short."""
+    copy.mkdir(parents=True)
+    for name in ("model.safetensors", "preprocessor_config.json"):
+        shutil.copy(run / name, copy / name)
+    (copy / "summary.json").write_text('{"eval_top1": ')
+    return copy
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("args", "line"), [
     (lambda run, photos, tmp: [tmp / "empty", photos], "holds no model.safetensors (is it a finished run's folder?)"),
@@ -228,6 +237,9 @@ def test_an_unreadable_image_gets_a_row_saying_why_and_the_job_goes_on(trained, 
     (lambda run, photos, tmp: [run, photos, "--weights", "ema"], "holds no model_ema.safetensors (a run without "
                                                                  "--ema-decay has none)."),
     (lambda run, photos, tmp: [run, photos, "--top-k", "11"], "--top-k 11: the run has 10 classes."),
+    (lambda run, photos, tmp: [_damaged(run, tmp / "empty" / "run"), photos], "run/summary.json does not read "
+     "(JSONDecodeError: Expecting value: line 1 column 15 (char 14)); restore it, or run the training command again "
+     "with --resume auto, which writes a finished run's outputs anew from its last checkpoint."),
 ])
 def test_bad_input_to_predict_is_one_line_and_writes_nothing(trained, jpeg_folder, tmp_path, args, line):
     (tmp_path / "empty").mkdir()

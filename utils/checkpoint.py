@@ -305,10 +305,16 @@ class Checkpointer:
         done, epochs, max_steps = state["progress"], self.config["epochs"], self.config.get("max_steps")
         if not (done["epoch"] >= epochs or done["stopped_early"] or (max_steps and done["global_step"] >= max_steps)):
             return None
+        try:
+            summary = json.loads(summary_file.read_text())
+        except (OSError, ValueError) as e:  # damaged after the run wrote it: the run's outputs are written anew
+            self.accelerator.print(f"warning: {summary_file} does not read ({type(e).__name__}); the run's outputs "
+                                   f"are written again from its last checkpoint")
+            return None
         self.accelerator.print(f"the run in {self.root.parent} is finished (epoch {done['epoch']} of {epochs}, step "
                                f"{done['global_step']}): nothing to train; its outputs are left as they are (raise "
                                f"--epochs to train it further)")
-        return json.loads(summary_file.read_text())
+        return summary
 
     @staticmethod
     def saved_plan(folder: Path | None) -> dict | None:

@@ -53,6 +53,20 @@ def add_run_flags(parser, rebuilds: str) -> None:
                         "the run folder or the Hub repo (it runs that script's code)")
 
 
+def read_summary(path: Path) -> dict:
+    """A run's summary.json; one line when it does not read (a finished run writes it last, atomically: damaged
+    later)."""
+    try:
+        summary = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path} does not read ({first_line(e)}); restore it, or run the training command again with "
+                        f"--resume auto, which writes a finished run's outputs anew from its last checkpoint.") \
+            from None
+    if not isinstance(summary, dict):
+        raise UserError(f"{path} holds a JSON {type(summary).__name__}, not a run's summary.")
+    return summary
+
+
 def open_run(source: str, weights: str = "final", script: str | None = None, trust_remote_code: bool = False,
              overrides: dict | None = None) -> TrainedRun:
     """The run SOURCE names (a run folder, one of its .safetensors files, or a Hub model repo a run pushed), with
@@ -60,7 +74,7 @@ def open_run(source: str, weights: str = "final", script: str | None = None, tru
     keep); a new --data-dir or --dataset replaces the run's source, whichever kind it was."""
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
     path, summary_path = first_on_each_machine(lambda: locate_weights(source, WEIGHTS[weights]))
-    summary = json.loads(summary_path.read_text()) if summary_path else {}
+    summary = read_summary(summary_path) if summary_path else {}
     downloaded = not Path(source).exists()  # a Hub repo id
     record = summary.get("script")
     if downloaded:  # the script and the library config uploaded beside the weights, if any (a script is imported
