@@ -149,6 +149,7 @@ def test_a_finished_run_without_its_summary_writes_its_outputs_again_from_its_la
     assert result.returncode == 0, result.stderr[-3000:]
     damaged = f"warning: {out / 'summary.json'} does not read (JSONDecodeError); the run's outputs are written again"
     assert (damaged in result.stdout) == (summary == "damaged")
+    assert "changed config" not in result.stdout  # a run folder moved elsewhere: its output_dir is not a change
     assert f"resumed from {out / 'checkpoints' / 'step-00000016'}: its 2 epochs are trained (step 16); writing the " \
            f"run's outputs" in result.stdout
     assert "epoch 1/2" not in result.stdout and "epoch 2/2" not in result.stdout  # nothing trained

@@ -402,4 +402,5 @@ class Checkpointer:
 
     @staticmethod
     def _compared(config: dict) -> dict:
-        return {k: v for k, v in config.items() if k not in ("resume", "overwrite")}
+        """The config but how a job starts and where a run's files are kept (a run folder may be moved)."""
+        return {k: v for k, v in config.items() if k not in ("resume", "overwrite", "output_dir", "cache_dir")}
