@@ -19,6 +19,7 @@ import hashlib
 import io
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -504,7 +505,9 @@ def test_weights_and_summary_are_written_by_rank_zero_only(ddp_jobs):
     generators: a few KB per checkpoint); one copy of the weights alone is 45 MB. (On a tmpfs the kernel counts
     no storage writes, and the check of rank 0 fails: the test needs a disk-backed temporary folder.)"""
     run = ddp_jobs["two_ranks"]
-    written = [{Path(p).name for p in probe["writes"] if Path(p) != run.out} for probe in run.probes]
+    # a file written atomically is written as .NAME.PID.tmp, then renamed to NAME (utils.write_atomically)
+    written = [{re.sub(r"^\.(.+)\.\d+\.tmp$", r"\1", Path(p).name) for p in probe["writes"] if Path(p) != run.out}
+               for probe in run.probes]
     assert {"model.safetensors", "summary.json"} <= written[0]
     assert written[1] == set()
     weights = (run.out / "model.safetensors").stat().st_size
