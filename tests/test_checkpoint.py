@@ -73,15 +73,24 @@ def test_checkpoints_are_rotated_keeping_the_last_two_and_the_best(reference):
     assert not any("rank" in name for name in state["files"])  # no per-rank augmentation stream any more
 
 
+def held_after(step: int) -> dict:
+    """The environment of a probed job (--log-every 1) that _kill_after_checkpoint(..., step) kills: every rank waits
+    at its optimizer step `step` + 2 until its launcher is gone (which kill_job kills last)."""
+    return script_env(PROBE_HOLD_AT_STEP=str(step + 2))
+
+
 def _kill_after_checkpoint(out: Path, proc: Forked, step: int) -> None:
-    """Waits for checkpoint `step` and for the job to log past it (as a real job would before it dies), then kills
-    every process of the job (the workers run in sessions of their own), as a node loss would."""
+    """Waits for checkpoint `step` and for the job to log the step after it (as a real job would before it dies: the
+    tracker, history.jsonl and the logged-step note, whole), then kills every process of the job (the workers run in
+    sessions of their own), as a node loss would. Started with held_after(step), the job cannot log further before
+    the kill, however busy the machine."""
     wait_for_checkpoint(out, proc, step)
-    logs = out / "probe-logs-rank0.jsonl"
-    while not logs.is_file() or logs.read_text().count('"train/loss"') < step + 1:
+    logged = out / "tracker_logged_step.txt"
+    while not logged.is_file() or int(logged.read_text() or 0) < step + 1:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
         time.sleep(0.01)
     kill_job(proc)
-    assert not (out / "summary.json").exists()
+    assert logged.read_text() == str(step + 1) and not (out / "summary.json").exists()
 
 
 def test_kill_9_mid_epoch_on_two_processes_then_resume_on_one_matches_the_uninterrupted_run(reference, cifar_dir,
@@ -93,7 +102,7 @@ def test_kill_9_mid_epoch_on_two_processes_then_resume_on_one_matches_the_uninte
     included, learning rates, gradient norms) within 1e-5 (relative) of its value there. Timings and memory aside;
     the evaluations differ, by the BatchNorm statistics one process gathers from every micro-batch."""
     out = tmp_path / "killed"
-    proc = start(job_args(cifar_dir, cache_dir, out, "--log-every", "1"), TWO_RANKS, script=PROBE)
+    proc = start(job_args(cifar_dir, cache_dir, out, "--log-every", "1"), TWO_RANKS, script=PROBE, env=held_after(3))
     _kill_after_checkpoint(out, proc, 3)
     first_life = [step for step, _ in map(json.loads, (out / "probe-logs-rank0.jsonl").read_text().splitlines())]
     result = run_train(job_args(cifar_dir, cache_dir, out, "--log-every", "1", "--resume", "auto"),
@@ -165,7 +174,8 @@ def test_kill_9_mid_epoch_on_one_process_then_resume_on_two_matches_the_uninterr
     """A 1-process job killed with kill -9 mid-epoch and resumed on 2 ranks ends with the uninterrupted run's
     trainable parameters and EMA bitwise (fp32, `--deterministic`)."""
     out = tmp_path / "killed"
-    proc = start(job_args(cifar_dir, cache_dir, out, "--log-every", "1"), ONE_PROCESS, script=PROBE)
+    proc = start(job_args(cifar_dir, cache_dir, out, "--log-every", "1"), ONE_PROCESS, script=PROBE,
+                 env=held_after(3))
     _kill_after_checkpoint(out, proc, 3)
     result = run_train(job_args(cifar_dir, cache_dir, out, "--log-every", "1", "--resume", "auto"), launch=TWO_RANKS,
                        script=PROBE)

@@ -32,7 +32,7 @@ from conftest import (
 )
 from PIL import Image
 from safetensors.torch import load_file
-from test_checkpoint import _kill_after_checkpoint
+from test_checkpoint import _kill_after_checkpoint, held_after
 
 from bench.finetune_recipe import pretrain_timm, write_ship_truck
 
@@ -138,7 +138,7 @@ def test_a_fine_tuning_job_killed_at_a_checkpoint_resumes_to_the_uninterrupted_w
     """kill -9 of the 2-rank fine-tuning job after its step-8 checkpoint, then --resume auto on 2 ranks: the exported
     weights (BatchNorm statistics included) equal the uninterrupted run's bitwise."""
     out = sources["root"] / "killed"
-    proc = start(job(sources, out, sources["timm"], *FINETUNE), TWO_RANKS, script=PROBE)
+    proc = start(job(sources, out, sources["timm"], *FINETUNE), TWO_RANKS, script=PROBE, env=held_after(8))
     _kill_after_checkpoint(out, proc, 8)
     result = run_train(job(sources, out, sources["timm"], *FINETUNE, "--resume", "auto"), launch=TWO_RANKS,
                        script=PROBE)
