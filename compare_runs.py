@@ -42,7 +42,7 @@ class Run:
     id: str
     group: str | None = None
     config: dict = field(default_factory=dict)
-    history: list[dict] = field(default_factory=list)  # one dict per logged step, with _step and _timestamp
+    history: list[dict] = field(default_factory=list)  # one dict per logged row (a step may have several), with _step
     summary: dict = field(default_factory=dict)
     folder: str | None = None  # the output folder it was read from, as given
 
@@ -146,8 +146,8 @@ HISTORY_FILE = "history.jsonl"  # utils.tracking.HISTORY_FILE (not imported: thi
 
 
 def read_history(path: Path) -> list[dict]:
-    """A run folder's history.jsonl: one dict per logged step, with _step and _timestamp (none without the file; a
-    last line cut short by a kill left out)."""
+    """A run folder's history.jsonl: one dict per line (a log; a step may have several), with _step and _timestamp
+    (none without the file; a last line cut short by a kill left out)."""
     rows = []
     for line in path.read_text().splitlines() if path.is_file() else []:
         try:
@@ -180,13 +180,15 @@ def load_local(folder: Path) -> Run:
 
 
 def merge_lives(lives: list[Run]) -> Run:
-    """The parts of one run that resumed in new folders, oldest first: later values win, steps kept once."""
+    """The parts of one run that resumed in new folders, oldest first: later values win, steps kept once, a step's
+    values from every part (a step trained in one part and evaluated in the next, after a kill)."""
     run = Run(name=lives[-1].name, id=lives[-1].id, group=lives[-1].group)
     by_step = {}
     for life in lives:
         run.config.update(life.config)
         run.summary.update(life.summary)
-        by_step.update({row.get("_step"): row for row in life.history})
+        for row in life.history:
+            by_step.setdefault(row.get("_step"), {}).update(row)
     run.history = [by_step[s] for s in sorted(by_step, key=lambda s: -1 if s is None else s)]
     return run
 

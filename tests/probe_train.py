@@ -49,7 +49,8 @@ With PROBE_OOM_ABOVE=N a training forward of more than N images raises torch.Out
 the model computes anything, as a GPU does when a micro-batch does not fit; with PROBE_OOM_AT_FORWARD=K the K-th
 training forward (counting those that raised) does.
 With PROBE_HOLD_AT_STEP=K every rank waits at its K-th optimizer step until its parent process (the launcher) is
-gone, then goes on: a job that cannot end before the launcher is killed, however busy the machine.
+gone, then goes on: a job that cannot end before the launcher is killed, however busy the machine. With
+PROBE_HOLD_AT_EVAL=K every rank waits so at the start of its K-th call of the script's evaluate().
 With PROBE_HANG_SAMPLE=EPOCH:INDEX the loader worker that decodes training sample INDEX in epoch EPOCH (from 0) sleeps
 for good instead (--decode workers or stream): a hung worker.
 """
@@ -242,6 +243,7 @@ def evaluate(model, loader, transform, accelerator, *args, **kwargs):
     rec["eval_param_digest"].append(digest(inner.parameters()))
     forwards["eval_started"] = True
     rec["eval_outputs"].append({"logits": [], "labels": []})
+    hold_at("PROBE_HOLD_AT_EVAL", len(rec["eval_outputs"]))
     return real_evaluate(model, loader, transform, accelerator, *args, **kwargs)
 
 
@@ -289,9 +291,7 @@ real_optimizer_step = AcceleratedOptimizer.step
 def optimizer_step(self, *args, **kwargs):
     if self.gradient_state.sync_gradients:
         forwards["step_calls"] = forwards.get("step_calls", 0) + 1
-        if forwards["step_calls"] == int(os.environ.get("PROBE_HOLD_AT_STEP", 0)):  # until the launcher is gone
-            while os.getppid() == LAUNCHER:
-                time.sleep(0.05)
+        hold_at("PROBE_HOLD_AT_STEP", forwards["step_calls"])
         grads = [q.grad for group in self.optimizer.param_groups for q in group["params"] if q.grad is not None]
         whole = [g.full_tensor() if isinstance(g, DTensor) else g for g in grads]  # collective: every rank calls it
         rec["grad_norms"].append(torch.stack([g.double().pow(2).sum() for g in whole]).sum().sqrt().item())
@@ -302,7 +302,14 @@ def optimizer_step(self, *args, **kwargs):
     return out
 
 
-LAUNCHER = os.getppid()  # this process's parent as it starts: PROBE_HOLD_AT_STEP waits until it is gone
+LAUNCHER = os.getppid()  # this process's parent as it starts: PROBE_HOLD_AT_* waits until it is gone
+
+
+def hold_at(variable: str, count: int) -> None:
+    """Waits until the launcher is gone when `count` is the environment `variable`'s number."""
+    if count == int(os.environ.get(variable, 0)):
+        while os.getppid() == LAUNCHER:
+            time.sleep(0.05)
 real_safe_save = accelerate_other.safe_save_file
 
 

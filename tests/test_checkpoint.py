@@ -81,16 +81,28 @@ def held_after(step: int) -> dict:
 
 def _kill_after_checkpoint(out: Path, proc: Forked, step: int) -> None:
     """Waits for checkpoint `step` and for the job to log the step after it (as a real job would before it dies: the
-    tracker, history.jsonl and the logged-step note, whole), then kills every process of the job (the workers run in
-    sessions of their own), as a node loss would. Started with held_after(step), the job cannot log further before
-    the kill, however busy the machine."""
+    tracker and history.jsonl, whole), then kills every process of the job (the workers run in sessions of their
+    own), as a node loss would. Started with held_after(step), the job cannot log further before the kill, however
+    busy the machine."""
     wait_for_checkpoint(out, proc, step)
-    logged = out / "tracker_logged_step.txt"
-    while not logged.is_file() or int(logged.read_text() or 0) < step + 1:
+    _kill_once_logged(out, proc, step + 1)
+    assert logged_steps(out)[-1] == step + 1 and not (out / "summary.json").exists()
+
+
+def _kill_once_logged(out: Path, proc: Forked, step: int) -> None:
+    """Waits for history.jsonl's line of step `step`, whole (the tracker has it then), then kills the job (kill_job)."""
+    deadline = time.time() + 300
+    while step not in logged_steps(out):
         assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.time() < deadline, f"step {step} was not logged (logged: {logged_steps(out)})"
         time.sleep(0.01)
     kill_job(proc)
-    assert logged.read_text() == str(step + 1) and not (out / "summary.json").exists()
+
+
+def logged_steps(out: Path) -> list[int]:
+    """The steps of history.jsonl's whole lines, in order."""
+    text = (out / "history.jsonl").read_text() if (out / "history.jsonl").is_file() else ""
+    return [json.loads(line)["_step"] for line in text[:text.rfind("\n") + 1].splitlines()]
 
 
 def test_kill_9_mid_epoch_on_two_processes_then_resume_on_one_matches_the_uninterrupted_run(reference, cifar_dir,
@@ -132,6 +144,36 @@ def test_kill_9_mid_epoch_on_two_processes_then_resume_on_one_matches_the_uninte
         assert values.keys() == ours[step].keys(), step
         assert all(ours[step][k] == pytest.approx(v, rel=1e-5, abs=1e-7) for k, v in values.items()
                    if k.startswith("train/")), step
+
+
+def test_kill_9_during_an_evaluation_then_resume_logs_that_evaluation_once_as_the_uninterrupted_run_does(
+        reference, cifar_dir, cache_dir, tmp_path):
+    """A 2-rank job killed with kill -9 during its evaluation at step 6 (after step 6's training log, before that
+    evaluation's checkpoint) and resumed from checkpoint 3 on 2 ranks logs what the uninterrupted run logs: each
+    step's training numbers once, each evaluation once at its step, the one at step 6 included, with the
+    uninterrupted run's values (the same process count: equal); history.jsonl holds what the tracker got, line for
+    line, and compare_runs.py draws every evaluation."""
+    out = tmp_path / "killed"
+    # evaluate() runs twice per evaluation (the weights, then the EMA): its third call starts the evaluation at step 6
+    proc = start(job_args(cifar_dir, cache_dir, out), TWO_RANKS, script=PROBE, env=script_env(PROBE_HOLD_AT_EVAL="3"))
+    _kill_once_logged(out, proc, 6)  # held there until the launcher is gone
+    assert logged_steps(out) == [1, 2, 3, 3, 4, 5, 6] and not (out / "checkpoints" / "step-00000006").exists()
+    result = run_train(job_args(cifar_dir, cache_dir, out, "--resume", "auto"), launch=TWO_RANKS, script=PROBE)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert Path(read_summary(out)["resumed_from"]).name == "step-00000003"
+    logs = [json.loads(line) for line in (out / "probe-logs-rank0.jsonl").read_text().splitlines()]  # both lives
+    assert [step for step, values in logs if "train/loss" in values] == list(range(1, 17))
+    assert [step for step, values in logs if "eval/ema_top1" in values] == EVALUATED_AT  # 6 too, once
+    history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
+    assert [[row.pop("_step"), row] for row in history if row.pop("_timestamp")] == logs  # what the tracker got
+    ours, theirs = logged_values(out), logged_values(reference)
+    assert ours.keys() == theirs.keys() and all(ours[step].keys() == theirs[step].keys() for step in theirs)
+    evaluated = [{k: v for k, v in values.items() if k.startswith("eval/")} for values in (ours[6], theirs[6])]
+    assert evaluated[0] == evaluated[1] and "eval/top1" in evaluated[0]
+    [run] = compare_runs.load(str(out))
+    line = compare_runs.figure([run], "_step", ("eval/top1",), "eval top-1 (%)", by_group=False).axes[0].lines[0]
+    assert list(line.get_xdata()) == EVALUATED_AT
+    assert list(line.get_ydata()) == [theirs[step]["eval/top1"] for step in EVALUATED_AT]
 
 
 def test_a_run_without_its_summary_yet_compares_by_its_flags_and_its_logged_numbers_so_far(reference, tmp_path,

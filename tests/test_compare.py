@@ -158,6 +158,21 @@ def test_an_unknown_baseline_stops_with_one_line_naming_the_groups(tmp_path):
         "error: --baseline C: no group of that name; the groups: A, B.")
 
 
+def test_a_step_trained_in_one_wandb_folder_and_evaluated_in_the_next_keeps_both_in_the_charts():
+    """A W&B run resumed in a new offline folder after a kill during an evaluation: its first part holds the step's
+    training row, its second that step's evaluation (a row of its own). Merged, the step holds both: the loss chart
+    and the top-1 chart each draw it, later values win where both parts hold a key."""
+    first = compare_runs.Run("r", "id", history=[{"_step": 5, "train/loss": 2.0, "epoch": 1},
+                                                 {"_step": 6, "train/loss": 1.9, "epoch": 1}])
+    second = compare_runs.Run("r", "id", history=[{"_step": 6, "eval/top1": 40.0, "epoch": 1},
+                                                  {"_step": 7, "train/loss": 1.8, "eval/top1": 41.0, "epoch": 2}])
+    run = compare_runs.merge_lives([first, second])
+    loss = compare_runs.figure([run], "_step", ("train/loss",), "train loss", by_group=False).axes[0].lines[0]
+    assert list(loss.get_xdata()) == [5, 6, 7] and list(loss.get_ydata()) == [2.0, 1.9, 1.8]
+    top1 = compare_runs.figure([run], "epoch", ("eval/top1",), "eval top-1 (%)", by_group=False).axes[0].lines[0]
+    assert list(top1.get_xdata()) == [1, 2] and list(top1.get_ydata()) == [40.0, 41.0]
+
+
 def test_the_group_plot_draws_each_groups_mean_in_a_band_from_its_lowest_to_its_highest_run():
     def run(name, group, top1s):
         history = [{"_step": 10 * e, "epoch": e, "eval/top1": v} for e, v in enumerate(top1s, start=1)]

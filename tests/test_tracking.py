@@ -18,8 +18,7 @@ from PIL import Image
 
 import compare_runs
 from utils import UserError
-from utils.config_groups import LoggingConfig
-from utils.tracking import LOGGED_STEP_FILE, Tracker
+from utils.tracking import last_logged
 
 
 def compare(*args) -> subprocess.CompletedProcess:
@@ -240,19 +239,21 @@ def test_wandb_dir_is_honoured_and_compare_runs_still_finds_the_run(cifar_dir, c
     assert [row["_step"] for row in run.history if "train/loss" in row] == [2, 4, 6, 8]  # --log-every 2, 8 steps
 
 
-def test_a_job_killed_while_noting_its_last_logged_step_leaves_the_previous_number(tmp_path, monkeypatch):
-    tracker = Tracker(LoggingConfig(tracker="none"), str(tmp_path))
-    tracker._note_logged(7)
-    real_write = Path.write_text
-
-    def killed_half_way(self, text, *args, **kwargs):  # the file opened (truncated), then the process dies
-        real_write(self, "", *args, **kwargs)
-        raise SystemExit("killed")
-
-    monkeypatch.setattr(Path, "write_text", killed_half_way)
-    with pytest.raises(SystemExit):
-        tracker._note_logged(8)
-    assert (tmp_path / LOGGED_STEP_FILE).read_text() == "7"  # what a resumed job reads: a whole number
+def test_a_history_line_cut_short_by_a_kill_is_cut_off_and_the_last_whole_steps_numbers_are_known(tmp_path):
+    """What a resumed job reads of history.jsonl (utils.tracking.last_logged): the last step of its whole lines and
+    the names of every number logged at that step (its training log and its evaluation, two lines); a last line cut
+    short by a kill is cut off the file by the main process (the next line then starts whole) and left in place by
+    the others."""
+    rows = [{"_step": 1, "_timestamp": 1.0, "train/loss": 2.5}, {"_step": 2, "_timestamp": 2.0, "train/loss": 2.0,
+            "epoch": 1}, {"_step": 2, "_timestamp": 2.5, "eval/top1": 31.0, "epoch": 1}]
+    whole = "".join(json.dumps(row) + "\n" for row in rows)
+    history = tmp_path / "history.jsonl"
+    history.write_text(whole + '{"_step": 3, "_timestamp": 3.0, "train/lo')
+    assert last_logged(history, main=False) == (2, {"train/loss", "epoch", "eval/top1"})
+    assert history.read_text().endswith('"train/lo')
+    assert last_logged(history, main=True) == (2, {"train/loss", "epoch", "eval/top1"})
+    assert history.read_text() == whole
+    assert last_logged(tmp_path / "none.jsonl", main=True) == (0, set())
 
 
 def test_profile_writes_each_ranks_chrome_trace_of_steps_6_to_8_and_prints_the_top_ops_once(tracked_runs):

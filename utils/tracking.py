@@ -24,12 +24,11 @@ from typing import TYPE_CHECKING
 import torch
 from accelerate.utils import ProfileKwargs
 
-from utils import UserError, write_atomically
+from utils import UserError
 
 if TYPE_CHECKING:
     from utils.config_groups import LoggingConfig
 
-LOGGED_STEP_FILE = "tracker_logged_step.txt"
 HISTORY_FILE = "history.jsonl"  # every logged step's numbers, whatever the tracker (compare_runs.py draws them)
 MAX_PER_CLASS_KEYS = 20  # more classes: no eval/top1_<class> keys and no confusion plot (summary.json has them all)
 PROFILE = {"wait": 4, "warmup": 1, "active": 3, "repeat": 1}  # --profile: torch.profiler.schedule, in optimizer steps
@@ -50,7 +49,7 @@ class Tracker:
         self.wandb_args = {"dir": os.environ.get("WANDB_DIR") or output_dir,  # scratch space on clusters, if set
                            "name": cfg.run_name, "group": cfg.group,  # None: W&B's own default / WANDB_*
                            "tags": cfg.tags.split(",") if cfg.tags else None}
-        self.accelerator, self.wandb_run, self.already_logged = None, None, 0
+        self.accelerator, self.wandb_run, self.logged = None, None, (0, set())
         if self.kind == "wandb":
             wandb_offline_without_credentials()
 
@@ -70,16 +69,12 @@ class Tracker:
             run_id = self.wandb_run.id
             note_wandb_folder(Path(self.wandb_run.dir).parent, self.output_dir)
         # A run killed after its last checkpoint had already logged the steps it trains again now (to the same
-        # values: resume is exact); log only past them, so the tracker's steps keep increasing.
-        logged = self.output_dir / LOGGED_STEP_FILE
-        self.already_logged = int(logged.read_text()) if resumed and logged.is_file() else 0
+        # values: resume is exact); log only what its history lacks, so the tracker's steps keep increasing.
+        history = self.output_dir / HISTORY_FILE
         if accelerator.is_main_process and not resumed:  # a run started over (--overwrite) keeps no earlier history
-            (self.output_dir / HISTORY_FILE).unlink(missing_ok=True)
+            history.unlink(missing_ok=True)
+        self.logged = last_logged(history, accelerator.is_main_process) if resumed else (0, set())
         return run_id
-
-    def _note_logged(self, step: int) -> None:
-        """The last logged step, for a resumed job: the old number or the new one, never an empty file."""
-        write_atomically(self.output_dir / LOGGED_STEP_FILE, str(step))
 
     def after_step(self, progress, meter, lr: float, bar) -> None:
         """The loop's call after every optimizer step: every --log-every steps, the window's mean loss over all
@@ -96,14 +91,17 @@ class Tracker:
 
     def log(self, values: dict, step: int) -> None:
         """`values` at optimizer step `step` to the tracker and, their numbers, as a line of the run's HISTORY_FILE
-        (main process): a run's curves without a tracker, and without W&B's reader."""
-        if step > self.already_logged:
-            self.accelerator.log(values, step=step)
-            if self.accelerator.is_main_process:
-                numbers = {k: v for k, v in values.items() if isinstance(v, int | float) and not isinstance(v, bool)}
-                with open(self.output_dir / HISTORY_FILE, "a") as f:
-                    f.write(json.dumps({"_step": step, "_timestamp": time.time(), **numbers}) + "\n")
-                self._note_logged(step)
+        (main process): a run's curves without a tracker, and without W&B's reader. A resumed job skips what the
+        history holds: the steps before its last, and at its last the calls whose numbers it has (the training log of
+        a step whose evaluation a kill interrupted; not that evaluation)."""
+        numbers = {k: v for k, v in values.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+        last, names = self.logged
+        if step < last or step == last and numbers.keys() <= names:
+            return
+        self.accelerator.log(values, step=step)
+        if self.accelerator.is_main_process:
+            with open(self.output_dir / HISTORY_FILE, "a") as f:
+                f.write(json.dumps({"_step": step, "_timestamp": time.time(), **numbers}) + "\n")
 
     def log_train(self, step: int, epoch: int, losses: dict, lr: float, images_per_sec: float,
                   grad_norm: float | None = None) -> None:
@@ -151,6 +149,27 @@ class Tracker:
             summary["wandb_run"] = {"id": self.wandb_run.id, "project": self.wandb_run.project,
                                     "url": self.wandb_run.url if not self.wandb_run.offline else None}
             self.wandb_run.summary.update(summary)
+
+
+def last_logged(history: Path, main: bool) -> tuple[int, set[str]]:
+    """The last step a run's HISTORY_FILE holds and the names of the numbers logged at it ((0, none): no history). On
+    the main process a last line cut short by a kill is cut off the file, so that the next line starts whole."""
+    try:
+        text = history.read_bytes()
+    except FileNotFoundError:
+        return 0, set()
+    whole = text[:text.rfind(b"\n") + 1]
+    if main and len(whole) < len(text):
+        with open(history, "r+b") as f:
+            f.truncate(len(whole))
+    rows = []
+    for line in whole.splitlines():
+        try:
+            rows.append(dict(json.loads(line)))
+        except (TypeError, ValueError):  # a line edited by hand: compare_runs.py passes over it too
+            continue
+    last = max((row.get("_step", 0) for row in rows), default=0)
+    return last, {k for row in rows if row.get("_step", 0) == last for k in row} - {"_step", "_timestamp"}
 
 
 class StepProfiler:
