@@ -6,6 +6,7 @@ recorded), 2 gloo ranks x 2 loader workers under cpu.yaml, fp32 with --determini
 from __future__ import annotations
 
 import collections
+import io
 import json
 import os
 import shutil
@@ -301,6 +302,58 @@ def test_a_listing_the_server_always_refuses_is_one_line_naming_the_url_and_writ
         assert state["log"] == [("GET", "/")] * 6
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "runs").exists() and not (tmp_path / "cache").exists()
+
+
+def test_test_shards_holding_training_images_get_one_warning_reading_only_the_candidates(cifar_dir, tmp_path,
+                                                                                           capsys, monkeypatch):
+    """A stream of tar shards whose test shard holds 2 training images byte for byte (under other keys) among 6: one
+    warning line counts 2 and names the first pair by shard and row; a training image saved again as PNG (other
+    bytes) and new images are not counted. Only the members whose size the other split has are read (from the
+    index: the 2 copies, their 2 originals and a training image of the same size), their first 4 KB each, then
+    whole only those whose digests agree. Parquet shards, and tar shards at a URL, are not checked: no line, nothing
+    read."""
+    from PIL import Image
+
+    from utils.data.builtin import load_encoded
+    from utils.data.stream import StreamRows, StreamSettings
+
+    table = pq.read_table(cifar_dir / "train-00000-of-00001.parquet").slice(0, 34)  # 30 hold every class
+    images, labels = [cell["bytes"] for cell in table.column("img").to_pylist()], table.column("label").to_pylist()
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    with tarfile.open(folder / "cifar-train-00000.tar", "w") as tar:
+        for row in range(30):
+            add_tar_sample(tar, f"train{row:05d}", "png", images[row], labels[row])
+    resaved = io.BytesIO()
+    Image.open(io.BytesIO(images[3])).save(resaved, "PNG", compress_level=0)
+    test = [(images[7], labels[7]), (images[30], labels[30]), (images[11], labels[11]), (resaved.getvalue(),
+            labels[3]), (images[31], labels[31]), (images[32], labels[32])]
+    with tarfile.open(folder / "cifar-test-00000.tar", "w") as tar:
+        for row, (image, label) in enumerate(test):
+            add_tar_sample(tar, f"test{row:05d}", "png", image, label)
+    reads, real_encoded = [], StreamRows.encoded
+    monkeypatch.setattr(StreamRows, "encoded", lambda self, indices, limit=None: reads.append(
+        (self.split, sorted(np.asarray(indices).tolist()), limit)) or real_encoded(self, indices, limit))
+    load_encoded(str(folder), image_size=32, stream=StreamSettings(index_cache=None))
+    lines = [line for line in capsys.readouterr().out.splitlines() if "also training images" in line]
+    assert lines == [f"warning: 2 of the 6 evaluation images are also training images, byte for byte (the first: "
+                     f"{folder / 'cifar-test-00000.tar'} row 0 and {folder / 'cifar-train-00000.tar'} row 7); the "
+                     f"evaluation counts them as unseen."]
+    sizes = [[len(image) for image, _ in split] for split in (zip(images[:30], labels), test)]
+    shared = [[k for k, n in enumerate(mine) if n in theirs] for mine, theirs in zip(sizes, sizes[::-1])]
+    assert shared == [[7, 11, 27], [0, 2]]  # train row 27: the size of row 7 or 11, other bytes
+    assert sorted(reads, key=repr) == sorted([("train", [7, 11, 27], 4096), ("test", [0, 2], 4096),
+                                              ("train", [7, 11], None), ("test", [0, 2], None)], key=repr)
+    reads.clear()
+    parquet = tmp_path / "parquet"
+    parquet.mkdir()
+    pq.write_table(table.slice(0, 30), parquet / "train-00000.parquet")
+    pq.write_table(table.slice(7, 6), parquet / "test-00000.parquet")
+    load_encoded(str(parquet), image_size=32, stream=StreamSettings(index_cache=None))
+    assert "also training images" not in capsys.readouterr().out and reads == []
+    with serving(folder) as (url, _):  # the tar shards over HTTP: not checked either
+        load_encoded(url, image_size=32, stream=StreamSettings(index_cache=None))
+    assert "also training images" not in capsys.readouterr().out and reads == []
 
 
 def test_a_tar_shard_leaves_out_macos_hidden_members_and_names_a_sample_with_neither_image_nor_label(tmp_path):

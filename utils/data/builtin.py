@@ -38,11 +38,11 @@ def load_encoded(data_dir: str | None, dataset: str | None = None, image_size: i
         source = source or locate(data_dir, dataset, val_fraction)
         rows, classes = source.rows(columns)
         source.announce_held_out(main_print, len(rows["train"]), len(rows["test"]))
-        if is_main_process() and (found := byte_copies(rows["train"], rows["test"])):  # no cache: no pixel digests
-            say_repeated(main_print, found, rows, "byte for byte")
         key = fingerprint(source.paths, {"columns": list(columns), "val_fraction": source.fraction,
                                          "eval_split": source.source_eval})
         description = {**source.describe(key), "decode": "gpu" if device else "workers"}
+    if is_main_process() and (found := byte_copies(rows["train"], rows["test"])):  # no cache: no pixel digests
+        say_repeated(main_print, found, rows, "byte for byte")
     size = image_size or first_size(rows)[0]
     workers = 0 if device else workers or worker_share()
     data = {s: (EncodedImages(rows[s], size, recipe, workers, reduce, device), rows[s].labels) for s in SPLITS}

@@ -462,7 +462,7 @@ class EncodedRows(abc.ABC):
     shards (utils/data/stream.py's StreamRows) or a copy's Dataset (`DatasetRows`): `labels` (every row's), `names`
     (the class names, or None), `split`, `len()`, `take(order)` (the rows in that order), `where(i)` (row i, for
     messages), `fetch(indices)` (their images as utils.data.pixels.open_image takes them: encoded bytes, a path, or a
-    PIL image) and `sampler` (an order of their own, or None)."""
+    PIL image), `sampler` (an order of their own, or None), and for byte_copies `sizes()` and `encoded`."""
 
     labels: torch.Tensor
     names: tuple[str, ...] | None
@@ -479,6 +479,11 @@ class EncodedRows(abc.ABC):
 
     @abc.abstractmethod
     def fetch(self, indices) -> list: ...
+
+    @abc.abstractmethod
+    def sizes(self) -> np.ndarray:
+        """Each row's key for byte_copies' first round, read without decoding: its encoded size in bytes (or a key
+        equal for rows whose bytes may be equal); below 0: not compared."""
 
     def encoded(self, indices, limit: int | None = None) -> list[bytes]:
         """The rows' images as bytes, the first `limit` of each (None: all), for comparing them (byte_copies)."""
@@ -540,12 +545,13 @@ def _file_size(path: str | None) -> int:
         return -1
 
 
-def byte_copies(train: Rows | DatasetRows, test: Rows | DatasetRows) -> list[tuple[int, int]]:
+def byte_copies(train: EncodedRows, test: EncodedRows) -> list[tuple[int, int]]:
     """(evaluation row, training row) of each evaluation image whose encoded bytes a training image has too (a file
-    copied into both splits; a copy's Dataset: its items' files or bytes, or decoded pixels), the training row the
-    first such; without decoding, narrowing down: the rows' sizes in bytes (nothing read; a Dataset's size keys),
+    copied into both splits; a copy's Dataset: its items' files or bytes, or decoded pixels; a stream: its tar
+    members), the training row the first such; without decoding, narrowing down: the rows' sizes (`sizes`),
     then the digests of their first 4 KB (headers, EXIF: they differ between photos) where both splits share a size,
-    then of the whole image where both share those. A size below 0 (a file that cannot be read) matches none."""
+    then of the whole image where both share those. A size below 0 (a file that cannot be read, a stream's parquet
+    row) matches none."""
     splits = (train, test)
     picked = [np.arange(len(rows)) for rows in splits]
     keys = [[(n,) for n in rows.sizes().tolist()] for rows in splits]
@@ -561,7 +567,7 @@ def byte_copies(train: Rows | DatasetRows, test: Rows | DatasetRows) -> list[tup
     return [(j, first[key]) for j, key in zip(picked[1].tolist(), keys[1]) if key in first]
 
 
-def _digests(rows: Rows | DatasetRows, picked: np.ndarray, prefix: int | None, batch: int = 256):
+def _digests(rows: EncodedRows, picked: np.ndarray, prefix: int | None, batch: int = 256):
     """The 128-bit BLAKE2b of each picked row's bytes (its first `prefix` bytes; None: all), in order, read a batch of
     rows at a time."""
     for start in range(0, len(picked), batch):

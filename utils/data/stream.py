@@ -498,6 +498,26 @@ class StreamRows(EncodedRows):
         k = int(np.searchsorted(self.starts, row, "right") - 1)
         return f"{self.shards[k].url} row {row - self.starts[k]}"
 
+    def sizes(self) -> np.ndarray:
+        """Each row's encoded size in bytes, for byte_copies: a local tar member's, from the index; -1 (not compared)
+        for a parquet row, whose size only reading its bytes would tell, and for a remote shard's (a request for
+        each row compared: at the scale of a remote stream, the rows of a shared size are many)."""
+        return np.concatenate([s.members[:c, 1] if s.members is not None and is_local(url_to_fs(s.url)[0]) else
+                               np.full(c, -1, dtype=np.int64) for s, c in zip(self.shards, self.counts)])
+
+    def encoded(self, indices, limit: int | None = None) -> list[bytes]:
+        """The first `limit` bytes (None: all) of the tar members of rows `indices`, one request each (retried),
+        outside the plan's windows: byte_copies asks for the few rows whose sizes both splits share."""
+        out = []
+        for row in np.asarray(indices, dtype=np.int64).tolist():
+            k = int(np.searchsorted(self.starts, row, "right") - 1)
+            offset, size = self.shards[k].members[row - self.starts[k]].tolist()
+            fs, path = url_to_fs(self.shards[k].url)
+            end = offset + (size if limit is None else min(size, limit))
+            out.append(retried(partial(fs.cat_file, path, start=offset, end=end),
+                               f"cannot read the {self.split} shard {self.shards[k].url}"))
+        return out
+
     def use_plan(self, plan: Plan) -> None:
         """The epoch's reading order and its windows (the sampler's plan, before the loader's workers start)."""
         self.plan, self.range_starts = plan, set(plan.ranges.tolist())
