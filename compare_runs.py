@@ -9,12 +9,13 @@
 Prints a table (best and final eval top-1, training images/s, wall time, epochs), a warning when the runs were
 evaluated on different images (another split or number of images), and the config keys whose values differ, and
 writes PNG plots to --plots: eval top-1 against epoch and against wall-clock time, train loss against step. A local
-run is read from its `.wandb` file, so offline runs need no upload (`wandb sync` does that); a run without a tracker
-from its summary.json and history.jsonl (one still training: its config.yaml and history). A job resumed after
-preemption continues its W&B run in a new offline folder; folders of one run id are merged. With groups: one row per
-group, the settings that differ between groups (and a warning for a group whose runs differ in more than the seed),
-group plots, and for each group against the baseline the difference of the means with its 95% interval and a verdict
-(docs/comparing-runs.md says how to read it).
+run is read from its `.wandb` file, so offline runs need no upload (`wandb sync` does that), its curves from its
+output folder's history.jsonl where it has one (whole after a kill -9, which may cut W&B's file short); a run
+without a tracker from its summary.json and history.jsonl (one still training: its config.yaml and history). A job
+resumed after preemption continues its W&B run in a new offline folder; folders of one run id are merged. With
+groups: one row per group, the settings that differ between groups (and a warning for a group whose runs differ in
+more than the seed), group plots, and for each group against the baseline the difference of the means with its 95%
+interval and a verdict (docs/comparing-runs.md says how to read it).
 """
 
 from __future__ import annotations
@@ -209,7 +210,9 @@ def load_wandb_api(path: str) -> Run:
 
 def load(source: str) -> list[Run]:
     """Runs from one argument: an output folder (the W&B runs in its wandb/ or listed in its wandb_runs.txt; else its
-    summary.json), a W&B run folder, or entity/project/id."""
+    summary.json), a W&B run folder, or entity/project/id. An output folder's curves are its history.jsonl's, when
+    it has one and one W&B run: written as each log is made, it keeps what a kill -9 took from W&B's file (its last
+    seconds)."""
     path = Path(source)
     if path.is_dir():
         root = path / "wandb" if (path / "wandb").is_dir() else path
@@ -224,7 +227,10 @@ def load(source: str) -> list[Run]:
                              key=lambda p: p.name.split("-")[-2] if p.name.count("-") >= 2 else p.name):  # by start
             run = load_local(folder)
             lives.setdefault(run.id, []).append(run)
-        return [replace(merge_lives(parts), folder=str(source)) for parts in lives.values()]
+        runs = [replace(merge_lives(parts), folder=str(source)) for parts in lives.values()]
+        if len(runs) == 1 and (path / HISTORY_FILE).is_file():
+            runs[0].history = read_history(path / HISTORY_FILE)
+        return runs
     if WANDB_PATH.fullmatch(source) and not path.exists():
         return [load_wandb_api(source)]
     raise UserError(f"{source} is neither a folder nor a W&B run path (entity/project/run_id).")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -33,7 +34,7 @@ def test_a_two_rank_job_makes_exactly_one_wandb_run(tracked_runs):
 
 
 def test_wandb_run_holds_config_run_facts_step_and_epoch_metrics_and_the_summary(tracked_runs):
-    [run] = compare_runs.load(str(tracked_runs["b"]))
+    [run] = compare_runs.load(str(next((tracked_runs["b"] / "wandb").glob("offline-run-*"))))  # W&B's file alone
     s = read_summary(tracked_runs["b"])
     assert (run.name, run.group) == ("b-run", "B")
     assert run.config["lr"] == 0.2 and run.config["world_size"] == 2 and run.config["distributed_type"] == "MULTI_CPU"
@@ -183,6 +184,26 @@ def test_reader_keeps_the_records_before_a_cut_off_end(tracked_runs, tmp_path):
     part = compare_runs.load_local(cut)
     assert part.id == whole.id and 0 < len(part.history) < len(whole.history)
     assert part.history == whole.history[: len(part.history)]
+
+
+def test_a_run_folders_curves_come_from_its_history_where_wandbs_file_lost_its_last_records(tracked_runs, tmp_path):
+    """A run folder whose W&B file a kill -9 cut short (its last third gone) but whose history.jsonl is whole:
+    compare_runs.py's curves are the history's, every logged step (--log-every 2 of 16 steps; evaluations at 8 and
+    16), and the train-loss chart draws each of them; the W&B file's records still give the run's name and config."""
+    run_dir = tmp_path / "a0"
+    shutil.copytree(tracked_runs["a0"], run_dir, ignore=shutil.ignore_patterns("checkpoints", "*.safetensors"))
+    wandb_file = next(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    data = wandb_file.read_bytes()
+    wandb_file.write_bytes(data[: len(data) * 2 // 3])
+    cut = compare_runs.load_local(wandb_file.parent)
+    assert [row["_step"] for row in cut.history if "train/loss" in row] != list(range(2, 17, 2))  # steps lost
+    [run] = compare_runs.load(str(run_dir))
+    assert [row["_step"] for row in run.history if "train/loss" in row] == list(range(2, 17, 2))
+    assert [row["_step"] for row in run.history if "eval/top1" in row] == [8, 16]
+    assert run.id == cut.id and run.config["lr"] == 0.05
+    loss = compare_runs.figure([run], "_step", ("train/loss",), "train loss", by_group=False).axes[0].lines[0]
+    history = [json.loads(line) for line in (run_dir / "history.jsonl").read_text().splitlines()]
+    assert list(loss.get_ydata()) == [row["train/loss"] for row in history if "train/loss" in row]
 
 
 @pytest.mark.slow
