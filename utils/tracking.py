@@ -1,10 +1,10 @@
 """What a run reports: to W&B or TensorBoard (through Accelerate's trackers) and to the console; what summary.json
 records of the run (`run_facts`; utils/export.py writes it).
 
-`Tracker` owns the policies: W&B offline without credentials, the same W&B run continued across resumes, logging
-only past the last logged step, the logged numbers kept in the run's folder too (HISTORY_FILE), the confusion-matrix
-plot, progress lines when there is no terminal, the W&B run's summary. `TrainMeter` sums the training loss and its named
-terms on the device (no host sync per step) and reads them once per log window and per epoch."""
+`Tracker` owns the policies: W&B offline without credentials, the same W&B run continued across resumes, the logged
+numbers kept in the run's folder too (HISTORY_FILE) and a resumed job logging only what they lack, the
+confusion-matrix plot, progress lines when there is no terminal, the W&B run's summary. `TrainMeter` sums the training
+loss and its named terms on the device (no host sync per step) and reads them once per log window and per epoch."""
 
 from __future__ import annotations
 
