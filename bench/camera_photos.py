@@ -1,7 +1,8 @@
 """Camera-size photos: images per second per loader worker from 4000 x 3000 JPEGs (quality 90, about 4 MB each, as a
 phone's) into 224 px random-resized crops with flips, JPEGs decoded at the DCT scale each crop needs: utils/data's
-LoaderDataset over EncodedImages (--decode workers), the same reading the JPEGs from 2 tar shards as --decode stream
-plans them, and the same at full size (--full-decode), against torchvision's ImageFolder with transforms.v2
+LoaderDataset over EncodedImages (--decode workers; each JPEG decoded only down to its crop's last row), the same
+reading the JPEGs from 2 tar shards as --decode stream plans them, the same decoding every row, and the same at full
+size (--full-decode), against torchvision's ImageFolder with transforms.v2
 (RandomResizedCrop(224), RandomHorizontalFlip: the whole image decoded first); the evaluation view (shorter side to
 256, centre 224) against torchvision's Resize(256) + CenterCrop(224); what building the decode cache costs per image
 (the resize to --size x --size); and how far the reduced decode's pixels are from the full decode's. All in this one
@@ -26,6 +27,7 @@ import tarfile
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -37,6 +39,7 @@ from conftest import add_tar_sample, write_upscaled_cifar  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from bench.common import header, image_bench_parser  # noqa: E402
+from utils.data import pixels  # noqa: E402
 from utils.data.builtin import load_encoded  # noqa: E402
 from utils.data.images import LoaderDataset  # noqa: E402
 from utils.data.pixels import CropRecipe, square_pixels  # noqa: E402
@@ -61,6 +64,18 @@ def ours(folder, size: int, reduce: bool, train: bool, stream: StreamSettings | 
     dataset = LoaderDataset(images, labels, 0 if train else None, train, 0, None)
     order = images.sampler(dataset, True, 0, 16, 16, 1) if train else None
     return torch.utils.data.DataLoader(dataset, batch_size=16, sampler=order, collate_fn=lambda b: b)
+
+
+class AllRows:
+    """A loader whose JPEGs are decoded down to their last row whatever the crop (pixels.first_rows left out): what
+    decoding a crop's rows only saves."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def __iter__(self):
+        with mock.patch.object(pixels, "first_rows", lambda im, rows, request: im):
+            yield from self.loader
 
 
 def tars(folder: Path, root: Path) -> Path:
@@ -132,6 +147,7 @@ def main() -> None:
         loaders = {
             "ours (--decode workers)": ours(folder, args.size, True, True),
             "ours (--decode stream)": ours(shards, args.size, True, True, StreamSettings()),
+            "ours (--decode workers), every row decoded": AllRows(ours(folder, args.size, True, True)),
             "ours (--full-decode)": ours(folder, args.size, False, True),
             "torchvision ImageFolder + v2": torch.utils.data.DataLoader(torchvision.datasets.ImageFolder(
                 str(folder / "train"), transform=crop), batch_size=16, shuffle=True),

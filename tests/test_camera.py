@@ -176,18 +176,60 @@ def test_a_phone_photos_exif_orientation_is_applied_in_training_evaluation_and_p
             assert np.array_equal(predict.read_view(tmp_path / "photo", predict.run_view(summary)), seen[k][1])
 
 
-def test_a_truncated_camera_jpeg_is_one_line_naming_its_row_decoded_reduced_or_full():
-    """A 4000 x 3000 JPEG cut after half its bytes: reading its batch stops with the same one line, decoded reduced
-    or at full size."""
-    data = jpeg(photo(4000, 3000))[: 1 << 19]
+@pytest.mark.parametrize("kind", ["baseline", "progressive", "cmyk", "grayscale"])
+def test_a_crop_decodes_the_jpegs_rows_down_to_its_own_only_and_gives_the_pixels_of_decoding_every_row(kind,
+                                                                                                        monkeypatch):
+    """A 1203 x 901 photo-like JPEG stored with each EXIF orientation 1-8: 12 keyed random-resized crops each at
+    32, 100 and 224 px (DCT scales 1/8 to full) are bitwise the crops of the same decode of every row, for baseline,
+    progressive, CMYK and grayscale JPEGs; and a crop of the top third, upright and stored (orientation 1), leaves the
+    rows below it undecoded (they differ from the whole decode's, the rows it holds do not)."""
+    from conftest import oriented_exif
+
+    import utils.data.pixels as pixels
+
+    upright, recipe = photo(1203, 901, seed=2), CropRecipe()
+    upright = {"cmyk": upright.convert("CMYK"), "grayscale": upright.convert("L")}.get(kind, upright)
+    boxes, mirrored = resized_crop_draws(7, 0, np.arange(12), [(1203, 901)] * 12, recipe)
+    every_row = pixels.first_rows
+    for tag in STORED:
+        im = upright.transpose(Image.Transpose[STORED[tag]]) if STORED[tag] else upright
+        data = jpeg(im, exif=oriented_exif(tag), progressive=kind == "progressive")
+        for size in (32, 100, 224):
+            crops = {}
+            for rows in ("own", "every"):
+                monkeypatch.setattr(pixels, "first_rows", every_row if rows == "own" else lambda im, *_: im)
+                crops[rows] = [train_view(opened(data), boxes[k], mirrored[k], size, recipe) for k in range(12)]
+            assert all(np.array_equal(a, b) for a, b in zip(crops["own"], crops["every"])), (tag, size)
+    monkeypatch.setattr(pixels, "first_rows", every_row)
+    data = jpeg(upright, progressive=kind == "progressive")
+    whole = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+    rgb, scale, box = decoded(opened(data), (0, 0, 1203, 300), (256, 256))
+    assert scale == 1 and np.array_equal(np.asarray(rgb)[:300], whole[:300])
+    assert (np.asarray(rgb)[300:] != whole[300:]).any(axis=(1, 2)).all()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "broken Huffman table"])
+def test_a_truncated_or_broken_camera_jpeg_is_one_line_naming_its_row_decoded_reduced_or_full(damage):
+    """A 4000 x 3000 JPEG cut after half its bytes, or with a Huffman table libjpeg refuses: reading its batch stops
+    with the same one line, decoded reduced or at full size, as evaluation views and as training crops (8 crops of
+    8-10% of the area; the truncated file's first crop lies in its top half, which the file holds whole)."""
+    data = jpeg(photo(4000, 3000))
+    if damage == "truncated":
+        data = data[: len(data) // 2]
+    else:  # the first Huffman table's count of 1-bit codes, 255: its counts sum past 256
+        at = data.index(b"\xff\xc4")
+        data = data[:at + 5] + b"\xff" + data[at + 6:]
+    recipe = CropRecipe(scale=(0.08, 0.1))
+    boxes, _ = resized_crop_draws(0, 1, np.arange(8), [(4000, 3000)] * 8, recipe)
+    assert boxes[0, 0] + boxes[0, 2] < 1500
     lines = []
-    for reduce in (True, False):
-        rows = encoded_rows([data])
+    for reduce, key in ((True, None), (False, None), (True, (0, 1)), (False, (0, 1))):
         with pytest.raises(UserError) as error:
-            EncodedImages(rows, 224, CropRecipe(), 0, reduce).read(np.arange(1), None)
+            EncodedImages(encoded_rows([data] * 8), 224, recipe, 0, reduce).read(np.arange(8), key)
         lines.append(str(error.value))
-    assert lines[0] == lines[1], lines
-    assert lines[0].startswith("the train split has an undecodable image at row 0 (OSError: image file is truncated")
+    assert len(set(lines)) == 1, lines
+    why = "image file is truncated" if damage == "truncated" else "broken data stream"
+    assert lines[0].startswith(f"the train split has an undecodable image at row 0 (OSError: {why}"), lines[0]
 
 
 QUADRANTS = ((200, 30, 30), (30, 200, 30), (30, 30, 200), (220, 220, 40))  # top-left, top-right, bottom-left, -right

@@ -179,13 +179,18 @@ def decoded(im, box, out: tuple[int, int], reduce: bool = True):
     (left, top, right, bottom in the upright full-size image) in its coordinates). With `reduce`, a JPEG is decoded at
     the smallest DCT scale 1/s (1/2, 1/4, 1/8: libjpeg's, through Pillow's Image.draft) at which the box still holds
     `out` (width, height) pixels; a pixel of the reduced image covers s x s pixels of the full one, so the box scales
-    by 1/s (shifted by the part pixel at the start of an axis the orientation reverses). Other formats: s = 1."""
+    by 1/s (shifted by the part pixel at the start of an axis the orientation reverses), and only the rows down to the
+    box's are decoded where the box ends above the stored image's bottom (`first_rows`: the image's other rows are
+    left undecoded). Other formats: s = 1, whole."""
     tag, (width, height), (full_width, full_height) = orientation(im), im.size, upright_size(im)
-    scale = shrink(box[2] - box[0], box[3] - box[1], out) if reduce and im.format in JPEG_FORMATS else 1
-    if scale > 1:
-        drafted = im.draft(None, (width // scale, height // scale))
+    jpeg = reduce and im.format in JPEG_FORMATS
+    scale = shrink(box[2] - box[0], box[3] - box[1], out) if jpeg else 1
+    request = (width // scale, height // scale) if scale > 1 else None
+    if request:
+        drafted = im.draft(None, request)
         scale = round(width / drafted[1][2]) if drafted else 1
-    rgb = as_rgb(im)
+    end = stored_end(tag, box) / scale if jpeg else math.inf
+    rgb = as_rgb(first_rows(im, math.ceil(end), request) if end < im.size[1] else im)
     dx = dy = 0.0
     if tag != 1:
         method, (back_x, back_y) = UPRIGHT[tag]
@@ -194,6 +199,53 @@ def decoded(im, box, out: tuple[int, int], reduce: bool = True):
     if scale == 1:
         return rgb, 1, box
     return rgb, scale, (box[0] / scale + dx, box[1] / scale + dy, box[2] / scale + dx, box[3] / scale + dy)
+
+
+def stored_end(tag: int, box) -> float:
+    """Where the rows of the stored image (as the file holds it, before its EXIF orientation is applied) that hold
+    `box` of the upright image end: the box's end on the upright axis that runs down the stored image; infinite where
+    that axis runs backwards (the box's rows are then the stored image's last)."""
+    axis = 0 if tag >= 5 else 1  # a transposing orientation stores the upright x axis downwards
+    return math.inf if tag != 1 and UPRIGHT[tag][1][axis] else box[2 + axis]
+
+
+# an image's pixels before its rows are decoded, in each mode Pillow opens a JPEG in: a decoded row all this colour is
+# as good as never seen, and where it is, the image is decoded again whole (`first_rows`)
+UNDECODED = {"RGB": (1, 254, 3), "L": 3, "CMYK": (1, 254, 3, 252)}
+
+
+def first_rows(im, rows: int, request: tuple[int, int] | None):
+    """An opened JPEG (drafted to `request`, None: full size) with its first `rows` rows decoded and the rest left
+    undecoded: libjpeg decodes a baseline JPEG's rows top down, entropy decoding included, so the rows below are never
+    read (a random-resized crop's share of the work; a progressive JPEG's scans are read whole). Pillow's decoder,
+    given a tile of fewer rows than the image, stops there and then reports the decode broken; where the last row is
+    still undecoded (an error before it: a broken header), or where the file does not end with the EOI marker (a
+    truncated file, which must fail whatever the crop), the image is decoded whole, failing or not as it would.
+    Written by hand: Pillow has no call that decodes part of a JPEG."""
+    fp, source = im.fp, im.filename or (io.BytesIO(im.fp.getvalue()) if isinstance(im.fp, io.BytesIO) else None)
+    if source is None or len(im.tile) != 1 or im.tile[0][0] != "jpeg" or im.mode not in UNDECODED:
+        return im
+    at = fp.tell()
+    fp.seek(-2, io.SEEK_END)
+    whole = fp.read(2) == b"\xff\xd9"
+    fp.seek(at)
+    if not whole:
+        return im
+    name, (x0, y0, x1, _), offset, args = im.tile[0]
+    im.im = Image.core.fill(im.mode, im.size, UNDECODED[im.mode])
+    im.tile = [im.tile[0]._replace(extents=(x0, y0, x1, y0 + rows))] if hasattr(im.tile[0], "_replace") else [
+        (name, (x0, y0, x1, y0 + rows), offset, args)]
+    try:
+        im.load()
+    except OSError:
+        pass  # what the decoder says on stopping early; any other error is met by the whole decode below
+    last = im.crop((0, rows - 1, im.size[0], rows)).tobytes()
+    if last != Image.new(im.mode, (im.size[0], 1), UNDECODED[im.mode]).tobytes():
+        return im
+    again = Image.open(source)
+    if request:
+        again.draft(None, request)
+    return again
 
 
 def as_rgb(im):
