@@ -233,8 +233,7 @@ def first_rows(im, rows: int, request: tuple[int, int] | None):
         return im
     name, (x0, y0, x1, _), offset, args = im.tile[0]
     im.im = Image.core.fill(im.mode, im.size, UNDECODED[im.mode])
-    im.tile = [im.tile[0]._replace(extents=(x0, y0, x1, y0 + rows))] if hasattr(im.tile[0], "_replace") else [
-        (name, (x0, y0, x1, y0 + rows), offset, args)]
+    im.tile = [(name, (x0, y0, x1, y0 + rows), offset, args)]
     try:
         im.load()
     except OSError:
