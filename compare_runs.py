@@ -229,7 +229,11 @@ def load(source: str) -> list[Run]:
             lives.setdefault(run.id, []).append(run)
         runs = [replace(merge_lives(parts), folder=str(source)) for parts in lives.values()]
         if len(runs) == 1 and (path / HISTORY_FILE).is_file():
-            runs[0].history = read_history(path / HISTORY_FILE)
+            history, runtime = read_history(path / HISTORY_FILE), [row["_runtime"] for row in runs[0].history
+                                                                   if "_runtime" in row]
+            if history and runtime:  # the wall time of a run that did not finish: W&B's last (history.jsonl has none)
+                history[-1] = {**history[-1], "_runtime": runtime[-1]}
+            runs[0].history = history
         return runs
     if WANDB_PATH.fullmatch(source) and not path.exists():
         return [load_wandb_api(source)]

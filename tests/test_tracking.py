@@ -189,7 +189,8 @@ def test_reader_keeps_the_records_before_a_cut_off_end(tracked_runs, tmp_path):
 def test_a_run_folders_curves_come_from_its_history_where_wandbs_file_lost_its_last_records(tracked_runs, tmp_path):
     """A run folder whose W&B file a kill -9 cut short (its last third gone) but whose history.jsonl is whole:
     compare_runs.py's curves are the history's, every logged step (--log-every 2 of 16 steps; evaluations at 8 and
-    16), and the train-loss chart draws each of them; the W&B file's records still give the run's name and config."""
+    16), and the train-loss chart draws each of them; the W&B file's records still give the run's name, config and
+    the table's wall time (its last runtime: the run's summary was cut off)."""
     run_dir = tmp_path / "a0"
     shutil.copytree(tracked_runs["a0"], run_dir, ignore=shutil.ignore_patterns("checkpoints", "*.safetensors"))
     wandb_file = next(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
@@ -201,6 +202,9 @@ def test_a_run_folders_curves_come_from_its_history_where_wandbs_file_lost_its_l
     assert [row["_step"] for row in run.history if "train/loss" in row] == list(range(2, 17, 2))
     assert [row["_step"] for row in run.history if "eval/top1" in row] == [8, 16]
     assert run.id == cut.id and run.config["lr"] == 0.05
+    runtime = [row["_runtime"] for row in cut.history if "_runtime" in row]
+    assert "wall_seconds" not in cut.summary and runtime[-1] > 0
+    assert run.metric(*compare_runs.COLUMNS["wall s"]) == runtime[-1]
     loss = compare_runs.figure([run], "_step", ("train/loss",), "train loss", by_group=False).axes[0].lines[0]
     history = [json.loads(line) for line in (run_dir / "history.jsonl").read_text().splitlines()]
     assert list(loss.get_ydata()) == [row["train/loss"] for row in history if "train/loss" in row]
