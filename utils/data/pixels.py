@@ -209,8 +209,8 @@ def stored_end(tag: int, box) -> float:
     return math.inf if tag != 1 and UPRIGHT[tag][1][axis] else box[2 + axis]
 
 
-# an image's pixels before its rows are decoded, in each mode Pillow opens a JPEG in: a decoded row all this colour is
-# as good as never seen, and where it is, the image is decoded again whole (`first_rows`)
+# the last row a crop needs, before it is decoded, in each mode Pillow opens a JPEG in: a decoded row all this colour
+# is as good as never seen, and where it is, the image is decoded again whole (`first_rows`)
 UNDECODED = {"RGB": (1, 254, 3), "L": 3, "CMYK": (1, 254, 3, 252)}
 
 
@@ -232,7 +232,8 @@ def first_rows(im, rows: int, request: tuple[int, int] | None):
     if not whole:
         return im
     name, (x0, y0, x1, _), offset, args = im.tile[0]
-    im.im = Image.core.fill(im.mode, im.size, UNDECODED[im.mode])
+    im.im = Image.core.new(im.mode, im.size)  # its memory touched only where rows are decoded
+    im.im.paste(UNDECODED[im.mode], (0, rows - 1, im.size[0], rows))  # the last row to decode
     im.tile = [(name, (x0, y0, x1, y0 + rows), offset, args)]
     try:
         im.load()
