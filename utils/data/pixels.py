@@ -223,8 +223,8 @@ def first_rows(im, rows: int, request: tuple[int, int] | None):
     truncated file, which must fail whatever the crop), the image is decoded whole, failing or not as it would.
     Written by hand: Pillow has no call that decodes part of a JPEG."""
     fp, source = im.fp, im.filename or (io.BytesIO(im.fp.getvalue()) if isinstance(im.fp, io.BytesIO) else None)
-    if source is None or len(im.tile) != 1 or im.tile[0][0] != "jpeg" or im.mode not in UNDECODED:
-        return im
+    if len(im.tile) != 1 or im.tile[0][0] != "jpeg" or im.mode not in UNDECODED or fp is None or source is None:
+        return im  # (decoded already, or a file it cannot open again)
     at = fp.tell()
     fp.seek(-2, io.SEEK_END)
     whole = fp.read(2) == b"\xff\xd9"
