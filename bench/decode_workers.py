@@ -60,7 +60,7 @@ def main() -> None:
         streamed = load_encoded(str(shards), image_size=args.size, recipe=CropRecipe(), workers=1,
                                 stream=StreamSettings())
         stream_set = LoaderDataset(streamed["train"][0], streamed["train"][1], 0, True, 0, None)
-        order = streamed["train"][0].rows.sampler(stream_set, True, 0, 128, 128, 1)
+        order = streamed["train"][0].sampler(stream_set, True, 0, 128, 128, 1)
         stream = torch.utils.data.DataLoader(stream_set, batch_size=128, sampler=order, collate_fn=lambda b: b)
         recipe = T.Compose([T.RandomResizedCrop(args.size, antialias=True), T.RandomHorizontalFlip(), T.PILToTensor()])
         theirs_set = torchvision.datasets.ImageFolder(str(folder / "train"), transform=recipe)

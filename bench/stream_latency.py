@@ -46,7 +46,7 @@ class SlowHandler(RangeHandler):
 def loader(source: str, size: int, settings: StreamSettings):
     data = load_encoded(source, image_size=size, recipe=CropRecipe(), workers=1, stream=settings)
     dataset = LoaderDataset(data["train"][0], data["train"][1], 0, True, 0, None)
-    sampler = data["train"][0].rows.sampler(dataset, True, 0, 128, 128, 1)
+    sampler = data["train"][0].sampler(dataset, True, 0, 128, 128, 1)
     return sampler, torch.utils.data.DataLoader(dataset, batch_size=128, sampler=sampler, collate_fn=lambda b: b)
 
 
