@@ -9,10 +9,7 @@ import collections
 import io
 import json
 import os
-import re
 import shutil
-import subprocess
-import sys
 import tarfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -598,15 +595,3 @@ def test_a_poorly_mixed_plan_is_said_in_one_line_with_what_to_do(capsys):
     assert len(out) == 1 and out[0].startswith("warning: the stream's shuffle puts 4.1 classes in a micro-batch of 64 "
                                                "on average, where a uniform shuffle puts 10.0: ")
     assert "Raise --shuffle-buffer, lower --shuffle-block, or write the shards with their rows shuffled." in out[0]
-
-
-@pytest.mark.parametrize("bench", [["bench/decode_workers.py", "--images", "128"],
-                                   ["bench/stream_latency.py", "--images", "256"]], ids=["P8", "P9"])
-def test_the_stream_benches_run_on_a_few_images_and_print_their_ratios(bench, cifar_dir):
-    """bench/decode_workers.py and bench/stream_latency.py (docs/performance.md P8, P9) read a stream through the
-    loaders' own calls (a kind's `sampler`): each runs once on a few images and prints its ratio line, with a number
-    (times are not asserted)."""
-    result = subprocess.run([sys.executable, *bench, "--repeats", "1", "--data-dir", str(cifar_dir)], cwd=REPO,
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert re.search(r"ratio .*: \d+\.\d\dx", result.stdout), result.stdout[-2000:]

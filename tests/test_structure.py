@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import ast
 import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from conftest import REPO, TORCHCODEC
 
@@ -193,3 +196,29 @@ def test_a_training_batchs_pixels_pass_through_at_most_4_data_modules_on_every_d
         assert batch[0][0].shape == (16, 3, 32, 32) and batch[0][1].shape == (16, 10)
         assert entered == expected[kind], kind
         assert len(entered - {"draws"}) <= 4
+
+
+# The benches that reach into the data path: each runs once on a few images ----------------------------------------
+BENCHES = {  # docs/performance.md's row -> the command's arguments (CACHE: the tests' decode cache), and a line its
+    # report prints (a ratio or a rate)
+    "P8": (["bench/decode_workers.py", "--images", "128", "--repeats", "1"], r"ratio ours / torchvision: \d+\.\d\dx"),
+    "P9": (["bench/stream_latency.py", "--images", "256", "--repeats", "1"], r"ratio read-ahead / none: \d+\.\d\dx"),
+    "P12": (["bench/camera_photos.py", "--images", "16", "--repeats", "1"],
+            r"ours \(--decode workers\): [\d.]+ img/s \(\d+\.\d\dx torchvision's\)"),
+    "P14": (["bench/policy_cost.py", "--steps", "2", "--repeats", "1", "--cache-dir", "CACHE"],
+            r"ta_wide: [\d.]+ ms per step, ratio to none"),
+}
+
+
+@pytest.mark.parametrize("row", BENCHES)
+def test_the_benches_that_reach_into_the_data_path_run_on_a_few_images_and_print_their_numbers(row, cifar_dir,
+                                                                                                  cache_dir):
+    """bench/decode_workers.py, stream_latency.py, camera_photos.py and policy_cost.py (docs/performance.md P8, P9,
+    P12, P14; the last two are parts of the GPU check too) call the data path's own functions: each runs once on a
+    few images and prints its report's line with a number (times are not asserted)."""
+    args, line = BENCHES[row]
+    args = [str(cache_dir) if arg == "CACHE" else arg for arg in args]
+    result = subprocess.run([sys.executable, *args, "--data-dir", str(cifar_dir)], cwd=REPO, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(line, result.stdout), result.stdout[-2000:]
