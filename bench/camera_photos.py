@@ -154,11 +154,11 @@ def main() -> None:
             "torchvision Resize + CenterCrop": torch.utils.data.DataLoader(torchvision.datasets.ImageFolder(
                 str(folder / "train"), transform=view), batch_size=16),
         }
-        if not args.gpu:  # (the GPU check's time is for the GPU's arms)
-            loaders["ours (--decode workers), every row decoded"] = AllRows(ours(folder, args.size, True, True))
         if args.gpu:
             loaders |= {"ours (--decode gpu)": ours(folder, args.size, False, True, device="cuda"),
                         "ours (--decode gpu), evaluation view": ours(folder, args.size, False, False, device="cuda")}
+        else:  # (the GPU check's time is for the GPU's arms)
+            loaders["ours (--decode workers), every row decoded"] = AllRows(ours(folder, args.size, True, True))
         if args.heic:
             heic = as_heic(folder, Path(tmp) / "heic")
             heic_megabytes = statistics.mean(p.stat().st_size for p in heic.rglob("*.heic")) / 2**20
