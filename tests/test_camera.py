@@ -34,6 +34,7 @@ from conftest import (
 from PIL import Image, ImageOps
 
 from utils import UserError
+from utils.data import pixels
 from utils.data.images import EncodedImages
 from utils.data.pixels import CropRecipe, decoded, eval_view, resized_crop_draws, square_pixels, train_view
 
@@ -183,10 +184,6 @@ def test_a_crop_decodes_the_jpegs_rows_down_to_its_own_only_and_gives_the_pixels
     32, 100 and 224 px (DCT scales 1/8 to full) are bitwise the crops of the same decode of every row, for baseline,
     progressive, CMYK and grayscale JPEGs; and a crop of the top third, upright and stored (orientation 1), leaves the
     rows below it undecoded (they differ from the whole decode's, the rows it holds do not)."""
-    from conftest import oriented_exif
-
-    import utils.data.pixels as pixels
-
     upright, recipe = photo(1203, 901, seed=2), CropRecipe()
     upright = {"cmyk": upright.convert("CMYK"), "grayscale": upright.convert("L")}.get(kind, upright)
     boxes, mirrored = resized_crop_draws(7, 0, np.arange(12), [(1203, 901)] * 12, recipe)
