@@ -528,7 +528,8 @@ def test_decode_auto_streams_a_url_and_a_folder_of_tar_shards(stream_shards, cap
     if why:
         assert out == f"streaming the shards, each batch decoded in the loader's workers (--decode auto: {why})\n"
     else:  # 240 images x 3 x 96 x 96 bytes
-        assert out.startswith(f"decoding the images once into the cache (--decode auto: the decoded images take "
+        assert out.startswith(f"reading the decoded images from the cache, decoded once on a first run (--decode auto: "
+                              f"the decoded images take "
                               f"{240 * 3 * 96 * 96 / 2**20:,.1f} MiB at 96 x 96 px, {tmp_path} has ")
 
 

@@ -123,5 +123,5 @@ def choose_decode(cfg, dataset: str | None) -> tuple[str, Source | None]:
     main_print({"workers": f"decoding each batch in the loader's workers ({why})",
                 "stream": f"streaming the shards, each batch decoded in the loader's workers ({why})",
                 "gpu": f"decoding each batch's JPEGs on the GPU ({why})",
-                "cache": f"decoding the images once into the cache ({why})"}[choice])
+                "cache": f"reading the decoded images from the cache, decoded once on a first run ({why})"}[choice])
     return choice, source
