@@ -222,8 +222,8 @@ def first_rows(im, rows: int, request: tuple[int, int] | None):
     still undecoded (an error before it: a broken header), or where the file does not end with the EOI marker (a
     truncated file, which must fail whatever the crop), the image is decoded whole, failing or not as it would.
     Written by hand: Pillow has no call that decodes part of a JPEG."""
-    fp, source = im.fp, im.filename or (io.BytesIO(im.fp.getvalue()) if isinstance(im.fp, io.BytesIO) else None)
-    if len(im.tile) != 1 or im.tile[0][0] != "jpeg" or im.mode not in UNDECODED or fp is None or source is None:
+    fp, source = im.fp, encoded_source(im)
+    if source is None or fp is None or len(im.tile) != 1 or im.tile[0][0] != "jpeg" or im.mode not in UNDECODED:
         return im  # (decoded already, or a file it cannot open again)
     at = fp.tell()
     fp.seek(-2, io.SEEK_END)
@@ -242,10 +242,28 @@ def first_rows(im, rows: int, request: tuple[int, int] | None):
     last = im.crop((0, rows - 1, im.size[0], rows)).tobytes()
     if last != Image.new(im.mode, (im.size[0], 1), UNDECODED[im.mode]).tobytes():
         return im
-    again = Image.open(source)
+    again = open_encoded(source)
     if request:
         again.draft(None, request)
     return again
+
+
+def encoded_source(image) -> str | bytes | None:
+    """What a PIL image was opened lazily from (`Image.open(path)` or of bytes; nothing decoded yet): the file's name
+    or the bytes; None for an image whose pixels are decoded (or a file object of another kind)."""
+    from PIL import ImageFile
+
+    if isinstance(image, ImageFile.ImageFile) and image.tile:  # (tile: what load() has still to decode)
+        if image.filename:
+            return image.filename
+        if isinstance(image.fp, io.BytesIO):
+            return image.fp.getvalue()
+    return None
+
+
+def open_encoded(source):
+    """An encoded image (bytes, or a file's path) opened lazily: its header read, its pixels not yet."""
+    return Image.open(io.BytesIO(source) if isinstance(source, bytes) else source)
 
 
 def as_rgb(im):
@@ -285,7 +303,7 @@ def open_image(source, rows, i: int):
     if isinstance(source, Image.Image):
         return source
     try:
-        im = Image.open(io.BytesIO(source) if isinstance(source, bytes) else source)
+        im = open_encoded(source)
     except (UnidentifiedImageError, OSError, TypeError) as e:
         raise UserError(f"the {rows.split} split has an undecodable image at {rows.where(i)} ({first_line(e)}).") \
             from None

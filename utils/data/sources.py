@@ -37,7 +37,7 @@ from PIL import Image
 
 from utils import UserError, first_line
 from utils.config_groups import DATA_LAYOUTS, check_source
-from utils.data.pixels import as_rgb, check_pixels, encoded, open_image
+from utils.data.pixels import as_rgb, check_pixels, encoded, encoded_source, open_encoded, open_image
 from utils.launch import is_main_process, main_print
 from utils.scripts import IMPORTED, new_after_imports
 
@@ -783,22 +783,7 @@ class DatasetRows(EncodedRows):
         (utils/data/pixels.py); a tensor's pixels wrapped; any other PIL image converted to RGB (`as_rgb`)."""
         image, _ = item_image((self.dataset[item][0], 0), f"{self.what}'s item {item}")
         source = encoded_source(image)
-        if source is not None:
-            return Image.open(io.BytesIO(source) if isinstance(source, bytes) else source)
-        return as_rgb(image)
-
-
-def encoded_source(image) -> str | bytes | None:
-    """What a Dataset's PIL image was opened lazily from (`Image.open(path)` or of bytes; nothing decoded yet): the
-    file's name or the bytes; None for an image whose pixels are decoded (or a file object of another kind)."""
-    from PIL import ImageFile
-
-    if isinstance(image, ImageFile.ImageFile) and image.tile:  # (tile: what load() has still to decode)
-        if image.filename:
-            return image.filename
-        if isinstance(image.fp, io.BytesIO):
-            return image.fp.getvalue()
-    return None
+        return open_encoded(source) if source is not None else as_rgb(image)
 
 
 def size_key(image) -> int:
