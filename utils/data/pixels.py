@@ -180,8 +180,8 @@ def decoded(im, box, out: tuple[int, int], reduce: bool = True):
     the smallest DCT scale 1/s (1/2, 1/4, 1/8: libjpeg's, through Pillow's Image.draft) at which the box still holds
     `out` (width, height) pixels; a pixel of the reduced image covers s x s pixels of the full one, so the box scales
     by 1/s (shifted by the part pixel at the start of an axis the orientation reverses), and only the rows down to the
-    box's are decoded where the box ends above the stored image's bottom (`first_rows`: the image's other rows are
-    left undecoded). Other formats: s = 1, whole."""
+    box's are decoded where the box ends above the stored image's bottom (`stored_end`, `first_rows`: the image's
+    other rows are left undecoded). Other formats: s = 1, whole."""
     tag, (width, height), (full_width, full_height) = orientation(im), im.size, upright_size(im)
     jpeg = reduce and im.format in JPEG_FORMATS
     scale = shrink(box[2] - box[0], box[3] - box[1], out) if jpeg else 1
@@ -189,7 +189,7 @@ def decoded(im, box, out: tuple[int, int], reduce: bool = True):
     if request:
         drafted = im.draft(None, request)
         scale = round(width / drafted[1][2]) if drafted else 1
-    end = stored_end(tag, box) / scale if jpeg else math.inf
+    end = stored_end(tag, box, (full_width, full_height)) / scale if jpeg else math.inf
     rgb = as_rgb(first_rows(im, math.ceil(end), request) if end < im.size[1] else im)
     dx = dy = 0.0
     if tag != 1:
@@ -201,12 +201,13 @@ def decoded(im, box, out: tuple[int, int], reduce: bool = True):
     return rgb, scale, (box[0] / scale + dx, box[1] / scale + dy, box[2] / scale + dx, box[3] / scale + dy)
 
 
-def stored_end(tag: int, box) -> float:
+def stored_end(tag: int, box, upright: tuple[int, int]) -> int:
     """Where the rows of the stored image (as the file holds it, before its EXIF orientation is applied) that hold
-    `box` of the upright image end: the box's end on the upright axis that runs down the stored image; infinite where
-    that axis runs backwards (the box's rows are then the stored image's last)."""
+    `box` of the upright image, of size `upright`, end: the box's end on the upright axis that runs down the stored
+    image, or where that axis runs backwards (a photo stored upside down, or a phone's portrait photo stored on its
+    side), the axis's length less the box's start."""
     axis = 0 if tag >= 5 else 1  # a transposing orientation stores the upright x axis downwards
-    return math.inf if tag != 1 and UPRIGHT[tag][1][axis] else box[2 + axis]
+    return upright[axis] - box[axis] if tag != 1 and UPRIGHT[tag][1][axis] else box[2 + axis]
 
 
 # the last row a crop needs, before it is decoded, in each mode Pillow opens a JPEG in: a decoded row all this colour
