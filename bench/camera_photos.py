@@ -9,7 +9,8 @@ the same at full size (--full-decode), against torchvision's ImageFolder with tr
 process (num_workers=0: one worker's rate), one thread, each side in turn, repeated. --gpu: also the batches decoded
 on the GPU (--decode gpu: nvJPEG, the crops cut there), training crops and evaluation views, against the CPU worker.
 --heic: also the same photos as an iPhone's HEIC (quality 90, pillow-heif's x265 encoder), whose decode has no reduced
-scale, against the JPEGs.
+scale, against the JPEGs. --sideways: every photo stored on its side (3000 x 4000, EXIF orientation 6: shown as
+4000 x 3000), as a phone stores one it took held the other way.
 
     python bench/camera_photos.py --data-dir ../shared/data/cifar10 --images 32 --repeats 3
 
@@ -130,13 +131,15 @@ def main() -> None:
     parser.add_argument("--gpu-rate", type=float, default=3000.0, help="a GPU's training images/s")
     parser.add_argument("--gpu", action="store_true", help="also --decode gpu (nvJPEG), against the CPU worker")
     parser.add_argument("--heic", action="store_true", help="also the photos as HEIC, against the JPEGs")
+    parser.add_argument("--sideways", action="store_true",
+                        help="the photos stored on their side with EXIF orientation 6, as a phone stores a photo")
     args = parser.parse_args()
     header("camera-size JPEGs, one loader worker: reduced decoding against torchvision")
     torch.set_num_threads(1)  # one worker's share
     n = args.images
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_upscaled_cifar(Path(tmp) / "photos", Path(args.data_dir), n_train=n, n_test=0,
-                                      sizes=((4000, 3000),), grain=8.0)
+                                      sizes=((4000, 3000),), grain=8.0, photos=1 if args.sideways else 0)
         shutil.copytree(folder / "train", folder / "test")  # an image folder's splits have the same classes
         shards = tars(folder, Path(tmp) / "tars")
         files = sorted((folder / "train").rglob("*.jpg"))
