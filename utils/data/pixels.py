@@ -190,7 +190,8 @@ def decoded(im, box, out: tuple[int, int], reduce: bool = True):
         drafted = im.draft(None, request)
         scale = round(width / drafted[1][2]) if drafted else 1
     end = stored_end(tag, box, (full_width, full_height)) / scale if jpeg else math.inf
-    rgb = as_rgb(first_rows(im, math.ceil(end), request) if end < im.size[1] else im)
+    rgb = first_rows(im, math.ceil(end), request) if end < im.size[1] else im
+    rgb = rgb if rgb.mode == "RGB" else as_rgb(rgb)  # (as it is: converting copies it)
     dx = dy = 0.0
     if tag != 1:
         method, (back_x, back_y) = UPRIGHT[tag]
