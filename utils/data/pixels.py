@@ -181,7 +181,8 @@ def decoded(im, box, out: tuple[int, int], reduce: bool = True):
     `out` (width, height) pixels; a pixel of the reduced image covers s x s pixels of the full one, so the box scales
     by 1/s (shifted by the part pixel at the start of an axis the orientation reverses), and only the rows down to the
     box's are decoded where the box ends above the stored image's bottom (`stored_end`, `first_rows`: the image's
-    other rows are left undecoded). Other formats: s = 1, whole."""
+    other rows are left undecoded). Other formats: s = 1, whole. An image stored rotated or mirrored comes as the part
+    that holds the box (its whole pixels at the box's edges), cut before it is turned upright (which copies it)."""
     tag, (width, height), (full_width, full_height) = orientation(im), im.size, upright_size(im)
     jpeg = reduce and im.format in JPEG_FORMATS
     scale = shrink(box[2] - box[0], box[3] - box[1], out) if jpeg else 1
@@ -192,14 +193,17 @@ def decoded(im, box, out: tuple[int, int], reduce: bool = True):
     end = stored_end(tag, box, (full_width, full_height)) / scale if jpeg else math.inf
     rgb = first_rows(im, math.ceil(end), request) if end < im.size[1] else im
     rgb = rgb if rgb.mode == "RGB" else as_rgb(rgb)  # (as it is: converting copies it)
-    dx = dy = 0.0
-    if tag != 1:
-        method, (back_x, back_y) = UPRIGHT[tag]
-        rgb = rgb.transpose(Image.Transpose[method])
-        dx, dy = back_x * (rgb.size[0] - full_width / scale), back_y * (rgb.size[1] - full_height / scale)
-    if scale == 1:
-        return rgb, 1, box
-    return rgb, scale, (box[0] / scale + dx, box[1] / scale + dy, box[2] / scale + dx, box[3] / scale + dy)
+    if tag == 1:
+        return rgb, scale, box if scale == 1 else tuple(v / scale for v in box)
+    method, (back_x, back_y) = UPRIGHT[tag]
+    w, h = rgb.size if tag < 5 else rgb.size[::-1]  # the upright image's size at this scale
+    dx, dy = back_x * (w - full_width / scale), back_y * (h - full_height / scale)
+    left, top, right, bottom = box[0] / scale + dx, box[1] / scale + dy, box[2] / scale + dx, box[3] / scale + dy
+    x0, y0, x1, y1 = math.floor(left), math.floor(top), min(math.ceil(right), w), min(math.ceil(bottom), h)
+    xs, ys = (w - x1, w - x0) if back_x else (x0, x1), (h - y1, h - y0) if back_y else (y0, y1)  # where it is stored
+    part = (xs[0], ys[0], xs[1], ys[1]) if tag < 5 else (ys[0], xs[0], ys[1], xs[1])
+    rgb = rgb if part == (0, 0, *rgb.size) else rgb.crop(part)
+    return rgb.transpose(Image.Transpose[method]), scale, (left - x0, top - y0, right - x0, bottom - y0)
 
 
 def stored_end(tag: int, box, upright: tuple[int, int]) -> int:
@@ -284,12 +288,14 @@ def region(im, box, out: tuple[int, int], interpolation: str, reduce: bool = Tru
     the filter named `interpolation` (antialiased, as PIL always is): at full size, torchvision's crop and resize of
     the PIL image; decoded reduced (`decoded`), the box's pixels of the reduced image (with the part pixels at its
     edges) resized to `out` by PIL's resize of a box of real coordinates."""
-    rgb, scale, (left, top, right, bottom) = decoded(im, box, out, reduce)
+    rgb, scale, box = decoded(im, box, out, reduce)
     resample = Image.Resampling[interpolation.upper()]
     if scale == 1:  # torchvision's TF.crop and TF.resize of a PIL image are these PIL calls
+        box = tuple(map(int, box))  # (whole pixels at full size)
         if box != (0, 0, *rgb.size):
             rgb = rgb.crop(box)
         return rgb if rgb.size == out else rgb.resize(out, resample)
+    left, top, right, bottom = box
     x0, y0 = math.floor(left), math.floor(top)
     x1, y1 = min(math.ceil(right), rgb.size[0]), min(math.ceil(bottom), rgb.size[1])
     part = rgb.crop((x0, y0, x1, y1))
