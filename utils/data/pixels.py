@@ -199,11 +199,16 @@ def decoded(im, box, out: tuple[int, int], reduce: bool = True):
     w, h = rgb.size if tag < 5 else rgb.size[::-1]  # the upright image's size at this scale
     dx, dy = back_x * (w - full_width / scale), back_y * (h - full_height / scale)
     left, top, right, bottom = box[0] / scale + dx, box[1] / scale + dy, box[2] / scale + dx, box[3] / scale + dy
-    x0, y0, x1, y1 = math.floor(left), math.floor(top), min(math.ceil(right), w), min(math.ceil(bottom), h)
+    x0, y0, x1, y1 = covering((left, top, right, bottom), (w, h))
     xs, ys = (w - x1, w - x0) if back_x else (x0, x1), (h - y1, h - y0) if back_y else (y0, y1)  # where it is stored
     part = (xs[0], ys[0], xs[1], ys[1]) if tag < 5 else (ys[0], xs[0], ys[1], xs[1])
     rgb = rgb if part == (0, 0, *rgb.size) else rgb.crop(part)
     return rgb.transpose(Image.Transpose[method]), scale, (left - x0, top - y0, right - x0, bottom - y0)
+
+
+def covering(box, size: tuple[int, int]) -> tuple[int, int, int, int]:
+    """The whole pixels (left, top, right, bottom) of an image of `size` that a box of real coordinates touches."""
+    return math.floor(box[0]), math.floor(box[1]), min(math.ceil(box[2]), size[0]), min(math.ceil(box[3]), size[1])
 
 
 def stored_end(tag: int, box, upright: tuple[int, int]) -> int:
@@ -296,8 +301,7 @@ def region(im, box, out: tuple[int, int], interpolation: str, reduce: bool = Tru
             rgb = rgb.crop(box)
         return rgb if rgb.size == out else rgb.resize(out, resample)
     left, top, right, bottom = box
-    x0, y0 = math.floor(left), math.floor(top)
-    x1, y1 = min(math.ceil(right), rgb.size[0]), min(math.ceil(bottom), rgb.size[1])
+    x0, y0, x1, y1 = covering(box, rgb.size)
     part = rgb.crop((x0, y0, x1, y1))
     return part.resize(out, resample, box=(left - x0, top - y0, min(right, x1) - x0, min(bottom, y1) - y0))
 
