@@ -1,7 +1,5 @@
-"""The built-in sources for a template's load_data (--data-dir, --dataset), on the path --decode chooses: decoded once
-into the cache (utils/data/decode.py), kept encoded and decoded by batch in the loader's workers (utils/data/images.py)
-or on the GPU (--decode gpu), or streamed from shards (utils/data/stream.py). `load_builtin` is the entry point;
-`choose_decode` says which path --decode auto takes; `load_encoded` gives the encoded kind."""
+"""The built-in sources for a template's load_data (--data-dir, --dataset), on the path --decode chooses: the decode
+cache (decode.py), the loader's workers (images.py), the GPU, or a stream of shards (stream.py)."""
 
 from __future__ import annotations
 
@@ -22,16 +20,10 @@ def load_encoded(data_dir: str | None, dataset: str | None = None, image_size: i
                  columns: tuple[str | None, str | None] = (None, None), val_fraction: float | None = None,
                  recipe: CropRecipe | None = None, workers: int | None = None, stream: StreamSettings | None = None,
                  reduce: bool = True, source: Source | None = None, device: str | None = None) -> dict:
-    """The built-in sources (as utils.data.decode.load_source gives them), with EncodedImages in place of the image
-    tensors: nothing is decoded here (the per-channel mean and std, when the normalisation needs the data's, come
-    from the first training images: EncodedImages.channel_stats).
-    image_size: S; None: the first training image's size. recipe: the crop recipe (--augment resized-crop), or None.
-    workers: the DataLoader's decoding worker processes (per process); None: this process's share of the cores.
-    stream: read the shards of data_dir (a folder or a URL; --dataset: the Hub's) as a stream (utils/data/stream.py)
-    with these settings, instead of through datasets' table (whose index every process reads; no cache file is
-    written). reduce: JPEGs decoded at the scale each view needs (False: --full-decode). source: located already
-    (load_builtin's; None: located here). device: each batch's JPEGs decoded there by the process that reads it
-    (--decode gpu: 'cuda'; no loader workers), not by Pillow in the loader's workers."""
+    """The built-in sources with EncodedImages in place of the image tensors: nothing decoded here. image_size: None:
+    the first image's; recipe: --augment resized-crop's or None; workers: None: this process's share of the cores;
+    stream: read data_dir's shards as a stream with these settings; reduce: False for --full-decode; source: located
+    already; device: 'cuda' for --decode gpu (no loader workers)."""
     if stream:
         rows, classes, description = open_stream(data_dir or f"hf://datasets/{dataset}", columns, stream)
     else:
@@ -51,7 +43,7 @@ def load_encoded(data_dir: str | None, dataset: str | None = None, image_size: i
 
 
 def check_gpu_decode() -> None:
-    """--decode gpu needs TorchCodec (its decode_jpeg: nvJPEG) and a CUDA device; one line if either is missing."""
+    """--decode gpu needs TorchCodec and a CUDA device: one line if either is missing."""
     import torch
 
     try:
@@ -66,10 +58,8 @@ def check_gpu_decode() -> None:
 
 
 def load_builtin(cfg) -> dict:
-    """The built-in sources by a script's data flags (its DataConfig group), for its load_data: --data-dir or
-    --dataset (neither: CIFAR-10 from the Hub), on the path choose_decode picks: decoded once into the cache
-    (utils/data/decode.py), kept encoded and decoded by batch in the loader's workers, or streamed from shards
-    (utils/data/stream.py)."""
+    """The built-in sources by a script's data flags (--data-dir or --dataset; neither: CIFAR-10 from the Hub), on the
+    path choose_decode picks."""
     dataset = cfg.dataset or (None if cfg.data_dir else "uoft-cs/cifar10")
     columns = (cfg.image_column, cfg.label_column)
     decode, source = choose_decode(cfg, dataset)  # printed, with why; the source located (and read) once
@@ -89,13 +79,9 @@ def load_builtin(cfg) -> dict:
 
 
 def choose_decode(cfg, dataset: str | None) -> tuple[str, Source | None]:
-    """The path --decode takes, said on the main process with why, 'cache', 'workers' or 'stream', and the source
-    --data-dir or `dataset` names, located (on each machine's first process first: the Hub's is downloaded once), and
-    for --decode auto's size read: None for a stream (its shards are listed as they are read). auto: stream for a
-    --data-dir URL or a folder of tar shards; workers for --augment resized-crop (its crops need whole images), or when
-    the decoded images (N x 3 x S x S bytes; S: --image-size, else the first training image's own size) would not
-    fit in the cache folder's free space; else the cache. cfg: the data group of a script's Config (contradicting
-    flags are refused when they are parsed)."""
+    """The path --decode takes ('cache', 'workers', 'gpu' or 'stream'), said with why, and the source, located once
+    (None for a stream). auto: stream for a URL or tar shards; workers for --augment resized-crop, or when the decoded
+    images (N x 3 x S x S bytes) would not fit the cache folder's free space; else the cache."""
     choice, why = (cfg.decode, f"--decode {cfg.decode}") if cfg.decode != "auto" else (None, "--decode auto")
     if choice == "gpu":
         check_gpu_decode()

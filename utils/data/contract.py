@@ -1,6 +1,5 @@
-"""The data contract of a template's `load_data` (docs/customizing.md): `checked_data` checks what it returns and
-puts each split's images in the form the loaders take, an `Images` kind (utils/data/images.py); `data_facts` is
-what summary.json records of the data."""
+"""The contract of a template's `load_data` (docs/customizing.md): `checked_data` checks what it returns and makes each
+split an `Images` kind; `data_facts` is what summary.json records of the data."""
 
 from __future__ import annotations
 
@@ -22,21 +21,12 @@ CHANNELS = ("red", "green", "blue")
 
 def checked_data(data: dict, where: str = "load_data", cfg=None, model_stats: dict | None = None,
                  say=None) -> dict:
-    """A template's load_data(cfg) result, checked and put in the form the loaders take. The contract (the edit point
-    of docs/customizing.md): 'train' and 'test', each a pair (images, labels): uint8 images N x H x W x 3 or
-    N x 3 x H x W, square, both splits the same size, as numpy arrays (memory-mapped is fine) or tensors, or another
-    kind of `Images` (the built-in sources'); integer labels 0 .. C-1; or each a map-style torch Dataset of
-    (image, label) items of any size (utils/data/sources.py: at --image-size, under --augment resized-crop cropped as
-    the built-in folders are; `cfg`, the script's Config, gives those flags); and 'classes', the C class names (at
-    least 2). Optional: 'mean' and 'std' (per channel, in [0, 1]; see below), 'dataset' (a JSON-able description, for
-    summary.json), and 'eval_crop' and 'interpolation' (the built-in loader's: the test images are resized to S /
-    eval_crop on their shorter side with that filter, then centre-cropped to S; for preprocessor_config.json).
-    Returns them with each split's images as an `Images` kind (arrays and tensors: TensorImages, an (N, 3, S, S)
-    view, no copy of NHWC input), int64 labels and 'image_size' S. A broken contract: one line naming `where` and
-    what is wrong.
-    The mean and std the inputs are normalised with follow one rule (normalisation): load_data's own, else
-    `model_stats` (a pretrained model's), else the training images'; 'stats_from' says which, and `say` (a print)
-    says it at start."""
+    """A template's load_data(cfg) result, checked (one line naming `where` for a broken contract) and put in the
+    loaders' form. The contract: 'train' and 'test', each a pair (uint8 images N x H x W x 3 or N x 3 x H x W, square,
+    one size; integer labels 0 .. C-1) as arrays or tensors or an `Images` kind, or each a map-style Dataset of (image,
+    label) items of any size (`cfg` gives --image-size and the crop recipe); 'classes' (at least 2). Optional: 'mean'
+    and 'std', 'dataset' (for summary.json), 'eval_crop' and 'interpolation'. Returns each split's images as an `Images`
+    kind, int64 labels, 'image_size', and the mean and std by `normalisation`'s rule, said by `say`."""
     if not isinstance(data, dict) or not {"train", "test", "classes"} <= data.keys():
         got = sorted(data) if isinstance(data, dict) else type(data).__name__
         raise UserError(f"{where} must return a dict with 'train', 'test' and 'classes' (got {got}).")
@@ -83,8 +73,8 @@ def checked_data(data: dict, where: str = "load_data", cfg=None, model_stats: di
 
 
 def check_pickles(dataset, what: str) -> None:
-    """Where the loader's workers start from a forkserver (utils.data.images.WORKER_START), each gets the Dataset
-    pickled: one that does not pickle is one line now, not a traceback from the first worker."""
+    """Where loader workers start from a forkserver, each gets the Dataset pickled: one that does not pickle is one line
+    now, not a worker's traceback."""
     if WORKER_START:
         try:
             ForkingPickler.dumps(dataset)  # as the DataLoader sends it (tensors through shared memory)
@@ -96,11 +86,9 @@ def check_pickles(dataset, what: str) -> None:
 
 
 def normalisation(data: dict, model_stats: dict, images: Images, where: str, say=None) -> dict:
-    """{'mean', 'std', 'stats_from'}: the per-channel mean and std the inputs are normalised with, by one rule, the
-    first that exists: load_data's 'mean' and 'std' (a copy's own choice), the pretrained model's (`model_stats`:
-    what its weights were trained with), the training images' own (Images.channel_stats), in which a channel the same
-    in every pixel gets std 1, not 0 (load_data's or a model's std of 0: one line). `say`: one line naming them and
-    where they came from (and what they won over)."""
+    """{'mean', 'std', 'stats_from'} by one rule, the first that exists: load_data's own, the pretrained model's
+    (`model_stats`), the training images' (a constant channel gets std 1, not 0). `say`: one line naming them, where
+    they came from and what they won over."""
     model = {k: tuple(map(float, model_stats[k])) for k in ("mean", "std") if k in model_stats}
     if "mean" in data and "std" in data:
         stats, source, whose = {k: tuple(map(float, data[k])) for k in ("mean", "std")}, where, f"{where}'s"
@@ -129,8 +117,8 @@ def _shown(stats: dict) -> str:
 
 
 def data_facts(data: dict) -> dict:
-    """For summary.json: where the data came from, its classes and what the model takes (image size; the per-channel
-    mean and std the inputs are normalised with; the evaluation's resize and crop, when resized-crop)."""
+    """For summary.json: the source, classes, image size, the mean and std and where they came from, and the
+    evaluation's resize and crop."""
     return {"dataset": data["dataset"], "classes": list(data["classes"]), "image_size": data["image_size"],
             "image_mean": [float(m) for m in data["mean"]], "image_std": [float(s) for s in data["std"]],
             "image_stats_from": data["stats_from"],

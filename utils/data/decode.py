@@ -1,14 +1,7 @@
-"""Image classification data, decoded once: read a source (utils/data/sources.py: local parquet files, an image folder,
-or a Hub dataset, with an evaluation part held out when it has none), and decode every image, in parallel, straight
-into a safetensors cache file through a memory map: one (N, S, S, 3) uint8 tensor per split (channels-last, as JPEGs
-decode and as the models run), keyed by the source files and the decode settings. Every process then reads the
-images through a map of that file: a machine's processes share one copy in the page cache, and a dataset larger
-than memory trains from disk. This is the module to replace for data none of its sources covers; what its result
-must satisfy is utils/data/contract.py's (docs/customizing.md).
-
-`load_source` is the entry point: the first process of each machine reads and decodes, the others wait for it and then
-read the cache. For images too large to cache decoded, utils/data/images.py decodes each as a batch asks for it.
-"""
+"""Image classification data decoded once: a source (utils/data/sources.py) decoded in parallel straight into a
+safetensors cache file through a memory map, one (N, S, S, 3) uint8 tensor per split, keyed by the source files and the
+decode settings. Every process reads it through a map of that file: a machine's processes share one copy in the page
+cache, and data larger than memory trains from disk. `load_source` is the entry point."""
 
 from __future__ import annotations
 
@@ -30,23 +23,13 @@ from utils.data.pixels import open_image, row_pixels, square_pixels
 from utils.data.sources import SIZE_ADVICE, SPLITS, Rows, Source, fingerprint, first_size, locate
 from utils.launch import first_on_each_machine, main_print
 
-CACHE_FORMAT = 10  # bump when the cache file changes (4: class names, mean and std; 5: held-out splits; 6: mean and
-# std as tensors, labels first: decoded into through a memory map; 7: EXIF orientation, JPEGs decoded reduced; 8: an
-# image folder's classes its top folders, 16-bit grayscale by its top bits, MPO decoded reduced as JPEG; 9: held-out
-# splits stratified by class; 10: each image's digest)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Decode once into uint8 tensors
-# ----------------------------------------------------------------------------------------------------
+CACHE_FORMAT = 10  # bump when the cache file's contents change
 
 
 def _decode_rows(rows: Rows, size: int, out: tuple[np.ndarray, np.ndarray], start: int, stop: int,
                  same_as: str | None = None, reduce: bool = True) -> None:
-    """Decodes rows start..stop-1 into out's images[start:stop] ((N, S, S, 3) uint8: a memory map of the cache
-    file), each resized to S x S (reduce: a JPEG decoded at the scale that needs), and each decoded image's digest
-    into its digests (N,) (64 bits of BLAKE2b: `repeated` compares them); same_as (the first image's size and place,
-    see first_size): instead, each must be S x S. The encoded images are read from the table FETCH_ROWS at a time."""
+    """Decodes rows start..stop-1 into out's images (a memory map of the cache), each resized to S x S (or, with
+    same_as, checked to be S x S), and each image's 64-bit digest into its digests."""
     images, digests = out
     for first in range(start, stop, FETCH_ROWS):
         for i, source in enumerate(rows.fetch(range(first, min(first + FETCH_ROWS, stop))), first):
@@ -71,15 +54,11 @@ def _decode_chunk(role: str, start: int, stop: int) -> None:
 
 def decode_all(rows: dict[str, Rows], outputs: dict[str, tuple[np.ndarray, np.ndarray]], size: int, workers: int,
                same_as: str | None = None, reduce: bool = True) -> None:
-    """Decodes every split's rows into its output arrays (_decode_rows), with `workers` processes. The workers are
-    forked: they inherit the rows and the outputs, memory maps of the cache file that they write into, so no image
-    crosses a pipe. Forked even where the loaders' workers start from a forkserver (utils.data.images.WORKER_START):
-    the pool starts before training, when the process's other threads (the launcher's watch, tqdm's monitor, gloo's
-    and OpenMP's native ones) do not call into Python, so none can hold the lock a forked child would wait on. Each
-    row is decoded alone: the result is the same bit for bit for any number of workers. An undecodable image (or one
-    of another size, with same_as) stops the decode with the first bad row's line, as one worker would.
-    Written with concurrent.futures: datasets' map(num_proc=...) would write every decoded image to an Arrow cache
-    first, a second copy on disk."""
+    """Decodes every split's rows into its outputs with `workers` forked processes that inherit the rows and the
+    memory-mapped outputs (no image crosses a pipe). Forked even where the loaders use a forkserver: the pool starts
+    before any other thread calls into Python. Each row decoded alone: the same bits at any worker count; a bad row
+    stops the decode with its line. Written with concurrent.futures: datasets' map(num_proc) would write every decoded
+    image to an Arrow cache first."""
     global _JOB
     chunks = [(role, a, min(a + DECODE_CHUNK, len(r))) for role, r in rows.items() for a in range(0, len(r),
                                                                                                  DECODE_CHUNK)]
@@ -103,12 +82,8 @@ def decode_all(rows: dict[str, Rows], outputs: dict[str, tuple[np.ndarray, np.nd
         _JOB = None
 
 
-# ----------------------------------------------------------------------------------------------------
-# Cache: one safetensors file, decoded into through a memory map and read through one
-# ----------------------------------------------------------------------------------------------------
 def _writable_dir(path: Path, create: bool = True) -> bool:
-    """Whether files can be written in `path`; create=False: judged without making it (a missing folder by the one
-    above it), so a run that stops before writing leaves no folder behind."""
+    """Whether files can be written in `path`; create=False: judged without making it."""
     try:
         if create:
             path.mkdir(parents=True, exist_ok=True)
@@ -121,8 +96,8 @@ def _writable_dir(path: Path, create: bool = True) -> bool:
 
 
 def default_cache_dir(data_dir: str | None) -> Path:
-    """<data-dir>/.decoded when that can be written, else a per-user cache folder. A data folder without
-    write permission bits counts as read-only even for root, who could write there anyway."""
+    """<data-dir>/.decoded when writable (a folder without write permission bits counts as read-only, even for root),
+    else a per-user cache folder."""
     if data_dir is not None and os.stat(data_dir).st_mode & 0o222 and _writable_dir(Path(data_dir) / ".decoded",
                                                                                    create=False):
         return Path(data_dir) / ".decoded"
@@ -130,9 +105,7 @@ def default_cache_dir(data_dir: str | None) -> Path:
 
 
 def _read_cache(path: Path) -> dict | None:
-    """The cached splits as tensors backed by a memory map of the file (safetensors' safe_open maps it for PyTorch):
-    a machine's processes share its pages through the page cache, and a dataset larger than memory is read from
-    disk as the batches ask for it."""
+    """The cached splits as tensors over a memory map of the file (safetensors' safe_open)."""
     from safetensors import safe_open
 
     try:
@@ -147,9 +120,8 @@ def _read_cache(path: Path) -> dict | None:
 
 
 def _layout(counts: dict[str, int], size: int, classes: tuple[str, ...]) -> tuple[bytes, dict, int]:
-    """The cache file's safetensors header and where each tensor lies: (header bytes, {name: (numpy dtype, shape,
-    first byte in the file)}, file size). Labels, digests, mean and std (8-byte values) first, then the images as
-    (N, S, S, 3) uint8, so every tensor is aligned. Written by hand because safetensors' writers need the tensors in
+    """The cache file's safetensors header and each tensor's (dtype, shape, offset), and the file size: the 8-byte
+    tensors first, then the images, so all are aligned. Written by hand because safetensors' writers need the tensors in
     memory, and these are decoded straight into the file."""
     specs = [*((f"{s}_{kind}", np.int64, "I64", (counts[s],)) for s in SPLITS for kind in ("labels", "digests")),
              ("mean", np.float64, "F64", (3,)), ("std", np.float64, "F64", (3,)),
@@ -168,11 +140,8 @@ def _layout(counts: dict[str, int], size: int, classes: tuple[str, ...]) -> tupl
 
 def _decode_into_cache(path: Path, rows: dict[str, Rows], size: int, same_as: str | None, classes, workers: int,
                        log, reduce: bool = True) -> dict:
-    """Decodes the rows into a new cache file at `path` through a memory map (no copy of the images in this
-    process's memory, so a dataset larger than memory decodes), then reads it back as _read_cache does. The file is
-    complete before it is renamed into place: a reader sees the old file or the whole new one. Where the cache folder
-    cannot be written, the same is done in a temporary file that is deleted once mapped (the next run decodes
-    again)."""
+    """Decodes into a new cache file at `path` through a memory map, renamed into place once complete, then read back;
+    where the folder cannot be written, a temporary file deleted once mapped."""
     header, places, total = _layout({role: len(r) for role, r in rows.items()}, size, classes)
     keep = _writable_dir(path.parent)
     if not keep:
@@ -215,32 +184,17 @@ def _decode_into_cache(path: Path, rows: dict[str, Rows], size: int, same_as: st
             os.remove(tmp)
 
 
-# ----------------------------------------------------------------------------------------------------
-# The entry point: read, decode and cache once per machine, the others read the cache; the held-out split
-# ----------------------------------------------------------------------------------------------------
 def load_source(data_dir: str | None, dataset: str | None = None, image_size: int | None = None,
                 columns: tuple[str | None, str | None] = (None, None), val_fraction: float | None = None,
                 cache_dir: str | None = None, decode_workers: int | None = None, reduce: bool = True,
                 source: Source | None = None) -> dict:
-    """The built-in sources, as a template's load_data returns them: {'train': (images, labels), 'test': (images,
-    labels)} on the CPU ('test': the evaluation split), with 'classes' (the class names, label k names classes[k]),
-    'mean' and 'std' (per channel, of the training images, in [0, 1]) and 'dataset' (where it came from, the
-    fingerprint of its files, which split is evaluated on). The images are (N, 3, S, S) uint8 views of a memory map
-    of the cache file (channels-last in memory): the processes of a machine share one copy in the page cache.
-
-    The source: data_dir (parquet files or an image folder), or the Hub dataset `dataset` (one of the two).
-    image_size: resize every image to that square size; None: the images' own size, which they must all share.
-    columns: the (image, label) column names; None: found by name. val_fraction: evaluate on that fraction of the
-    training images, held out (hold_out); None: the source's validation (or test) split, else VAL_FRACTION held out.
-    cache_dir: where the decoded cache goes (default_cache_dir). decode_workers: processes that decode (the first
-    run); None: one per core this process may run on. reduce: each JPEG decoded at the scale its resize to S x S
-    needs (utils/data/pixels.py's decoded); False: --full-decode. source: data_dir's or dataset's, located already
-    (utils.data.builtin.load_builtin's; None: located here).
-
-    The first process of each machine downloads (the Hub), decodes and writes the cache while the others wait, then
-    they read it (first_on_each_machine: an input error found there stops every process with its line). Where the
-    cache could not be written, each process decodes for itself with its share of the cores.
-    """
+    """The built-in sources as a template's load_data returns them: {'train': (images, labels), 'test': ...} with
+    'classes', 'mean', 'std' and 'dataset'; the images (N, 3, S, S) uint8 views of the cache file's memory map. data_dir
+    or the Hub `dataset`; image_size: the square size (None: the images' own, which they must share); columns: (image,
+    label) names (None: found by name); val_fraction: the part of train held out (None: the source's evaluation split,
+    else VAL_FRACTION); cache_dir: default_cache_dir; decode_workers: None: one per core; reduce: False for
+    --full-decode; source: located already. The first process of each machine decodes and writes the cache while the
+    others wait; where it cannot be written, each process decodes for itself."""
     settings = {"image_size": image_size, "columns": list(columns), "val_fraction": val_fraction, "reduce": reduce}
     workers = decode_workers or len(os.sched_getaffinity(0))
     log = main_print
@@ -268,8 +222,7 @@ def _load(source: Source, data_dir, cache_dir, log, settings: dict, workers: int
 
 
 def say_repeated(log, found: list[tuple[int, int]], rows: dict[str, Rows], how: str) -> None:
-    """One warning line: how many evaluation images are training images too (`found`: repeated's or
-    sources.byte_copies' pairs of rows), and the first pair's files."""
+    """One warning line: how many evaluation images are training images too, and the first pair's files."""
     j, i = found[0]
     are = "is also a training image" if len(found) == 1 else "are also training images"
     log(f"warning: {len(found):,} of the {len(rows['test']):,} evaluation images {are}, {how} (the first: "
@@ -277,9 +230,8 @@ def say_repeated(log, found: list[tuple[int, int]], rows: dict[str, Rows], how: 
 
 
 def repeated(train: torch.Tensor, test: torch.Tensor) -> list[tuple[int, int]]:
-    """(evaluation index, training index) of each evaluation image whose decoded pixels a training image has too (by
-    their digests): a copy of a file in both splits, which inflates the evaluated accuracy. Pixel for pixel only: a
-    resized or re-encoded copy, or another shot of a burst, is not found."""
+    """(evaluation index, training index) of each evaluation image whose decoded pixels a training image has (by
+    digest): pixel for pixel only, not a resized or re-encoded copy."""
     first = {d: i for i, d in reversed(list(enumerate(train.tolist())))}
     return [(j, first[d]) for j, d in enumerate(test.tolist()) if d in first]
 

@@ -1,7 +1,6 @@
-"""The keyed draws: every random choice of the data path (the epoch's order, each image's crop, flip and mixing,
-a resized crop's box, a stream's shard order) is a hash of (seed, epoch, purpose) and the sample's index, so any
-process draws the same for a sample at any process count, worker count and after a resume. A leaf: it imports
-nothing of the project."""
+"""The keyed draws: every random choice of the data path is a hash of (seed, epoch, purpose) and the sample's index, so
+any process draws the same for a sample at any process and worker count and after a resume. A leaf: it imports nothing
+of the project."""
 
 from __future__ import annotations
 
@@ -12,8 +11,7 @@ import torch
 
 
 def splitmix64(x: np.ndarray) -> np.ndarray:
-    """SplitMix64's finaliser on uint64 arrays (wrapping arithmetic): a counter-based hash, so the draw for key k is
-    computed from k alone, in any order, by any process."""
+    """SplitMix64's finaliser on uint64 arrays: a counter-based hash (the draw for key k from k alone)."""
     x = x + np.uint64(0x9E3779B97F4A7C15)
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
@@ -25,10 +23,8 @@ ERASING, FORWARD, AUTO_AUGMENT = 4, 5, 6  # key_stream's purposes: random erasin
 
 
 def key_stream(seed: int, epoch: int, purpose: int) -> np.ndarray:
-    """A (1,) uint64 key of (seed, epoch, purpose): 0 the epoch's shuffle (EpochSampler's, or a stream's: its shards'
-    order, utils/data/stream.py), 1 its augmentation, 2 its mixing, 3 its resized crops (utils/data/pixels.py), each
-    in two bits of the hashed word; purposes past them (ERASING, FORWARD, AUTO_AUGMENT) hash purpose 0's key again
-    with their number."""
+    """A (1,) uint64 key of (seed, epoch, purpose): 0 the shuffle, 1 augmentation, 2 mixing, 3 resized crops; later
+    purposes (ERASING, FORWARD, AUTO_AUGMENT) hash purpose 0's key again with their number."""
     if purpose > 3:
         return splitmix64(key_stream(seed, epoch, 0) ^ np.uint64(purpose))
     return splitmix64(np.array([(seed % 2**32) << 32 | (epoch % 2**30) << 2 | purpose], dtype=np.uint64))
@@ -40,12 +36,9 @@ def crop_padding(size: int) -> int:
 
 
 def augment_draws(seed: int, epoch: int, indices, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The crop and flip of each training sample in `indices`, a function of (seed, epoch, sample index) only: an
-    image is augmented the same way whichever process draws it at whatever process count. Returns (the positions
-    in the batch of the images to mirror, each image's crop offset: an index into the (2 pad + 1)^2 (dy, dx)).
-    On the host, beside the sampler's indices (128 hashes in numpy: about 50 us on the 2-core CPU), because how
-    many images are mirrored sets the shapes of the transform's kernels: drawn on a GPU, that count would cost a
-    device sync per batch."""
+    """Each training sample's crop and flip from (seed, epoch, sample index): (the batch positions to mirror, each
+    image's crop offset into the (2 pad + 1)^2 (dy, dx)). On the host: the mirrored count sets kernel shapes, so drawing
+    it on a GPU would sync."""
     h = splitmix64(np.asarray(indices).astype(np.uint64) ^ key_stream(seed, epoch, 1))
     mirrored = np.flatnonzero(h >> np.uint64(63))  # the top bit: a fair coin
     crop = (h & np.uint64(0xFFFFFFFF)) % np.uint64((2 * pad + 1) ** 2)  # the low 32 bits: uniform to 2e-8
@@ -54,13 +47,9 @@ def augment_draws(seed: int, epoch: int, indices, pad: int) -> tuple[torch.Tenso
 
 @dataclass(frozen=True)
 class PolicyDraws:
-    """A batch's --auto-augment draws, as utils/data/transform.py's `apply_policy` takes them. The ops run in layers
-    (AugMix: chain after chain, each `depth` layers); in layer l, `order[l]` lists the batch's images sorted by the
-    op they drew and `counts[l]` (on the host: it sets the shapes) how many drew each op of policies.OPS;
-    `params[l]` is each sorted image's parameters (the inverse affine matrix of a geometric op, its factor, bit mask
-    or threshold). `weights`: AugMix's (n, 1 + chains) weights of the image and of each chain (None: the last
-    layer's images are the result). `mode`: the geometric ops' interpolation (torchvision's: nearest; bilinear for
-    AugMix)."""
+    """A batch's --auto-augment draws for `apply_policy`, in layers (AugMix: chain after chain): per layer the images
+    sorted by op (`order`), how many drew each op (`counts`, on the host: it sets shapes) and each image's `params`;
+    `weights`: AugMix's (None: the last layer is the result); `mode`: the geometric ops' interpolation."""
     order: torch.Tensor
     params: torch.Tensor
     counts: tuple[tuple[int, ...], ...]
@@ -75,15 +64,9 @@ class PolicyDraws:
 
 @dataclass(frozen=True)
 class Draws:
-    """A training batch's draws, as its loader gives them beside (images, labels) and BatchTransform.train takes
-    them: `flip_crop`, augment_draws' (the positions in the batch to mirror, each image's crop offset), None when
-    the images come cropped and flipped already (--augment resized-crop) or augmentation is off; `mixing`,
-    mix_draws' (partner, weight, box) under --mixup / --cutmix, else None; `erasing`, erase_draws' (box, noise
-    seed) under --random-erase, else None; `forward`, forward_seed's: what the training loop seeds torch's
-    generators with before the model's forward, so that the model's own randomness (drop path, dropout) is keyed by
-    the micro-batch; `policy`, --auto-augment's PolicyDraws (None: off, or applied in the loader's workers already).
-    Moved to the device with its batch (`to`: Accelerate's send_to_device calls it) and pinned with it (`pin_memory`:
-    the DataLoader's pinning calls it); the seeds and counts, ints, stay on the host (no sync)."""
+    """A training batch's draws, beside (images, labels): `flip_crop` (None when cropped already or off), `mixing`,
+    `erasing`, `forward` (the seed of the model's own randomness: drop path, dropout, keyed by micro-batch) and
+    `policy`. Moved and pinned with the batch (`to`, `pin_memory`); ints stay on the host (no sync)."""
     flip_crop: tuple[torch.Tensor, torch.Tensor] | None = None
     mixing: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     erasing: tuple[torch.Tensor, int] | None = None
@@ -115,12 +98,9 @@ def uniform01(h: np.ndarray) -> np.ndarray:
 
 
 def mix_draws(seed: int, epoch: int, indices, size: int, mixing: Mixing):
-    """Each training sample's mixing, a function of (seed, epoch, sample index) and its micro-batch only (the
-    batches are the same at any process count, see EpochSampler): (partner: the position in the batch of the
-    image mixed in, never its own; mixup weight: 1 - lambda of a mixup sample, else 0; box: (y0, y1, x0, x1) of a
-    cutmix sample's pasted region, else empty). lambda ~ Beta(alpha, alpha) by the inverse of its CDF; the cutmix
-    box is torchvision's: a centre uniform over the pixels, half-sides sqrt(1 - lambda) / 2 of the image's, clipped
-    to it (the pasted area then sets the label weight). On the host, beside augment_draws (no device sync)."""
+    """Each sample's mixing from (seed, epoch, sample index) and its micro-batch: (partner in the batch, never itself;
+    mixup weight 1 - lambda, else 0; cutmix box (y0, y1, x0, x1), else empty). lambda ~ Beta(alpha, alpha); the box is
+    torchvision's. On the host (no sync)."""
     from scipy.special import betaincinv  # imported here: only mixing runs use it
 
     n, hashes = len(indices), []
@@ -146,11 +126,8 @@ ERASE_TRIES, ERASE_SCALE, ERASE_RATIO = 10, (0.02, 0.33), (0.3, 3.3)  # torchvis
 
 
 def erase_draws(seed: int, epoch: int, indices, size: int, prob: float) -> tuple[torch.Tensor, int]:
-    """Each training sample's random erasing (--random-erase), a function of (seed, epoch, sample index): with chance
-    `prob`, a box (y0, y1, x0, x1) of its S x S image, else an empty one; and the seed of the batch's noise, from its
-    first sample (the micro-batches are the same at any process count, see EpochSampler). torchvision's
-    RandomErasing.get_params: up to 10 tries of an area share uniform in ERASE_SCALE and an aspect ratio log-uniform
-    in ERASE_RATIO, the first box strictly inside the image taken at a uniform position; none fits: not erased."""
+    """Each sample's erasing box (y0, y1, x0, x1) with chance `prob`, else empty, and the batch's noise seed:
+    torchvision's RandomErasing.get_params (10 tries in ERASE_SCALE and ERASE_RATIO), keyed by (seed, epoch, sample)."""
     n = len(indices)
     h = np.asarray(indices).astype(np.uint64) ^ key_stream(seed, epoch, ERASING)
     hashes = []
@@ -172,9 +149,7 @@ def erase_draws(seed: int, epoch: int, indices, size: int, prob: float) -> tuple
 
 
 def forward_seed(seed: int, epoch: int, indices) -> int:
-    """The seed of a training micro-batch's forward, from (seed, epoch) and its first sample: the micro-batches are
-    the same at any process count (EpochSampler), so a model that draws masks from torch's generator (timm's and
-    transformers' drop path, torchvision's stochastic depth, dropout) draws the same ones for a micro-batch on any
-    rank of any world size, and again after a resume."""
+    """The seed of a micro-batch's forward from (seed, epoch, first sample), so a model's drop path and dropout draw the
+    same masks on any rank of any world size and after a resume."""
     first = np.asarray(indices[:1]).astype(np.uint64)
     return int(splitmix64(first ^ key_stream(seed, epoch, FORWARD))[0] >> np.uint64(1)) if len(first) else 0

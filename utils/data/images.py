@@ -1,15 +1,9 @@
-"""A split's images as the loaders take them, whatever holds them: `Images`, the declared protocol every kind implements
-(its `read`: a batch of indices into uint8 pixels), and its two kinds: `TensorImages`, decoded uint8 tensors in memory
-(the decode cache's images, a copy's arrays), and `EncodedImages`, encoded rows (a table's, a stream's or a copy's torch
-Dataset's: utils/data/sources.py's EncodedRows) decoded by batch in the loader's worker processes (--decode gpu: on the
-GPU, by the process that trains). The loaders (utils/data/loaders.py) use only what `Images` declares: one
-`LoaderDataset` over any kind (one whole batch per `__getitems__`, with its draws) and the kind's training order
-(`EpochSampler`, or a stream's own).
-
-Encoded images (--decode workers, --decode stream, a copy's Dataset) are for images whose decoded copy would not fit the
-cache (utils/data/decode.py) or that the crop recipe for natural images needs whole (--augment resized-crop,
-utils/data/pixels.py). The sampler's contract holds as on the cached path: each sample's crop, flip and mixing come from
-(seed, epoch, sample index), so batches are the same at any process count, worker count and after a resume."""
+"""A split's images as the loaders take them: `Images`, the protocol every kind implements (its `read`: a batch of
+indices into uint8 pixels), and its kinds: `TensorImages` (decoded tensors in memory) and `EncodedImages` (sources.py's
+EncodedRows decoded by batch in the loader's workers; --decode gpu: on the GPU). The loaders use only `Images`: one
+`LoaderDataset` over any kind, and the kind's training order (`EpochSampler`, or a stream's own).
+Each sample's crop, flip and mixing come from (seed, epoch, sample index): the same at any process and worker count and
+after a resume."""
 
 from __future__ import annotations
 
@@ -40,27 +34,21 @@ from utils.data.pixels import (
 from utils.data.sources import EncodedRows
 from utils.data.transform import Policy, apply_policy, policy_draws
 
-# How the loaders' worker processes start. CPython before 3.11.10 can deadlock a child forked while a thread without
-# a Python thread state (a library's native thread calling back into Python) is creating one: the child waits
-# forever inside os.fork(), on the interpreter's thread-list lock, before any code of its own runs (gh-112275; seen
-# here as a loader worker that never started: 3 of 227 2-rank jobs under load). A training process has such threads,
-# so on those versions the workers are forked by a forkserver (a process of its own, started once, that has none).
-# Its cost: the libraries' imports once more per process, at its first loader (docs/performance.md, P15); then a
-# worker starts about as fast as a forked one and runs the script's own top-level lines; a copy's Dataset must pickle.
+# How loader workers start. CPython before 3.11.10 can deadlock a child forked while a native thread is creating its
+# Python thread state (gh-112275; here 3 of 227 2-rank jobs under load), so there a forkserver, which has no such
+# thread, forks them (cost: docs/performance.md, P15; a copy's Dataset must pickle).
 WORKER_START = "forkserver" if sys.version_info < (3, 11, 10) else None  # None: the platform's default, fork
 if WORKER_START:  # imported by the server once, not by each worker (which then runs only the script's own lines)
     multiprocessing.set_forkserver_preload(["torch", "torchvision", "accelerate", "datasets", "utils.data.loaders"])
 
 
 def worker_share() -> int:
-    """Loader worker processes for this process: its share of the machine's cores (at least 1), for the kinds read and
-    decoded in workers."""
+    """Loader worker processes for this process: its share of the machine's cores (at least 1)."""
     return max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
 
 
 def channel_stats(images: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Per-channel mean and standard deviation (population) of uint8 (N, 3, S, S) images, in [0, 1]: what the
-    transform normalises with. Summed in float64, a few million pixels at a time."""
+    """Per-channel mean and std (population) of uint8 (N, 3, S, S) images in [0, 1], summed in float64."""
     pixels = images.permute(0, 2, 3, 1).reshape(-1, 3)  # a view of channels-last memory
     total, squares = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
     for chunk in pixels.split(1 << 22):
@@ -74,16 +62,11 @@ def channel_stats(images: torch.Tensor) -> tuple[tuple[float, ...], tuple[float,
 
 
 class LoaderDataset(torch.utils.data.Dataset):
-    """The dataset the loaders iterate, over a split's `images` of any kind: the DataLoader calls `__getitems__` once
-    per batch with the sampler's indices, and gets the whole batch, (images, labels) as uint8 (B, 3, S, S) (a view of
-    NHWC memory) and int64 (B,), and for a training set also its Draws: no per-image Python work beyond the kind's
-    own (`Images.read`). A training batch's draws are keyed by `augment_seed` (None: an evaluation set), `epoch` (set
-    by the sampler), `augment` (off: no crop and flip), `pad` (the crop's padding), `mixing`, `erasing` (the
-    chance that an image is erased, --random-erase) and `policy` (--auto-augment). Crops that the kind cuts as it
-    decodes get the policy here, in the loader's worker; the others on the device after their crop and flip.
-    `watch_s` (loader workers; 0: off): a batch still being read after that many seconds writes the stacks of its
-    process's threads to stderr (faulthandler, whose own thread needs no lock a hung one may hold): a hang says
-    where it waits."""
+    """What the loaders iterate, over a split's `images` of any kind: `__getitems__` gets the sampler's indices and
+    returns the whole batch, uint8 (B, 3, S, S) images, int64 labels and for training its Draws, keyed by `augment_seed`
+    (None: evaluation), `epoch` (set by the sampler), `augment`, `pad`, `mixing`, `erasing` and `policy`. `watch_s`
+    (workers; 0: off): a batch still being read after that long writes its process's stacks to stderr (faulthandler): a
+    hang says where it waits."""
 
     def __init__(self, images: Images, labels: torch.Tensor, augment_seed: int | None, augment: bool, pad: int,
                  mixing: Mixing | None, erasing: float = 0.0, policy: Policy | None = None, watch_s: float = 0.0):
@@ -104,9 +87,8 @@ class LoaderDataset(torch.utils.data.Dataset):
             faulthandler.cancel_dump_traceback_later()
 
     def batch(self, indices: list[int]):
-        # the indices through numpy: 3 us for 128, torch.as_tensor(list) 14 us. non_blocking: with the data on a GPU
-        # a blocking copy would wait for all queued GPU work every batch (a copy from pageable memory is staged
-        # before the call returns, so the host array may go away at once).
+        # numpy: 3 us for 128 indices (torch.as_tensor(list): 14 us); non_blocking: a data-on-GPU copy would wait
+        # for all queued GPU work (a pageable copy is staged before the call returns)
         host = np.asarray(indices, dtype=np.int64)  # once, for the batch and its draws
         key = (self.augment_seed, self.epoch) if self.augment_seed is not None and self.augment else None
         nhwc, cropped = self.images.read(host, key)
@@ -120,10 +102,8 @@ class LoaderDataset(torch.utils.data.Dataset):
         return images, labels, draws
 
     def draws(self, host: np.ndarray, size: int, cropped: bool = False) -> Draws:
-        """A training batch's draws for BatchTransform.train and the model's forward, from this dataset's
-        augment_seed, epoch, augment, pad, mixing, erasing and policy: its forward seed (forward_seed) and, with
-        augmentation, its crop and flip (augment_draws; none when the images come `cropped` already,
-        utils/data/images.py), its mixing (mix_draws), erasing (erase_draws) and policy (policy_draws), if any."""
+        """A training batch's Draws: its forward seed and, with augmentation, its crop and flip (none for images
+        `cropped` already), mixing, erasing and policy."""
         seed, epoch = self.augment_seed, self.epoch
         if not self.augment:
             return Draws(forward=forward_seed(seed, epoch, host))
@@ -135,22 +115,18 @@ class LoaderDataset(torch.utils.data.Dataset):
 
 
 class KeyedSampler(torch.utils.data.Sampler):
-    """A training order keyed by (seed, epoch); `set_epoch` also tells the dataset the epoch that keys its draws.
-    `save_with` registers what the order needs in each checkpoint (a stream's plan); nothing here."""
+    """A training order keyed by (seed, epoch); `set_epoch` tells the dataset the epoch too; `save_with` registers what
+    the order needs in each checkpoint (a stream's plan)."""
 
     def save_with(self, accelerator) -> None:
-        """Registers the sampler's state with Accelerate's checkpoints (`register_for_checkpointing`), if it has
-        any."""
+        """Registers the sampler's state with Accelerate's checkpoints, if it has any."""
 
 
 class EpochSampler(KeyedSampler):
-    """The training order: a permutation of the samples per epoch, a function of (seed, epoch) only, cut to whole
-    optimizer steps of `step_images` (the global batch). Accelerate's prepare() splits its micro-batches over the
-    processes (micro-batch k to process k mod P), so optimizer step s takes the same micro-batches at any process
-    count P with P x accumulation fixed.
-    Written by hand because Accelerate's seedable sampler keeps the whole epoch and its shards then drop a tail that
-    depends on P (a last, partial optimizer step of other micro-batches), and it cannot tell the dataset the epoch
-    that keys the augmentation. Has no `generator` attribute on purpose: Accelerate then leaves the RNG alone."""
+    """The training order: a permutation per epoch from (seed, epoch) only, cut to whole steps of `step_images`;
+    prepare() gives micro-batch k to process k mod P, so a step takes the same micro-batches at any P with P x
+    accumulation fixed. Written by hand: Accelerate's seedable sampler drops a tail that depends on P and cannot tell
+    the dataset the epoch. No `generator` attribute on purpose: Accelerate then leaves the RNG alone."""
 
     def __init__(self, dataset: LoaderDataset, seed: int, step_images: int):
         self.dataset, self.seed, self.step_images, self.epoch = dataset, seed, step_images, 0
@@ -167,13 +143,10 @@ class EpochSampler(KeyedSampler):
 
 
 class Images(abc.ABC):
-    """A split's images, as every kind gives them to the loaders: `len()`, the first n (`prefix`), their side
-    `image_size` (square S x S), the loader worker processes per process that read and decode them (`workers`; 0:
-    the main process indexes them), a batch of them by index (`read`, which LoaderDataset calls for every kind), the
-    training order (`sampler`), the per-channel mean and std of the images (`channel_stats`),
-    the move to the GPU of --data-on-device (`to`: decoded tensors only), and two facts the loaders check:
-    `on_device` (the images are on the GPU already) and `crops_whole` (the random-resized crop of --augment
-    resized-crop is cut from each whole image as it is decoded)."""
+    """A split's images, as every kind gives them: `len()`, `prefix`, `image_size` (S), `workers` (loader workers per
+    process; 0: the main process), `read` (a batch by index), `sampler`, `channel_stats`, `to` (--data-on-device), and
+    two facts the loaders check: `on_device` and `crops_whole` (--augment resized-crop cuts from whole images as they
+    are decoded)."""
 
     image_size: int
     workers: int = 0
@@ -185,14 +158,12 @@ class Images(abc.ABC):
 
     @abc.abstractmethod
     def prefix(self, n: int) -> Images:
-        """The first n images (--train-subset, --eval-subset); a source's rows are shuffled, so a prefix is
-        class-balanced."""
+        """The first n images (--train-subset, --eval-subset); a prefix is class-balanced."""
 
     @abc.abstractmethod
     def read(self, indices: np.ndarray, key: tuple[int, int] | None) -> tuple[torch.Tensor, bool]:
-        """The images at `indices` as one uint8 (B, S, S, 3) batch, and whether they come cropped and flipped
-        already: `key` (seed, epoch) keys a training batch's crops where the kind cuts them as it decodes (None:
-        evaluation, or no augmentation)."""
+        """The images at `indices` as uint8 (B, S, S, 3), and whether they come cropped and flipped: `key` (seed, epoch)
+        keys the crops a kind cuts as it decodes (None: evaluation, or no augmentation)."""
 
     @abc.abstractmethod
     def channel_stats(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -200,8 +171,7 @@ class Images(abc.ABC):
 
     def sampler(self, dataset: LoaderDataset, train: bool, seed: int, step_images: int, micro: int,
                 processes: int) -> KeyedSampler | None:
-        """The training order (evaluation: None, every image in order): EpochSampler unless the kind plans its own
-        (a stream plans what each process and loader worker reads)."""
+        """The training order (evaluation: None): EpochSampler unless the kind plans its own."""
         return EpochSampler(dataset, seed, step_images) if train else None
 
     def to(self, device: torch.device) -> Images:
@@ -210,9 +180,8 @@ class Images(abc.ABC):
 
 
 class TensorImages(Images):
-    """Decoded uint8 images (N, 3, S, S) in memory (a view of NHWC memory is fine, memory-mapped too), indexed by one
-    tensor index per batch in the main process. `stats`: their per-channel mean and std when
-    already known (the decode cache keeps them), else computed when asked."""
+    """Decoded uint8 (N, 3, S, S) images in memory (NHWC views and memory maps are fine), indexed once per batch.
+    `stats`: their mean and std when known (the cache's), else computed when asked."""
 
     def __init__(self, tensor: torch.Tensor, stats: tuple | None = None):
         # NHWC rows: a batch is then one row copy per image, and arrives in the layout the transform reads
@@ -227,9 +196,7 @@ class TensorImages(Images):
         return TensorImages(self.tensor[:n], self.stats)
 
     def read(self, indices, key):
-        # Measured on the 2-core CPU, 128 uint8 images: index_select copies whole rows: 8 us; advanced indexing
-        # (images[idx]) goes element by element: 2.3 ms. On the NHWC view the batch stays NHWC; on the channels-last
-        # 4-D tensor itself index_select returns NCHW (a transposing copy, 8x slower).
+        # index_select of the NHWC view copies whole rows (8 us for 128; images[idx]: 2.3 ms) and stays NHWC
         idx = torch.from_numpy(indices).to(self.tensor.device, non_blocking=True)
         return self.tensor.permute(0, 2, 3, 1).index_select(0, idx), False
 
@@ -241,8 +208,7 @@ class TensorImages(Images):
 
 
 def as_images(images: Images | torch.Tensor) -> Images:
-    """A split's images as the loaders take them: a kind of `Images` as it is; a bare uint8 (N, 3, S, S) tensor (from
-    a script that calls the loaders without checked_data, as train_minimal.py does) as TensorImages."""
+    """A kind of `Images` as it is; a bare uint8 (N, 3, S, S) tensor (train_minimal.py's) as TensorImages."""
     return images if isinstance(images, Images) else TensorImages(images)
 
 
@@ -250,13 +216,10 @@ STATS_IMAGES = 512  # training images the per-channel mean and std are estimated
 
 
 class EncodedImages(Images):
-    """A split's encoded images at --image-size S: where the cached path holds an (N, 3, S, S) uint8 tensor. The
-    view of each image: `recipe` None: resized to S x S as the cache does (the small-image crops then run on the
-    device, as there); a CropRecipe: the random-resized crop in training, resize and centre crop in evaluation.
-    `rows`: a table's or a stream's (utils/data/sources.py's EncodedRows), which also gives the training order.
-    `reduce`: JPEGs decoded at the scale each view needs (utils/data/pixels.py's decoded); False: --full-decode.
-    `device`: the batch's JPEGs decoded there, whole, by the process that reads it (--decode gpu: 'cuda', `workers`
-    0; utils/data/pixels.py's device_views); None: by Pillow, in the loader's workers."""
+    """A split's encoded `rows` at --image-size S. `recipe` None: each resized to S x S as the cache does (crops then on
+    the device); a CropRecipe: the random-resized crop in training, the evaluation view otherwise. `reduce`: JPEGs
+    decoded at the scale each view needs (False: --full-decode). `device`: decoded there by the process that reads the
+    batch (--decode gpu; `workers` 0), else by Pillow in the loader's workers."""
 
     def __init__(self, rows: EncodedRows, size: int, recipe: CropRecipe | None, workers: int, reduce: bool = True,
                  device: str | None = None):
@@ -271,10 +234,8 @@ class EncodedImages(Images):
                              self.device)
 
     def read(self, indices, key):
-        """The batch decoded here (in a DataLoader worker; with `device`, in the process that reads it) into one (B,
-        S, S, 3) uint8 array: with the crop recipe and a training `key`, each image's keyed random-resized crop and
-        flip cut as it is decoded (cropped: True), else its evaluation view (or the cache's resize, the small-image
-        crops then drawn for the device)."""
+        """The batch decoded into one (B, S, S, 3) uint8 array: with a recipe and a training `key`, each image's keyed
+        crop and flip cut as it is decoded (cropped: True), else its evaluation view."""
         rows, size, recipe = self.rows, self.image_size, self.recipe
         sources = rows.fetch(indices)
         opened = [open_image(source, rows, int(i)) for source, i in zip(sources, indices)]

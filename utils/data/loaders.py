@@ -1,11 +1,6 @@
-"""The loaders, from a split's images of any kind (utils/data/images.py's `Images`, the only thing used of them) to
-batches the same at any process count:
-  1. the kind's training order (`EpochSampler`: by (seed, epoch) alone, cut to whole global batches; a stream's own),
-  2. its loader dataset's `__getitems__`, one whole batch per call with each image's draws from (seed, epoch, index),
-     so the DataLoader that `accelerator.prepare` wraps (sharding, skip_first_batches, gather_for_metrics all stay
-     Accelerate's) does no per-image Python work,
-  3. then, on the device, utils/data/transform.py's BatchTransform.
-"""
+"""The loaders, from a split's images of any kind (images.py's `Images`, the only thing used of them): the kind's
+training order, its LoaderDataset's one call per batch with each image's draws (so the DataLoader that
+`accelerator.prepare` shards does no per-image Python work), then transform.py's BatchTransform on the device."""
 
 from __future__ import annotations
 
@@ -27,8 +22,7 @@ def check_one_batch(labels: torch.Tensor, batch_size: int, processes: int, accum
 
 
 def take_prefix(pair: tuple[Images | torch.Tensor, torch.Tensor], n: int | None, flag: str):
-    """The first n (images, labels) of a split (all with n None), the images as an `Images` kind (as_images); a
-    prefix is class-balanced (rows are shuffled)."""
+    """The first n (images, labels) of a split (all with n None), the images as an `Images` kind."""
     images, labels = as_images(pair[0]), pair[1]
     if n is not None and n > len(labels):
         raise UserError(f"{flag} {n} is larger than the split ({len(labels)} images).")
@@ -37,10 +31,8 @@ def take_prefix(pair: tuple[Images | torch.Tensor, torch.Tensor], n: int | None,
 
 def say_counts(train_labels: torch.Tensor, eval_labels: torch.Tensor, classes: tuple[str, ...], say,
                evaluated: str | None = None) -> None:
-    """One line of what trains and what is evaluated (after --train-subset and --eval-subset): the images, the split
-    evaluated on (when the source names it), the classes and the fewest and most training images a class has; and a
-    warning naming the classes without a training image, which the model cannot learn, and one naming those without
-    an evaluation image, whose accuracy is not measured."""
+    """One line of what trains and what is evaluated (images, split, classes, the fewest and most per class) and a
+    warning naming classes without a training or an evaluation image."""
     counts = torch.bincount(train_labels.cpu(), minlength=len(classes)).tolist()
     few, many = counts.index(min(counts)), counts.index(max(counts))
     images = f"{counts[few]:,} training image{'s' * (counts[few] != 1)}"
@@ -67,13 +59,9 @@ def make_loader(images: Images | torch.Tensor, labels: torch.Tensor, batch_size:
                 augment: bool = False, pad: int = 4, global_batch: int | None = None, mixing: Mixing | None = None,
                 processes: int = 1, timeout: float = 0, erasing: float = 0.0,
                 policy: Policy | None = None) -> torch.utils.data.DataLoader:
-    """A plain DataLoader for `accelerate.prepare`, over any kind of images (a bare uint8 tensor is TensorImages).
-    Training: the kind's sampler (EpochSampler: reshuffled per epoch from the seed, whole global batches only;
-    global_batch unset: batch_size) and batches (images, labels, draws; `erasing`: --random-erase's chance;
-    `policy`: --auto-augment's);
-    evaluation keeps every image in order, as (images, labels). The kind's loader workers read and decode (none for
-    images in memory); `timeout`: seconds a worker may take to give its batch before the loader raises (0: forever;
-    utils.launch.run says it in one line; the worker has written its stacks to stderr at half of it)."""
+    """A DataLoader for prepare() over any kind of images. Training: the kind's sampler (whole global batches of
+    global_batch) and batches (images, labels, Draws); evaluation: every image in order. `timeout`: seconds a loader
+    worker may take for a batch (0: forever; its stacks go to stderr at half of it)."""
     images = as_images(images)
     watch_s = timeout / 2 if images.workers else 0.0  # a hung worker's stacks, well before the loader gives up
     dataset = LoaderDataset(images, labels, seed if train else None, augment, pad, mixing, erasing, policy, watch_s)
@@ -92,8 +80,8 @@ def make_loader(images: Images | torch.Tensor, labels: torch.Tensor, batch_size:
 
 
 def rebatched(loader: torch.utils.data.DataLoader, batch_size: int) -> torch.utils.data.DataLoader:
-    """make_loader's DataLoader (before prepare()) again, over the same dataset and sampler, in batches of
-    batch_size: the same images in the same order, cut finer (utils.guard.MemoryGuard)."""
+    """make_loader's DataLoader again over the same dataset and sampler in batches of batch_size: the same images in the
+    same order, cut finer (utils.guard.MemoryGuard)."""
     return torch.utils.data.DataLoader(loader.dataset, batch_size=batch_size, sampler=loader.sampler,
                                        drop_last=loader.drop_last, collate_fn=loader.collate_fn,
                                        pin_memory=loader.pin_memory, num_workers=loader.num_workers,
@@ -101,12 +89,9 @@ def rebatched(loader: torch.utils.data.DataLoader, batch_size: int) -> torch.uti
 
 
 def build_loaders(data: dict, cfg, accelerator, plan):
-    """Training and evaluation DataLoaders over checked_data's splits; prepare() then shards them and moves batches
-    to the device. The training order and augmentation are keyed by --seed, the epoch and the sample, and every
-    epoch is whole optimizer steps of the plan's global batch (utils.plan.BatchPlan). cfg: the data group of a
-    script's Config (train_subset, eval_subset, data_on_device, seed, augment, mixup, cutmix, mix_prob,
-    random_erase, auto_augment and its strengths, data_workers; and dist_timeout: a loader worker that gives no
-    batch within half of it stops the job, so the rank waiting on it says so before its peers' collectives time out)."""
+    """Training and evaluation DataLoaders over checked_data's splits, for prepare(): order and augmentation keyed by
+    --seed, epoch and sample, every epoch whole steps of the plan's global batch. A loader worker giving no batch within
+    half of --dist-timeout stops the job before the peers' collectives time out."""
     train_split = take_prefix(data["train"], cfg.train_subset, "--train-subset")
     eval_split = take_prefix(data["test"], cfg.eval_subset, "--eval-subset")
     check_one_batch(train_split[1], plan.micro, accelerator.num_processes, plan.accumulation)

@@ -1,20 +1,12 @@
-"""Pixel work, all of it: an encoded image opened (`open_image`, lazily: its header first) and turned into its
-RGB view with one line for a broken one (`row_pixels`); each view decodes the image upright (its EXIF orientation
-applied) and a JPEG at the smallest DCT scale that still holds the view's pixels (`decoded`; --full-decode: at full
-size). The views: the cache's and the small-image path's resize to S x S (`square_pixels`), and the crop recipe for
-natural images (--augment resized-crop), each draw keyed by (seed, epoch, sample) as the small-image crops of
-utils/data/draws.py are, so a sample is cropped the same way by whichever process and worker decodes it, at any
-process count, before and after a resume (the crop boxes are drawn in the full-size upright image's coordinates):
-  training    a random-resized crop (area a uniform share of the image in --crop-scale, aspect ratio log-uniform in
-              --crop-ratio; torchvision's RandomResizedCrop sampling, its 10 tries and its centre-crop fallback),
-              resized (--interpolation, antialiased) to S x S, and a horizontal flip with chance 1/2 (`train_view`);
-  evaluation  the image resized so its shorter side is int(S / --eval-crop), then its centre S x S (`eval_view`;
-              `evaluation_view` picks the view of a run, which predict.py gives new images too).
-The draws are here; at full size the pixels are torchvision.transforms.v2.functional's on the PIL image (the same
-operations as torchvision's RandomResizedCrop, RandomHorizontalFlip, Resize and CenterCrop), in the loader's workers
-(utils/data/images.py). Written by hand only because torchvision's transforms draw from a global RNG, not from a key,
-and decode the whole image first.
-"""
+"""Pixel work, all of it: an encoded image opened lazily (`open_image`) and decoded into its RGB view,
+upright (EXIF orientation applied) and a JPEG at the smallest DCT scale that holds the view (`decoded`; --full-decode:
+full size). The views: the cache's resize to S x S (`square_pixels`) and --augment resized-crop's, keyed by (seed,
+epoch, sample) so any process crops a sample alike, boxes in the full-size upright image's coordinates:
+  training    torchvision's RandomResizedCrop sampling (--crop-scale, --crop-ratio), resized (--interpolation) to
+              S x S, flipped with chance 1/2 (`train_view`);
+  evaluation  shorter side resized to int(S / --eval-crop), then the centre S x S (`eval_view`).
+At full size the pixels are torchvision.transforms.v2.functional's on the PIL image. Written by hand because
+torchvision's transforms draw from a global RNG, not a key, and decode the whole image first."""
 
 from __future__ import annotations
 
@@ -31,15 +23,11 @@ from utils import UserError, first_line
 from utils.data.draws import key_stream, splitmix64, uniform01
 
 TRIES = 10  # torchvision's RandomResizedCrop: tries before its fallback
-# Pillow refuses to open an image of more than 179 megapixels and warns above 89 (Image.MAX_IMAGE_PIXELS), a guard
-# for servers that open strangers' files; a phone's 200-megapixel photo is a user's own data. Off, for every image
-# this process opens (a copy's Dataset's too); the data path's own limit, MAX_PIXELS, is checked from each header
-# (`check_pixels`), and a JPEG is then decoded at the scale its view needs (`decoded`).
+# Pillow's bomb guard (179 megapixels) refuses a phone's 200-megapixel photo: off; MAX_PIXELS is checked instead
 Image.MAX_IMAGE_PIXELS = None
-try:  # iPhones' HEIC photos: Pillow opens them through pi-heif's plugin (libheif), for every image this process opens,
-    # upright (libheif applies the file's rotation, and the plugin resets its EXIF orientation to 1: see `orientation`)
+try:  # iPhones' HEIC photos, through pi-heif's plugin: decoded upright, EXIF orientation reset to 1
     from pi_heif import register_heif_opener
-except ImportError:  # without it, an image folder counts .heic files among the photos it leaves out (sources.py)
+except ImportError:  # an image folder then leaves .heic files out, said
     pass
 else:
     register_heif_opener()
@@ -56,8 +44,7 @@ class CropRecipe:
 
 
 def crop_recipe(cfg) -> CropRecipe | None:
-    """The crop recipe of a script's data flags (its DataConfig group): --augment resized-crop's, with --crop-scale,
-    --crop-ratio, --eval-crop and --interpolation (unset: the defaults); None for the other --augment choices."""
+    """--augment resized-crop's recipe from a script's data flags (unset: the defaults); else None."""
     if cfg.augment != "resized-crop":
         return None
     return CropRecipe(cfg.crop_scale, cfg.crop_ratio, cfg.eval_crop or CropRecipe.eval_crop,
@@ -65,8 +52,8 @@ def crop_recipe(cfg) -> CropRecipe | None:
 
 
 def resized_crop_draws(seed: int, epoch: int, indices, sizes, recipe: CropRecipe) -> tuple[np.ndarray, np.ndarray]:
-    """For each sample in `indices` with image size (width, height) in `sizes`: its crop box (top, left, height,
-    width) in the image and whether it is mirrored, a function of (seed, epoch, sample index, image size) only."""
+    """Each sample's crop box (top, left, height, width) and mirroring, from (seed, epoch, sample index, image size)
+    only."""
     n = len(indices)
     width, height = (np.array([s[k] for s in sizes], dtype=np.float64) for k in (0, 1))
     h = np.asarray(indices, dtype=np.uint64) ^ key_stream(seed, epoch, 3)
@@ -102,8 +89,7 @@ def centre_fallback(width: int, height: int, ratio: tuple[float, float]) -> tupl
 
 
 def train_view(im, box, mirrored: bool, size: int, recipe: CropRecipe, reduce: bool = True) -> np.ndarray:
-    """The training crop of an opened image (open_image): box (top, left, height, width) of the upright image
-    resized to size x size, mirrored if drawn so; (S, S, 3) uint8."""
+    """The training crop of an opened image: `box` of the upright image resized to S x S, mirrored if drawn."""
     import torchvision.transforms.v2.functional as TF
 
     top, left, height, width = map(int, box)
@@ -112,9 +98,8 @@ def train_view(im, box, mirrored: bool, size: int, recipe: CropRecipe, reduce: b
 
 
 def eval_view(im, size: int, recipe: CropRecipe, reduce: bool = True) -> np.ndarray:
-    """The evaluation view of an opened image: shorter side resized to int(S / eval_crop) (the longer in proportion,
-    as torchvision's Resize(int) computes it), then the centre S x S (torchvision's centre crop: an odd margin puts
-    the extra pixel before the crop, as timm's transforms do; transformers' image processors put it after)."""
+    """The evaluation view: shorter side resized to int(S / eval_crop) (as torchvision's Resize(int)), then the centre S
+    x S (an odd margin's extra pixel before the crop, as torchvision and timm)."""
     import torchvision.transforms.v2.functional as TF
 
     width, height = upright_size(im)
@@ -124,35 +109,29 @@ def eval_view(im, size: int, recipe: CropRecipe, reduce: bool = True) -> np.ndar
 
 
 def eval_resize(width: int, height: int, size: int, recipe: CropRecipe) -> tuple[int, int]:
-    """The (width, height) the evaluation view resizes an image of (width, height) to before its centre crop."""
+    """The (width, height) the evaluation view resizes an image to before its centre crop."""
     short = int(size / recipe.eval_crop)
     return (short, int(short * height / width)) if width <= height else (int(short * width / height), short)
 
 
 def square_pixels(im, size: int, reduce: bool = True) -> np.ndarray:
-    """An opened image as (S, S, 3) uint8, resized (bicubic) to S x S unless it is that size: how every image enters
-    the cache, and the on-the-fly path's images without --augment resized-crop (utils/data/images.py), bit for bit."""
+    """An opened image as (S, S, 3) uint8, resized (bicubic) to S x S unless it is: the cache's and the on-the-fly
+    path's without a crop recipe, bit for bit."""
     width, height = upright_size(im)
     return np.asarray(region(im, (0, 0, width, height), (size, size), "bicubic", reduce))
 
 
-# ----------------------------------------------------------------------------------------------------
-# Decoding at the resolution a view needs; EXIF orientation
-# ----------------------------------------------------------------------------------------------------
-# EXIF orientation (tag 0x0112) -> the transpose that shows the photo upright (as PIL's ImageOps.exif_transpose
-# does), and which of the upright image's axes (x, y) run backwards in the stored one.
+# EXIF orientation -> the transpose that shows it upright (as ImageOps.exif_transpose), and which upright axes (x, y)
+# run backwards in the stored image
 UPRIGHT = {2: ("FLIP_LEFT_RIGHT", (1, 0)), 3: ("ROTATE_180", (1, 1)), 4: ("FLIP_TOP_BOTTOM", (0, 1)),
            5: ("TRANSPOSE", (0, 0)), 6: ("ROTATE_270", (1, 0)), 7: ("TRANSVERSE", (1, 1)), 8: ("ROTATE_90", (0, 1))}
 SCALES = (8, 4, 2, 1)  # libjpeg decodes a JPEG at 1/8, 1/4, 1/2 or full scale in the DCT domain
-# Pillow's formats of a JPEG: MPO is one with more images after the first (a phone's Ultra HDR gain map, a depth map),
-# and every decoder reads the first
-JPEG_FORMATS = ("JPEG", "MPO")
+JPEG_FORMATS = ("JPEG", "MPO")  # MPO: a JPEG with more images after the first (a gain map)
 
 
 def orientation(im) -> int:
-    """An opened image's EXIF orientation (2-8: stored rotated or mirrored), read from its header without decoding
-    pixels; 1: upright, no tag, or a tag that does not read. A HEIC's and an AVIF's rotation and mirroring (their
-    irot and imir boxes): a HEIC comes decoded upright and tagged 1 (pi-heif), an AVIF stored and tagged (Pillow)."""
+    """An opened image's EXIF orientation (2-8: stored rotated or mirrored) from its header; 1: upright, none, or
+    unreadable. A HEIC comes decoded upright and tagged 1 (pi-heif)."""
     if "exif" not in im.info:  # (a PNG's getexif() would decode the pixels to look after them)
         return 1
     try:
@@ -163,26 +142,21 @@ def orientation(im) -> int:
 
 
 def upright_size(im) -> tuple[int, int]:
-    """(width, height) of an opened image as it is shown: its EXIF orientation applied."""
+    """(width, height) of an opened image as it is shown (EXIF orientation applied)."""
     width, height = im.size
     return (height, width) if orientation(im) >= 5 else (width, height)
 
 
 def shrink(box_width: float, box_height: float, out: tuple[int, int]) -> int:
-    """The largest of SCALES whose reduced box still holds the output (width, height): s x out <= box on both
-    axes; 1 for a box smaller than the output (enlarged from the full image)."""
+    """The largest of SCALES at which the box still holds the output on both axes (1 if it does not)."""
     return next((s for s in SCALES if box_width >= s * out[0] and box_height >= s * out[1]), 1)
 
 
 def decoded(im, box, out: tuple[int, int], reduce: bool = True):
-    """An opened image decoded as RGB and upright (its EXIF orientation applied): (the image, its scale s, `box`
-    (left, top, right, bottom in the upright full-size image) in its coordinates). With `reduce`, a JPEG is decoded at
-    the smallest DCT scale 1/s (1/2, 1/4, 1/8: libjpeg's, through Pillow's Image.draft) at which the box still holds
-    `out` (width, height) pixels; a pixel of the reduced image covers s x s pixels of the full one, so the box scales
-    by 1/s (shifted by the part pixel at the start of an axis the orientation reverses), and only the rows down to the
-    box's are decoded where the box ends above the stored image's bottom (`stored_end`, `first_rows`: the image's
-    other rows are left undecoded). Other formats: s = 1, whole. An image stored rotated or mirrored comes as the part
-    that holds the box (its whole pixels at the box's edges), cut before it is turned upright (which copies it)."""
+    """An opened image decoded as RGB and upright: (the image, its scale s, `box` (left, top, right, bottom of the
+    upright full-size image) in its coordinates). With `reduce`, a JPEG decodes at the smallest DCT scale 1/s
+    (Image.draft) at which the box still holds `out`, and only down to the box's last stored row (`stored_end`,
+    `first_rows`). A rotated or mirrored image comes as the part holding the box, cut before it is turned."""
     tag, (width, height), (full_width, full_height) = orientation(im), im.size, upright_size(im)
     jpeg = reduce and im.format in JPEG_FORMATS
     scale = shrink(box[2] - box[0], box[3] - box[1], out) if jpeg else 1
@@ -207,32 +181,26 @@ def decoded(im, box, out: tuple[int, int], reduce: bool = True):
 
 
 def covering(box, size: tuple[int, int]) -> tuple[int, int, int, int]:
-    """The whole pixels (left, top, right, bottom) of an image of `size` that a box of real coordinates touches."""
+    """The whole pixels (left, top, right, bottom) of an image of `size` that a real-valued box touches."""
     return math.floor(box[0]), math.floor(box[1]), min(math.ceil(box[2]), size[0]), min(math.ceil(box[3]), size[1])
 
 
 def stored_end(tag: int, box, upright: tuple[int, int]) -> int:
-    """Where the rows of the stored image (as the file holds it, before its EXIF orientation is applied) that hold
-    `box` of the upright image, of size `upright`, end: the box's end on the upright axis that runs down the stored
-    image, or where that axis runs backwards (a photo stored upside down, or a phone's portrait photo stored on its
-    side), the axis's length less the box's start."""
+    """Where the stored rows holding `box` of the upright image end: the box's end on the axis that runs down the stored
+    image, or, where that axis runs backwards (upside down, a phone's portrait), its length less the box's start."""
     axis = 0 if tag >= 5 else 1  # a transposing orientation stores the upright x axis downwards
     return upright[axis] - box[axis] if tag != 1 and UPRIGHT[tag][1][axis] else box[2 + axis]
 
 
-# the last row a crop needs, before it is decoded, in each mode Pillow opens a JPEG in: a decoded row all this colour
-# is as good as never seen, and where it is, the image is decoded again whole (`first_rows`)
+# first_rows paints the last row a crop needs this colour first: still this colour after the decode, it was not decoded
 UNDECODED = {"RGB": (1, 254, 3), "L": 3, "CMYK": (1, 254, 3, 252)}
 
 
 def first_rows(im, rows: int, request: tuple[int, int] | None):
-    """An opened JPEG (drafted to `request`, None: full size) with its first `rows` rows decoded and the rest left
-    undecoded: libjpeg decodes a baseline JPEG's rows top down, entropy decoding included, so the rows below are never
-    read (a random-resized crop's share of the work; a progressive JPEG's scans are read whole). Pillow's decoder,
-    given a tile of fewer rows than the image, stops there and then reports the decode broken; where the last row is
-    still undecoded (an error before it: a broken header), or where the file does not end with the EOI marker (a
-    truncated file, which must fail whatever the crop), the image is decoded whole, failing or not as it would.
-    Written by hand: Pillow has no call that decodes part of a JPEG."""
+    """An opened JPEG with only its first `rows` rows decoded: libjpeg decodes a baseline JPEG top down, so the rows
+    below are never read (a progressive JPEG's scans are read whole). Where the last row is still undecoded (a broken
+    header) or the file lacks its EOI marker (truncated), the image is decoded whole, failing as it would. Written by
+    hand: Pillow has no call that decodes part of a JPEG."""
     fp, source = im.fp, encoded_source(im)
     if source is None or fp is None or len(im.tile) != 1 or im.tile[0][0] != "jpeg" or im.mode not in UNDECODED:
         return im  # (decoded already, or a file it cannot open again)
@@ -260,8 +228,7 @@ def first_rows(im, rows: int, request: tuple[int, int] | None):
 
 
 def encoded_source(image) -> str | bytes | None:
-    """What a PIL image was opened lazily from (`Image.open(path)` or of bytes; nothing decoded yet): the file's name
-    or the bytes; None for an image whose pixels are decoded (or a file object of another kind)."""
+    """The file name or bytes a PIL image was opened lazily from; None once decoded (or another file)."""
     from PIL import ImageFile
 
     if isinstance(image, ImageFile.ImageFile) and image.tile:  # (tile: what load() has still to decode)
@@ -273,14 +240,13 @@ def encoded_source(image) -> str | bytes | None:
 
 
 def open_encoded(source):
-    """An encoded image (bytes, or a file's path) opened lazily: its header read, its pixels not yet."""
+    """An encoded image (bytes or a path) opened lazily: header read, pixels not."""
     return Image.open(io.BytesIO(source) if isinstance(source, bytes) else source)
 
 
 def as_rgb(im):
-    """An image's pixels as RGB: grayscale repeated into 3 channels, CMYK converted, alpha dropped, palettes looked up;
-    16-bit grayscale (a PNG's or TIFF's I;16) by its top 8 bits, as a viewer shows it (Pillow's own conversion clips
-    it at 255: a white image)."""
+    """An image's pixels as RGB (grayscale repeated, CMYK converted, alpha dropped, palettes looked up); 16-bit
+    grayscale by its top 8 bits, as a viewer shows it (Pillow's conversion clips it to white)."""
     if im.mode.startswith("I;16"):
         im = Image.fromarray((np.asarray(im) >> 8).astype(np.uint8))
     elif im.mode == "P" and "transparency" in im.info:  # the same colours; Pillow warns of each such image to RGB
@@ -289,10 +255,8 @@ def as_rgb(im):
 
 
 def region(im, box, out: tuple[int, int], interpolation: str, reduce: bool = True):
-    """`box` (left, top, right, bottom, integers) of an opened image, upright, resized to `out` (width, height) with
-    the filter named `interpolation` (antialiased, as PIL always is): at full size, torchvision's crop and resize of
-    the PIL image; decoded reduced (`decoded`), the box's pixels of the reduced image (with the part pixels at its
-    edges) resized to `out` by PIL's resize of a box of real coordinates."""
+    """`box` (integers) of an opened image, upright, resized to `out` with `interpolation`: at full size torchvision's
+    crop and resize of the PIL image; reduced, the box of the reduced image resized by PIL's real box."""
     rgb, scale, box = decoded(im, box, out, reduce)
     resample = Image.Resampling[interpolation.upper()]
     if scale == 1:  # torchvision's TF.crop and TF.resize of a PIL image are these PIL calls
@@ -307,8 +271,7 @@ def region(im, box, out: tuple[int, int], interpolation: str, reduce: bool = Tru
 
 
 def open_image(source, rows, i: int):
-    """The PIL image of row i of `rows` (an encoded image `source`, bytes or a path), lazily: only its header is read
-    until the pixels are asked for; one line naming the row if it is broken. A PIL image (a copy's Dataset's) as it
+    """Row i's PIL image from `source` (bytes or a path), lazily; one line naming the row if broken. A PIL image as it
     is."""
     from PIL import UnidentifiedImageError
 
@@ -323,7 +286,7 @@ def open_image(source, rows, i: int):
 
 
 def check_pixels(im, what: str):
-    """An opened image, or one line (`what` names it) when its header gives it more than MAX_PIXELS pixels."""
+    """An opened image, or one line naming it when it has more than MAX_PIXELS pixels."""
     width, height = im.size
     if width * height > MAX_PIXELS:
         im.close()
@@ -333,9 +296,7 @@ def check_pixels(im, what: str):
 
 
 def row_pixels(rows, i: int, im, view) -> np.ndarray:
-    """view(row i's opened image (open_image)), closed after; one line naming the row if its pixels cannot be
-    decoded. What every decode goes through: the cache's (utils/data/decode.py) and the workers'
-    (utils/data/images.py)."""
+    """view(row i's opened image), closed after; one line naming the row if its pixels do not decode."""
     try:
         with im:
             return view(im)
@@ -345,29 +306,22 @@ def row_pixels(rows, i: int, im, view) -> np.ndarray:
 
 
 def evaluation_view(size: int, recipe: CropRecipe | None, reduce: bool = True):
-    """An opened image -> its (S, S, 3) uint8 evaluation view: resized and centre-cropped by the crop recipe, or
-    without one resized to S x S as the cache does; `reduce`: JPEGs decoded at the scale the view needs (decoded).
+    """An opened image -> its (S, S, 3) evaluation view: the recipe's resize and centre crop, or the cache's resize.
     predict.py gives new images the same view."""
     return (partial(eval_view, size=size, recipe=recipe, reduce=reduce) if recipe else
             partial(square_pixels, size=size, reduce=reduce))
 
 
-# ----------------------------------------------------------------------------------------------------
-# Decoding on the GPU (--decode gpu)
-# ----------------------------------------------------------------------------------------------------
 DEVICE_PIXELS = 2**28  # pixels decoded on the device per call (768 MiB as RGB): 21 camera photos of 12 MP, or one
 # phone photo of 200 MP alone
 
 
 def device_views(rows, indices, sources: list, opened: list, size: int, recipe: CropRecipe | None, boxes, mirrored,
                  device) -> torch.Tensor:
-    """A batch's views (EncodedImages.read's: `boxes` and `mirrored` for the training crops, else the evaluation
-    view) decoded on `device` (--decode gpu: the GPU's nvJPEG through TorchCodec's decode_jpeg, up to DEVICE_PIXELS
-    pixels a call; on a CPU, the same call's libjpeg-turbo, which the tests run): each JPEG decoded whole and upright
-    (TorchCodec applies its EXIF orientation on either device) and cut by torchvision's tensor functions
-    (`tensor_view`). Any other format, a JPEG the device decoder refuses, and one whose EXIF orientation TorchCodec
-    reads otherwise than `orientation` (the decoded size is not the upright size the boxes were drawn in) through the
-    host's view (Pillow, at full size), then copied. (B, S, S, 3) uint8 on `device`."""
+    """A batch's views decoded on `device` (--decode gpu: nvJPEG through TorchCodec's decode_jpeg, up to DEVICE_PIXELS a
+    call; on a CPU its libjpeg-turbo, which the tests run), each JPEG whole and upright and cut by torchvision's tensor
+    functions (`tensor_view`). Other formats, refused JPEGs and orientations TorchCodec reads otherwise go through the
+    host's view. (B, S, S, 3) uint8 on `device`."""
     from torchcodec.decoders import decode_jpeg
 
     device = torch.device(device)
@@ -407,8 +361,7 @@ def device_views(rows, indices, sources: list, opened: list, size: int, recipe: 
 
 
 def encoded(source, limit: int | None = None) -> bytes:
-    """An encoded image's bytes: a row's own, or its file's; its first `limit` bytes (None: all), so a file is read
-    no further."""
+    """An encoded image's first `limit` bytes (None: all): a row's own, or its file's, read no further."""
     if isinstance(source, bytes):
         return source[:limit]
     with open(source, "rb") as f:
@@ -416,9 +369,8 @@ def encoded(source, limit: int | None = None) -> bytes:
 
 
 def tensor_view(pixels: torch.Tensor, size: int, recipe: CropRecipe | None, box=None, mirrored: bool = False):
-    """The view of an upright (3, H, W) uint8 image as the host's views cut it, by torchvision's tensor functions
-    (antialiased, the recipe's filter): with `box` (top, left, height, width) train_view's crop and flip, else
-    evaluation_view's; (S, S, 3) uint8."""
+    """The host's view of an upright (3, H, W) uint8 image by torchvision's tensor functions: train_view's crop and flip
+    with `box`, else evaluation_view's; (S, S, 3)."""
     import torchvision.transforms.v2.functional as TF
 
     mode = TF.InterpolationMode[(recipe.interpolation if recipe else "bicubic").upper()]

@@ -1,20 +1,10 @@
-"""Image classification sources, read but not decoded: local parquet files, an image folder, or a Hub dataset, through
-`datasets` (its `parquet` builder, a table of an image folder's files, `load_dataset`), and a copy's own torch
-Dataset. `locate` finds what --data-dir / --dataset hold, `Source.rows` reads each split's encoded images (parquet
-rows' bytes, or image files' paths), labels and class names, in a fixed order: an image folder's rows shuffled once
-so that a prefix is class-balanced, and an evaluation part held out of train when the source has none (`hold_out`).
-Both data paths start here: utils/data/decode.py decodes every image once into a cache, utils/data/images.py's
-EncodedImages decodes each as a batch asks for it.
-
-A copy's Dataset (`load_data` may return map-style Datasets for train and test): each item (image, label), the image
-a PIL image or a uint8 tensor (3 x H x W or H x W x 3) of any size and aspect when --image-size is given (else
-square, every item the train split's first item's size), the label an integer. `DatasetRows.read` reads every item
-once when the data is checked, in order, without decoding its pixels (a PIL image opened lazily, `Image.open(path)`,
-reads its header only): the contract is checked there with one line for the first item that breaks it, and the
-labels are kept. Training and evaluation then read the items again, a batch at a time, in the loader's worker
-processes, as the built-in image folders are. A Dataset must give the same item for an index every time
-(augmentation is the template's, drawn per sample).
-"""
+"""Image classification sources, read but not decoded: local parquet files, an image folder, or a Hub dataset (through
+`datasets`), and a copy's own torch Dataset. `locate` finds what --data-dir / --dataset hold; `Source.rows` reads each
+split's encoded images, labels and class names in a fixed order (an image folder's shuffled once, so a prefix is
+class-balanced; a part of train held out when the source has no evaluation split).
+A copy's Dataset (`DatasetRows`): items (image, label), the image a PIL image or a uint8 tensor of any size (square
+without --image-size), read once when the data is checked (a lazily opened PIL image decodes nothing), then a batch at a
+time in the loader's workers, as an image folder is. An index must give the same item every time."""
 
 from __future__ import annotations
 
@@ -42,16 +32,11 @@ from utils.launch import is_main_process, main_print
 from utils.scripts import IMPORTED, new_after_imports
 
 SPLITS = ("train", "test")  # load_data's splits: "test" is the one evaluated on
-# the source's evaluation split, unless --eval-split names one: the first of these names it has, a validation split
-# before a test split, so that the best weights and an early stop are chosen on validation and a test split is left
-# for a final score (and a test split without labels is not read); the names are those datasets gives each
-# split (datasets.data_files.SPLIT_KEYWORDS: a folder val/ or dev/ is a validation split)
+# the evaluation split without --eval-split: the first of these (datasets' SPLIT_KEYWORDS) the source has, validation
+# before test (the best weights chosen on validation, a test split left for a final score)
 EVAL_SPLITS = ("validation", "valid", "dev", "val", "test", "testing", "eval", "evaluation")
 VAL_FRACTION = 0.1  # held out of train for evaluation when the source has no evaluation split
-# photo formats by file suffix (.jfif: a JPEG saved from a browser); those Pillow opens here are read (HEIC: with
-# pi-heif installed, utils/data/pixels.py; AVIF: a Pillow built with libavif, as its wheels are), the others (JPEG XL
-# without a plugin, cameras' raw files: often a JPEG's twin) left out of an image folder with a warning;
-# IMAGE_SUFFIXES also picks a tar shard's image members
+# photos by suffix: those Pillow opens here are read (HEIC with pi-heif), the others (JPEG XL, raw) left out, said
 PHOTO_SUFFIXES = (".png", ".jpg", ".jpeg", ".jfif", ".jpe", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".heic", ".heif",
                   ".avif", ".jxl", ".dng", ".cr2", ".cr3", ".nef", ".arw", ".raf", ".orf", ".rw2")
 IMAGE_SUFFIXES = tuple(s for s in PHOTO_SUFFIXES if s in Image.registered_extensions())
@@ -63,15 +48,11 @@ SIZE_ADVICE = ("pass --image-size S to resize every image to S x S (photos of ma
                "--augment resized-crop, the natural-image recipe, crops each as it is decoded)")
 
 
-# ----------------------------------------------------------------------------------------------------
-# Where: a local folder (parquet or an image folder) or the Hub, and which split is evaluated on
-# ----------------------------------------------------------------------------------------------------
 @dataclass
 class Source:
-    """What `locate` found: kind ('parquet', 'imagefolder' or 'hub'), the local files by split (None for the Hub)
-    or the Hub's DatasetDict, the files that fingerprint it, the source's own evaluation split (None: none), the
-    fraction of train held out for evaluation (None: the source's split is used) and an image folder's class of each
-    file, by split."""
+    """What `locate` found: its kind ('parquet', 'imagefolder' or 'hub'), its files by split (or the Hub's DatasetDict),
+    the paths that fingerprint it, its own evaluation split, the fraction of train held out (None: none) and an image
+    folder's class of each file."""
     name: str
     kind: str
     files: dict[str, list[Path]] | None
@@ -88,8 +69,7 @@ class Source:
         return f"{self.fraction:g} of train, held out by class" if self.fraction else self.source_eval
 
     def count(self) -> int:
-        """How many images the source's train and evaluation splits hold, read from the parquet footers, the file
-        list or the Hub's split sizes (nothing decoded)."""
+        """How many images its train and evaluation splits hold (parquet footers, file lists, split sizes)."""
         if self.hub is not None:
             return sum(self.hub[s].num_rows for s in ("train", self.source_eval) if s)
         if self.kind == "parquet":
@@ -113,11 +93,8 @@ class Source:
                 **held}
 
     def rows(self, columns: tuple[str | None, str | None]) -> tuple[dict[str, Rows], tuple[str, ...]]:
-        """{'train': rows, 'test': rows} of the source, read (not decoded) on the first call and kept for the next
-        (--decode auto's size, then the load): 'test' is its evaluation split, or the part of train held out; an
-        image folder's rows shuffled once with a fixed seed, so a prefix is class-balanced as in the Hub's files.
-        With the class names (shared_classes). An image folder's columns are its own (image, label): the column
-        flags, a parquet or Hub source's, do not apply (a run trained on one evaluates on a folder)."""
+        """{'train': rows, 'test': rows} and the class names, read on the first call and kept: 'test' is the evaluation
+        split or the part of train held out. An image folder has its own columns (the column flags are a table's)."""
         columns = (None, None) if self.kind == "imagefolder" else columns
         if self.read is None or self.read[0] != columns:
             wanted = {"train": "train"} if self.fraction else {"train": "train", "test": self.source_eval}
@@ -135,9 +112,8 @@ class Source:
 
 def locate(data_dir: str | None, dataset: str | None, val_fraction: float | None, eval_split: str | None = None
            ) -> Source:
-    """The source of --data-dir (its files, found without reading them) or of the Hub dataset `dataset` (downloaded
-    by the Hub client, whose cache makes this cheap after the first time), evaluated on `eval_split` (None: the first
-    of EVAL_SPLITS it has)."""
+    """The source of --data-dir (its files, not read) or of the Hub dataset `dataset`, evaluated on `eval_split` (None:
+    the first of EVAL_SPLITS it has)."""
     check_source(data_dir, dataset, val_fraction, eval_split)
     if data_dir is None and dataset is None:
         raise UserError("no data: pass --data-dir (a local folder) or --dataset (a Hub dataset id).")
@@ -181,8 +157,8 @@ def folders_beside_train(root: Path, files: dict[str, list[Path]]) -> list[str]:
 
 
 def first_image_size(data_dir: str, image_column: str | None = None) -> tuple[int, int] | None:
-    """(width, height) of a local --data-dir's first training image, from its header alone (an image folder's first
-    file, a parquet folder's first row); None when it cannot be told cheaply (the load says what is wrong)."""
+    """(width, height) of a local --data-dir's first training image from its header; None when it cannot be told cheaply
+    (the load says what is wrong)."""
     try:
         kind, files, *_ = find_source(data_dir)
         first = files["train"][0]
@@ -199,21 +175,17 @@ def first_image_size(data_dir: str, image_column: str | None = None) -> tuple[in
 
 
 def fingerprint(paths: list[str | Path], settings: dict, version: int = 0) -> str:
-    """Changes when any source file is replaced, grown or touched, or the settings (or their format's version)
-    change; cheap (no hashing of the contents)."""
+    """Changes when a source file is replaced, grown or touched, or the settings change (no hashing)."""
     stats = [(str(Path(p).resolve()), os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in paths]
     return hashlib.sha256(json.dumps([version, stats, settings], sort_keys=True).encode()).hexdigest()[:16]
 
 
 def find_source(data_dir: str | Path, eval_split: str | None = None
                 ) -> tuple[str, dict[str, list[Path]], Counter, dict[str, list[str]] | None]:
-    """What --data-dir holds: ("parquet", {split: its <split>-*.parquet files at any depth, as in a Hub snapshot}),
-    ("imagefolder", {split: the image files of <split>/<class>/, or those its metadata.csv names}), for the splits
-    found: train, and `eval_split`, else the first of EVAL_SPLITS that is there (val/, test/, ...; none: a part of
-    train is held out, see hold_out), or of <class>/ (or a metadata.csv) alone (the train split, split_folder); or
-    ("shards", {}) for webdataset tar shards (*-train-*.tar at any depth), which are read as a stream
-    (utils/data/stream.py lists them). Then how many files of each of OTHER_PHOTOS an image folder left out, and an
-    image folder's class of each file (None for the others)."""
+    """What --data-dir holds: ("parquet", {split: its <split>-*.parquet files}), ("imagefolder", {split: its files}:
+    <split>/<class>/ or a metadata file; <class>/ alone is train) or ("shards", {}) for tar shards; the splits: train
+    and `eval_split`, else the first of EVAL_SPLITS there. With the count of OTHER_PHOTOS left out and an image folder's
+    class of each file."""
     root = Path(data_dir)
     if not root.is_dir():
         raise UserError(f"--data-dir {root} does not exist or is not a directory. {DATA_LAYOUTS}")
@@ -257,8 +229,7 @@ def find_source(data_dir: str | Path, eval_split: str | None = None
 
 
 def names_split(file_name: str, split: str) -> bool:
-    """Whether a shard's file name names the split, set off by -, _ or . (train-00000-of-00004.parquet,
-    cifar-train-0.tar)."""
+    """Whether a shard's file name names the split, set off by -, _ or . (train-0.parquet, a-train-0.tar)."""
     return re.search(rf"(^|[-_.]){split}[-_.]", file_name) is not None
 
 
@@ -268,9 +239,8 @@ def counted(suffixes: Counter) -> str:
 
 
 def visible_files(folder: Path) -> list[Path]:
-    """The files under `folder` at any depth, sorted: hidden files and folders (.ipynb_checkpoints, macOS's ._ files)
-    left out, folders linked from elsewhere followed (once each: a link back up is not walked again). Written with
-    os.walk: pathlib's rglob neither prunes hidden folders nor follows links."""
+    """The files under `folder` at any depth, sorted, hidden ones left out, linked folders followed once. Written with
+    os.walk: rglob neither prunes hidden folders nor follows links."""
     found, seen = [], set()
     for top, folders, names in os.walk(folder, followlinks=True):
         real = os.path.realpath(top)
@@ -284,16 +254,14 @@ def visible_files(folder: Path) -> list[Path]:
 
 
 def split_folder(root: Path, split: str) -> Path:
-    """An image folder's folder of a split's class folders: root/<split>; the training split's, without a train/ in
-    root, is root itself (root/<class>/*.jpg, torchvision's ImageFolder layout, which datasets reads as train)."""
+    """An image folder's folder of a split: root/<split>, or root itself for train without a train/."""
     return root / split if split != "train" or (root / split).is_dir() else root
 
 
 def _image_folder_files(root: Path, names: tuple[str, ...]
                         ) -> tuple[dict[str, list[Path]], Counter, dict[str, list[str]]]:
-    """{split: its image files}, for train and the first of `names` there: each class folder's at any depth beneath it
-    (train/cat/2024/IMG_0001.jpg is a cat; visible_files), or those the split's metadata file names; how many photos
-    of OTHER_PHOTOS were left out; {split: each file's class}."""
+    """({split: its image files}, the photos of OTHER_PHOTOS left out, {split: each file's class}) for train and the
+    first of `names` there: a file's class is its top folder under the split, or its metadata file's label."""
     splits = ["train"] + [s for s in names if (root / s).is_dir()][:1]
     files, labels, unread = {}, {}, Counter()
     for split in splits:
@@ -331,9 +299,8 @@ def metadata_file(folder: Path) -> Path | None:
 
 
 def listed_files(metadata: Path) -> tuple[list[Path], list[str]]:
-    """(the image files, their classes) that a metadata file names, as datasets' image folder reads one: a file_name
-    column (paths relative to its folder) and a label column (the first of LABEL_COLUMNS, or the one other column).
-    Images beside it that it does not name are left out, with a warning."""
+    """(the image files, their classes) a metadata file names, as datasets reads one: file_name and a label column (the
+    first of LABEL_COLUMNS, or the one other column); images it does not name are left out, said."""
     try:
         with open(metadata, newline="", encoding="utf-8") as f:
             rows = list(csv.DictReader(f)) if metadata.suffix == ".csv" else [json.loads(x) for x in f if x.strip()]
@@ -368,8 +335,8 @@ def listed_files(metadata: Path) -> tuple[list[Path], list[str]]:
 
 
 def read_local(kind: str, files: dict[str, list[Path]], labels: dict[str, list[str]] | None):
-    """The splits of local files, through `datasets` (offline): parquet files by its packaged builder, an image folder
-    as a table of its files' paths and classes (`image_folder_table`); both memory-mapped from datasets' cache."""
+    """The splits of local files through `datasets`, offline: parquet by its builder, an image folder as a table of
+    paths and classes; memory-mapped from datasets' cache."""
     import datasets
     import pyarrow.parquet as pq
 
@@ -402,11 +369,8 @@ def read_local(kind: str, files: dict[str, list[Path]], labels: dict[str, list[s
 
 
 def image_folder_table(files: list[Path], names: list[str], classes: list[str]):
-    """An image folder's split as a datasets table: each file's path (an image column) and its class, `names` (its
-    top folder under the split: train/cat/2024/IMG_0001.jpg is a cat; or its metadata file's label), as a ClassLabel
-    of `classes` (the training split's: an evaluation split lacking one is labelled alike). Written by hand:
-    datasets' image folder names a file's class by the folder it is in (2024), and leaves out the suffixes it does
-    not list (.heic, .avif)."""
+    """An image folder's split as a datasets table of paths and ClassLabels of `classes`. Written by hand: datasets'
+    image folder labels a file by the folder it is in, and skips suffixes it does not list."""
     from datasets import ClassLabel, Dataset, Features
     from datasets import Image as ImageFeature
 
@@ -434,7 +398,7 @@ def read_hub(name: str):
 
 
 def root_cause(e: BaseException) -> BaseException:
-    """The innermost exception of a chain (raise ... from ..., or raised while handling another)."""
+    """The innermost exception of a chain."""
     seen = {id(e)}
     while (inner := e.__cause__ or e.__context__) is not None and id(inner) not in seen:
         seen.add(id(inner))
@@ -443,8 +407,7 @@ def root_cause(e: BaseException) -> BaseException:
 
 
 def pick_column(columns: list[str], where: str, names: tuple[str, ...], what: str, given: str | None) -> str:
-    """The image or label column of a table or shard (`where` names it in messages) with these `columns`: `given`
-    (--image-column / --label-column), else the first of `names` (IMAGE_COLUMNS, LABEL_COLUMNS)."""
+    """The image or label column of `columns`: `given` (--image-column / --label-column), else the first of `names`."""
     if given is not None:
         if given not in columns:
             raise UserError(f"{where} has no column {given!r} (--{what}-column); its columns: {columns}.")
@@ -458,11 +421,9 @@ def pick_column(columns: list[str], where: str, names: tuple[str, ...], what: st
 
 
 class EncodedRows(abc.ABC):
-    """A split's encoded images as utils/data/images.py reads them, from a datasets table (`Rows`) or a stream's
-    shards (utils/data/stream.py's StreamRows) or a copy's Dataset (`DatasetRows`): `labels` (every row's), `names`
-    (the class names, or None), `split`, `len()`, `take(order)` (the rows in that order), `where(i)` (row i, for
-    messages), `fetch(indices)` (their images as utils.data.pixels.open_image takes them: encoded bytes, a path, or a
-    PIL image), `sampler` (an order of their own, or None), and for byte_copies `sizes()` and `encoded`."""
+    """A split's encoded images as utils/data/images.py reads them (`Rows`: a table; StreamRows: shards; `DatasetRows`:
+    a copy's Dataset): `labels`, `names` (None: integer labels), `split`, `len()`, `take(order)`, `where(i)` (for
+    messages), `fetch(indices)` (bytes, paths or PIL images), `sampler`, and `sizes()` and `encoded` for byte_copies."""
 
     labels: torch.Tensor
     names: tuple[str, ...] | None
@@ -482,24 +443,20 @@ class EncodedRows(abc.ABC):
 
     @abc.abstractmethod
     def sizes(self) -> np.ndarray:
-        """Each row's key for byte_copies' first round, read without decoding: its encoded size in bytes (or a key
-        equal for rows whose bytes may be equal); below 0: not compared."""
+        """Each row's key for byte_copies' first round (its size in bytes); below 0: not compared."""
 
     def encoded(self, indices, limit: int | None = None) -> list[bytes]:
-        """The rows' images as bytes, the first `limit` of each (None: all), for comparing them (byte_copies)."""
+        """The rows' first `limit` bytes (None: all), for byte_copies."""
         return [encoded(cell, limit) for cell in self.fetch(indices)]
 
     def sampler(self, dataset, train: bool, seed: int, step_images: int, layout: tuple[int, int, int]):
-        """A training order of the rows' own (layout: processes, loader workers, micro-batch), or None: the
-        EpochSampler every kind of images has (utils.data.images.Images.sampler)."""
+        """A training order of the rows' own, or None (the EpochSampler every kind has)."""
         return None
 
 
 class Rows(EncodedRows):
-    """A split's rows in a datasets table (Arrow, memory-mapped from datasets' cache: nothing is read until a row is
-    asked for; worker processes get the table by reference, not a copy of its bytes): the table's rows `order` (its
-    shuffle or held-out part, chosen before anything is decoded), each an encoded image in `column` (a parquet row's
-    bytes or an image file's path), with their labels and the class names (or None)."""
+    """A split's rows `order` of a datasets table (memory-mapped; workers get it by reference), each an encoded image in
+    `column` (bytes or a path), with labels and class names."""
 
     def __init__(self, ds, column: str, labels: torch.Tensor, names: tuple[str, ...] | None, split: str,
                  order: np.ndarray | None = None):
@@ -510,21 +467,19 @@ class Rows(EncodedRows):
         return len(self.order)
 
     def take(self, order: torch.Tensor) -> Rows:
-        """These rows in `order` (indices)."""
         return Rows(self.ds, self.column, self.labels[order], self.names, self.split, self.order[order.numpy()])
 
     def where(self, i: int) -> str:
-        """Where row i is, for messages: its file, or its row number in the source split."""
+        """Row i's file, or its row number in the source split."""
         source = self.fetch([i])[0]
         return f"row {int(self.order[i])}" if isinstance(source, bytes) else str(source)
 
     def fetch(self, indices) -> list:
-        """The encoded images of rows `indices` (bytes or paths), in that order."""
         cells = self.ds[self.order[np.asarray(indices, dtype=np.int64)].tolist()][self.column]
         return [cell["bytes"] if cell["bytes"] is not None else cell["path"] for cell in cells]
 
     def sizes(self) -> np.ndarray:
-        """Each row's encoded image size in bytes, from the table's offsets or the file system: nothing is read."""
+        """Each row's encoded size in bytes, from the table's offsets or the file system."""
         import pyarrow.compute as pc
 
         cells = self.ds.with_format("arrow")[self.column]
@@ -537,8 +492,7 @@ class Rows(EncodedRows):
 
 
 def _file_size(path: str | None) -> int:
-    """A file's size in bytes; -1 (which byte_copies matches with nothing) for a row without an image or a file that
-    cannot be read, which its decode reports in its own words."""
+    """A file's size; -1 (matched with nothing) for no image or an unreadable file, which its decode reports."""
     try:
         return os.path.getsize(path)
     except (OSError, TypeError):
@@ -546,12 +500,9 @@ def _file_size(path: str | None) -> int:
 
 
 def byte_copies(train: EncodedRows, test: EncodedRows) -> list[tuple[int, int]]:
-    """(evaluation row, training row) of each evaluation image whose encoded bytes a training image has too (a file
-    copied into both splits; a copy's Dataset: its items' files or bytes, or decoded pixels; a stream: its tar
-    members), the training row the first such; without decoding, narrowing down: the rows' sizes (`sizes`),
-    then the digests of their first 4 KB (headers, EXIF: they differ between photos) where both splits share a size,
-    then of the whole image where both share those. A size below 0 (a file that cannot be read, a stream's parquet
-    row) matches none."""
+    """(evaluation row, first training row) of each evaluation image whose encoded bytes a training image has too,
+    narrowed without decoding: by size (`sizes`), then the digest of the first 4 KB, then of the whole. A size below 0
+    matches none."""
     splits = (train, test)
     picked = [np.arange(len(rows)) for rows in splits]
     keys = [[(n,) for n in rows.sizes().tolist()] for rows in splits]
@@ -568,16 +519,14 @@ def byte_copies(train: EncodedRows, test: EncodedRows) -> list[tuple[int, int]]:
 
 
 def _digests(rows: EncodedRows, picked: np.ndarray, prefix: int | None, batch: int = 256):
-    """The 128-bit BLAKE2b of each picked row's bytes (its first `prefix` bytes; None: all), in order, read a batch of
-    rows at a time."""
+    """The 128-bit BLAKE2b of each picked row's first `prefix` bytes (None: all), a batch at a time."""
     for start in range(0, len(picked), batch):
         for data in rows.encoded(picked[start:start + batch], prefix):
             yield hashlib.blake2b(data, digest_size=16).digest()
 
 
 def read_rows(ds, split: str, columns: tuple[str | None, str | None]) -> Rows:
-    """A split's Rows: its image and label columns found and checked, the images left encoded in the table (they are
-    decoded straight into the cache file or a batch, not one PIL object per row)."""
+    """A split's Rows: its image and label columns checked, the images left encoded in the table."""
     from datasets import Image as ImageFeature
 
     image_col, label_col, names = image_and_label(ds.features, f"the {split} split", columns)
@@ -587,9 +536,8 @@ def read_rows(ds, split: str, columns: tuple[str | None, str | None]) -> Rows:
 
 
 def image_and_label(features, where: str, columns: tuple[str | None, str | None]):
-    """(the image column, the label column, the class names or None) of a table or parquet shard with these datasets
-    Features (`where` names it in messages): the columns --image-column / --label-column name, else found by name
-    (pick_column); the image column must hold images, the label column class names (a ClassLabel) or integers."""
+    """(image column, label column, class names or None) of a table with these Features: the image column must hold
+    images, the label column a ClassLabel or integers."""
     from datasets import ClassLabel, Value
     from datasets import Image as ImageFeature
 
@@ -606,8 +554,7 @@ def image_and_label(features, where: str, columns: tuple[str | None, str | None]
 
 
 def first_size(splits: dict[str, Rows]) -> tuple[int, str]:
-    """The first image's size, which must be square, and where it is: every other image must share it when no
-    --image-size is given (the decode checks each as it opens it: one pass over the files)."""
+    """The first image's size and where it is; it must be square, as every image must be without --image-size."""
     rows = next(iter(splits.values()))
     with open_image(rows.fetch([0])[0], rows, 0) as im:
         (w, h), where = im.size, f"{im.size[0]}x{im.size[1]} (the {rows.split} split's {rows.where(0)})"
@@ -618,9 +565,8 @@ def first_size(splits: dict[str, Rows]) -> tuple[int, str]:
 
 def shared_classes(rows: dict[str, EncodedRows], eval_name: str, shards: dict[str, tuple | None] | None = None
                    ) -> tuple[str, ...]:
-    """The class names both splits share (and, for a stream, every one of its `shards`: {URL: its names}): the
-    ClassLabel's, or "0".."C-1" for integer labels, which must then be exactly 0..C-1 in the training split (C: how
-    many distinct labels it has). Every label must name a class. Checked before decoding."""
+    """The class names both splits (and a stream's `shards`) share: the ClassLabel's, or "0".."C-1" for integer labels;
+    every label must name a class."""
     if shards:
         check_same_classes(shards, "shard")
     check_same_classes({"the train split": rows["train"].names, f"the {eval_name} split": rows["test"].names}, "split")
@@ -640,8 +586,7 @@ def shared_classes(rows: dict[str, EncodedRows], eval_name: str, shards: dict[st
 
 
 def check_same_classes(named: dict[str, tuple[str, ...] | None], part: str) -> None:
-    """One line naming the first of the parts (splits, shards) whose class names (None: integer labels) are not the
-    first part's."""
+    """One line naming the first part (split, shard) whose class names are not the first part's."""
     (first, ours), *rest = named.items()
     for where, theirs in rest:
         if theirs != ours:
@@ -657,12 +602,9 @@ def _permutation(n: int) -> torch.Tensor:
 
 
 def hold_out(labels: torch.Tensor, fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the rows to train on, the rows held out for evaluation) of the training rows of these labels: round(fraction
-    x n) rows, stratified (each class holds out its share, rounded down, and the rows left over go to the classes of
-    the largest remainders, the larger class first; never a class's last training row, which may leave fewer), so
-    the held-out part has each class in its proportion as near as whole rows allow, however the rows are ordered.
-    Each class's rows are drawn by a fixed permutation (seed 0, not --seed: changing the seed must not change what
-    is evaluated on); each part in the source's order."""
+    """(rows to train on, rows held out) of these labels: round(fraction x n) rows, stratified (each class its share
+    rounded down, the rest to the largest remainders; never a class's last row), drawn by a fixed permutation (seed 0:
+    --seed does not change what is evaluated on); each part in the source's order."""
     n = len(labels)
     classes, counts = labels.unique(return_counts=True)
     share = counts.double() * fraction
@@ -685,9 +627,7 @@ def hold_out(labels: torch.Tensor, fraction: float) -> tuple[torch.Tensor, torch
 
 
 def item_image(item, what: str, size: int | None = None):
-    """One Dataset item's (image as a PIL image, label); `size`: the side every image must have (None: any size).
-    Nothing is decoded that the item did not decode. A broken contract: one line naming `what` (the split's Dataset
-    and the item's index)."""
+    """One Dataset item's (PIL image, label); `size`: the side every image must have (None: any)."""
     if not isinstance(item, tuple | list) or len(item) != 2:
         raise UserError(f"{what} must be a pair (image, label) (got {type(item).__name__}).")
     image, label = item
@@ -711,8 +651,7 @@ def item_image(item, what: str, size: int | None = None):
 
 
 class DatasetRows(EncodedRows):
-    """A Dataset's items as a split's rows, the items `order` of it (a prefix: --train-subset, --eval-subset).
-    `keys` (the main process's only; None elsewhere): each item's size key, for byte_copies (`sizes`)."""
+    """A Dataset's items `order` as a split's rows; `keys`: each item's size key for byte_copies (main process only)."""
 
     def __init__(self, dataset: torch.utils.data.Dataset, split: str, what: str, labels: torch.Tensor,
                  order: np.ndarray, keys: np.ndarray | None = None):
@@ -722,9 +661,8 @@ class DatasetRows(EncodedRows):
     @classmethod
     def read(cls, dataset: torch.utils.data.Dataset, split: str, what: str, size: int | None,
              fixed: int | None = None) -> tuple[DatasetRows, int]:
-        """Every item read once and checked, its label kept (and on the main process its size key, `size_key`):
-        (the rows, S). `size`: --image-size (None: the items must be square, all of `fixed`'s side, else the first
-        item's)."""
+        """Every item read once and checked: (the rows, S). `size`: --image-size (None: square items of `fixed`'s side,
+        else the first item's)."""
         try:
             n = len(dataset)
         except TypeError:
@@ -759,16 +697,13 @@ class DatasetRows(EncodedRows):
         return f"item {int(self.order[i])} of {self.what}"
 
     def fetch(self, indices) -> list:
-        """The items' images, each opened anew (`opened`)."""
         return [self.opened(int(self.order[i])) for i in np.asarray(indices, dtype=np.int64)]
 
     def sizes(self) -> np.ndarray:
-        """Each row's size key (`size_key`): equal for items whose bytes may be equal (main process)."""
         return self.keys[self.order]
 
     def encoded(self, indices, limit: int | None = None) -> list[bytes]:
-        """Each item's bytes as byte_copies compares them: the file or bytes an image was opened from, else its
-        decoded pixels as RGB."""
+        """Each item's file or bytes, else its decoded pixels as RGB."""
         out = []
         for i in np.asarray(indices, dtype=np.int64):
             image, _ = item_image((self.dataset[int(self.order[i])][0], 0), f"{self.what}'s item {int(self.order[i])}")
@@ -777,19 +712,16 @@ class DatasetRows(EncodedRows):
         return out
 
     def opened(self, item: int):
-        """The Dataset's item's image as a new PIL image, so that the Dataset's own object is never closed or changed:
-        an image the Dataset opened lazily (`Image.open(path)` or of bytes; nothing decoded yet) opened again from its
-        file or bytes, so that a JPEG decodes at the scale its view needs as the built-in folders' do
-        (utils/data/pixels.py); a tensor's pixels wrapped; any other PIL image converted to RGB (`as_rgb`)."""
+        """The item's image as a new PIL image (the Dataset's own never closed): a lazily opened one opened again from
+        its source, so a JPEG decodes at its view's scale; else RGB pixels."""
         image, _ = item_image((self.dataset[item][0], 0), f"{self.what}'s item {item}")
         source = encoded_source(image)
         return open_encoded(source) if source is not None else as_rgb(image)
 
 
 def size_key(image) -> int:
-    """A Dataset item's key for byte_copies' first round, read without decoding anything: an image opened lazily,
-    its encoded size in bytes (a file's from the file system); decoded pixels, a digest of their size, mode and top
-    and middle rows (the whole is compared only where these agree)."""
+    """A Dataset item's key for byte_copies' first round, nothing decoded: a lazily opened image's encoded size; decoded
+    pixels, a digest of size, mode and two rows."""
     source = encoded_source(image)
     if isinstance(source, bytes):
         return len(source)

@@ -1,22 +1,11 @@
-"""Shards streamed as training reads them (--decode stream): parquet or webdataset tar shards, in a local folder or
-at an fsspec URL (hf://datasets/..., s3://...; the same code reads both), with no local copy, for data larger than
-the disk. utils/data/images.py's EncodedImages decodes them by batch in the loader's workers, reading them through
-`StreamRows` here instead of a memory-mapped table.
-
-docs/data.md ("Streamed shards") is the design in prose: each epoch's plan (`stream_plan`: blocks of --shuffle-block
-rows stratified by class over the epoch, cut to whole global batches, one contiguous range per reader, each shuffled
-within windows of --shuffle-buffer rows keyed by (seed, epoch, row); `StreamSampler` lists each reader's batches where
-Accelerate and the DataLoader hand them to it), what a reader requests and holds (--read-ahead), the retries of every
-request to a remote folder (`retried`, `RemoteFile`), the shards' index kept in the cache folder (`index_shard`), and
-the sampler's state in each checkpoint (stream.json), with which a resume on another layout finishes its epoch in
-the planned order.
-
-Written by hand, on pyarrow and fsspec (what datasets reads parquet and URLs with): datasets' IterableDataset
-splits shards between processes only when their count divides the readers' (else every process reads every shard
-and keeps 1/P of the rows, split_dataset_by_node), shuffles only the shards' order and a buffer of rows (sorted
-shards stay sorted), and its resume state drops the shuffle buffer; exact global batches and an exact resume need
-each row's place in the plan.
-"""
+"""Shards streamed as training reads them (--decode stream): parquet or webdataset tar shards in a local folder or at an
+fsspec URL (hf://, s3://, https://), with no local copy. EncodedImages decodes them by batch in the loader's workers
+through `StreamRows`. docs/data.md ("Streamed shards") is the design: each epoch's plan (`stream_plan`), a reader's
+windows and --read-ahead, the retries (`retried`), the kept index (`index_shard`), and the sampler's state in each
+checkpoint, with which a resume on another layout finishes its epoch as planned.
+Written by hand on pyarrow and fsspec: datasets' IterableDataset splits shards between processes only when their count
+divides, shuffles only shard order and a buffer, and drops the buffer on resume; exact global batches and an exact
+resume need each row's place in the plan."""
 
 from __future__ import annotations
 
@@ -61,9 +50,8 @@ POOR_MIX = 0.8  # the start warns when micro-batches hold fewer than this share 
 
 @dataclass(frozen=True)
 class StreamSettings:
-    """How a stream is read: --shuffle-buffer (window), --shuffle-block (block), --read-ahead (requests in flight
-    per reader; 0: each read when asked), the folder the shards' indices are kept in (None: not kept) and
-    --eval-split (None: the first of EVAL_SPLITS with shards)."""
+    """--shuffle-buffer (window), --shuffle-block (block), --read-ahead (requests in flight per reader; 0: none), the
+    folder indices are kept in (None: not kept), --eval-split."""
     window: int = 4096
     block: int = 64
     read_ahead: int = 4
@@ -73,9 +61,8 @@ class StreamSettings:
 
 @dataclass
 class Shard:
-    """One shard's index: where it is, its rows' labels (and class names, from a parquet ClassLabel), and how to
-    reach a row: a parquet file's image column and each row group's first row, or a tar's (offset, size) of each
-    sample's image."""
+    """One shard's index: its URL, labels and class names, and a parquet file's image column and row-group starts, or a
+    tar's (offset, size) of each sample's image."""
     url: str
     labels: np.ndarray
     names: tuple[str, ...] | None
@@ -89,9 +76,8 @@ class Shard:
 
 
 def transient(e: BaseException | None) -> BaseException | None:
-    """The error in e's chain that may pass when the read is tried again (a server's 5xx, 408 or 429, a timeout, a
-    connection refused or reset, a body cut short), or None. The chain: fsspec reports a failed HEAD and GET as
-    FileNotFoundError, caused by the server's answer."""
+    """The error in e's chain that may pass on a retry (a 5xx, 408 or 429, a timeout, a refused or reset connection, a
+    body cut short), or None."""
     while e is not None:
         if isinstance(e, aiohttp.ClientResponseError):
             if e.status >= 500 or e.status in (408, 429):
@@ -104,9 +90,8 @@ def transient(e: BaseException | None) -> BaseException | None:
 
 
 def retried(call, failed: str):
-    """call(), one request, tried again after a transient error, ATTEMPTS times in all with a doubling wait; another
-    error, or the last, raises one line: `failed`, then why. Written by hand: fsspec's HTTP filesystem does not
-    retry, and a run should not stop on one 503 among millions of reads."""
+    """call(), one request, retried after a transient error (ATTEMPTS in all, doubling waits); otherwise one line:
+    `failed`, then why. Written by hand: fsspec's HTTP filesystem does not retry."""
     for attempt in range(ATTEMPTS):
         try:
             return call()
@@ -121,8 +106,7 @@ def retried(call, failed: str):
 
 
 def one_line(call, failed: str):
-    """call(), several requests each retried on its own: an error that is not already one line (a file that does not
-    parse) becomes one: `failed`, then why."""
+    """call(); an error that is not already one line becomes one: `failed`, then why."""
     try:
         return call()
     except UserError:
@@ -132,13 +116,12 @@ def one_line(call, failed: str):
 
 
 def is_local(fs) -> bool:
-    """Whether an fsspec filesystem is this machine's (its protocol, as fsspec declares it: "file")."""
+    """Whether an fsspec filesystem is this machine's."""
     return (fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]) == "file"
 
 
 def url_to_fs(url: str):
-    """(filesystem, path) of a URL or local path; over HTTP(S), a request fails after TIMEOUT_S without progress
-    (aiohttp's default waits 5 minutes in all)."""
+    """(filesystem, path) of a URL; over HTTP(S) a request stalled for TIMEOUT_S fails."""
     if url.startswith(("http://", "https://")):
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=TIMEOUT_S, sock_read=TIMEOUT_S)
         return fsspec.core.url_to_fs(url, client_kwargs={"timeout": timeout})
@@ -146,9 +129,8 @@ def url_to_fs(url: str):
 
 
 class RemoteFile(io.RawIOBase):
-    """A remote file, read-only and seekable, whose every request is one byte range retried on its own (`retried`),
-    through fsspec's read-ahead cache (READ_BLOCK past each read, as fsspec's own files read): a tar's or a parquet
-    file's reader never repeats requests that succeeded. Written by hand: fsspec's files do not retry a request."""
+    """A remote file, read-only and seekable, through fsspec's read-ahead cache, each byte range retried on its own.
+    Written by hand: fsspec's files do not retry a request."""
 
     def __init__(self, url: str, failed: str, size: int | None = None):
         self.fs, self.path = url_to_fs(url)
@@ -180,13 +162,9 @@ class RemoteFile(io.RawIOBase):
         return len(data)
 
 
-# ----------------------------------------------------------------------------------------------------
-# Finding and indexing the shards (footers and label columns; a tar's headers and .cls members)
-# ----------------------------------------------------------------------------------------------------
 def find_shards(data_dir: str, cache: Path | None = None, eval_split: str | None = None) -> dict[str, list[str]]:
-    """{split: its shards' URLs, sorted}: files named <split>-*.parquet / *-<split>-*.tar (any depth but in hidden
-    folders and the cache folder) for train and `eval_split`, else the first of EVAL_SPLITS (validation, ..., test)
-    that has any."""
+    """{split: its shards' URLs, sorted}: <split>-*.parquet / *-<split>-*.tar at any depth, for train and `eval_split`,
+    else the first of EVAL_SPLITS with any."""
     fs, root = url_to_fs(data_dir)
     files = shard_files(fs, root, f"cannot list --data-dir {data_dir}", cache)
     found, names = {}, (eval_split,) if eval_split else EVAL_SPLITS
@@ -205,10 +183,9 @@ def find_shards(data_dir: str, cache: Path | None = None, eval_split: str | None
 
 
 def shard_files(fs, root: str, failed: str, cache: Path | None = None) -> list[str]:
-    """The .parquet and .tar files under root, folder by folder, each folder's listing one retried request (a
-    folder's listing page; an object store's list request, paged by its filesystem); hidden folders (.decoded, the
-    default cache, among them) and a local cache folder are never walked. Written by hand: fsspec's find() lists the
-    whole tree at once, so a retry would repeat every listing."""
+    """The .parquet and .tar files under root, one retried listing per folder; hidden folders and the cache folder are
+    not walked. Written by hand: fsspec's find() lists the whole tree in one go, so a retry would repeat every
+    listing."""
     skip = os.path.realpath(cache.parent) if cache is not None and is_local(fs) else None  # <cache>/stream-index
     files, folders = [], [root]
     while folders:
@@ -226,15 +203,14 @@ def shard_files(fs, root: str, failed: str, cache: Path | None = None) -> list[s
 
 
 def _open(url: str, failed: str, size: int | None = None):
-    """A shard as a file: a local one opened, a remote one as a RemoteFile (each request retried)."""
+    """A shard as a file: local, or a RemoteFile."""
     fs, path = url_to_fs(url)
     return fs.open(path, "rb") if is_local(fs) else RemoteFile(url, failed, size)
 
 
 def index_shard(url: str, columns: tuple[str | None, str | None], cache: Path | None = None) -> Shard:
-    """A shard's index, from `cache` when it holds one for this version of the file (its URL, size and version as
-    its filesystem reports them; a file reporting no version is read each time), else read and kept there. One
-    line naming the shard if it cannot be read (after retries, for a transient error)."""
+    """A shard's index, from `cache` when it holds one for this version of the file (URL, size, version as the
+    filesystem reports them), else read and kept there. One line naming the shard if it cannot be read."""
     failed = f"{url} is not a readable {'parquet' if url.endswith('.parquet') else 'tar'} shard"
     kept, size = None, None
     if cache is not None:
@@ -260,8 +236,7 @@ def _read_index(url: str, columns, failed: str, size: int | None) -> Shard:
 
 
 def _keep_index(shard: Shard, path: Path) -> None:
-    """The index as an .npz of plain arrays (no pickle), written atomically; a cache folder that cannot be written
-    only means the next start reads the shard again."""
+    """The index as an .npz of plain arrays, written atomically; an unwritable cache is no error."""
     meta = json.dumps({"names": shard.names, "column": shard.column})
     arrays = {k: v for k, v in (("groups", shard.groups), ("members", shard.members)) if v is not None}
     def write(tmp: Path) -> None:
@@ -276,7 +251,7 @@ def _keep_index(shard: Shard, path: Path) -> None:
 
 
 def _load_index(path: Path, url: str) -> Shard | None:
-    """A kept index, or None when there is none or it cannot be read (it is then read from the shard again)."""
+    """A kept index, or None (then read from the shard again)."""
     try:
         with np.load(path, allow_pickle=False) as kept:
             meta = json.loads(str(kept["meta"]))
@@ -287,9 +262,8 @@ def _load_index(path: Path, url: str) -> Shard | None:
 
 
 def index_shards(urls: list[str], columns: tuple[str | None, str | None], cache: Path | None = None) -> list[Shard]:
-    """Every shard's index, each shard indexed by one process (shard i by process i mod P, from the cache or read)
-    and the indices shared through one all_gather: the index pass reads a shard at most once per job, not once per
-    process. A shard that cannot be read stops every process with its line."""
+    """Every shard's index, shard i indexed by process i mod P and shared through one all_gather; a shard that cannot be
+    read stops every process with its line."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     mine, error = {}, None
     try:
@@ -317,9 +291,8 @@ def _index_parquet(url: str, f, columns) -> Shard:
 
 
 def _index_tar(url: str, f) -> Shard:
-    """A webdataset tar: samples are members sharing a key (the name up to its first dot), each an image
-    (KEY.jpg, .png, ...) and its class number (KEY.cls); hidden files (the ._KEY.jpg that macOS's tar adds beside
-    each file) are left out. Only headers and .cls members are read (tarfile seeks over the images)."""
+    """A webdataset tar's index: samples are members sharing a key (name up to its first dot), an image and a KEY.cls
+    class number; hidden files left out. Only headers and .cls members are read."""
     images, classes, keys = {}, {}, []
     with tarfile.open(fileobj=f, mode="r:") as tar:
         for m in tar:
@@ -349,14 +322,10 @@ def _index_tar(url: str, f) -> Shard:
                  members=np.array([images[k] for k in keys], dtype=np.int64).reshape(-1, 2))
 
 
-# ----------------------------------------------------------------------------------------------------
-# A split's shards as rows; the plan of an epoch
-# ----------------------------------------------------------------------------------------------------
 @dataclass
 class Plan:
-    """One epoch's reading (`stream_plan`): `order`, the sampler's order (rows); `stream`, the rows in the order
-    readers read them; `cuts`, each window's first position in the stream, then its end; `ranges`, each reader's
-    first position, then the end."""
+    """One epoch's reading: `order` (the sampler's), `stream` (the rows as readers read them), `cuts` (each window's
+    first position, then the end), `ranges` (each reader's first position, then the end)."""
     order: np.ndarray
     stream: np.ndarray
     cuts: np.ndarray
@@ -365,11 +334,9 @@ class Plan:
 
 def stream_plan(counts: np.ndarray, keep: int, layout: tuple[int, int, int], window: int, block: int = 1,
                 key: np.ndarray | None = None, labels: np.ndarray | None = None) -> Plan:
-    """One epoch's reading. `counts`: each shard's rows; the first `keep` rows of the stream are read. layout:
-    (processes P, workers W per process, micro-batch b). Training (`key` given, the epoch's): the shards' blocks of
-    `block` rows in an order drawn from splitmix64(key) (stratified by `labels`, every row's, when given:
-    `spread_blocks`), each window's rows in an order drawn from (key, row). Evaluation (key None): every row in
-    order; its last micro-batch may be short."""
+    """One epoch's reading of the first `keep` rows over shards of `counts` rows, in layout (processes, workers,
+    micro-batch). Training (`key`): blocks of `block` rows ordered by hash (stratified by `labels`: `spread_blocks`),
+    each window's rows shuffled by (key, row). Evaluation (key None): in order."""
     processes, workers, micro = layout
     starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     if key is None:
@@ -403,11 +370,9 @@ def stream_plan(counts: np.ndarray, keep: int, layout: tuple[int, int, int], win
 
 
 def spread_blocks(h: np.ndarray, classes: np.ndarray | None) -> np.ndarray:
-    """The blocks' order in the stream from their hashes `h`: by hash alone, or, given each block's class (its first
-    row's label), stratified: class c's n_c blocks, in their hashes' order, take the places (j + u_j) / n_c of the
-    epoch (j = 0 .. n_c - 1, u_j uniform in [0, 1) from the hash), so each class's blocks are spread evenly over the
-    stream and a window of k blocks holds about k n_c / n of class c: the proportions a uniform shuffle of the rows
-    gives, even when each block is one class (shards written class by class). Every block once, as by hash alone."""
+    """The blocks' order from their hashes `h`; given each block's class, stratified: class c's n_c blocks take places
+    (j + u_j) / n_c of the epoch, so any window holds classes in about their proportions, even for shards written class
+    by class."""
     if classes is None:
         return np.argsort(h, kind="stable")
     by_class = np.lexsort((h, classes))
@@ -419,8 +384,8 @@ def spread_blocks(h: np.ndarray, classes: np.ndarray | None) -> np.ndarray:
 
 
 def class_mix(order: np.ndarray, labels: np.ndarray, micro: int) -> tuple[float, float]:
-    """(the mean number of classes in a micro-batch of `order`, the mean a uniform shuffle of the same rows gives:
-    the sum over classes c of 1 - C(N - n_c, b) / C(N, b), the chance that b rows drawn hold one of class c)."""
+    """(the mean number of classes in a micro-batch of `order`, that of a uniform shuffle: the sum over classes of 1 -
+    C(N - n_c, b) / C(N, b))."""
     n = len(order) // micro * micro
     batches = np.sort(labels[order[:n]].reshape(-1, micro), axis=1)
     planned = float(((np.diff(batches, axis=1) != 0).sum(axis=1) + 1).mean())
@@ -435,8 +400,7 @@ def class_mix(order: np.ndarray, labels: np.ndarray, micro: int) -> tuple[float,
 
 
 def warn_if_poorly_mixed(plan: Plan, labels: np.ndarray, micro: int, window: int, block: int) -> None:
-    """One line (main process) when the plan's micro-batches hold fewer than POOR_MIX of the classes a uniform
-    shuffle would put in them, with what to do."""
+    """One line when micro-batches hold fewer than POOR_MIX of a uniform shuffle's classes."""
     planned, uniform = class_mix(plan.order, labels, micro)
     if micro > 1 and planned < POOR_MIX * uniform:
         main_print(f"warning: the stream's shuffle puts {planned:.1f} classes in a micro-batch of {micro} on average, "
@@ -446,7 +410,7 @@ def warn_if_poorly_mixed(plan: Plan, labels: np.ndarray, micro: int, window: int
 
 
 class _Window:
-    """A window's encoded images as its reads deliver them: pieces of (rows, a future of their images)."""
+    """A window's encoded images as its reads deliver them."""
 
     def __init__(self, pieces: list):
         self.pieces, self.images = pieces, None
@@ -460,18 +424,16 @@ class _Window:
 
 
 class _OpenFiles(threading.local):
-    """A reading thread's open parquet shards: {url: (file, ParquetFile)}, at most two."""
+    """A reading thread's open parquet shards, at most two."""
 
     def __init__(self):
         self.files = {}
 
 
 class StreamRows(EncodedRows):
-    """A split's shards where utils.sources.Rows has a table: `labels` (every row's, in shard order), `names`,
-    `split`, `fetch(rows)` (their encoded images) and `where(row)`. Rows are numbered through the shards in their
-    sorted order; `counts` keeps a prefix of each (--train-subset, --eval-subset). `fetch` reads by window of the
-    current plan (`use_plan`): the window holding an asked-for row is asked for whole (and, reading ahead, the next
-    window of the same reader's range); a reader keeps the windows before and after the one it is in."""
+    """A split's shards as rows (numbered through the shards in order; `counts` keeps a prefix of each). `fetch` reads
+    by window of the current plan: the window of an asked-for row whole, and with read-ahead the next one of the same
+    reader; a reader keeps the windows beside the current one."""
 
     def __init__(self, shards: list[Shard], split: str, settings: StreamSettings, counts: np.ndarray | None = None):
         self.shards, self.split, self.settings = shards, split, settings
@@ -488,7 +450,7 @@ class StreamRows(EncodedRows):
         return int(self.starts[-1])
 
     def take(self, order: torch.Tensor) -> StreamRows:
-        """The first len(order) rows (a stream reads in order: only prefixes are taken)."""
+        """The first len(order) rows (a stream takes prefixes only)."""
         n = len(order)
         if not torch.equal(order, torch.arange(n)):
             raise ValueError("a stream's rows are taken as a prefix only")
@@ -499,15 +461,13 @@ class StreamRows(EncodedRows):
         return f"{self.shards[k].url} row {row - self.starts[k]}"
 
     def sizes(self) -> np.ndarray:
-        """Each row's encoded size in bytes, for byte_copies: a local tar member's, from the index; -1 (not compared)
-        for a parquet row, whose size only reading its bytes would tell, and for a remote shard's (a request for
-        each row compared: at the scale of a remote stream, the rows of a shared size are many)."""
+        """Each row's size for byte_copies: a local tar member's; -1 (not compared) for parquet rows and remote shards
+        (one request per row compared)."""
         return np.concatenate([s.members[:c, 1] if s.members is not None and is_local(url_to_fs(s.url)[0]) else
                                np.full(c, -1, dtype=np.int64) for s, c in zip(self.shards, self.counts)])
 
     def encoded(self, indices, limit: int | None = None) -> list[bytes]:
-        """The first `limit` bytes (None: all) of the tar members of rows `indices`, one request each (retried),
-        outside the plan's windows: byte_copies asks for the few rows whose sizes both splits share."""
+        """The first `limit` bytes of rows' tar members, one retried request each."""
         out = []
         for row in np.asarray(indices, dtype=np.int64).tolist():
             k = int(np.searchsorted(self.starts, row, "right") - 1)
@@ -519,7 +479,7 @@ class StreamRows(EncodedRows):
         return out
 
     def use_plan(self, plan: Plan) -> None:
-        """The epoch's reading order and its windows (the sampler's plan, before the loader's workers start)."""
+        """The epoch's reading order and windows (set before the workers start)."""
         self.plan, self.range_starts = plan, set(plan.ranges.tolist())
         self.position = np.full(len(self), -1, dtype=np.int64)
         self.position[plan.stream] = np.arange(len(plan.stream))
@@ -537,8 +497,7 @@ class StreamRows(EncodedRows):
         return out
 
     def _enter(self, w: int) -> None:
-        """Window w becomes the current one: windows other than w - 1, w and w + 1 are dropped, w is asked for if it
-        is not held, and with read-ahead so is w + 1 when it belongs to the same reader's range."""
+        """Window w becomes current: windows beyond w +- 1 dropped, w asked for, and w + 1 with read-ahead."""
         self.current = w
         for old in [v for v in self.held if abs(v - w) > 1]:
             del self.held[old]
@@ -553,9 +512,8 @@ class StreamRows(EncodedRows):
         return self.read(self.plan.stream[self.plan.cuts[w]:self.plan.cuts[w + 1]])
 
     def read(self, rows: np.ndarray) -> _Window:
-        """The encoded images of `rows` (a window), asked for in pieces of one request each: a run of consecutive rows
-        of a tar (one byte range), or the rows of one parquet row group; in flight on this reader's --read-ahead
-        threads, or read here when read-ahead is off."""
+        """The images of a window's `rows`, one request per piece (a run of a tar's rows; a parquet row group), on the
+        read-ahead threads or here."""
         rows = np.sort(rows)
         shard = np.searchsorted(self.starts, rows, "right") - 1
         pieces = []
@@ -614,10 +572,8 @@ class StreamRows(EncodedRows):
 
 
 class StreamSampler(KeyedSampler):
-    """The sampler of a streamed split: its order is `stream_plan`'s for (seed, epoch) in the layout, and it hands
-    the plan to the rows before the loader's workers start (they are not persistent: each epoch's fork it). Training
-    reads whole global batches of `step_images`. Its state (checkpointed through Accelerate's hooks, `save_with`)
-    is the epoch and the layout, window and block that epoch was planned with."""
+    """A streamed split's sampler: `stream_plan`'s order for (seed, epoch) in the layout, handed to the rows before the
+    workers start. Its state (the epoch, and the layout, window and block it was planned with) is in each checkpoint."""
 
     def __init__(self, dataset, rows: StreamRows, train: bool, seed: int, step_images: int,
                  layout: tuple[int, int, int]):
@@ -657,9 +613,8 @@ class StreamSampler(KeyedSampler):
             self.set_epoch(state["epoch"])
 
     def save_with(self, accelerator) -> None:
-        """Puts this state in every checkpoint Accelerate's save_state writes (STATE_FILE, by the main process) and
-        takes it back from the one load_state reads, through Accelerate's checkpoint hooks: JSON, where
-        register_for_checkpointing would pickle it (and unpickle whatever a checkpoint holds)."""
+        """Puts the state in every checkpoint (STATE_FILE) and takes it back, through Accelerate's save/load hooks:
+        JSON, where register_for_checkpointing would pickle."""
         def save(models, weights, folder):
             if accelerator.is_main_process:
                 Path(folder, STATE_FILE).write_text(json.dumps(self.state_dict()))
@@ -673,7 +628,7 @@ class StreamSampler(KeyedSampler):
 
 
 def open_stream(data_dir: str, columns: tuple[str | None, str | None], settings: StreamSettings):
-    """({'train': StreamRows, 'test': StreamRows}, the class names, a description) of the shards in data_dir."""
+    """({'train': StreamRows, 'test': StreamRows}, the class names, a description) of data_dir's shards."""
     found = find_shards(data_dir, settings.index_cache, settings.eval_split)
     eval_split = [s for s in found if s != "train"][0]
     shards = {s: index_shards(urls, columns, settings.index_cache) for s, urls in found.items()}

@@ -1,21 +1,12 @@
-"""The batch's transforms on uint8 pixels, drawn per image by (seed, epoch, sample): the per-image policies and, as
-the last step of every batch on the training device, `BatchTransform`.
-
-Per-image augmentation policies (--auto-augment): torchvision's TrivialAugmentWide (`ta_wide`), RandAugment (`ra`,
---ra-ops ops at --ra-magnitude) and AugMix (`augmix`, --augmix-severity), with the ops, magnitudes and spaces of
-torchvision.transforms.v2. Each image's ops, magnitudes and signs (and AugMix's chain depths and mixing weights) are
-drawn on the host from a hash of (seed, epoch, sample), as the crops are (`policy_draws`), so an image is augmented
-the same way by any process at any process count and after a resume; `apply_policy` then runs them on a whole uint8
-batch at once, each op once per batch on the images that drew it: on the device after the crop and flip for images
-cropped there, in the loader's workers for crops cut as they are decoded (--augment resized-crop).
-Written by hand because torchvision's classes draw from the global RNG and apply one op, at one magnitude, to a whole
-batch. Each op gives torchvision.transforms.v2.functional's result for each image at its own magnitude (within 1 level
-of 255, tests/test_policies.py); Equalize is torchvision's own, which works per image already.
-
-`BatchTransform` turns the loader's uint8 (B, 3, S, S) batch (NHWC memory, after the 4x smaller than float transfer)
-into the model's normalised float input, with each image's drawn crop and flip, its policy, its erasing and the
-batch's mixing. In NHWC a row of an image is one contiguous run of bytes, so a crop is a copy of S rows, not of
-S x S pixels."""
+"""The batch's transforms on uint8 pixels, drawn per image by (seed, epoch, sample).
+--auto-augment's per-image policies: torchvision's TrivialAugmentWide (`ta_wide`), RandAugment (`ra`) and AugMix
+(`augmix`), with the ops, magnitudes and spaces of torchvision.transforms.v2. Each image's ops are drawn on the host
+(`policy_draws`), then `apply_policy` runs each op once per batch on the images that drew it: on the device, or in the
+loader's workers for crops cut as they are decoded. Written by hand because torchvision's classes draw from the global
+RNG and apply one op at one magnitude to a whole batch; each op gives torchvision's per-image result within 1 level
+(tests/test_policies.py).
+`BatchTransform` turns the loader's uint8 NHWC batch into the model's normalised float input: crop, flip, policy,
+erasing and mixing. In NHWC an image row is one contiguous run, so a crop copies S rows, not S x S pixels."""
 
 from __future__ import annotations
 
@@ -38,8 +29,7 @@ BINS = {"ta_wide": 31, "ra": 31, "augmix": 10}  # each policy's magnitude bins, 
 
 @dataclass(frozen=True)
 class Policy:
-    """--auto-augment and its strengths: RandAugment's op count and magnitude bin (of 31), AugMix's severity (its
-    magnitudes drawn from the first `severity` of 10 bins)."""
+    """--auto-augment and its strengths (RandAugment's op count and bin of 31; AugMix's severity of 10)."""
     name: str
     ra_ops: int = 2
     ra_magnitude: int = 9
@@ -54,9 +44,8 @@ def augment_policy(cfg) -> Policy | None:
 
 
 def space(name: str, size: int) -> dict[str, tuple[np.ndarray | None, bool]]:
-    """torchvision's augmentation space of a policy on S x S images: op -> (the magnitude of each bin, or None for an
-    op without one; whether its sign is drawn). The bins from torch.linspace, as torchvision's, so the values are its
-    float32 values."""
+    """torchvision's augmentation space on S x S images: op -> (each bin's magnitude, or None; whether its sign is
+    drawn), the bins from torch.linspace as torchvision's."""
     bins = BINS[name]
     shear, translate, rotate, color, bits, span = {
         "ta_wide": (0.99, 32.0, 135.0, 0.99, 8, 6),
@@ -79,12 +68,9 @@ def space(name: str, size: int) -> dict[str, tuple[np.ndarray | None, bool]]:
 
 
 def draw_ops(seed: int, epoch: int, indices, policy: Policy, size: int):
-    """Each sample's ops: (op index into OPS (layers, n), signed magnitude (layers, n), AugMix's weights (n, 1 +
-    chains) or None, layers per chain), a function of (seed, epoch, sample index) only. TrivialAugmentWide: one op
-    uniform over its 14, a magnitude bin uniform over 31; RandAugment: --ra-ops ops uniform over the same 14, each
-    at bin --ra-magnitude; AugMix: 3 chains of depth uniform in 1-3, each op uniform over its 13 and its bin uniform
-    in the first --augmix-severity of 10, the image's weight m ~ Beta(1, 1) and the chains' Dirichlet(1, 1, 1) x
-    (1 - m). A signed op's magnitude is negated with chance 1/2."""
+    """Each sample's ops, from (seed, epoch, sample index) only: (op index into OPS, signed magnitude (both (layers,
+    n)), AugMix's weights (n, 1 + chains) or None, layers per chain), drawn as torchvision's policies draw them; a
+    signed op's magnitude negated with chance 1/2."""
     table, bins = space(policy.name, size), BINS[policy.name]
     ids = np.array([OPS.index(name) for name in table])  # the policy's ops, as indices into OPS
     values = np.stack([np.zeros(bins) if v is None else v for v, _ in table.values()])  # (ops, bins)
@@ -135,10 +121,8 @@ def inverse_affine(center, angle, translate, shear) -> np.ndarray:
 
 
 def op_params(op: np.ndarray, magnitude: np.ndarray, size: int) -> np.ndarray:
-    """Each image's parameters for its op at its magnitude, as torchvision's AutoAugment classes pass them to the
-    functional ops (`_apply_image_or_video_transform`): the inverse affine matrix of the geometric ops (shears about
-    the corner, translations by whole pixels, rotations about the centre), 1 + magnitude and its complement for the
-    colour ops, posterize's bit mask, solarize's threshold (255 x magnitude)."""
+    """Each image's parameters for its op, as torchvision's AutoAugment passes them: the inverse affine matrix of a
+    geometric op, 1 + magnitude for a colour op, posterize's mask, solarize's threshold."""
     n, m = len(op), magnitude
     params = np.zeros((n, 6))
     is_op = {name: op == OPS.index(name) for name in OPS}
@@ -161,8 +145,7 @@ def op_params(op: np.ndarray, magnitude: np.ndarray, size: int) -> np.ndarray:
 
 
 def policy_draws(seed: int, epoch: int, indices, policy: Policy, size: int) -> PolicyDraws:
-    """A training batch's policy draws (draw_ops), grouped by op for `apply_policy`: on the host, beside the crop
-    draws (numpy; no device sync)."""
+    """A training batch's policy draws, grouped by op for `apply_policy`; on the host (no device sync)."""
     ops, magnitudes, weights, depth = draw_ops(seed, epoch, indices, policy, size)
     orders, params, counts = [], [], []
     for op, magnitude in zip(ops, magnitudes):
@@ -175,13 +158,9 @@ def policy_draws(seed: int, epoch: int, indices, policy: Policy, size: int) -> P
                        "bilinear" if policy.name == "augmix" else "nearest")
 
 
-# ----------------------------------------------------------------------------------------------------
-# The ops on uint8 (m, 3, S, S) batches, each image with its own parameters (m, 6)
-# ----------------------------------------------------------------------------------------------------
-
 def affine(images: torch.Tensor, theta: torch.Tensor, mode: str) -> torch.Tensor:
-    """torchvision's tensor affine (its _affine_grid and _apply_grid_transform, no fill: zeros), one matrix per
-    image. Every constant made on the device or as a Python number: no copy from the host, so no sync."""
+    """torchvision's tensor affine (zero fill), one matrix per image; every constant made on the device or as a number,
+    so no host copy and no sync."""
     m, _, h, w = images.shape
     dev = images.device
     xs = torch.linspace((1.0 - w) * 0.5, (w - 1.0) * 0.5, steps=w, device=dev)
@@ -217,8 +196,7 @@ def sharpen(images: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
 
 
 def autocontrast(images: torch.Tensor) -> torch.Tensor:
-    """torchvision's autocontrast (each channel of each image stretched to 0-255), with torch.where where it assigns
-    through a boolean mask (a host sync on a GPU)."""
+    """torchvision's autocontrast per image and channel, with torch.where for its masked assignment (no sync)."""
     x = images.float()
     low, high = x.amin(dim=(-2, -1), keepdim=True), x.amax(dim=(-2, -1), keepdim=True)
     flat = high == low
@@ -251,8 +229,7 @@ def run_op(name: str, images: torch.Tensor, params: torch.Tensor, mode: str) -> 
 
 
 def apply_policy(images: torch.Tensor, draws: PolicyDraws) -> torch.Tensor:
-    """uint8 (n, 3, S, S) -> the batch with each image's drawn ops applied (AugMix: its chains mixed by its weights,
-    truncated to uint8 as torchvision's), channels-last."""
+    """uint8 (n, 3, S, S) with each image's drawn ops applied (AugMix: chains mixed by its weights)."""
     chains = len(draws.order) // draws.depth
     mixed = None if draws.weights is None else images.float() * draws.weights[:, 0].view(-1, 1, 1, 1)
     for chain in range(chains):
@@ -272,17 +249,14 @@ def apply_policy(images: torch.Tensor, draws: PolicyDraws) -> torch.Tensor:
 
 
 class BatchTransform:
-    """uint8 (B, 3, S, S) on the device -> normalised float batch (the data's per-channel mean and std, in [0, 1]);
-    given a training batch's draws (`augment_draws`), first a crop of each image (zero padding of `pad` pixels:
-    crop_padding(S)) and its horizontal flip. Works in NHWC (channels-last) memory, which the loader delivers;
-    --no-channels-last gets NCHW at the end. Holds no random state: the draws come with the batch. `num_classes`:
-    the width of the soft targets under mixing."""
+    """uint8 (B, 3, S, S) on the device -> the normalised float batch; with a training batch's draws, first each image's
+    crop (zero padding `pad`) and flip. Works in NHWC memory; holds no random state. `num_classes`: the soft targets'
+    width under mixing."""
 
     def __init__(self, device: torch.device, channels_last: bool, *, mean: tuple[float, ...], std: tuple[float, ...],
                  pad: int = 4, num_classes: int | None = None):
         self.channels_last, self.pad, self.num_classes = channels_last, pad, num_classes
-        # (x - mean) / std as one fused x * scale + shift over rows of W pixels x 3 channels: with a
-        # per-channel (3,) operand the innermost loop would be 3 long (5x slower on CPU than this).
+        # (x - mean) / std as one x * scale + shift over rows of W x 3 values (a (3,) operand: 5x slower on CPU)
         std, mean = torch.tensor(std, device=device) * 255, torch.tensor(mean, device=device) * 255
         self.scale, self.shift = 1 / std, -mean / std
         self.row_scale_shift = {}  # width -> (scale, shift) tiled along a row
@@ -313,11 +287,8 @@ class BatchTransform:
         return x if self.channels_last else x.contiguous()
 
     def train(self, images: torch.Tensor, labels: torch.Tensor, draws: Draws | None = None):
-        """A training batch -> (the model's input, the loss's targets): the labels, or with mixing draws
-        (`mix_draws`) class probabilities (num_classes wide), each image's label and its partner's weighted by the
-        share of the partner in the mixed image. Mixed after the crop, flip and normalisation, as torchvision's
-        MixUp and CutMix mix a batch of augmented tensors. Random erasing (`erase_draws`) before the mixing, on the
-        normalised images, as torchvision's reference recipes place RandomErasing in each image's transform."""
+        """A training batch -> (input, targets): the labels, or under mixing each image's label and its partner's
+        weighted by their shares. Erasing on the normalised images, then mixing, as torchvision's recipes order them."""
         x = self(images, *(None, None) if draws is None else (draws.flip_crop, draws.policy))
         if draws is not None and draws.erasing is not None:
             x = self.erase(x, *draws.erasing)
@@ -330,8 +301,7 @@ class BatchTransform:
         pasted = (rows >= y0) & (rows < y1) & (cols >= x0) & (cols < x1)  # cutmix: the partner's pixels there
         nhwc = x.permute(0, 2, 3, 1)  # a view of channels-last memory: index_select keeps that layout
         theirs = nhwc.index_select(0, partner)
-        # each value's share of the partner: 1 - lambda (mixup), 1 inside a cutmix box, else 0; lerp gives either
-        # image exactly at 0 and 1. Spelled out to the full shape: lerp's broadcast (and torch.where's) ran 2x slower.
+        # each value's share of the partner (1 - lambda, or 1 in a cutmix box); the full shape: a broadcast is 2x slower
         share = (weight.view(n, 1, 1) + pasted).unsqueeze(3).expand(n, h, w, c).contiguous()
         mixed = torch.lerp(nhwc, theirs, share).permute(0, 3, 1, 2)
         if not self.channels_last:
@@ -341,9 +311,8 @@ class BatchTransform:
         return mixed, torch.lerp(own, own.index_select(0, partner), partner_share.view(n, 1))
 
     def erase(self, x: torch.Tensor, box: torch.Tensor, seed: int) -> torch.Tensor:
-        """Each image's drawn box (y0, y1, x0, x1; empty: not erased) filled with standard normal values, as
-        torchvision's RandomErasing(value="random") fills it on a normalised image; the values from a generator on
-        the device seeded by the batch's draws, so they are the same at any process count and after a resume."""
+        """Each image's drawn box (y0, y1, x0, x1; empty: none) filled with standard normal values
+        (RandomErasing(value="random")), from a device generator seeded by the batch's draws."""
         n, c, h, w = x.shape
         rows, cols = torch.arange(h, device=x.device).view(1, h, 1), torch.arange(w, device=x.device).view(1, 1, w)
         y0, y1, x0, x1 = (box[:, i].view(n, 1, 1) for i in range(4))
@@ -354,17 +323,11 @@ class BatchTransform:
         return erased.contiguous(memory_format=torch.channels_last if self.channels_last else torch.contiguous_format)
 
     def crop_and_flip(self, images: torch.Tensor, draws: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """Each image: its crop at the drawn offset of its zero-padded self, mirrored if drawn so.
-
-        Written with plain tensor ops because torchvision's v2 transforms draw one crop for the whole batch.
-        1. The batch goes into the interior of a canvas whose zero border is written once. The images to
-           mirror go mirrored into the canvas' second half: mirroring is the expensive step in NHWC (3-byte
-           pixels), so only those images pay for it.
-        2. ONE index_select of B x H row windows (each W x 3 contiguous bytes of the canvas) crops all images.
-        The result is a view of a buffer that the next call overwrites (`__call__` reads it at once): fresh
-        buffers per batch cost page faults on CPU (reusing this one and the mirror's took P2 from 48x to 52x).
-        draws: (mirrored, crop) from `augment_draws`, on the images' device.
-        """
+        """Each image cropped at its drawn offset of its zero-padded self, mirrored if drawn. Written with plain tensor
+        ops because torchvision's v2 transforms draw one crop per batch. The batch goes into a canvas whose zero border
+        is written once, the images to mirror mirrored into its second half (mirroring is the costly step in NHWC); then
+        one index_select of B x H row windows crops them all. The result is a view of a buffer the next call overwrites
+        (fresh buffers cost page faults on CPU)."""
         n, c, h, w = images.shape
         p, dev = self.pad, images.device
         if self.canvas is None or self.canvas.shape != (2 * n, h + 2 * p, w + 2 * p, c) or self.canvas.device != dev:
