@@ -98,8 +98,8 @@ def train_view(im, box, mirrored: bool, size: int, recipe: CropRecipe, reduce: b
 
 
 def eval_view(im, size: int, recipe: CropRecipe, reduce: bool = True) -> np.ndarray:
-    """The evaluation view: shorter side resized to int(S / eval_crop) (as torchvision's Resize(int)), then the centre S
-    x S (an odd margin's extra pixel before the crop, as torchvision and timm)."""
+    """The evaluation view: shorter side resized to int(S / eval_crop) (as torchvision's Resize(int)), then the
+    centre S x S (an odd margin's extra pixel before the crop, as torchvision and timm)."""
     import torchvision.transforms.v2.functional as TF
 
     width, height = upright_size(im)
