@@ -166,7 +166,7 @@ def decoded(im, box, out: tuple[int, int], reduce: bool = True):
         scale = round(width / drafted[1][2]) if drafted else 1
     end = stored_end(tag, box, (full_width, full_height)) / scale if jpeg else math.inf
     rgb = first_rows(im, math.ceil(end), request) if end < im.size[1] else im
-    rgb = rgb if rgb.mode == "RGB" else as_rgb(rgb)  # (as it is: converting copies it)
+    rgb = rgb if rgb.mode == "RGB" else as_rgb(rgb)  # kept: as_rgb copies (a Dataset's own image stays open)
     if tag == 1:
         return rgb, scale, box if scale == 1 else tuple(v / scale for v in box)
     method, (back_x, back_y) = UPRIGHT[tag]
