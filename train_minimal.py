@@ -30,6 +30,7 @@ from accelerate.utils import ProjectConfiguration, set_seed
 
 from utils import UserError, process_count_problem
 from utils.cli import FlagParser, write_config_file
+from utils.config_groups import sweep_trial
 from utils.data.decode import load_source
 from utils.data.draws import crop_padding
 from utils.data.loaders import check_one_batch, make_loader, take_prefix
@@ -58,7 +59,9 @@ def parse_config(argv=None) -> argparse.Namespace:
                    choices=["wandb", "tensorboard", "none"], help="wandb, tensorboard or none")
     p.add_argument("--resume", nargs="?", const="auto", choices=["auto"],
                    help="continue from the newest epoch checkpoint in --output-dir (fresh if none); `auto` optional")
-    args = p.parse_args(argv)
+    args = p.parse_args(argv)  # also W&B sweep agents' spelling: --batch_size=64, a boolean's --flag=True
+    if (trial := sweep_trial()) is not None:  # a W&B sweep agent's trial: its own folder, continued when restarted
+        args.output_dir, args.resume = str(Path(args.output_dir) / trial), args.resume or "auto"
     for name in ("epochs", "batch_size", "lr", "grad_accum", "train_subset", "eval_subset"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise UserError(f"--{name.replace('_', '-')} must be positive (got {getattr(args, name)}).")
@@ -102,6 +105,8 @@ def main(args: argparse.Namespace) -> dict:
     lr = args.lr * global_batch / REFERENCE_BATCH  # PITFALL (LR not scaled): linear scaling rule
     accelerator.print(f"{world} process(es), {accelerator.distributed_type.value}, mixed precision "
                       f"{accelerator.mixed_precision}; global batch {global_batch}, lr {lr:g}")
+    if os.environ.get("WANDB_SWEEP_ID"):
+        accelerator.print(f"W&B sweep {os.environ['WANDB_SWEEP_ID']}: this trial trains in {out}")
 
     # Data: whole splits as uint8 tensors (decoded once, cached); prepare() shards them over the processes.
     data = load_source(args.data_dir, None if args.data_dir else "uoft-cs/cifar10")  # decoded once per machine
@@ -138,7 +143,8 @@ def main(args: argparse.Namespace) -> dict:
         start_epoch = accelerator.project_configuration.iteration = int(done[-1].name.split("_")[1]) + 1
         accelerator.print(f"resumed from {done[-1]}: epoch {start_epoch + 1}")
     config = {**vars(args), "model": "resnet18", "world_size": world, "global_batch": global_batch, "effective_lr": lr}
-    accelerator.init_trackers("cifar10-accelerate", config, init_kwargs={"wandb": {"dir": str(out)}})  # W&B files
+    project = os.environ.get("WANDB_PROJECT", "cifar10-accelerate")
+    accelerator.init_trackers(project, config, init_kwargs={"wandb": {"dir": str(out)}})  # W&B files
     if accelerator.is_main_process:
         write_config_file(vars(args), out)  # the flags: --config RUN/config.yaml --output-dir NEW repeats the run
 

@@ -478,9 +478,10 @@ def _tree(folder: Path) -> dict:
     (["--resume", "/nonexistent/step-1"], "--resume /nonexistent/step-1 does not exist"),
     (["--resume", "{data}"], "is not a usable checkpoint: no trainer_state.json: not a checkpoint"),
     (["--resume", "{ckpt}", "--model", "resnet18"],
-     "holds weights of --model resnet8; this run builds --model resnet18"),
+     'was trained with other values (model "resnet8" there, "resnet18" here)'),
     (["--keep-last", "0"], "--keep-last must be positive (got 0)"),
-    (["--model", "resnet8", "--lr", "0.2"], "holds checkpoints of an earlier run with another config (lr)"),
+    (["--model", "resnet8", "--lr", "0.2"], "holds checkpoints of an earlier run trained with other values (lr 0.1 "
+     "there, 0.2 here); use another --output-dir, or --overwrite to delete it and start over."),
 ])
 def test_bad_resume_input_stops_with_one_line_and_deletes_nothing(small_run, extra, message):
     data, out = small_run
@@ -493,6 +494,22 @@ def test_bad_resume_input_stops_with_one_line_and_deletes_nothing(small_run, ext
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], result.stderr[-3000:]
     assert _tree(out) == before
+
+
+def test_a_resume_with_other_values_stops_in_one_line_naming_them_and_rewrites_nothing(small_run):
+    """Not only in sweeps: --resume auto on a finished run's folder with another lr and weight decay stops with one
+    line naming both values (never 'nothing to train' for a config it did not train); the folder is unchanged."""
+    data, out = small_run
+    before = _tree(out)
+    result = run_train(["--data-dir", str(data), "--output-dir", str(out), "--model", "resnet8", "--batch-size", "16",
+                        "--epochs", "1", "--tracker", "none", "--cache-dir", str(data.parent / "cache"),
+                        "--resume", "auto", "--lr", "0.05", "--weight-decay", "0.001"])
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: --resume auto: {out / 'checkpoints' / 'step-00000004'} was trained with other values "
+                      f"(lr 0.1 there, 0.05 here; weight_decay 0.0005 there, 0.001 here); give the same values to "
+                      f"continue it, or start another run in another --output-dir."], result.stderr[-3000:]
+    assert "nothing to train" not in result.stdout and _tree(out) == before
 
 
 def test_a_checkpoint_from_before_sample_keyed_augmentation_is_refused_in_one_line_and_kept(small_run, tmp_path):

@@ -28,7 +28,7 @@ SCRIPTS = {"train_cifar.py": train_cifar.parse_config, "train_vit.py": train_vit
     (["--epoks", "1"], "--epoks: not a flag of this script; did you mean --epochs?"),
     (["--num_train_epochs", "3"], "--num_train_epochs: not a flag of this script; did you mean --epochs?"),
     (["--learning-rate", "0.1"], "--learning-rate: not a flag of this script; did you mean --lr?"),
-    (["--data_dir", "x"], "--data_dir: not a flag of this script; did you mean --data-dir?"),
+    (["--output_dri=x"], "--output_dri: not a flag of this script; did you mean --output-dir?"),
     (["--qqqq"], "--qqqq: not a flag of this script (--help lists them)."),
 ])
 def test_a_flag_is_taken_by_its_whole_name_only_and_an_unknown_one_names_the_nearest(script, argv, line):
@@ -37,6 +37,26 @@ def test_a_flag_is_taken_by_its_whole_name_only_and_an_unknown_one_names_the_nea
     with pytest.raises(UserError) as e:
         SCRIPTS[script](argv)
     assert str(e.value) == line
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_flags_spelled_as_config_keys_and_booleans_with_values_parse_as_a_sweep_agent_passes_them(script):
+    """A W&B sweep agent's ${args}: every parameter `--key=value`, named as its config key (`--batch_size`), a boolean
+    `--flag=True` or `--flag=False` (true/false, 1/0, yes/no); each parses as the flag's own spelling does, and a
+    boolean's other value is one line."""
+    parse = SCRIPTS[script]
+    assert vars(parse(["--batch_size=8", "--output_dir=runs/a_b"])) == vars(parse(["--batch-size", "8", "--output-dir",
+                                                                                  "runs/a_b"]))
+    if script == "train_minimal.py":
+        return  # no boolean flag
+    for word, value in [("True", True), ("False", False), ("true", True), ("0", False), ("1", True), ("no", False)]:
+        cfg = parse([f"--decay_exemptions={word}", f"--deterministic={word}", f"--overwrite={word}"])
+        assert (cfg.decay_exemptions, cfg.deterministic, cfg.overwrite) == (value, value, value)
+    assert asdict(parse(["--deterministic", "--no-decay-exemptions"])) == asdict(parse(["--deterministic=True",
+                                                                                      "--decay_exemptions=False"]))
+    with pytest.raises(UserError) as e:
+        parse(["--deterministic=maybe"])
+    assert str(e.value) == "--deterministic takes true or false (got 'maybe')."
 
 
 def test_a_flag_error_under_the_launcher_is_printed_once_and_is_the_reports_root_cause():
@@ -156,3 +176,18 @@ def test_a_finished_run_without_its_summary_writes_its_outputs_again_from_its_la
     summary = read_summary(out)
     assert summary["eval_top1"] == original["eval_top1"] and summary["global_step"] == 16
     assert (out / "model.safetensors").read_bytes() == weights
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_trial_of_a_sweep_agent_trains_in_its_run_ids_folder_and_one_without_a_run_id_is_one_line(script,
+                                                                                                    monkeypatch):
+    """Under a W&B sweep agent (WANDB_SWEEP_ID set) the output folder is <--output-dir>/<WANDB_RUN_ID>, continued
+    (--resume auto) unless --resume says otherwise; WANDB_SWEEP_ID without a run id is one line."""
+    monkeypatch.setenv("WANDB_SWEEP_ID", "sweeptst")
+    monkeypatch.setenv("WANDB_RUN_ID", "abc123xy")
+    cfg = SCRIPTS[script](["--output_dir=runs/sweep"])
+    assert (cfg.output_dir, cfg.resume) == (str(Path("runs/sweep/abc123xy")), "auto")
+    monkeypatch.setenv("WANDB_SWEEP_ID", "sweeptst")
+    monkeypatch.delenv("WANDB_RUN_ID", raising=False)
+    with pytest.raises(UserError, match="WANDB_SWEEP_ID is set, but WANDB_RUN_ID is '', not a W&B run id"):
+        SCRIPTS[script]([])

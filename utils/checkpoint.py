@@ -54,6 +54,14 @@ if TYPE_CHECKING:
 STATE_FILE = "trainer_state.json"
 FORMAT = 3  # 3: the best evaluation by any metric, the loss terms' sums (2: by top-1; 1: per-rank augmentation)
 NAME = re.compile(r"step-(\d{8})")
+# Flags that say how a job runs, how long, or what it reports, not what it trains: a resumed run may give them other
+# values (the batch flags: utils.plan keeps the checkpoint's global batch on another process count). Any other
+# difference stops the resume, naming the values.
+HOW_A_JOB_RUNS = {"resume", "overwrite", "output_dir", "cache_dir", "epochs", "max_steps", "batch_size", "grad_accum",
+                  "global_batch_size", "decode", "decode_workers", "data_workers", "read_ahead", "dist_timeout",
+                  "deterministic", "compile", "profile", "init_from", "keep_last", "checkpoint_every_steps",
+                  "eval_every_steps", "ema_decay", "metric", "tracker", "wandb_project", "run_name", "group", "tags",
+                  "log_every", "progress_every", "push_to_hub"}
 
 
 def _sha256(path: Path) -> str:
@@ -267,32 +275,38 @@ class Checkpointer:
 
     def resume_point(self) -> Path | None:
         """The checkpoint to continue from (--resume auto or a folder), None to start fresh; refuses to start over
-        another run's checkpoints unless --overwrite."""
+        another run's checkpoints unless --overwrite, and to continue a run trained with other values."""
         resume = self.config["resume"]
         if resume is None:
             earlier = finished(self.root)
             if earlier and not self.config["overwrite"]:
-                theirs = read_state(earlier[-1]).get("config", {})
-                differ = [k for k, v in self._compared(self.config).items() if theirs.get(k, v) != v]
-                other = f" with another config ({', '.join(differ)})" if differ else ""
-                raise UserError(f"{self.root.parent} holds checkpoints of an earlier run{other}; pass --resume auto to "
-                                f"continue it, --overwrite to start over, or another --output-dir.")
+                differ = self.differences(read_state(earlier[-1]).get("config", {}))
+                advice = ("use another --output-dir, or --overwrite to delete it and start over" if differ else
+                          "pass --resume auto to continue it, --overwrite to start over, or another --output-dir")
+                raise UserError(f"{self.root.parent} holds checkpoints of an earlier run"
+                                f"{f' trained with other values ({differ})' if differ else ''}; {advice}.")
             return None
         if resume == "auto":
-            self.last = newest_sound(self.root, warn=lambda m: self.accelerator.print(f"warning: {m}"))
-            return self.last
-        path = Path(resume)
-        if not path.is_dir():
-            raise UserError(f"--resume {path} does not exist (or is not a folder).")
-        why = problem(path)
-        if why is not None:
-            raise UserError(f"--resume {path} is not a usable checkpoint: {why}.")
-        theirs = read_state(path)["config"].get("model")
-        if theirs != self.config.get("model"):
-            raise UserError(f"--resume {path} holds weights of --model {theirs}; this run builds --model "
-                            f"{self.config.get('model')}.")
+            path = newest_sound(self.root, warn=lambda m: self.accelerator.print(f"warning: {m}"))
+        else:
+            path = Path(resume)
+            if not path.is_dir():
+                raise UserError(f"--resume {path} does not exist (or is not a folder).")
+            why = problem(path)
+            if why is not None:
+                raise UserError(f"--resume {path} is not a usable checkpoint: {why}.")
+        if path is not None and (differ := self.differences(read_state(path).get("config", {}))):
+            raise UserError(f"--resume {resume}: {path} was trained with other values ({differ}); give the same "
+                            f"values to continue it, or start another run in another --output-dir.")
         self.last = path
         return path
+
+    def differences(self, theirs: dict) -> str:
+        """The values, other than HOW_A_JOB_RUNS, in which a checkpoint's config `theirs` differs from this run's
+        ('lr 0.1 there, 0.05 here; ...'; empty when none). A key the checkpoint lacks (a field added since) is
+        taken as equal."""
+        return "; ".join(f"{k} {json.dumps(theirs[k])} there, {json.dumps(v)} here" for k, v in self.config.items()
+                         if k not in HOW_A_JOB_RUNS and theirs.get(k, v) != v)
 
     def finished_run(self, folder: Path | None) -> dict | None:
         """The summary of a finished run when `folder` (the resume point) is its last checkpoint: its epochs done (or
@@ -328,7 +342,8 @@ class Checkpointer:
         saved = load(self.accelerator, folder)
         if self.ema is not None:
             self.ema.load(folder)
-        changed = [k for k, v in self._compared(self.config).items() if saved["config"].get(k) != v]
+        changed = [k for k, v in self.config.items() if k not in ("resume", "overwrite", "output_dir", "cache_dir")
+                   and saved["config"].get(k, v) != v]  # not how it starts, nor where (a run's folder may move)
         if changed:
             self.accelerator.print(f"warning: resuming with a changed config: {', '.join(changed)}")
         scheduler.load_state_dict(saved["scheduler"])
@@ -399,8 +414,3 @@ class Checkpointer:
         if self.accelerator.is_main_process:
             rotate(self.root, self.keep_last, keep={progress.best_checkpoint})
         return self.last
-
-    @staticmethod
-    def _compared(config: dict) -> dict:
-        """The config but how a job starts and where a run's files are kept (a run folder may be moved)."""
-        return {k: v for k, v in config.items() if k not in ("resume", "overwrite", "output_dir", "cache_dir")}

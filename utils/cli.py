@@ -7,8 +7,10 @@ and written to summary.json.
 
 `FlagParser`, the parser of every script: whole flag names only (no abbreviations: a flag added later must not
 change what an old command means); a flag it does not know is one line naming the nearest ones (and the names the
-transformers and Accelerate examples use for ours); `--config FILE.yaml` takes flags from a file (keys: the flags'
-names with underscores, as the run's config.yaml holds them), the command line winning."""
+transformers and Accelerate examples use for ours); a flag may also be spelled as its config key (`--weight_decay`)
+and a boolean one given a value (`--tta-flip=True`), as a W&B sweep agent's `${args}` passes them; `--config
+FILE.yaml` takes flags from a file (keys: the flags' names with underscores, as the run's config.yaml holds them), the
+command line winning."""
 
 from __future__ import annotations
 
@@ -61,6 +63,7 @@ def groups(config_class) -> dict[str, tuple[str, str]]:
 
 # The flag names of the transformers and Accelerate examples (run_image_classification.py, nlp_example.py) -> ours;
 # their --output_dir, --data_dir, --seed ...: ours with hyphens (FlagParser.suggest)
+BOOLEANS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 OTHER_NAMES = {"--num_train_epochs": "--epochs", "--num_epochs": "--epochs", "--learning_rate": "--lr",
                "--learning-rate": "--lr", "--per_device_train_batch_size": "--batch-size",
                "--train_batch_size": "--batch-size", "--gradient_accumulation_steps": "--grad-accum",
@@ -83,18 +86,37 @@ class FlagParser(argparse.ArgumentParser):
         raise UserError(f"{message}.") from None
 
     def parse_args(self, args=None, namespace=None):
-        argv = self.with_file(list(sys.argv[1:] if args is None else args))
+        argv = self.with_file(self.as_written(list(sys.argv[1:] if args is None else args)))
         parsed, unknown = self.parse_known_args(argv, namespace)
         if unknown:
             raise UserError("; ".join(self.suggest(a) for a in unknown if a.startswith("-")) or
                             f"unrecognized arguments: {' '.join(unknown)}.")
         return parsed
 
+    def as_written(self, argv: list[str]) -> list[str]:
+        """argv with each flag spelled as this parser declares it: a config key's spelling (`--weight_decay`, the
+        name a W&B sweep's parameter has) as the flag's (`--weight-decay`), and a boolean flag's value
+        (`--tta-flip=True`, as a sweep agent's ${args} passes it; true/false, 1/0, yes/no) as `--tta-flip` or
+        `--no-tta-flip`."""
+        known, written = self._option_string_actions, []
+        for word in argv:
+            name, eq, value = word.partition("=")
+            if name.startswith("--") and name not in known and name.replace("_", "-") in known:
+                name = name.replace("_", "-")
+            action = known.get(name)
+            if eq and isinstance(action, argparse.BooleanOptionalAction) and name == action.option_strings[0]:
+                if value.lower() not in BOOLEANS:
+                    raise UserError(f"{name} takes true or false (got {value!r}).")
+                written.append(name if BOOLEANS[value.lower()] else action.option_strings[1])
+            else:
+                written.append(name + eq + value if name.startswith("--") else word)
+        return written
+
     def suggest(self, flag: str) -> str:
         """'--epoks: did you mean --epochs?', or the flag alone when nothing is near."""
         name, known = flag.split("=")[0], [o for a in self._actions for o in a.option_strings if o.startswith("--")]
         ours = OTHER_NAMES.get(name) or (name.replace("_", "-") if name.replace("_", "-") in known else None)
-        near = [ours] if ours in known else difflib.get_close_matches(name, known, n=3, cutoff=0.7)
+        near = [ours] if ours in known else difflib.get_close_matches(name.replace("_", "-"), known, n=3, cutoff=0.7)
         return f"{name}: not a flag of this script" + (f"; did you mean {' or '.join(near)}?" if near else
                                                        " (--help lists them).")
 
@@ -186,7 +208,8 @@ def parse(config_class, argv: list[str] | None, description: str, presets: dict[
     if presets:
         first = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # the recipe's defaults must be in place
         first.add_argument("--recipe")  # before --help; the main parser checks its value
-        recipe = first.parse_known_args(parser.with_file(list(sys.argv[1:] if argv is None else argv)))[0].recipe
+        given = parser.as_written(list(sys.argv[1:] if argv is None else argv))
+        recipe = first.parse_known_args(parser.with_file(given))[0].recipe
         recipe = recipe if recipe in presets else None
         if recipe:
             parser.set_defaults(**presets[recipe])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -197,6 +198,8 @@ class CheckpointConfig(Group):
 
     def validate(self) -> None:
         check_ranges(self, positive=["checkpoint_every_steps", "keep_last", "dist_timeout"], non_negative=[])
+        if (trial := sweep_trial()) is not None:  # each trial its own folder, continued when the agent restarts it
+            self.output_dir, self.resume = str(Path(self.output_dir) / trial), self.resume or "auto"
         super().validate()
 
 
@@ -254,6 +257,18 @@ DATA_LAYOUTS = ("--data-dir takes a folder of train-*.parquet / test-*.parquet f
 def is_url(path: str | None) -> bool:
     """Whether --data-dir names shards at a URL (s3://, hf://, https://: read through fsspec, utils/data/stream.py)."""
     return path is not None and "://" in path
+
+
+def sweep_trial() -> str | None:
+    """Under a W&B sweep agent (WANDB_SWEEP_ID set): its run id for this trial (WANDB_RUN_ID), the name of the
+    trial's folder in --output-dir; else None."""
+    if not os.environ.get("WANDB_SWEEP_ID"):
+        return None
+    run_id = os.environ.get("WANDB_RUN_ID", "")
+    if not re.fullmatch(r"\w[\w.-]*", run_id):
+        raise UserError(f"WANDB_SWEEP_ID is set, but WANDB_RUN_ID is {run_id!r}, not a W&B run id: start a sweep's "
+                        f"trials with `wandb agent SWEEP_ID`, which sets both.")
+    return run_id
 
 
 def check_source(data_dir: str | None, dataset: str | None, val_fraction: float | None,

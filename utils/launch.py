@@ -172,6 +172,9 @@ def print_setup(accelerator, cfg, plan, lr: float) -> None:
     given, defaults = (json.loads(json.dumps(asdict(c))) for c in (cfg, type(cfg)()))  # tuples as lists, as given
     changed = {k: v for k, v in given.items() if v != defaults[k]}
     accelerator.print(f"config: {json.dumps(changed)} (the rest at their defaults; config.yaml holds every value)")
+    if sweep := os.environ.get("WANDB_SWEEP_ID"):  # utils.config_groups.sweep_trial chose the folder
+        accelerator.print(f"W&B sweep {sweep}: trial {os.environ['WANDB_RUN_ID']} trains in {cfg.output_dir} (started "
+                          f"again with this run id, it continues there)")
     accelerator.print(f"{world} process(es), {accelerator.distributed_type.value}, mixed precision "
                       f"{accelerator.mixed_precision}, device {accelerator.device}; global batch {plan.global_batch} ("
                       f"{plan.micro} x {world} processes x {plan.accumulation} accumulation), lr {lr:g}")

@@ -62,7 +62,11 @@ class Tracker:
         if self.kind == "tensorboard":  # its hparams take numbers, strings and booleans only
             config = {k: v if isinstance(v, int | float | str | bool) else json.dumps(v) for k, v in config.items()}
         same_run = {"id": run_id, "resume": "allow"} if run_id else {}
-        accelerator.init_trackers(self.project, config=config, init_kwargs={
+        project = self.project
+        if self.kind == "wandb" and os.environ.get("WANDB_SWEEP_ID"):  # a sweep agent's trial: its run and project
+            project, same_run = None, {"resume": "allow"} if run_id else {}  # are the agent's (W&B ignores ours)
+            config = {k: v for k, v in config.items() if k not in sweep_parameters()}  # the sweep's own, locked
+        accelerator.init_trackers(project, config=config, init_kwargs={
             "wandb": {**{k: v for k, v in self.wandb_args.items() if v}, **same_run}})
         if self.kind == "wandb" and accelerator.is_main_process:
             self.wandb_run = accelerator.get_tracker("wandb", unwrap=True)
@@ -333,6 +337,17 @@ def wandb_offline_without_credentials() -> None:
         pass
     os.environ["WANDB_MODE"] = "offline"
     print("wandb: no credentials found; logging offline (upload later with `wandb sync`)", file=sys.stderr)
+
+
+def sweep_parameters() -> set[str]:
+    """The names of the parameters a W&B sweep agent gave this trial: the keys of the file it names in
+    WANDB_SWEEP_PARAM_PATH (none without one). W&B sets them in the run's config itself and locks them."""
+    import yaml
+
+    try:
+        return set(yaml.safe_load(Path(os.environ["WANDB_SWEEP_PARAM_PATH"]).read_text()) or {})
+    except (KeyError, OSError, yaml.YAMLError):
+        return set()
 
 
 def note_wandb_folder(run_folder: Path, output_dir: Path) -> None:
