@@ -5,6 +5,8 @@
     python compare_runs.py my-team/cifar10-accelerate/9hh2ds8k  # or W&B run paths (entity/project/run_id; needs login)
     python compare_runs.py runs/* --by-group                    # runs sharing --group: mean +/- std over seeds
     python compare_runs.py runs/* --baseline lr0.1              # does each other group beat lr0.1?
+    python compare_runs.py runs/sweep-lr-wd                    # a sweep's trial folders, ranked by eval/top1
+    python compare_runs.py wandb:my-team/cifar10-accelerate/sweeps/k2x9q1ab  # a W&B sweep, by its metric
 
 Prints a table (best and final eval top-1, training images/s, wall time, epochs), a warning when the runs were
 evaluated on different images (another split or number of images), and the config keys whose values differ, and
@@ -35,6 +37,8 @@ from pathlib import Path
 from utils import UserError, first_line
 
 WANDB_PATH = re.compile(r"[\w.-]+/[\w.-]+/[\w]+")
+SWEEP_PATH = re.compile(r"wandb:([\w.-]+/[\w.-]+/sweeps/\w+)")
+TRIAL_METRIC = "eval/top1:max"  # a folder of trial folders (sweeps/*.yaml's metric); W&B's sweep names its own
 
 
 @dataclass
@@ -46,6 +50,7 @@ class Run:
     history: list[dict] = field(default_factory=list)  # one dict per logged row (a step may have several), with _step
     summary: dict = field(default_factory=dict)
     folder: str | None = None  # the output folder it was read from, as given
+    sweep_metric: str | None = None  # a sweep's trial: the metric the sweep optimises, NAME:max or NAME:min
 
     def metric(self, summary_key: str | tuple[str, ...], history_key: str, pick=lambda values: values[-1]) -> float:
         """A number from the final summary (summary.json's key, or the first of several it has), else from the history
@@ -208,12 +213,35 @@ def load_wandb_api(path: str) -> Run:
                summary={k: v for k, v in api_run.summary.items()})
 
 
+def load_sweep(path: str) -> list[Run]:
+    """The runs of a W&B sweep (ENTITY/PROJECT/sweeps/ID; needs network and credentials), each with the sweep's
+    metric."""
+    import wandb
+
+    try:
+        sweep = wandb.Api().sweep(path.replace("/sweeps/", "/"))
+        metric = sweep.config.get("metric") or {}
+        runs = [Run(name=r.name, id=r.id, group=r.group, config=dict(r.config), history=list(r.scan_history()),
+                    summary=dict(r.summary.items())) for r in sweep.runs]
+    except Exception as e:  # no network, no login, no such sweep
+        raise UserError(f"cannot read W&B sweep {path}: {first_line(e) or type(e).__name__}") from None
+    goal = "min" if metric.get("goal") == "minimize" else "max"
+    return [replace(run, sweep_metric=f"{metric['name']}:{goal}" if "name" in metric else None) for run in runs]
+
+
+RUN_FILES = ("summary.json", HISTORY_FILE, "config.yaml", "wandb_runs.txt", "wandb")  # an output folder's
+
+
 def load(source: str) -> list[Run]:
     """Runs from one argument: an output folder (the W&B runs in its wandb/ or listed in its wandb_runs.txt; else its
     summary.json), a W&B run folder, or entity/project/id. An output folder's curves are its history.jsonl's, when
     it has one and one W&B run: written as each log is made, it keeps what a kill -9 took from W&B's file (its last
     seconds)."""
     path = Path(source)
+    if path.is_dir() and not any((path / name).exists() for name in RUN_FILES):
+        trials = sorted(p for p in path.iterdir() if p.is_dir() and any((p / name).exists() for name in RUN_FILES))
+        if trials:  # a folder of output folders: a sweep's trials (<output-dir>/<run id>), or seeds
+            return [replace(run, sweep_metric=TRIAL_METRIC) for trial in trials for run in load(str(trial))]
     if path.is_dir():
         root = path / "wandb" if (path / "wandb").is_dir() else path
         folders = sorted(p for p in root.glob("*run-*") if p.is_dir() and not p.is_symlink())
@@ -237,7 +265,10 @@ def load(source: str) -> list[Run]:
         return runs
     if WANDB_PATH.fullmatch(source) and not path.exists():
         return [load_wandb_api(source)]
-    raise UserError(f"{source} is neither a folder nor a W&B run path (entity/project/run_id).")
+    if sweep := SWEEP_PATH.fullmatch(source):
+        return load_sweep(sweep[1])
+    raise UserError(f"{source} is neither a folder, a W&B run path (entity/project/run_id) nor a W&B sweep "
+                    f"(wandb:entity/project/sweeps/id).")
 
 
 # ====================================================================================================
@@ -498,6 +529,40 @@ def verdicts(groups: dict[str, list[Run]], baseline: str) -> list[str]:
     return lines
 
 
+def ranking(runs: list[Run], rank_by: str) -> list[str]:
+    """The runs ranked by `rank_by` (NAME, NAME:max or NAME:min; its final value: the summary's, else the last
+    logged), then, where the best setting and the runner-up (the runs' settings but the seed; a setting's mean) each
+    ran 2 seeds or more, whether the best beats the runner-up (`verdicts`); else a line saying it cannot be told."""
+    key, _, goal = rank_by.partition(":")
+    goal = goal or ("min" if "loss" in key else "max")
+    if goal not in ("max", "min"):
+        raise UserError(f"--rank-by {rank_by}: NAME, NAME:max or NAME:min (e.g. eval/top1:max).")
+    value = {id(run): run.metric((key, key.replace("/", "_")), key) for run in runs}
+    ranked = sorted((run for run in runs if not math.isnan(value[id(run)])), key=lambda r: value[id(r)],
+                    reverse=goal == "max")
+    if not ranked:
+        return [f"no run logged {key}: nothing to rank"]
+    names = dict(zip(map(id, runs), labels(runs), strict=True))
+    lines = [f"ranked by {key} ({'highest' if goal == 'max' else 'lowest'} first, each run's final value):"]
+    lines += [f"{place:>3}. {names[id(run)]}  {value[id(run)]:.4g}" for place, run in enumerate(ranked, 1)]
+    settings: dict[str, list[Run]] = {}
+    for run in ranked:
+        settings.setdefault(json.dumps(_settings(run), sort_keys=True), []).append(run)
+    if len(settings) < 2:
+        return lines
+    keys = [k for k in differing_settings(ranked) if k != "seed"]
+    keys = [k for k in keys if k not in DERIVED_KEYS] or keys  # the flags; the derived settings follow from them
+    groups = {", ".join(f"{k} {_text(members[0].config.get(k))}" for k in keys): members
+              for members in settings.values()}
+    means = {name: statistics.fmean(value[id(run)] for run in members) for name, members in groups.items()}
+    best, runner_up = sorted(means, key=means.get, reverse=goal == "max")[:2]
+    if min(len(groups[best]), len(groups[runner_up])) < 2:
+        return [*lines, f"the best setting ({best}) and the runner-up ({runner_up}) ran {len(groups[best])} and "
+                        f"{len(groups[runner_up])} seed(s): run 2 or more of each (--seed) to tell whether it beats it"]
+    return [*lines, f"best setting by mean {key}: {best}; against the runner-up, {runner_up}:",
+            *verdicts({runner_up: groups[runner_up], best: groups[best]}, runner_up)]
+
+
 FIGURES = [  # file, x (history key; "_wall": seconds since the run's first log), y (history keys: the first a run
     # has; a run shorter than --log-every steps logged only its epoch loss), y label
     ("eval_top1_vs_epoch.png", "epoch", ("eval/top1",), "eval top-1 (%)"),
@@ -587,10 +652,16 @@ def main(argv: list[str] | None = None) -> int:
                              "the second beats the first")
     parser.add_argument("--baseline", metavar="GROUP",
                         help="compare every other group with this one (implies --by-group)")
+    parser.add_argument("--rank-by", metavar="KEY[:max|min]",
+                        help="rank the runs by this logged metric's final value (default: a sweep's metric: "
+                             f"wandb:ENTITY/PROJECT/sweeps/ID's own, {TRIAL_METRIC} for a folder of trial folders)")
     parser.add_argument("--plots", default="comparison", help="folder for the PNG plots (default: comparison)")
     args = parser.parse_args(argv)
     runs = [run for source in args.runs for run in load(source)]
     print(run_table(runs))
+    if rank_by := args.rank_by or next((run.sweep_metric for run in runs if run.sweep_metric), None):
+        print()
+        print("\n".join(ranking(runs, rank_by)))
     if (unlike := evaluated_unlike(runs)) is not None:
         print(unlike)
     print()

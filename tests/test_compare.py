@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 import subprocess
 import sys
@@ -362,3 +363,32 @@ def test_runs_evaluated_on_other_images_are_warned_in_one_line_and_runs_on_the_s
     (folders[2] / "history.jsonl").write_text('{"_step": 4, "_timestamp": 5.0, "epoch": 1, "eval/top1": 45.5}\n')
     assert compare_runs.main([*map(str, folders), "--plots", str(tmp_path / "plots")]) == 0
     assert not [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning")]
+
+
+def test_a_folder_of_trial_folders_is_ranked_by_eval_top1_and_the_best_setting_is_judged_against_the_runner_up(
+        tmp_path):
+    """A sweep's output folder (one folder per trial, as <output-dir>/<run id>): the trials ranked by their final
+    eval/top1, highest first; lr 0.2 (best mean) against lr 0.1 (runner-up), each 3 seeds, gets the paired verdict; a
+    setting run once, or an unreachable W&B sweep, is one line."""
+    specs = {f"t{lr}-{seed}": (None, {"lr": lr, "seed": seed}, summary(60.0, top1))
+             for lr, runs in ((0.1, PAIRED_A), (0.2, PAIRED_B)) for seed, top1 in runs.items()}
+    specs["t0.05-0"] = (None, {"lr": 0.05, "seed": 0}, summary(60.0, 40.0))
+    write_summary_runs(tmp_path / "sweep", specs)
+    result = compare(tmp_path / "sweep", "--plots", tmp_path / "plots")
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranked = [line.split(". ", 1)[1] for line in result.stdout.splitlines() if re.match(r"^\s+\d+\. ", line)]
+    by_top1 = sorted(specs, key=lambda name: -specs[name][2]["eval_top1"])
+    assert [line.split(" (")[0] for line in ranked] == [str(tmp_path / "sweep" / name) for name in by_top1]
+    assert [float(line.rsplit(" ", 1)[1]) for line in ranked] == [specs[name][2]["eval_top1"] for name in by_top1]
+    diffs = [PAIRED_B[s] - PAIRED_A[s] for s in range(3)]
+    low, high = interval(statistics.fmean(diffs), statistics.stdev(diffs) / math.sqrt(3), df=2)
+    assert "best setting by mean eval/top1: lr 0.2; against the runner-up, lr 0.1:" in result.stdout
+    assert verdict(result.stdout, "lr 0.2 - lr 0.1: final top-1") == (
+        f"lr 0.2 - lr 0.1: final top-1 {statistics.fmean(diffs):+.2f} points (95% interval {low:+.2f} to {high:+.2f}, "
+        f"3 paired seeds): better")
+    once = compare(*(tmp_path / "sweep" / name for name in ("t0.1-0", "t0.05-0")), "--rank-by", "eval/top1",
+                   "--plots", tmp_path / "plots")
+    assert "the best setting (lr 0.1) and the runner-up (lr 0.05) ran 1 and 1 seed(s)" in once.stdout
+    offline = compare("wandb:team/project/sweeps/abc123", "--plots", tmp_path / "plots")
+    assert offline.returncode == 2 and offline.stderr.startswith("error: cannot read W&B sweep team/project/sweeps/")
+    assert len(offline.stderr.strip().splitlines()) == 1
