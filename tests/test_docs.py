@@ -171,6 +171,8 @@ def check_command(words: list[str]) -> str | None:
         batch = next((i for i, w in enumerate(rest) if w.endswith(".sbatch")), None)
         if batch is None:
             return "sbatch without a batch script"
+        if rest[batch].endswith("sweep_agents.sbatch"):  # its arguments go to `wandb agent`
+            return check_path(rest[batch])
         return check_path(rest[batch]) or check_script(env.get("SCRIPT", "train_cifar.py"), rest[batch + 1:])
     if tool == "bash":
         if rest[0] == "bench/gpu_check.sh":
