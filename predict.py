@@ -56,7 +56,8 @@ from utils.runs import WEIGHTS, add_run_flags, build_trained_model, open_run
 
 def parse_args(argv: list[str] | None = None):
     parser = FlagParser(config_file=False, description=__doc__.splitlines()[0])
-    parser.add_argument("run", help="a run folder, one of its .safetensors files, or a Hub model repo a run pushed")
+    parser.add_argument("run", help="a run folder, one of its .safetensors files, a Hub model repo a run pushed, or "
+                        "a W&B model artifact a run logged (wandb:ENTITY/PROJECT/model-RUNID:latest)")
     parser.add_argument("images", help="an image, a folder of images (searched recursively) or a text file of image "
                         "paths")
     parser.add_argument("--output", help="the predictions: FILE.csv, or FILE.jsonl for JSON Lines; default: printed, "

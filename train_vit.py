@@ -192,7 +192,7 @@ def main(cfg: Config) -> dict:
     check_world(accelerator, fsdp_asked=fsdp is not None)  # one line if the setup is wrong
     check_can_push(cfg.push_to_hub, accelerator)  # --push-to-hub: the Hub and a token, or one line now
     with lock_output_dir(accelerator, cfg.output_dir):  # one job per output folder, until the job ends
-        checkpointer = Checkpointer(accelerator, cfg)  # the checkpoint flags; saves the whole config
+        checkpointer = Checkpointer(accelerator, cfg, tracker)  # the checkpoint flags; saves the whole config
         resume_from = checkpointer.resume_point()
         if (finished := checkpointer.finished_run(resume_from)) is not None:  # said; nothing trained or rewritten
             push_to_hub(cfg.push_to_hub, accelerator, cfg.output_dir, finished)  # --push-to-hub: the run as it is
@@ -311,6 +311,7 @@ def main(cfg: Config) -> dict:
                        "resumed_from": resume_from and str(resume_from), "config": asdict(cfg)}
             tracker.finish(summary)  # the W&B run's summary; names the W&B run in `summary`
             export_model(accelerator, model, ema, data, cfg.output_dir, summary)  # weights, preprocessing, summary
+            tracker.log_model("end", cfg.output_dir, p.global_step)  # --wandb-log-model: the run's folder, to W&B
             push_to_hub(cfg.push_to_hub, accelerator, cfg.output_dir, summary)  # --push-to-hub: with a model card
         accelerator.wait_for_everyone()
         accelerator.end_training()  # trackers, process group; utils.launch.run() frees the rest once main() returns

@@ -661,13 +661,15 @@ def tracked_runs(cifar_dir, cache_dir, tmp_path_factory) -> dict[str, Path]:
     steps per epoch, 2 epochs, log every 2 steps):
       a0  1 process, lr 0.05, seed 0, --group A
       a1  1 process, lr 0.05, seed 1, group A from $WANDB_RUN_GROUP (W&B's own variables keep working)
-      b   2 processes (cpu.yaml), lr 0.2, --group B, --run-name b-run, --tags x,y, --progress-every 0, --profile
+      b   2 processes (cpu.yaml), lr 0.2, --group B, --run-name b-run, --tags x,y, --progress-every 0, --profile,
+          --wandb-log-model checkpoints
     Each run's stdout is kept in <run>/stdout.txt."""
     root = tmp_path_factory.mktemp("tracked")
     specs = {"a0": (["--lr", "0.05", "--group", "A"], None, {}),
              "a1": (["--lr", "0.05", "--seed", "1"], None, {"WANDB_RUN_GROUP": "A"}),
              "b": (["--lr", "0.2", "--group", "B", "--run-name", "b-run", "--tags", "x,y",
-                    "--progress-every", "0", "--profile"], ["--config_file", str(CPU_YAML)], {})}
+                    "--progress-every", "0", "--profile", "--wandb-log-model", "checkpoints"],
+                   ["--config_file", str(CPU_YAML)], {})}
     out = {}
     for name, (extra, launch, env) in specs.items():
         out[name] = root / name

@@ -3,6 +3,8 @@ the run files those jobs wrote (the runs: conftest.tracked_runs)."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import re
 import shutil
@@ -62,6 +64,48 @@ def test_wandb_run_holds_config_run_facts_step_and_epoch_metrics_and_the_summary
     assert sum(map(sum, s["eval_confusion"])) == 64
     folder = next((tracked_runs["b"] / "wandb").glob("offline-run-*")).name
     assert s["wandb_run"] == {"id": folder.split("-")[-1], "project": "cifar10-accelerate", "url": None}  # offline
+
+
+def md5_digest(path: Path) -> str:
+    """W&B's manifest digest of a file: its MD5, base64."""
+    return base64.b64encode(hashlib.md5(path.read_bytes()).digest()).decode()
+
+
+def test_wandb_log_model_logs_each_best_checkpoint_and_the_end_as_versions_listing_each_file_with_its_digest(
+        tracked_runs, tmp_path):
+    """--wandb-log-model checkpoints on 2 ranks: the one W&B run logs versions of its model artifact model-<run id>,
+    in order: each new best (aliases best, step-N), each epoch's checkpoint (step-N), then at the end the best
+    weights (best) and the whole run folder (step-16), each with latest. Read back from the offline run file, the end
+    version lists model.safetensors, best.safetensors, config.yaml, preprocessor_config.json and summary.json with the
+    digests of the run folder's files; the end's best version holds best.safetensors as its model.safetensors; the
+    step-16 checkpoint's version lists every file of that checkpoint. A W&B artifact the tools cannot reach is one
+    line."""
+    run_dir = tracked_runs["b"]
+    [folder] = (run_dir / "wandb").glob("offline-run-*")
+    run_id = folder.name.split("-")[-1]
+    records = compare_runs.read_records(next(folder.glob("run-*.wandb")))
+    versions = [r.artifact for r in records if r.WhichOneof("record_type") == "artifact" and r.artifact.type == "model"]
+    assert {v.name for v in versions} == {f"model-{run_id}"}
+    history = json.loads("[" + ",".join((run_dir / "history.jsonl").read_text().splitlines()) + "]")
+    top1 = {row["_step"]: row["eval/top1"] for row in history if "eval/top1" in row}  # 8 and 16
+    best = [["best", "step-8"], ["step-8"]] + ([["best", "step-16"]] if top1[16] > top1[8] else []) + [["step-16"]]
+    assert [sorted(v.aliases) for v in versions] == [sorted([*a, "latest"]) for a in [*best, ["best"], ["step-16"]]]
+    manifest = {e.path: e.digest for e in versions[-1].manifest.contents}
+    names = ["model.safetensors", "best.safetensors", "config.yaml", "preprocessor_config.json", "summary.json"]
+    assert manifest == {name: md5_digest(run_dir / name) for name in names}
+    best_end = {e.path: e.digest for e in versions[-2].manifest.contents}
+    assert best_end["model.safetensors"] == md5_digest(run_dir / "best.safetensors")
+    assert best_end.keys() == {"model.safetensors", "config.yaml", "preprocessor_config.json", "summary.json"}
+    checkpoint = run_dir / "checkpoints" / "step-00000016"
+    assert {e.path: e.digest for e in versions[-3].manifest.contents} == {
+        p.name: md5_digest(p) for p in checkpoint.iterdir() if p.is_file()}
+    for tool in (["predict.py", "wandb:team/project/model-x:best", str(tmp_path)],
+                 ["evaluate_checkpoint.py", "wandb:team/project/model-x:latest"]):
+        result = subprocess.run([sys.executable, *tool], cwd=REPO, env=script_env(WANDB_MODE="online"),
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 2 and result.stderr.startswith(
+            "error: cannot download the W&B model artifact team/project/model-x"), result.stderr[-2000:]
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
 def test_without_a_terminal_progress_lines_show_the_logged_loss_and_the_time_left(tracked_runs):

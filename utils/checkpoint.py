@@ -61,7 +61,7 @@ HOW_A_JOB_RUNS = {"resume", "overwrite", "output_dir", "cache_dir", "epochs", "m
                   "global_batch_size", "decode", "decode_workers", "data_workers", "read_ahead", "dist_timeout",
                   "deterministic", "compile", "profile", "init_from", "keep_last", "checkpoint_every_steps",
                   "eval_every_steps", "ema_decay", "metric", "tracker", "wandb_project", "run_name", "group", "tags",
-                  "log_every", "progress_every", "push_to_hub"}
+                  "wandb_log_model", "log_every", "progress_every", "push_to_hub"}
 
 
 def _sha256(path: Path) -> str:
@@ -257,10 +257,11 @@ class Checkpointer:
     scheduler), how many (the newest `keep_last`, plus the best) and the best evaluation's weights (`save_best`).
     `last` is the newest checkpoint written or resumed from."""
 
-    def __init__(self, accelerator, cfg: CheckpointConfig):
+    def __init__(self, accelerator, cfg: CheckpointConfig, tracker=None):
         """cfg: the script's Config; its checkpoint flags set the policy, and the whole of it goes into every
-        checkpoint (to compare with on resume)."""
-        self.accelerator, self.script = accelerator, script_record(cfg)
+        checkpoint (to compare with on resume). `tracker` (utils.tracking.Tracker) hears of each checkpoint saved
+        (--wandb-log-model checkpoints)."""
+        self.accelerator, self.script, self.tracker = accelerator, script_record(cfg), tracker
         self.config = json.loads(json.dumps(asdict(cfg)))  # as a checkpoint saves it (tuples as lists): comparable
         self.root = Path(cfg.output_dir) / "checkpoints"
         self.keep_last, self.every_steps = cfg.keep_last, cfg.checkpoint_every_steps
@@ -411,6 +412,8 @@ class Checkpointer:
         if self.saved_step is None and self.accelerator.is_main_process:  # this job's first checkpoint: its flags
             write_config_file(self.config, self.root.parent)  # beside, as config.yaml (utils.cli.write_config_file)
         self.saved_step = progress.global_step
+        if self.tracker is not None:
+            self.tracker.log_model("checkpoint", self.last, progress.global_step)
         if self.accelerator.is_main_process:
             rotate(self.root, self.keep_last, keep={progress.best_checkpoint})
         return self.last

@@ -215,6 +215,11 @@ class LoggingConfig(Group):
     group: str | None = opt(None, "W&B group, e.g. one per setting run with several seeds (compare_runs.py "
                             "--by-group)")
     tags: str | None = opt(None, "comma-separated W&B tags (or $WANDB_TAGS)")
+    wandb_log_model: str = opt("none", "keep the weights as versions of the W&B model artifact model-<run id>, "
+                               "linked to the run: end: the finished run's folder (its weights, config.yaml, "
+                               "preprocessing and summary.json; aliases latest, best, step-N); best: also each new "
+                               "best's weights (best, step-N); checkpoints: also every checkpoint folder, resumable "
+                               "(step-N); none", ("none", "end", "best", "checkpoints"))
     log_every: int = opt(50, "optimizer steps between train/loss, train/lr, train/images_per_sec, train/grad_norm logs")
     profile: bool = opt(False, "trace optimizer steps 6-8 with torch.profiler (through Accelerate): a Chrome trace per "
                         "rank in <output-dir>/profile/, and the ten most expensive ops printed")
@@ -223,6 +228,9 @@ class LoggingConfig(Group):
 
     def validate(self) -> None:
         check_ranges(self, positive=["log_every"], non_negative=["progress_every"])
+        if self.wandb_log_model != "none" and self.tracker != "wandb":
+            raise UserError(f"--wandb-log-model {self.wandb_log_model} logs to W&B: it needs --tracker wandb (got "
+                            f"--tracker {self.tracker}).")
         super().validate()
 
 

@@ -104,6 +104,7 @@ class Evaluator:
         if progress.is_best(self.best_metric, self.best_mode, metrics[self.best_metric], self.min_delta):
             with self.ema.applied() if self.ema else nullcontext():
                 self.checkpointer.save_best(self.model)
+            self.tracker.log_model("best", self.checkpointer.root.parent, progress.global_step)
         self.tracker.log_eval(progress.global_step, progress.epoch_number(), metrics)
         progress.stopped_early = self.guard.stop_early(progress, self.patience)
         self.step, self.last = progress.global_step, metrics

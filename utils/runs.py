@@ -19,7 +19,7 @@ from utils import UserError, first_line
 from utils.launch import first_on_each_machine
 from utils.pretrained import library_of
 from utils.scripts import find_script, import_script
-from utils.weights import hub_file, locate_weights
+from utils.weights import hub_file, locate_weights, wandb_artifact
 
 WEIGHTS = {"final": "model.safetensors", "best": "best.safetensors", "ema": "model_ema.safetensors"}
 
@@ -69,10 +69,13 @@ def read_summary(path: Path) -> dict:
 
 def open_run(source: str, weights: str = "final", script: str | None = None, trust_remote_code: bool = False,
              overrides: dict | None = None) -> TrainedRun:
-    """The run SOURCE names (a run folder, one of its .safetensors files, or a Hub model repo a run pushed), with
+    """The run SOURCE names (a run folder, one of its .safetensors files, a Hub model repo a run pushed, or a W&B model
+    artifact a run logged, wandb:ENTITY/PROJECT/NAME:ALIAS), with
     `weights` (final, best or ema) of a folder or repo. overrides: Config fields that replace the run's (None:
     keep); a new --data-dir or --dataset replaces the run's source, whichever kind it was."""
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
+    if source.startswith("wandb:"):  # a run's W&B model artifact: downloaded, then a run folder like any other
+        source = str(first_on_each_machine(lambda: wandb_artifact(source)))
     path, summary_path = first_on_each_machine(lambda: locate_weights(source, WEIGHTS[weights]))
     summary = read_summary(summary_path) if summary_path else {}
     downloaded = not Path(source).exists()  # a Hub repo id

@@ -25,6 +25,7 @@ import torch
 from accelerate.utils import ProfileKwargs
 
 from utils import UserError
+from utils.output_dir import LIBRARY_CONFIG, PREPROCESSOR_FILE, SUMMARY_FILE
 
 if TYPE_CHECKING:
     from utils.config_groups import LoggingConfig
@@ -32,6 +33,11 @@ if TYPE_CHECKING:
 HISTORY_FILE = "history.jsonl"  # every logged step's numbers, whatever the tracker (compare_runs.py draws them)
 MAX_PER_CLASS_KEYS = 20  # more classes: no eval/top1_<class> keys and no confusion plot (summary.json has them all)
 PROFILE = {"wait": 4, "warmup": 1, "active": 3, "repeat": 1}  # --profile: torch.profiler.schedule, in optimizer steps
+# --wandb-log-model: which events log versions of the run's model artifact. Each version is a run folder the tools
+# read (predict.py, evaluate_checkpoint.py: wandb:ENTITY/PROJECT/model-RUNID:ALIAS) whose model.safetensors holds the
+# weights its alias names: best, the best weights; latest at the end, the final ones (with best.safetensors beside).
+MODEL_EVENTS = {"none": (), "end": ("end",), "best": ("end", "best"), "checkpoints": ("end", "best", "checkpoint")}
+RUN_FILES = ("config.yaml", LIBRARY_CONFIG, PREPROCESSOR_FILE, SUMMARY_FILE)  # how to rebuild and feed the weights
 
 
 class Tracker:
@@ -40,6 +46,7 @@ class Tracker:
 
     def __init__(self, cfg: LoggingConfig, output_dir: str):
         self.kind, self.output_dir, self.log_every = cfg.tracker, Path(output_dir), cfg.log_every
+        self.model_events = MODEL_EVENTS[cfg.wandb_log_model]
         # Without a terminal (SLURM logs, CI) tqdm's bar is off: print a progress line instead, at a log step at least
         # progress_every seconds after the previous line (with a terminal the bar shows loss, speed and ETA).
         self.progress_every, self.last_line = cfg.progress_every, None
@@ -154,6 +161,35 @@ class Tracker:
                                     "url": self.wandb_run.url if not self.wandb_run.offline else None}
             self.wandb_run.summary.update(summary)
 
+
+    def log_model(self, event: str, folder: Path, step: int) -> None:
+        """--wandb-log-model, on the main process: at `event` (best: a new best's weights were written; checkpoint: a
+        checkpoint's folder; end: the finished run's folder) versions of the W&B model artifact model-<run id>,
+        logged by the run that made them: a best's (aliases best, step-<step>), a checkpoint's (step-<step>: every
+        file, resumable), and at the end first the best weights (best) and then the whole folder (step-<step>); W&B
+        adds latest to each. W&B copies each file as it is added: a later write changes nothing uploaded."""
+        if self.wandb_run is None or event not in self.model_events:
+            return
+        folder = Path(folder)
+        if event == "checkpoint":
+            self._log_version({p.name: p for p in sorted(folder.iterdir()) if p.is_file()}, [f"step-{step}"], step)
+            return
+        if (folder / "best.safetensors").is_file():
+            best = {"model.safetensors": folder / "best.safetensors", **{name: folder / name for name in RUN_FILES}}
+            self._log_version(best, ["best"] + ([f"step-{step}"] if event == "best" else []), step)
+        if event == "end":
+            names = ("model.safetensors", "best.safetensors", "model_ema.safetensors", *RUN_FILES)
+            self._log_version({name: folder / name for name in names}, [f"step-{step}"], step)
+
+    def _log_version(self, files: dict[str, Path], aliases: list[str], step: int) -> None:
+        """`files` (name in the artifact -> file; those that do not exist left out) as a version of model-<run id>."""
+        import wandb
+
+        artifact = wandb.Artifact(f"model-{self.wandb_run.id}", type="model", metadata={"step": step})
+        for name, path in files.items():
+            if path.is_file():
+                artifact.add_file(str(path), name=name)
+        self.wandb_run.log_artifact(artifact, aliases=aliases)
 
 def last_logged(history: Path, main: bool) -> tuple[int, set[str]]:
     """The last step a run's HISTORY_FILE holds and the names of the numbers logged at it ((0, none): no history). On

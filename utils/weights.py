@@ -117,6 +117,19 @@ def locate_weights(source: str, filename: str = "model.safetensors") -> tuple[Pa
     return hub_file(source, filename), hub_file(source, "summary.json", required=False)
 
 
+def wandb_artifact(spec: str) -> Path:
+    """wandb:ENTITY/PROJECT/NAME:ALIAS, a model artifact a run logged (--wandb-log-model: model-<run id>:latest,
+    :best, :step-N), downloaded through wandb's API into its artifacts folder: a run folder for the tools. One line
+    when it cannot be (no network, no login, no such artifact)."""
+    import wandb
+
+    try:
+        return Path(wandb.Api().artifact(spec.removeprefix("wandb:"), type="model").download())
+    except Exception as e:  # noqa: BLE001 -- whatever the client raises offline or for a bad name: one line
+        raise UserError(f"cannot download the W&B model artifact {spec.removeprefix('wandb:')}: "
+                        f"{first_line(e) or type(e).__name__}") from None
+
+
 def hub_file(source: str, filename: str, required: bool = True) -> Path | None:
     """`filename` of the Hub model repo `source` (owner/name[@revision]) through huggingface_hub's cache; None when
     the repo has no such file and it is not `required`."""
