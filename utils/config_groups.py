@@ -216,10 +216,11 @@ class LoggingConfig(Group):
                             "--by-group)")
     tags: str | None = opt(None, "comma-separated W&B tags (or $WANDB_TAGS)")
     wandb_log_model: str = opt("none", "keep the weights as versions of the W&B model artifact model-<run id>, "
-                               "linked to the run: end: the finished run's folder (its weights, config.yaml, "
-                               "preprocessing and summary.json; aliases latest, best, step-N); best: also each new "
-                               "best's weights (best, step-N); checkpoints: also every checkpoint folder, resumable "
-                               "(step-N); none", ("none", "end", "best", "checkpoints"))
+                               "linked to the run, each a folder predict.py and evaluate_checkpoint.py read "
+                               "(wandb:ENTITY/PROJECT/model-RUNID:ALIAS): end: once finished, the best weights (alias "
+                               "best) and the run's folder (latest, step-N); best: also each new best's weights (best, "
+                               "step-N); checkpoints: also every checkpoint folder, resumable (step-N); none",
+                               ("none", "end", "best", "checkpoints"))
     log_every: int = opt(50, "optimizer steps between train/loss, train/lr, train/images_per_sec, train/grad_norm logs")
     profile: bool = opt(False, "trace optimizer steps 6-8 with torch.profiler (through Accelerate): a Chrome trace per "
                         "rank in <output-dir>/profile/, and the ten most expensive ops printed")
