@@ -365,6 +365,7 @@ def main(cfg: Config) -> dict:
                        **{f"eval_{k}": v for k, v in metrics.items()}, "last_checkpoint": str(checkpointer.last),
                        "peak_memory_gb": peak_memory_gb(accelerator.device), "batch_plan": asdict(plan),
                        "resumed_from": resume_from and str(resume_from), "config": asdict(cfg)}
+            evaluator.log_predictions(p.global_step)  # --log-predictions: the last evaluation's table
             tracker.finish(summary)  # the W&B run's summary; names the W&B run in `summary`
             export_model(accelerator, model, ema, data, cfg.output_dir, summary)  # weights, preprocessing, summary
             tracker.log_model("end", cfg.output_dir, p.global_step)  # --wandb-log-model: the run's folder, to W&B

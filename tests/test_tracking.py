@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import CIFAR_CLASSES as CLASSES
-from conftest import REPO, TRACKED_JOB, read_summary, run_train, script_env
+from conftest import CPU_YAML, REPO, TRACKED_JOB, read_summary, run_train, script_env
 from PIL import Image
 
 import compare_runs
@@ -393,3 +393,67 @@ def test_loss_terms_with_a_taken_name_another_shape_or_new_names_stop_with_one_l
     carried = {"names": ["ce"], "epoch": [[1.0, 1.0], 1], "window": [[1.0, 1.0], 1]}
     with pytest.raises(UserError, match="the checkpoint resumed from has ce: resume with the script that saved it"):
         TrainMeter(torch.device("cpu"), 16, carried).add(one, {"focal": one})
+
+
+def table_rows(run_dir: Path) -> list[dict]:
+    """The last eval/predictions table of the run's (one) offline W&B run, read from the run_table artifact W&B
+    staged for it: each row's cells by column, the image as an RGB array."""
+    import numpy as np
+
+    [folder] = (run_dir / "wandb").glob("offline-run-*")
+    records = compare_runs.read_records(next(folder.glob("run-*.wandb")))
+    [*_, table] = [r.artifact for r in records if r.WhichOneof("record_type") == "artifact"
+                   and r.artifact.type == "run_table" and "evalpredictions" in r.artifact.name]
+    files = {e.path: Path(e.local_path) for e in table.manifest.contents}
+    [table_file] = [path for name, path in files.items() if name.endswith(".table.json")]
+    content = json.loads(table_file.read_text())
+    rows = [dict(zip(content["columns"], data)) for data in content["data"]]
+    for row in rows:
+        row["image"] = np.asarray(Image.open(files[row["image"]["path"]]).convert("RGB"))
+    return rows
+
+
+@pytest.mark.slow
+def test_the_predictions_table_shows_the_misclassified_most_confident_first_as_predict_py_predicts_them_on_any_world(
+        tmp_path):
+    """--log-predictions 12 on a folder of 4 classes x 10 test PNGs: the end's table of a 2-rank run, and that of its
+    last checkpoint evaluated again on 1 process (the same weights, its outputs written anew), hold the same 12 rows
+    (index, true, predicted; probabilities to 1e-5). Each row's image is a test image's pixels; its true class is
+    that image's folder, its predicted class and probability are predict.py's for that file (to 1e-4), and the rows
+    are predict.py's 40 predictions sorted misclassified first, most confident first, cut at 12."""
+    import numpy as np
+
+    rng, classes = np.random.default_rng(0), ["ant", "bee", "cat", "dog"]
+    for split, count in (("train", 24), ("test", 10)):
+        for k, name in enumerate(classes):
+            folder = tmp_path / "data" / split / name
+            folder.mkdir(parents=True)
+            for i in range(count):
+                pixels = rng.integers(0, 120, (32, 32, 3)) + np.array([40 * k, 100 - 20 * k, 30])
+                Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(folder / f"{i}.png")
+    common = ["--data-dir", str(tmp_path / "data"), "--cache-dir", str(tmp_path / "cache"), "--model", "resnet8",
+              "--batch-size", "8", "--global-batch-size", "16", "--epochs", "2", "--deterministic",
+              "--no-channels-last", "--tracker", "wandb", "--log-predictions", "12"]
+    result = run_train([*common, "--output-dir", str(tmp_path / "two")], launch=["--config_file", str(CPU_YAML)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    shutil.copytree(tmp_path / "two", tmp_path / "one", ignore=lambda folder, names: [] if "checkpoints" in folder
+                    else [n for n in names if n not in ("checkpoints", "config.yaml")])  # the checkpoints alone
+    result = run_train([*common, "--output-dir", str(tmp_path / "one"), "--resume", "auto"])
+    assert result.returncode == 0 and "its 2 epochs are trained" in result.stdout, result.stderr[-3000:]
+    two, one = table_rows(tmp_path / "two"), table_rows(tmp_path / "one")
+    assert len(two) == 12 and [(r["index"], r["true"], r["predicted"]) for r in two] == [
+        (r["index"], r["true"], r["predicted"]) for r in one]
+    assert [r["probability"] for r in two] == pytest.approx([r["probability"] for r in one], rel=1e-5)
+    predicted = subprocess.run([sys.executable, "predict.py", str(tmp_path / "two"), str(tmp_path / "data" / "test"),
+                                "--output", str(tmp_path / "p.jsonl")], cwd=REPO, env=script_env(),
+                               capture_output=True, text=True, timeout=300)
+    assert predicted.returncode == 0, predicted.stderr[-3000:]
+    by_path = {row["path"]: row for row in map(json.loads, (tmp_path / "p.jsonl").read_text().splitlines())}
+    pixels = {path: np.asarray(Image.open(tmp_path / "data" / "test" / path).convert("RGB")) for path in by_path}
+    shown = [next(path for path, image in pixels.items() if np.array_equal(image, row["image"])) for row in two]
+    for row, path in zip(two, shown, strict=True):
+        assert row["true"] == path.split("/")[0]
+        assert (row["predicted"], row["probability"]) == (by_path[path]["prediction"],
+                                                         pytest.approx(by_path[path]["probability"], abs=1e-4))
+    ranked = sorted(by_path, key=lambda p: (by_path[p]["prediction"] == p.split("/")[0], -by_path[p]["probability"]))
+    assert shown == ranked[:12]

@@ -61,7 +61,7 @@ HOW_A_JOB_RUNS = {"resume", "overwrite", "output_dir", "cache_dir", "epochs", "m
                   "global_batch_size", "decode", "decode_workers", "data_workers", "read_ahead", "dist_timeout",
                   "deterministic", "compile", "profile", "init_from", "keep_last", "checkpoint_every_steps",
                   "eval_every_steps", "ema_decay", "metric", "tracker", "wandb_project", "run_name", "group", "tags",
-                  "wandb_log_model", "log_every", "progress_every", "push_to_hub"}
+                  "wandb_log_model", "log_predictions", "log_every", "progress_every", "push_to_hub"}
 
 
 def _sha256(path: Path) -> str:

@@ -221,6 +221,10 @@ class LoggingConfig(Group):
                                "best) and the run's folder (latest, step-N); best: also each new best's weights (best, "
                                "step-N); checkpoints: also every checkpoint folder, resumable (step-N); none",
                                ("none", "end", "best", "checkpoints"))
+    log_predictions: int = opt(0, "a W&B table of N evaluation images at each new best and at the end: the "
+                               "misclassified first, the most confident first among them; each row the image as "
+                               "evaluation saw it, its index, true class, predicted class and probability, and the "
+                               "top 5; 0: none")
     log_every: int = opt(50, "optimizer steps between train/loss, train/lr, train/images_per_sec, train/grad_norm logs")
     profile: bool = opt(False, "trace optimizer steps 6-8 with torch.profiler (through Accelerate): a Chrome trace per "
                         "rank in <output-dir>/profile/, and the ten most expensive ops printed")
@@ -228,7 +232,10 @@ class LoggingConfig(Group):
                                 "loss, img/s, ETA), printed at log steps; 0: at every log step")
 
     def validate(self) -> None:
-        check_ranges(self, positive=["log_every"], non_negative=["progress_every"])
+        check_ranges(self, positive=["log_every"], non_negative=["progress_every", "log_predictions"])
+        if self.log_predictions and self.tracker != "wandb":
+            raise UserError(f"--log-predictions {self.log_predictions} logs a W&B table: it needs --tracker wandb (got "
+                            f"--tracker {self.tracker}).")
         if self.wandb_log_model != "none" and self.tracker != "wandb":
             raise UserError(f"--wandb-log-model {self.wandb_log_model} logs to W&B: it needs --tracker wandb (got "
                             f"--tracker {self.tracker}).")

@@ -19,15 +19,18 @@ from utils.launch import first_on_each_machine, share_bn_statistics
 
 
 @torch.no_grad()
-def evaluate(model, loader, transform, accelerator, classes, compute_loss, tta_flip: bool = False, metrics=()) -> dict:
+def evaluate(model, loader, transform, accelerator, classes, compute_loss, tta_flip: bool = False, metrics=(),
+             examples: int = 0) -> dict:
     """Every rank evaluates its shard; gather_for_metrics drops the padding Accelerate adds to make shards even,
     so each test image counts exactly once. All ranks use rank 0's BatchNorm statistics, the exported ones
     (share_bn_statistics: DDP's broadcast_buffers misses an evaluation that follows another). `transform(images)`
     turns a loader batch into the model's input; tta_flip averages the logits of each image and its
     mirror image. `compute_loss(logits, labels)`: the script's loss and its named terms (a mean over the batch), so
     "loss" and each term are the mean over the test images of what training minimises. `metrics` (load_metrics):
-    computed on every rank from all ranks' top-1 predictions and labels."""
+    computed on every rank from all ranks' top-1 predictions and labels. `examples` N: also "examples_shown", the
+    rows of --log-predictions' table (Examples; on the main process, [] on the others)."""
     share_bn_statistics(accelerator, model)
+    chosen = Examples(examples, classes, accelerator) if examples else None
     model.eval()
     dev, k = accelerator.device, len(classes)
     top1, top5 = (torch.zeros((), device=dev, dtype=torch.float64) for _ in range(2))
@@ -38,6 +41,8 @@ def evaluate(model, loader, transform, accelerator, classes, compute_loss, tta_f
         inputs = transform(images)
         logits = (model(inputs) + model(inputs.flip(3))) / 2 if tta_flip else model(inputs)
         logits, labels = accelerator.gather_for_metrics((logits.float(), labels))
+        if chosen is not None:
+            chosen.add(logits, labels, images)
         loss, terms = compute_loss(logits, labels)
         for name, value in {"loss": loss, **terms}.items():  # means over the batch, summed over the images
             sums[name] = sums.get(name, 0) + value.detach().double() * len(labels)
@@ -60,7 +65,52 @@ def evaluate(model, loader, transform, accelerator, classes, compute_loss, tta_f
         predicted, references = torch.cat(predicted).tolist(), torch.cat(references).tolist()
         for metric in metrics:
             out |= metric.compute(predicted, references)
+    if chosen is not None:
+        out["examples_shown"] = chosen.rows()
     return out
+
+
+class Examples:
+    """--log-predictions N: the N evaluation images its table shows, chosen while the evaluation runs: misclassified
+    first, the most confident first among them, then by index (the image's place in the gathered order, which is
+    the evaluation split's: the same at any process count). Every rank ranks every gathered image alike and keeps the
+    pixels of the chosen ones it evaluated itself (the gathered batch is the ranks' equal batches in rank order:
+    Accelerate's even batches); rows() brings them to the main process. Written by hand: no library keeps a running
+    top-N of a sharded evaluation's images."""
+
+    def __init__(self, n: int, classes: list[str], accelerator):
+        self.n, self.classes, self.accelerator = n, list(classes), accelerator
+        self.seen, self.rows_by_key, self.pixels = 0, [], {}  # rows: (key, index, label, top-5); index -> uint8 HWC
+
+    def add(self, logits: torch.Tensor, labels: torch.Tensor, images: torch.Tensor) -> None:
+        """One gathered batch's logits and labels, and this rank's own images of it (uint8, B x 3 x H x W)."""
+        probabilities = logits.double().softmax(dim=1).cpu()
+        top = probabilities.topk(min(5, len(self.classes)), dim=1)
+        labels, first = labels.cpu().tolist(), self.accelerator.process_index * len(images)
+        for i, label in enumerate(labels):
+            predicted, probability = int(top.indices[i, 0]), float(top.values[i, 0])
+            key = (predicted == label, -probability, self.seen + i)
+            self.rows_by_key.append((key, self.seen + i, label, list(zip(top.indices[i].tolist(),
+                                                                          top.values[i].tolist()))))
+            if first <= i < first + len(images):
+                self.pixels[self.seen + i] = images[i - first]
+        self.rows_by_key = sorted(self.rows_by_key)[:self.n]
+        kept = {row[1] for row in self.rows_by_key}
+        self.pixels = {index: image.cpu().numpy().transpose(1, 2, 0).copy() if index >= self.seen else image
+                       for index, image in self.pixels.items() if index in kept}  # copies: the batch is reused
+        self.seen += len(labels)
+
+    def rows(self) -> list[dict]:
+        """The chosen images in order, on the main process: index, image (H x W x 3 uint8), true class, predicted
+        class and its probability, the top 5 as (class, probability); [] on the other processes."""
+        from accelerate.utils import gather_object
+
+        pixels = dict(gather_object(list(self.pixels.items())))
+        if not self.accelerator.is_main_process:
+            return []
+        return [{"index": index, "image": pixels.get(index), "true": self.classes[label],  # None: a layout not even
+                 "predicted": self.classes[top[0][0]], "probability": top[0][1],
+                 "top5": [(self.classes[c], p) for c, p in top]} for _, index, label, top in self.rows_by_key]
 
 
 class Evaluator:
@@ -84,10 +134,13 @@ class Evaluator:
         if self.best_metric not in keys:
             raise UserError(f"--best-metric {cfg.best_metric}: not a metric this run evaluates ({', '.join(keys)}).")
         self.step, self.last = None, None  # the step of the last evaluation, and its metrics
+        self.examples, self.rows, self.rows_logged = cfg.log_predictions, [], None  # --log-predictions
 
     def metrics(self) -> dict:
-        """The model's metrics now, and with an EMA its metrics as ema_<name> (collective)."""
-        metrics = self.run_eval()
+        """The model's metrics now, and with an EMA its metrics as ema_<name> (collective); --log-predictions' rows
+        of the model's evaluation kept aside (`shown`), not among the metrics."""
+        metrics = self.run_eval(examples=self.examples)
+        self.rows = metrics.pop("examples_shown", [])
         if self.ema is not None:
             with self.ema.applied():
                 metrics |= {f"ema_{k}": v for k, v in self.run_eval().items()}
@@ -105,10 +158,18 @@ class Evaluator:
             with self.ema.applied() if self.ema else nullcontext():
                 self.checkpointer.save_best(self.model)
             self.tracker.log_model("best", self.checkpointer.root.parent, progress.global_step)
+            self.log_predictions(progress.global_step)
         self.tracker.log_eval(progress.global_step, progress.epoch_number(), metrics)
         progress.stopped_early = self.guard.stop_early(progress, self.patience)
         self.step, self.last = progress.global_step, metrics
         return metrics
+
+    def log_predictions(self, step: int) -> None:
+        """--log-predictions: the table of the last evaluation's chosen images (the model's weights) at optimizer step
+        `step`, once: the evaluator's call at each new best, the script's at the end."""
+        if self.examples and self.rows_logged != step:
+            self.tracker.log_predictions(step, self.rows)
+            self.rows_logged = step
 
     def after_step(self, progress, meter, batches_per_epoch: int) -> bool:
         """The loop's call after an optimizer step: every --eval-every-steps steps within an epoch (the epoch's end

@@ -110,7 +110,7 @@ class Tracker:
         if step < last or step == last and numbers.keys() <= names:
             return
         self.accelerator.log(values, step=step)
-        if self.accelerator.is_main_process:
+        if self.accelerator.is_main_process and numbers:  # a table alone (--log-predictions): W&B's only
             with open(self.output_dir / HISTORY_FILE, "a") as f:
                 f.write(json.dumps({"_step": step, "_timestamp": time.time(), **numbers}) + "\n")
 
@@ -141,6 +141,20 @@ class Tracker:
         per_class = {f"eval/top1_{c}": v for c, v in metrics["class_top1"].items() if v is not None} if few else {}
         plot = wandb_confusion_matrix(metrics["confusion"], classes) if self.wandb_run is not None and few else {}
         self.log({**scalars, **per_class, "epoch": epoch, **plot}, step=step)
+
+    def log_predictions(self, step: int, rows: list[dict]) -> None:
+        """--log-predictions: `rows` (utils.evaluation.Examples.rows) as the W&B table eval/predictions at `step`:
+        the image, its index in the evaluation split, true and predicted class, the prediction's probability and
+        the top 5 ("cat 0.61, dog 0.22, ...")."""
+        if self.wandb_run is None:
+            return
+        import wandb
+
+        image = [None if row["image"] is None else wandb.Image(row["image"]) for row in rows]  # None: not gathered
+        table = wandb.Table(columns=["image", "index", "true", "predicted", "probability", "top5"], data=[
+            [picture, row["index"], row["true"], row["predicted"], row["probability"],
+             ", ".join(f"{name} {p:.4f}" for name, p in row["top5"])] for picture, row in zip(image, rows)])
+        self.log({"eval/predictions": table}, step=step)
 
     def log_epoch(self, epoch: int, step: int, losses: dict, images: int, seconds: float, metrics: dict) -> None:
         """The end of an epoch (numbered from 1): one console line (with the evaluation's top-1, which log_eval
