@@ -10,6 +10,7 @@ import socket
 import subprocess
 import time
 
+import psutil
 import pytest
 from conftest import REPO, read_summary, script_env
 
@@ -138,3 +139,65 @@ def test_a_seed_array_task_trains_its_seed_in_the_group_into_its_own_folder(fake
     assert result.returncode == 0, result.stderr[-3000:]
     s = read_summary(tmp_path / "runs" / "lr0.1" / "seed-2")
     assert (s["config"]["seed"], s["config"]["group"], s["world_size"], s["global_step"]) == (2, "lr0.1", 1, 2)
+
+
+FAKE_AGENT = """#!/usr/bin/env bash
+# `wandb agent ...`: one trial, started as the agent starts it (its environment, --key=value flags), or nothing
+[ -n "${FAKE_AGENT_IDLE:-}" ] && exit 0
+export WANDB_SWEEP_ID=swp00001 WANDB_RUN_ID=$FAKE_TRIAL
+exec python -m accelerate.commands.launch --config_file accelerate_configs/cpu.yaml --main_process_port 0 \\
+    train_cifar.py $FAKE_ARGS
+"""
+
+
+def wait_for(path, proc, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while not path.exists():
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_a_preempted_sweep_trial_is_marked_and_continued_exactly_by_the_requeued_task_a_stopped_one_is_not(
+        fake_slurm, cifar_dir, cache_dir, tmp_path):
+    """slurm/sweep_agents.sbatch with a fake `wandb agent` that starts one trial as the agent does: SLURM's USR1 to
+    the batch shell marks the running trial (.requeue), stops it after a checkpoint and requeues the task; a trial
+    its agent stops itself (SIGTERM, as hyperband's early termination) is not marked. The requeued task continues
+    the marked trial alone before its agent starts, and it ends with the trainable parameters of the same trial run
+    uninterrupted, bitwise (2 ranks, --deterministic)."""
+    from conftest import CPU_YAML, assert_same_parameters, run_train
+
+    (tmp_path / "bin" / "wandb").write_text(FAKE_AGENT)
+    (tmp_path / "bin" / "wandb").chmod(0o755)
+    trials = tmp_path / "trials"
+    flags = ["--data-dir", str(cifar_dir), "--cache-dir", str(cache_dir), "--model", "resnet8", "--train-subset",
+             "256", "--eval-subset", "50", "--batch-size", "16", "--global-batch-size", "32", "--epochs", "2",
+             "--checkpoint-every-steps", "3", "--deterministic", "--tracker", "none"]
+    agent_args = " ".join([*flags, f"--output_dir={trials}"])
+    env = {**fake_slurm, "LAUNCH_CONFIG": str(CPU_YAML), "FAKE_ARGS": agent_args}
+    task = ["bash", str(SLURM / "sweep_agents.sbatch"), "team/proj/swp00001", "1", str(trials)]
+
+    for trial, stop in (("stopped", "agent"), ("preempted", "slurm")):  # a task's start continues a marked trial
+        proc = subprocess.Popen(task, cwd=REPO, env={**env, "FAKE_TRIAL": trial}, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        wait_for(trials / trial / "checkpoints" / "step-00000003" / "trainer_state.json", proc)
+        if stop == "slurm":
+            proc.send_signal(signal.SIGUSR1)  # --signal=B:USR1@120: to the batch shell
+        else:
+            [agent] = [p for p in psutil.Process(proc.pid).children() if "accelerate" in " ".join(p.cmdline())]
+            agent.send_signal(signal.SIGTERM)  # the agent stopping its trial
+        out, err = proc.communicate(timeout=120)
+        assert not (trials / trial / "summary.json").exists(), err[-3000:]
+    assert (trials / "preempted" / ".requeue").exists() and not (trials / "stopped" / ".requeue").exists()
+    assert (tmp_path / "scontrol.log").read_text().splitlines() == ["requeue 4242"]  # the preempted task only
+
+    again = subprocess.run(task, cwd=REPO, env={**env, "FAKE_AGENT_IDLE": "1"}, capture_output=True, text=True,
+                           timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"continuing the preempted trial {trials / 'preempted'}" in again.stdout
+    assert read_summary(trials / "preempted")["resumed_from"] is not None
+    assert not (trials / "preempted" / ".requeue").exists() and not (trials / "stopped" / "summary.json").exists()
+    reference = tmp_path / "reference"
+    result = run_train([*flags, "--output-dir", str(reference)], launch=["--config_file", str(CPU_YAML)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_parameters(trials / "preempted", reference)
