@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -161,3 +162,8 @@ def test_every_sweep_config_maximises_eval_top1_with_hyperband_over_flags_of_its
             train_cifar.parse_config([f"--{key}={value}"])  # as ${args} passes it: refused values raise
     if sweep["method"] == "grid":
         assert all("values" in spec or "value" in spec for spec in sweep["parameters"].values())
+
+
+def test_the_agent_scripts_parse():
+    for script in (REPO / "sweeps" / "agents.sh", REPO / "slurm" / "sweep_agents.sbatch"):
+        assert subprocess.run(["bash", "-n", str(script)]).returncode == 0, script
