@@ -367,7 +367,7 @@ def shorten(text: str, width: int = 48) -> str:
 # launch command, repeats the flags compared one by one).
 IDENTITY_KEYS = {"output_dir", "run_name", "group", "tags", "wandb_project", "data_dir", "cache_dir", "resume",
                  "overwrite", "git_commit", "tracker", "dist_timeout", "log_every", "progress_every", "command",
-                 "push_to_hub"}
+                 "push_to_hub", "wandb_log_model", "log_predictions"}
 
 
 def differing(runs: list[Run]) -> list[str]:

@@ -144,7 +144,8 @@ def test_compare_runs_prints_each_runs_real_final_top1_and_writes_plots(tracked_
     assert "lr" in keys and "world_size" in keys and "epochs" not in keys and "model" not in keys
     assert not {"output_dir", "run_name", "group", "tags"} & set(keys)  # names and paths: not in the table...
     [names] = [line for line in differ if line.startswith("also different")]  # ...but listed after it
-    assert names == "also different (names, paths, logging): command, group, output_dir, progress_every, run_name, tags"
+    assert names == ("also different (names, paths, logging): command, group, output_dir, progress_every, run_name, "
+                     "tags, wandb_log_model")
     for png in ("eval_top1_vs_epoch.png", "eval_top1_vs_wall_clock.png", "train_loss_vs_step.png",
                 "train_epoch_loss_vs_epoch.png"):
         image = Image.open(tmp_path / "plots" / png)
@@ -289,7 +290,8 @@ def test_run_comparison_refuses_an_argument_that_is_neither_folder_nor_wandb_pat
     result = compare(tmp_path / "missing" / "folder", "--plots", tmp_path / "p")
     assert result.returncode == 2
     missing = tmp_path / "missing" / "folder"
-    assert result.stderr.strip() == f"error: {missing} is neither a folder nor a W&B run path (entity/project/run_id)."
+    assert result.stderr.strip() == (f"error: {missing} is neither a folder, a W&B run path (entity/project/run_id) "
+                                     f"nor a W&B sweep (wandb:entity/project/sweeps/id).")
 
 
 @pytest.mark.slow
