@@ -204,13 +204,16 @@ def load_wandb_api(path: str) -> Run:
     import wandb
 
     try:
-        api_run = wandb.Api().run(path)
-        history = list(api_run.scan_history())
+        return from_api(wandb.Api().run(path))
     except Exception as e:  # no network, no login, no such run
         why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"cannot read W&B run {path}: {why}") from None
-    return Run(name=api_run.name, id=api_run.id, group=api_run.group, config=dict(api_run.config), history=history,
-               summary={k: v for k, v in api_run.summary.items()})
+
+
+def from_api(api_run) -> Run:
+    """A run of wandb's public API (wandb.apis.public.Run), its whole history read."""
+    return Run(name=api_run.name, id=api_run.id, group=api_run.group, config=dict(api_run.config),
+               history=list(api_run.scan_history()), summary={k: v for k, v in api_run.summary.items()})
 
 
 def load_sweep(path: str) -> list[Run]:
@@ -221,8 +224,7 @@ def load_sweep(path: str) -> list[Run]:
     try:
         sweep = wandb.Api().sweep(path.replace("/sweeps/", "/"))
         metric = sweep.config.get("metric") or {}
-        runs = [Run(name=r.name, id=r.id, group=r.group, config=dict(r.config), history=list(r.scan_history()),
-                    summary=dict(r.summary.items())) for r in sweep.runs]
+        runs = [from_api(api_run) for api_run in sweep.runs]
     except Exception as e:  # no network, no login, no such sweep
         raise UserError(f"cannot read W&B sweep {path}: {first_line(e) or type(e).__name__}") from None
     goal = "min" if metric.get("goal") == "minimize" else "max"

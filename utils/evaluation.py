@@ -84,14 +84,14 @@ class Examples:
 
     def add(self, logits: torch.Tensor, labels: torch.Tensor, images: torch.Tensor) -> None:
         """One gathered batch's logits and labels, and this rank's own images of it (uint8, B x 3 x H x W)."""
-        probabilities = logits.double().softmax(dim=1).cpu()
-        top = probabilities.topk(min(5, len(self.classes)), dim=1)
-        labels, first = labels.cpu().tolist(), self.accelerator.process_index * len(images)
-        for i, label in enumerate(labels):
-            predicted, probability = int(top.indices[i, 0]), float(top.values[i, 0])
-            key = (predicted == label, -probability, self.seen + i)
-            self.rows_by_key.append((key, self.seen + i, label, list(zip(top.indices[i].tolist(),
-                                                                          top.values[i].tolist()))))
+        top = logits.double().softmax(dim=1).cpu().topk(min(5, len(self.classes)), dim=1)
+        labels, first = labels.cpu(), self.accelerator.process_index * len(images)
+        wrong = top.indices[:, 0] != labels  # misclassified first, then the most confident, then by index:
+        candidates = torch.sort(top.values[:, 0] + wrong, descending=True, stable=True).indices[:self.n].tolist()
+        for i in candidates:  # only the batch's first n can enter the table
+            key = (not wrong[i], -float(top.values[i, 0]), self.seen + i)
+            self.rows_by_key.append((key, self.seen + i, int(labels[i]), list(zip(top.indices[i].tolist(),
+                                                                                  top.values[i].tolist()))))
             if first <= i < first + len(images):
                 self.pixels[self.seen + i] = images[i - first]
         self.rows_by_key = sorted(self.rows_by_key)[:self.n]

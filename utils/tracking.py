@@ -37,7 +37,7 @@ PROFILE = {"wait": 4, "warmup": 1, "active": 3, "repeat": 1}  # --profile: torch
 # read (predict.py, evaluate_checkpoint.py: wandb:ENTITY/PROJECT/model-RUNID:ALIAS) whose model.safetensors holds the
 # weights its alias names: best, the best weights; latest at the end, the final ones (with best.safetensors beside).
 MODEL_EVENTS = {"none": (), "end": ("end",), "best": ("end", "best"), "checkpoints": ("end", "best", "checkpoint")}
-RUN_FILES = ("config.yaml", LIBRARY_CONFIG, PREPROCESSOR_FILE, SUMMARY_FILE)  # how to rebuild and feed the weights
+REBUILD_FILES = ("config.yaml", LIBRARY_CONFIG, PREPROCESSOR_FILE, SUMMARY_FILE)  # how to rebuild and feed the weights
 
 
 class Tracker:
@@ -175,7 +175,6 @@ class Tracker:
                                     "url": self.wandb_run.url if not self.wandb_run.offline else None}
             self.wandb_run.summary.update(summary)
 
-
     def log_model(self, event: str, folder: Path, step: int) -> None:
         """--wandb-log-model, on the main process: at `event` (best: a new best's weights were written; checkpoint: a
         checkpoint's folder; end: the finished run's folder) versions of the W&B model artifact model-<run id>,
@@ -189,10 +188,10 @@ class Tracker:
             self._log_version({p.name: p for p in sorted(folder.iterdir()) if p.is_file()}, [f"step-{step}"], step)
             return
         if (folder / "best.safetensors").is_file():
-            best = {"model.safetensors": folder / "best.safetensors", **{name: folder / name for name in RUN_FILES}}
+            best = {"model.safetensors": folder / "best.safetensors", **{name: folder / name for name in REBUILD_FILES}}
             self._log_version(best, ["best"] + ([f"step-{step}"] if event == "best" else []), step)
         if event == "end":
-            names = ("model.safetensors", "best.safetensors", "model_ema.safetensors", *RUN_FILES)
+            names = ("model.safetensors", "best.safetensors", "model_ema.safetensors", *REBUILD_FILES)
             self._log_version({name: folder / name for name in names}, [f"step-{step}"], step)
 
     def _log_version(self, files: dict[str, Path], aliases: list[str], step: int) -> None:
@@ -204,6 +203,7 @@ class Tracker:
             if path.is_file():
                 artifact.add_file(str(path), name=name)
         self.wandb_run.log_artifact(artifact, aliases=aliases)
+
 
 def last_logged(history: Path, main: bool) -> tuple[int, set[str]]:
     """The last step a run's HISTORY_FILE holds and the names of the numbers logged at it ((0, none): no history). On
